@@ -1,0 +1,1 @@
+"""Triton backend (fusion grouping, kernel templates, generated kernels): not built yet."""

@@ -1,0 +1,80 @@
+"""Static layer skipping: remove whole decoder layers from the IR.
+
+``LayerSkip(layers=[...])`` drops the named layers. ``LayerSkip(speedup=s)`` keeps
+``round(L / s)`` layers chosen as the Unified Layer Skipping paper does: the first and the
+last layer always stay, and the kept ones are spread evenly through the middle.
+A skipped layer's output is replaced by its input (the residual stream passes through),
+so its nodes and its weights leave the graph.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..errors import PassError
+from ..ir.core import IR
+from ..pass_manager import Pass
+
+
+class LayerSkip(Pass):
+    def __init__(self, layers: Sequence[int] | None = None, speedup: float | None = None):
+        if (layers is None) == (speedup is None):
+            raise ValueError("LayerSkip takes exactly one of layers=[...] or speedup=s")
+        if layers is not None:
+            layers = [_as_index(i) for i in layers]
+            if len(set(layers)) != len(layers):
+                raise ValueError(f"LayerSkip: layers {layers} names a layer twice")
+            if not layers:
+                raise ValueError("LayerSkip: layers=[] skips nothing; give at least one index")
+        if speedup is not None:
+            if isinstance(speedup, bool) or not isinstance(speedup, (int, float)):
+                raise ValueError(f"LayerSkip: speedup must be a number, got {speedup!r}")
+            if not speedup >= 1.0:
+                raise ValueError(f"LayerSkip: speedup must be >= 1, got {speedup}")
+        self.layers = sorted(layers) if layers is not None else None
+        self.speedup = float(speedup) if speedup is not None else None
+
+    def choose(self, present: list[int]) -> list[int]:
+        """The layer indices to skip, out of the ``present`` ones."""
+        if self.layers is not None:
+            missing = [i for i in self.layers if i not in present]
+            if missing:
+                raise ValueError(f"LayerSkip: layer {missing[0]} is out of range; the model has "
+                                 f"layers {_ranges(present)}")
+            if len(self.layers) == len(present):
+                raise ValueError(f"LayerSkip: layers={self.layers} would skip every layer")
+            return list(self.layers)
+        keep = kept_positions(len(present), self.speedup)
+        return [idx for pos, idx in enumerate(present) if pos not in keep]
+
+    def run(self, ir: IR) -> IR:
+        if not ir.layers:
+            raise PassError(f"{self!r} needs decoder layers, and the frontend found none in "
+                            f"this {ir.info.get('family', 'model')}")
+        spans = {s["index"]: s for s in ir.layers}
+        skip = self.choose(sorted(spans))
+        for index in skip:
+            out, inp = ir.node(spans[index]["output"]), ir.node(spans[index]["input"])
+            out.replace_all_uses_with(inp)
+        ir.prune()
+        ir.info["skipped_layers"] = sorted(set(ir.info.get("skipped_layers", [])) | set(skip))
+        return ir
+
+
+def kept_positions(num_layers: int, speedup: float) -> set[int]:
+    """Positions kept for a target speedup: first, last, and evenly spaced between."""
+    keep = min(num_layers, max(min(2, num_layers), round(num_layers / speedup)))
+    if keep == 1:
+        return {0}
+    return {round(i * (num_layers - 1) / (keep - 1)) for i in range(keep)}
+
+
+def _as_index(i) -> int:
+    if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+        raise ValueError(f"LayerSkip: layer indices must be non-negative integers, got {i!r}")
+    return i
+
+
+def _ranges(present: list[int]) -> str:
+    if present == list(range(len(present))):
+        return f"0..{len(present) - 1}"
+    return str(present)

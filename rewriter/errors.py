@@ -1,0 +1,17 @@
+"""The errors a user of rewriter can catch."""
+
+
+class RewriterError(Exception):
+    """Base class of every error rewriter raises on purpose."""
+
+
+class TraceError(RewriterError):
+    """The model could not be traced into a graph."""
+
+
+class PassError(RewriterError):
+    """A pass failed, or left an IR that does not verify."""
+
+
+class VerificationError(RewriterError):
+    """An IR broke one of its invariants (raised inside a PassError when a pass caused it)."""

@@ -1,0 +1,353 @@
+"""Lifting: rewrite ATen subgraphs of a traced model into the canonical ``rw`` ops.
+
+Each lifter owns one kind of module (found through the module scope every node carries)
+and checks that the region it would replace has the shape it expects: the ops inside, the
+number of inputs and outputs, the child modules. A region that does not match is left as
+ATen (it still runs) and the reason goes to the lift report. The mask and position
+preamble Hugging Face builds from the sequence length is replaced by an explicit
+``positions`` input; whatever only fed it is dead and removed.
+"""
+from __future__ import annotations
+
+import operator
+from functools import reduce
+
+import torch
+from torch import fx, nn
+
+from .. import ops
+from ..ir.core import add_weight
+from .regions import Region, data_ancestors, erase_region, region, scope_of
+from .trace import Traced
+
+aten = torch.ops.aten
+rw = torch.ops.rw
+
+# ATen noise left by export: metadata asserts, aliases, inference-mode dropout.
+_NOISE = {aten._assert_tensor_metadata.default}
+_IDENTITY = {aten.alias.default, aten.dropout.default, aten.clone.default}
+_TO = {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default}
+_RMS_OPS = {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.pow.Tensor_Scalar,
+            aten.mean.dim, aten.add.Tensor, aten.add.Scalar, aten.rsqrt.default, aten.mul.Tensor}
+_ATTN_CHILDREN = ({"q_proj", "k_proj", "v_proj", "o_proj"},
+                  {"c_attn", "c_proj", "attn_dropout", "resid_dropout"})
+
+
+class Lifter:
+    def __init__(self, traced: Traced):
+        self.gm = traced.gm
+        self.graph = traced.gm.graph
+        self.root = traced.root
+        self.prefix = traced.scope_prefix
+        self.report: list[str] = []
+        self.cos = self.sin = None
+        self.positions = None
+        self.input_ids = None
+        self.layer_container = find_layer_container(self.root)
+
+    # -- driver -------------------------------------------------------------------------
+    def run(self, causal_lm: bool) -> fx.GraphModule:
+        self.remove_noise()
+        if causal_lm:
+            self.add_positions()
+        self.lift_leaf_ops()
+        for scope, cls in self.scopes():
+            if cls == "Conv1D":
+                self.lift_conv1d(scope)
+            elif cls.endswith("RMSNorm"):
+                self.lift_rms_norm(scope)
+            elif "GELU" in cls:
+                self.lift_gelu(scope, cls)
+        if causal_lm:
+            for scope, cls in self.scopes():
+                if cls.endswith("RotaryEmbedding"):
+                    self.lift_rotary(scope)
+            self.lift_position_embeddings()
+        for scope, cls in self.scopes():
+            if cls.endswith("Attention") and not isinstance(self.module(scope), nn.MultiheadAttention):
+                self.lift_attention(scope)
+        self.graph.eliminate_dead_code()
+        return self.rehome_weights()
+
+    def scopes(self) -> list[tuple[str, str]]:
+        seen: dict[str, str] = {}
+        for n in self.graph.nodes:
+            path, cls = scope_of(n, self.prefix)
+            if path and path not in seen:
+                seen[path] = cls
+        return list(seen.items())
+
+    def module(self, scope: str) -> nn.Module | None:
+        try:
+            return self.root.get_submodule(scope)
+        except AttributeError:
+            return None
+
+    # -- clean-up -----------------------------------------------------------------------
+    def remove_noise(self) -> None:
+        for n in list(self.graph.nodes):
+            if n.op != "call_function":
+                continue
+            if n.target in _NOISE:
+                self.graph.erase_node(n)
+            elif n.target in _IDENTITY or (n.target in _TO and _same_meta(n, n.args[0])):
+                n.replace_all_uses_with(n.args[0])
+                self.graph.erase_node(n)
+
+    def add_positions(self) -> None:
+        ids = next(iter(self.graph.find_nodes(op="placeholder")))
+        ids.name = ids.target = "input_ids"
+        with self.graph.inserting_after(ids):
+            self.positions = self.graph.placeholder("positions")
+        self.positions.meta["val"] = ids.meta.get("val")
+        self.input_ids = ids
+
+    # -- single ATen ops ----------------------------------------------------------------
+    def lift_leaf_ops(self) -> None:
+        for n in list(self.graph.nodes):
+            if n.op != "call_function":
+                continue
+            a = n.args
+            if n.target == aten.linear.default:
+                self._swap(n, rw.linear, (a[0], a[1], a[2] if len(a) > 2 else None))
+            elif n.target == aten.embedding.default:
+                self._swap(n, rw.embedding, (a[1], a[0]))
+            elif n.target == aten.layer_norm.default:
+                eps = a[4] if len(a) > 4 else 1e-5
+                self._swap(n, rw.layer_norm, (a[0], a[2] if len(a) > 2 else None,
+                                              a[3] if len(a) > 3 else None, eps))
+            elif n.target == aten.silu.default:
+                self._swap(n, rw.silu, (a[0],))
+
+    def _swap(self, node: fx.Node, op, args: tuple, kwargs: dict | None = None) -> None:
+        node.target, node.args, node.kwargs = op.default, args, kwargs or {}
+        node.meta["pass"] = "lift"
+
+    # -- module regions -----------------------------------------------------------------
+    def replace(self, reg: Region, op, args: tuple, kwargs: dict | None = None) -> fx.Node:
+        """Put ``op(*args)`` in place of a one-output region and erase the region."""
+        (out,) = reg.outputs
+        with self.graph.inserting_after(out):
+            new = self.call(op, args, kwargs, like=out)
+        out.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new and u not in reg.nodes)
+        erase_region(self.graph, reg)
+        return new
+
+    def lift_conv1d(self, scope: str) -> None:
+        """GPT-2's ``Conv1D`` (``addmm`` with an ``[in, out]`` weight) becomes a linear."""
+        reg = region(self.graph, scope, self.prefix)
+        mm = [n for n in reg.nodes if n.target == aten.addmm.default]
+        if len(mm) != 1 or len(reg.inputs) != 1 or len(reg.outputs) != 1:
+            return self.skip(scope, "Conv1D region is not view/addmm/view")
+        bias, weight = mm[0].args[0], mm[0].args[2]
+        w = self.weight(scope + ".weight", self.tensor(weight).t().contiguous())  # [out, in]
+        self.replace(reg, rw.linear, (reg.inputs[0], w, bias))
+
+    def lift_rms_norm(self, scope: str) -> None:
+        reg = region(self.graph, scope, self.prefix)
+        mod = self.module(scope)
+        eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", None))
+        if eps is None or {n.target for n in reg.nodes} - _RMS_OPS:
+            return self.skip(scope, "not the x * rsqrt(mean(x^2) + eps) * weight pattern")
+        if len(reg.inputs) != 1 or len(reg.weights) != 1 or len(reg.outputs) != 1:
+            return self.skip(scope, "RMSNorm region does not have one input, weight, output")
+        self.replace(reg, rw.rms_norm, (reg.inputs[0], reg.weights[0], float(eps)))
+
+    def lift_gelu(self, scope: str, cls: str) -> None:
+        reg = region(self.graph, scope, self.prefix)
+        if len(reg.inputs) != 1 or len(reg.outputs) != 1:
+            return self.skip(scope, "GELU region does not have one input and output")
+        single = reg.nodes[0] if len(reg.nodes) == 1 else None
+        if single is not None and single.target == aten.gelu.default:
+            approx = single.kwargs.get("approximate", "none")
+        elif cls in ("NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "GELUPytorchTanh"):
+            approx = "tanh"
+        else:
+            return self.skip(scope, f"unknown GELU variant {cls}")
+        self.replace(reg, rw.gelu, (reg.inputs[0], approx))
+
+    def lift_rotary(self, scope: str) -> None:
+        """The cos/sin tables become ``rw.rotary(positions, inv_freq)``."""
+        reg = region(self.graph, scope, self.prefix)
+        mod = self.module(scope)
+        rope_type = getattr(mod, "rope_type", "default")
+        if mod is None or not hasattr(mod, "inv_freq") or "dynamic" in str(rope_type):
+            return self.skip(scope, f"rotary embedding of type {rope_type!r} is not lifted")
+        if len(reg.outputs) != 2:
+            return self.skip(scope, "rotary region does not return (cos, sin)")
+        cos_out, sin_out = sorted(reg.outputs, key=_getitem_index)
+        inv_freq = self.weight(scope + ".inv_freq", mod.inv_freq.detach().clone())
+        scaling = float(getattr(mod, "attention_scaling", 1.0))
+        with self.graph.inserting_after(reg.nodes[-1]):
+            tab = self.call(rw.rotary, (self.positions, inv_freq, scaling), like=cos_out)
+        with self.graph.inserting_after(tab):
+            self.cos = self.call(operator.getitem, (tab, 0), like=cos_out, name="cos")
+        with self.graph.inserting_after(self.cos):
+            self.sin = self.call(operator.getitem, (tab, 1), like=cos_out, name="sin")
+        cos_out.replace_all_uses_with(self.cos, delete_user_cb=lambda u: u not in reg.nodes)
+        sin_out.replace_all_uses_with(self.sin, delete_user_cb=lambda u: u not in reg.nodes)
+        erase_region(self.graph, reg)
+
+    def lift_position_embeddings(self) -> None:
+        """Learned position embeddings (GPT-2's ``wpe``) read the explicit positions."""
+        for n in self.graph.nodes:
+            if n.target == rw.embedding.default and self.input_ids not in data_ancestors(n.args[0]) \
+                    and n.args[0] is not self.input_ids:
+                n.args = (self.positions, n.args[1])
+
+    def lift_attention(self, scope: str) -> None:
+        mod = self.module(scope)
+        reg = region(self.graph, scope, self.prefix, exact=True)
+        children = {name for name, _ in mod.named_children()} if mod is not None else set()
+        if not any(children == c for c in _ATTN_CHILDREN):
+            return self.skip(scope, f"attention with children {sorted(children)} is not lifted")
+        sdpa = [n for n in reg.nodes if n.target == aten.scaled_dot_product_attention.default]
+        if len(sdpa) != 1 or len(reg.outputs) != 1:
+            return self.skip(scope, "attention region has no single SDPA call and output")
+        qkv = self.qkv_inputs(scope, mod, reg)
+        if qkv is None:
+            return self.skip(scope, "q/k/v projections not found")
+        uses_rope = self.cos is not None and self.cos in reg.inputs
+        projections = {n for n in reg.inputs if n.target == rw.linear.default
+                       and scope_of(n, self.prefix)[0].startswith(scope + ".")}
+        known = set(qkv) | projections | {self.cos, self.sin}
+        for extra in reg.inputs:
+            if extra not in known and not _is_mask(extra):
+                return self.skip(scope, f"attention reads an unexpected input {extra.name}")
+        self.replace(reg, rw.attention, self.attention_args(scope, mod, sdpa[0], qkv, uses_rope))
+
+    def attention_args(self, scope, mod, sdpa, qkv, uses_rope) -> tuple:
+        config = self.root.config
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(mod, "head_dim", None) or config.hidden_size // heads
+        scale = sdpa.kwargs.get("scale") or ops.default_scale(head_dim)
+        q, k, v = qkv
+        if uses_rope:
+            q, k = (self.insert_before(sdpa, rw.rope, (x, self.cos, self.sin, head_dim), x)
+                    for x in (q, k))
+        layer = self.layer_index(scope)
+        return (q, k, v, layer, heads, kv_heads, head_dim, float(scale), True,
+                attention_window(mod, config, layer))
+
+    def insert_before(self, anchor: fx.Node, op, args: tuple, like: fx.Node) -> fx.Node:
+        with self.graph.inserting_before(anchor):
+            return self.call(op, args, like=anchor)
+
+    def call(self, op, args: tuple, kwargs: dict | None = None, like: fx.Node | None = None,
+             name: str | None = None) -> fx.Node:
+        """A new node named after its op, in the module scope of ``like``."""
+        target = op if op is operator.getitem else op.default
+        name = name or (op.__name__ if op is not operator.getitem else "getitem")
+        new = self.graph.create_node("call_function", target, args, kwargs or {}, name=name)
+        new.meta["nn_module_stack"] = like.meta.get("nn_module_stack") if like is not None else None
+        new.meta["pass"] = "lift"
+        return new
+
+    def qkv_inputs(self, scope: str, mod: nn.Module, reg: Region):
+        if hasattr(mod, "q_proj"):
+            found = []
+            for child in ("q_proj", "k_proj", "v_proj"):
+                hits = [n for n in reg.inputs if scope_of(n, self.prefix)[0] == f"{scope}.{child}"]
+                if len(hits) != 1 or hits[0].target != rw.linear.default:
+                    return None
+                found.append(hits[0])
+            return tuple(found)
+        return self.split_fused_qkv(scope, mod, reg)
+
+    def split_fused_qkv(self, scope: str, mod: nn.Module, reg: Region):
+        """GPT-2's ``c_attn`` computes q, k, v in one GEMM: split it into three linears."""
+        fused = [n for n in reg.inputs if n.target == rw.linear.default
+                 and scope_of(n, self.prefix)[0] == f"{scope}.c_attn"]
+        size = getattr(mod, "split_size", None)
+        if len(fused) != 1 or size is None:
+            return None
+        (node,) = fused
+        x, weight, bias = node.args
+        w, b = self.tensor(weight), self.tensor(bias) if bias is not None else None
+        out = []
+        for i, name in enumerate(("q_proj", "k_proj", "v_proj")):
+            rows = slice(i * size, (i + 1) * size)
+            wi = self.weight(f"{scope}.{name}.weight", w[rows].contiguous())  # [H, H]
+            bi = self.weight(f"{scope}.{name}.bias", b[rows].contiguous()) if b is not None else None
+            out.append(self.insert_before(node, rw.linear, (x, wi, bi), node))
+        return tuple(out)
+
+    # -- helpers ------------------------------------------------------------------------
+    def layer_index(self, scope: str) -> int:
+        if self.layer_container and scope.startswith(self.layer_container + "."):
+            return int(scope[len(self.layer_container) + 1:].split(".")[0])
+        return -1
+
+    def skip(self, scope: str, why: str) -> None:
+        self.report.append(f"{scope}: {why}")
+
+    def tensor(self, node: fx.Node) -> torch.Tensor:
+        return reduce(getattr, node.target.split("."), self.gm)
+
+    def weight(self, name: str, value: torch.Tensor) -> fx.Node:
+        """A get_attr node for a new weight (``name`` is a path in the user's model)."""
+        name = self.prefix + name
+        add_weight(self.gm, name, value)
+        first = next(n for n in self.graph.nodes if n.op != "placeholder")
+        with self.graph.inserting_before(first):
+            return self.graph.get_attr(name)
+
+    def rehome_weights(self) -> fx.GraphModule:
+        """A fresh GraphModule whose weights are named by their path in the user's model."""
+        attrs: dict[str, torch.Tensor] = {}
+        for n in self.graph.find_nodes(op="get_attr"):
+            value = self.tensor(n)
+            name = n.target[len(self.prefix):] if n.target.startswith(self.prefix) else n.target
+            attrs[name] = value.detach()
+            n.target = name
+        _plain_output(self.graph)
+        return fx.GraphModule(attrs, self.graph)
+
+
+def find_layer_container(root: nn.Module) -> str | None:
+    """Path of the ``ModuleList`` of decoder layers: repeated blocks holding attention."""
+    best = None
+    for path, mod in root.named_modules():
+        if not isinstance(mod, nn.ModuleList) or len(mod) == 0:
+            continue
+        classes = {type(m).__name__ for m in mod}
+        has_attn = any(type(s).__name__.endswith("Attention") for s in mod[0].modules())
+        if len(classes) == 1 and has_attn and (best is None or len(mod) > best[1]):
+            best = (path, len(mod))
+    return best[0] if best else None
+
+
+def attention_window(mod: nn.Module, config, layer: int) -> int | None:
+    """Sliding window of one layer's attention, or None for full attention."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and 0 <= layer < len(layer_types):
+        if layer_types[layer] != "sliding_attention":
+            return None
+    if getattr(mod, "sliding_window", None):
+        return int(mod.sliding_window)
+    window = getattr(config, "sliding_window", None)
+    return int(window) if window else None
+
+
+def _same_meta(a: fx.Node, b) -> bool:
+    va, vb = a.meta.get("val"), getattr(b, "meta", {}).get("val")
+    return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)
+            and va.dtype == vb.dtype and va.device == vb.device)
+
+
+def _getitem_index(node: fx.Node) -> int:
+    return node.args[1] if node.target is operator.getitem else 0
+
+
+def _is_mask(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.dtype == torch.bool
+
+
+def _plain_output(graph: fx.Graph) -> None:
+    """Plain positional inputs and a single output, instead of export's pytree calling."""
+    graph._codegen = fx.graph.CodeGen()
+    out = graph.output_node()
+    if isinstance(out.args[0], (list, tuple)) and len(out.args[0]) == 1:
+        out.args = (out.args[0][0],)

@@ -1,0 +1,1 @@
+"""The IR: graph module + model info, shapes, printer, verifier, dumps."""

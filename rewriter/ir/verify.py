@@ -1,0 +1,51 @@
+"""Invariants every IR keeps between passes; a broken one raises ``VerificationError``."""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from ..errors import VerificationError
+from .core import IR
+
+
+def verify(ir: IR) -> None:
+    try:
+        ir.graph.lint()
+    except Exception as e:  # lint raises RuntimeError with fx's own wording
+        raise VerificationError(f"graph lint failed: {e}") from e
+    names = {n.name: n for n in ir.graph.nodes}
+    for n in ir.graph.nodes:
+        _check_node(ir, n)
+    seen = set()
+    for span in ir.layers:
+        for end in ("input", "output"):
+            if span[end] not in names:
+                raise VerificationError(f"layer {span['index']}: {end} node {span[end]} is gone")
+        if span["index"] in seen:
+            raise VerificationError(f"layer {span['index']} appears twice")
+        seen.add(span["index"])
+
+
+def _check_node(ir: IR, n: fx.Node) -> None:
+    if n.op == "get_attr":
+        try:
+            ir.weight(n.target)
+        except AttributeError:
+            raise VerificationError(f"{n.name} reads a missing weight {n.target}") from None
+    if n.op not in ("call_function", "placeholder"):
+        return
+    if n.op == "call_function" and not _known_target(n.target):
+        raise VerificationError(f"{n.name} calls {n.target!r}, which is neither an rw nor an ATen op")
+    if n.meta.get("shape") is None and n.meta.get("val") is not None:
+        raise VerificationError(f"{n.name} has no shape")
+    if n.target == torch.ops.rw.attention.default and "layer" in n.meta:
+        if n.args[3] != n.meta["layer"]:
+            raise VerificationError(
+                f"{n.name}: attention says layer={n.args[3]} but sits in layer {n.meta['layer']}")
+
+
+def _known_target(target) -> bool:
+    return isinstance(target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)) \
+        or target is operator.getitem or getattr(target, "__module__", "").startswith("torch")

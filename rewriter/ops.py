@@ -1,0 +1,145 @@
+"""The canonical ops of the IR.
+
+Each op is a ``torch.library`` custom op in the ``rw`` namespace, so a lifted graph stays
+an executable ``fx.GraphModule`` (``torch.ops.rw.attention(...)`` runs the reference
+implementation) and shape propagation works on fake tensors with symbolic sizes. The
+reference implementations are plain torch: they define what each op means, and every
+backend is checked against them.
+
+Layouts: activations are ``[B, S, features]``; attention inputs and output keep heads
+folded into the last dimension (``[B, S, H * D]``) so the IR needs no view nodes and each
+backend picks its own cache layout.
+
+``OPS`` maps each op's short name to its overload: the printer and the artifact format
+resolve op names through it, never through ``eval``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+OPS: dict[str, torch._ops.OpOverload] = {}
+
+
+def _register(fn):
+    """Make ``fn`` the op ``rw::<name>``; the reference impl doubles as its fake impl."""
+    op = torch.library.custom_op(f"rw::{fn.__name__}", mutates_args=())(fn)
+    op.register_fake(fn)  # pure torch, so it runs on fake tensors as is
+    OPS[fn.__name__] = getattr(torch.ops.rw, fn.__name__).default
+    return op
+
+
+@_register
+def embedding(ids: Tensor, weight: Tensor) -> Tensor:
+    """Rows of ``weight`` ``[V, H]`` for integer ``ids`` ``[B, S]`` -> ``[B, S, H]``."""
+    return F.embedding(ids, weight)
+
+
+@_register
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """``x @ weight.T + bias``; ``weight`` is ``[out, in]`` as in ``nn.Linear``."""
+    return F.linear(x, weight, bias)
+
+
+@_register
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm computed in float32 and cast back before the weight, as Llama does."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+@_register
+def layer_norm(x: Tensor, weight: Tensor, bias: Optional[Tensor], eps: float) -> Tensor:
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+@_register
+def silu(x: Tensor) -> Tensor:
+    return F.silu(x)
+
+
+@_register
+def gelu(x: Tensor, approximate: str = "none") -> Tensor:
+    return F.gelu(x, approximate=approximate)
+
+
+@_register
+def rotary(positions: Tensor, inv_freq: Tensor, scaling: float) -> tuple[Tensor, Tensor]:
+    """cos/sin tables ``[B, S, 2 * len(inv_freq)]`` for integer ``positions`` ``[B, S]``."""
+    freqs = positions.to(torch.float32)[..., None] * inv_freq.to(torch.float32)  # [B, S, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [B, S, D]
+    return emb.cos() * scaling, emb.sin() * scaling
+
+
+@_register
+def rope(x: Tensor, cos: Tensor, sin: Tensor, head_dim: int) -> Tensor:
+    """Rotate the first ``cos.shape[-1]`` features of every head of ``x`` ``[B, S, H*D]``."""
+    b, s, _ = x.shape
+    xh = x.view(b, s, -1, head_dim)  # [B, S, H, D]
+    rot = cos.shape[-1]
+    cos, sin = cos.to(x.dtype)[:, :, None, :], sin.to(x.dtype)[:, :, None, :]  # [B, S, 1, R]
+    x_rot, x_pass = xh[..., :rot], xh[..., rot:]
+    half = rot // 2
+    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    out = torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+    return out.reshape(b, s, -1)  # [B, S, H*D]
+
+
+def attention_mask(q_len: int, k_len: int, window: Optional[int], device) -> Tensor:
+    """Boolean ``[q_len, k_len]``: query i (the last ``q_len`` of ``k_len``) sees key j."""
+    qi = torch.arange(k_len - q_len, k_len, device=device)[:, None]
+    kj = torch.arange(k_len, device=device)[None, :]
+    mask = kj <= qi
+    if window is not None:
+        mask = mask & (qi - kj < window)
+    return mask
+
+
+@_register
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    layer: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    scale: float,
+    causal: bool = True,
+    window: Optional[int] = None,
+) -> Tensor:
+    """Scaled dot-product attention of one decoder layer; the op that owns the KV cache.
+
+    q ``[B, S, Hq*D]``, k/v ``[B, S, Hkv*D]`` -> ``[B, S, Hq*D]``. Query heads are grouped
+    over ``Hq / Hkv`` key/value heads (GQA). ``window`` limits each query to the last
+    ``window`` keys (sliding-window attention). ``layer`` names the cache slot.
+    """
+    b, s, _ = q.shape
+    qh = q.view(b, s, num_heads, head_dim).transpose(1, 2)  # [B, Hq, S, D]
+    kh = k.view(b, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+    vh = v.view(b, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+    groups = num_heads // num_kv_heads
+    kh = kh.repeat_interleave(groups, dim=1)  # [B, Hq, T, D]
+    vh = vh.repeat_interleave(groups, dim=1)
+    mask = attention_mask(s, kh.shape[2], window, q.device) if causal else None
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    return out.transpose(1, 2).reshape(b, s, num_heads * head_dim)  # [B, S, Hq*D]
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
+
+
+def short_name(target) -> str:
+    """``rw.attention`` for our ops, ``aten.add`` for ATen, the function name otherwise."""
+    name = getattr(target, "__name__", str(target))
+    if isinstance(target, torch._ops.OpOverload):
+        ns = target.namespace
+        base = target._schema.name.split("::")[-1]
+        return f"{ns}.{base}"
+    return name

@@ -1,0 +1,1 @@
+"""Runtime (KV cache, prefill/decode, generation, artifacts): not built yet."""
