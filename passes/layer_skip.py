@@ -1,7 +1,7 @@
 """Static layer skipping: remove whole decoder layers from the IR.
 
 ``LayerSkip(layers=[...])`` drops the named layers. ``LayerSkip(speedup=s)`` keeps
-``round(L / s)`` layers chosen as the Unified Layer Skipping paper does: the first and the
+``round(L / s)`` layers (half rounds up) chosen as the Unified Layer Skipping paper does: the first and the
 last layer always stay, and the kept ones are spread evenly through the middle.
 A skipped layer's output is replaced by its input (the residual stream passes through),
 so its nodes and its weights leave the graph.
@@ -52,9 +52,11 @@ class LayerSkip(Pass):
                             f"this {ir.info.get('family', 'model')}")
         spans = {s["index"]: s for s in ir.layers}
         skip = self.choose(sorted(spans))
-        for index in skip:
+        bypass = {}  # skipped layer's output -> the stream that now flows past it
+        for index in skip:  # ascending, so a run of skipped layers chains through
             out, inp = ir.node(spans[index]["output"]), ir.node(spans[index]["input"])
-            out.replace_all_uses_with(inp)
+            bypass[out] = bypass.get(inp, inp)
+            out.replace_all_uses_with(bypass[out])
         ir.prune()
         ir.info["skipped_layers"] = sorted(set(ir.info.get("skipped_layers", [])) | set(skip))
         return ir
@@ -62,7 +64,8 @@ class LayerSkip(Pass):
 
 def kept_positions(num_layers: int, speedup: float) -> set[int]:
     """Positions kept for a target speedup: first, last, and evenly spaced between."""
-    keep = min(num_layers, max(min(2, num_layers), round(num_layers / speedup)))
+    wanted = int(num_layers / speedup + 0.5)  # round half up: 2.5 layers -> 3
+    keep = min(num_layers, max(min(2, num_layers), wanted))
     if keep == 1:
         return {0}
     return {round(i * (num_layers - 1) / (keep - 1)) for i in range(keep)}

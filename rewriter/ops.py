@@ -25,27 +25,37 @@ from torch import Tensor
 OPS: dict[str, torch._ops.OpOverload] = {}
 
 
-def _register(fn):
-    """Make ``fn`` the op ``rw::<name>``; the reference impl doubles as its fake impl."""
-    op = torch.library.custom_op(f"rw::{fn.__name__}", mutates_args=())(fn)
-    op.register_fake(fn)  # pure torch, so it runs on fake tensors as is
-    OPS[fn.__name__] = getattr(torch.ops.rw, fn.__name__).default
-    return op
+def _like_first(x, *args, **kwargs):
+    return torch.empty_like(x)
 
 
-@_register
+def _register(fake=_like_first):
+    """Make the decorated function the op ``rw::<name>``; ``fake`` gives its output shape.
+
+    The shape rules are written out (rather than running the reference on fake tensors)
+    because shape propagation runs after every pass and must stay cheap.
+    """
+    def wrap(fn):
+        op = torch.library.custom_op(f"rw::{fn.__name__}", mutates_args=())(fn)
+        op.register_fake(fake)
+        OPS[fn.__name__] = getattr(torch.ops.rw, fn.__name__).default
+        return op
+    return wrap
+
+
+@_register(fake=lambda ids, w: w.new_empty((*ids.shape, w.shape[1])))
 def embedding(ids: Tensor, weight: Tensor) -> Tensor:
     """Rows of ``weight`` ``[V, H]`` for integer ``ids`` ``[B, S]`` -> ``[B, S, H]``."""
     return F.embedding(ids, weight)
 
 
-@_register
+@_register(fake=lambda x, w, b=None: x.new_empty((*x.shape[:-1], w.shape[0])))
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """``x @ weight.T + bias``; ``weight`` is ``[out, in]`` as in ``nn.Linear``."""
     return F.linear(x, weight, bias)
 
 
-@_register
+@_register(fake=lambda x, w, eps: x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, w.dtype)))
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm computed in float32 and cast back before the weight, as Llama does."""
     h = x.to(torch.float32)
@@ -53,22 +63,28 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * h.to(x.dtype)
 
 
-@_register
+@_register()
 def layer_norm(x: Tensor, weight: Tensor, bias: Optional[Tensor], eps: float) -> Tensor:
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
-@_register
+@_register()
 def silu(x: Tensor) -> Tensor:
     return F.silu(x)
 
 
-@_register
+@_register()
 def gelu(x: Tensor, approximate: str = "none") -> Tensor:
     return F.gelu(x, approximate=approximate)
 
 
-@_register
+def _rotary_fake(positions, inv_freq, scaling):
+    shape = (*positions.shape, 2 * inv_freq.shape[0])  # [B, S, D]
+    return (positions.new_empty(shape, dtype=torch.float32),
+            positions.new_empty(shape, dtype=torch.float32))
+
+
+@_register(fake=_rotary_fake)
 def rotary(positions: Tensor, inv_freq: Tensor, scaling: float) -> tuple[Tensor, Tensor]:
     """cos/sin tables ``[B, S, 2 * len(inv_freq)]`` for integer ``positions`` ``[B, S]``."""
     freqs = positions.to(torch.float32)[..., None] * inv_freq.to(torch.float32)  # [B, S, D/2]
@@ -76,7 +92,7 @@ def rotary(positions: Tensor, inv_freq: Tensor, scaling: float) -> tuple[Tensor,
     return emb.cos() * scaling, emb.sin() * scaling
 
 
-@_register
+@_register()
 def rope(x: Tensor, cos: Tensor, sin: Tensor, head_dim: int) -> Tensor:
     """Rotate the first ``cos.shape[-1]`` features of every head of ``x`` ``[B, S, H*D]``."""
     b, s, _ = x.shape
@@ -100,7 +116,7 @@ def attention_mask(q_len: int, k_len: int, window: Optional[int], device) -> Ten
     return mask
 
 
-@_register
+@_register()
 def attention(
     q: Tensor,
     k: Tensor,

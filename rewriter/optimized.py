@@ -1,11 +1,12 @@
 """``optimize()`` and the ``OptimizedModel`` it returns."""
 from __future__ import annotations
 
+import copy
 import os
 from typing import Sequence
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from .frontend import build_ir
 from .ir.core import IR
@@ -74,11 +75,11 @@ def optimize(model: nn.Module, passes: Sequence[Pass] = (), backend: str = "torc
 
 
 def _snapshot(ir: IR) -> IR:
-    """A copy of the graph (sharing weights) so later passes do not change what was dumped."""
-    import copy
-
-    from torch import fx
-    graph = copy.deepcopy(ir.gm.graph)
+    """A copy of the graph (nodes copied, weights and fake values shared) for dumps, so
+    later passes do not change what an earlier step shows."""
+    graph = fx.Graph()
+    out = graph.graph_copy(ir.gm.graph, {})
+    graph.output(out)
     return IR(fx.GraphModule(ir.gm, graph), copy.deepcopy(ir.info))
 
 

@@ -12,7 +12,7 @@ import inspect
 import time
 from typing import Callable, Sequence
 
-from .errors import PassError, RewriterError
+from .errors import PassError
 from .ir.core import IR
 from .ir.verify import verify
 
@@ -45,19 +45,24 @@ def run_pipeline(ir: IR, passes: Sequence[Pass], check: bool = True,
         if not isinstance(p, Pass):
             raise TypeError(f"passes[{i}] is {p!r}, not a rewriter Pass")
         start = time.perf_counter()
+        before = ", ".join(repr(q) for q in passes[:i]) or "none"
         try:
             result = p.run(ir)
             if result is not ir:  # passes may rebuild the IR; keep one object for the caller
                 ir.gm, ir.info = result.gm, result.info
-            ir.refresh()
-            if check:
-                verify(ir)
         except ValueError:
             raise  # a parameter that does not fit this model: the pass's own message says which
         except Exception as e:
-            before = ", ".join(repr(q) for q in passes[:i]) or "none"
-            kind = "left an IR that does not verify" if isinstance(e, RewriterError) else "failed"
-            raise PassError(f"pass {p!r} {kind}: {e} (passes before it: lift, {before})") from e
+            raise PassError(f"pass {p!r} failed: {e} (passes before it: lift, {before})") from e
+        try:
+            if check:
+                verify(ir, shapes=False)  # lint and weights first: shapes need a sound graph
+            ir.refresh()
+            if check:
+                verify(ir)
+        except Exception as e:
+            raise PassError(f"pass {p!r} left an IR that does not verify: {e} "
+                            f"(passes before it: lift, {before})") from e
         history.append({"pass": p.name, "params": p.params(), "repr": repr(p),
                         "seconds": time.perf_counter() - start})
         if on_step is not None:

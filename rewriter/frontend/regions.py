@@ -14,6 +14,14 @@ from torch import fx
 
 def scope_of(node: fx.Node, prefix: str) -> tuple[str, str]:
     """``(path, class name)`` of the innermost module of ``node``, ``prefix`` stripped."""
+    cached = node.meta.get("_scope")
+    if cached is not None and cached[0] == prefix:
+        return cached[1]
+    node.meta["_scope"] = (prefix, _scope_of(node, prefix))
+    return node.meta["_scope"][1]
+
+
+def _scope_of(node: fx.Node, prefix: str) -> tuple[str, str]:
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
         return "", ""

@@ -18,6 +18,8 @@ def format_type(val, shape) -> str:
     if isinstance(val, torch.Tensor):
         dims = ", ".join(str(s) for s in shape) if shape is not None else ""
         return f"{_DTYPES.get(val.dtype, str(val.dtype))}[{dims}]"
+    if isinstance(val, torch.SymInt):
+        return f"int({shape})"
     if isinstance(val, (tuple, list)) and shape is not None:
         return "(" + ", ".join(format_type(v, s) for v, s in zip(val, shape)) + ")"
     return ""

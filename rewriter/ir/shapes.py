@@ -6,8 +6,11 @@ sympy expressions in the user-facing symbols ``B`` (batch) and ``S`` (sequence).
 """
 from __future__ import annotations
 
+from functools import reduce
+
 import sympy
 import torch
+from torch._guards import detect_fake_mode
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
@@ -21,30 +24,71 @@ EXAMPLE_BATCH, EXAMPLE_SEQ = 2, 7
 
 
 def propagate_shapes(gm: fx.GraphModule, input_specs: list[dict]) -> None:
-    """Fill ``meta["val"]``/``meta["shape"]`` given ``input_specs`` (one per placeholder):
-    ``{"shape": [..], "dtype": "int64", "dynamic": [dims]}`` with example sizes."""
+    """Fill ``meta["val"]``/``meta["shape"]`` on every node.
+
+    Incremental where it can be: nodes that still hold a fake value (from tracing or an
+    earlier propagation) keep it, and only nodes without one (new nodes, or nodes a pass
+    changed and cleared) are computed, from their inputs' fake values. A graph with no fake
+    values at all is propagated from fresh symbolic inputs built from ``input_specs``.
+    A pass that changes what an existing node computes must delete its ``meta["val"]``.
+    """
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    mode = detect_fake_mode([p.meta.get("val") for p in placeholders
+                             if isinstance(p.meta.get("val"), torch.Tensor)])
+    if mode is None or mode.shape_env is None:
+        mode = _fresh_propagation(gm, input_specs)
+    else:
+        _incremental_propagation(gm, mode)
+    renames = _symbol_names(placeholders)
+    for n in gm.graph.nodes:
+        if n.meta.get("_shape_of") is not n.meta.get("val"):
+            n.meta["shape"] = _sympy_shape(n.meta.get("val"), renames)
+            n.meta["_shape_of"] = n.meta.get("val")
+
+
+def _fresh_propagation(gm: fx.GraphModule, input_specs: list[dict]) -> FakeTensorMode:
     env = ShapeEnv()
     mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
-    fakes, renames = [], {}
+    fakes = []
     for spec in input_specs:
         real = torch.zeros(spec["shape"], dtype=getattr(torch, spec["dtype"]))
         dyn = [DimDynamic.DYNAMIC if d in spec["dynamic"] else DimDynamic.STATIC
                for d in range(real.dim())]
-        fake = mode.from_tensor(real, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dyn))
-        for d in spec["dynamic"]:
-            expr = fake.shape[d].node.expr
-            if isinstance(expr, sympy.Symbol) and expr not in renames and d < len(SYMBOL_NAMES):
-                renames[expr] = sympy.Symbol(SYMBOL_NAMES[d], positive=True, integer=True)
-        fakes.append(fake)
+        fakes.append(mode.from_tensor(real, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dyn)))
     with mode:
         FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+    return mode
+
+
+def _incremental_propagation(gm: fx.GraphModule, mode: FakeTensorMode) -> None:
     for n in gm.graph.nodes:
-        n.meta["shape"] = _sympy_shape(n.meta.get("val"), renames)
+        if "val" in n.meta or n.op in ("placeholder", "output"):
+            continue
+        if n.op == "get_attr":
+            real = reduce(getattr, n.target.split("."), gm)
+            n.meta["val"] = mode.from_tensor(real, static_shapes=True)
+            continue
+        args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta["val"])
+        with mode:
+            n.meta["val"] = n.target(*args, **kwargs)
+
+
+def _symbol_names(placeholders: list[fx.Node]) -> dict:
+    """Map the first placeholder's dynamic sizes to B, S (the names users read)."""
+    renames = {}
+    val = placeholders[0].meta.get("val") if placeholders else None
+    if isinstance(val, torch.Tensor):
+        for d, size in enumerate(val.shape[:len(SYMBOL_NAMES)]):
+            if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
+                renames[size.node.expr] = sympy.Symbol(SYMBOL_NAMES[d], positive=True, integer=True)
+    return renames
 
 
 def _sympy_shape(val, renames):
     if isinstance(val, torch.Tensor):
         return tuple(_expr(s, renames) for s in val.shape)
+    if isinstance(val, torch.SymInt):
+        return _expr(val, renames)  # a size value (sym_size): its expression
     if isinstance(val, (tuple, list)):
         return tuple(_sympy_shape(v, renames) for v in val)
     return None

@@ -1,0 +1,90 @@
+"""Model factories shared by the tests: small seeded Hugging Face decoders of each family."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import transformers as T
+
+warnings.filterwarnings("ignore", message=".*(bos|eos)_token_id.*")
+
+# Two configs per family, covering GQA/MQA, head dims that are not powers of two, odd
+# layer counts, biases, sliding windows and a head_dim that does not divide hidden_size.
+CONFIGS = {
+    "llama-gqa-3l": (T.LlamaForCausalLM, T.LlamaConfig, dict(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)),
+    "llama-hd24-2l": (T.LlamaForCausalLM, T.LlamaConfig, dict(
+        vocab_size=100, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
+        rope_theta=500.0)),
+    "qwen2-mqa-3l": (T.Qwen2ForCausalLM, T.Qwen2Config, dict(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=128)),
+    "qwen2-hd20-2l": (T.Qwen2ForCausalLM, T.Qwen2Config, dict(
+        vocab_size=128, hidden_size=80, intermediate_size=112, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)),
+    "mistral-window-3l": (T.MistralForCausalLM, T.MistralConfig, dict(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=5,
+        max_position_embeddings=128)),
+    "mistral-hd12-2l": (T.MistralForCausalLM, T.MistralConfig, dict(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=12, sliding_window=None,
+        max_position_embeddings=128)),
+    "gpt2-3l": (T.GPT2LMHeadModel, T.GPT2Config, dict(
+        vocab_size=128, n_embd=64, n_layer=3, n_head=4, n_positions=128)),
+    "gpt2-hd12-2l": (T.GPT2LMHeadModel, T.GPT2Config, dict(
+        vocab_size=128, n_embd=72, n_layer=2, n_head=6, n_positions=128)),
+}
+
+# (batch, sequence) pairs run through one trace.
+SHAPES = [(1, 1), (2, 7), (3, 13), (1, 32)]
+
+
+def make_model(name: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    cls, config_cls, kwargs = CONFIGS[name]
+    torch.manual_seed(seed)
+    config = config_cls(**{**kwargs, **overrides})
+    return cls(config).eval()
+
+
+def drop_layers(model: torch.nn.Module, skip: set[int]) -> torch.nn.Module:
+    """The Hugging Face model with ``skip`` layers deleted and its config updated."""
+    m = copy.deepcopy(model)
+    body = m.transformer if hasattr(m, "transformer") else m.model
+    name = "h" if hasattr(m, "transformer") else "layers"
+    kept = [layer for i, layer in enumerate(getattr(body, name)) if i not in skip]
+    setattr(body, name, torch.nn.ModuleList(kept))
+    m.config.num_hidden_layers = len(kept)
+    if getattr(m.config, "layer_types", None) is not None:
+        m.config.layer_types = [t for i, t in enumerate(m.config.layer_types) if i not in skip]
+    return m
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits
+
+
+def assert_close_rel(actual, expected, rel=1e-5):
+    """Equal to ``rel`` relative to the largest magnitude of ``expected``."""
+    scale = expected.abs().max().clamp_min(1e-12)
+    err = (actual - expected).abs().max() / scale
+    assert err <= rel, f"relative error {err:.3g} > {rel}"
+
+
+@pytest.fixture(scope="session")
+def optimized_cache():
+    """Trace each config once per session: ``get(name)`` -> (hf model, OptimizedModel)."""
+    import rewriter
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            model = make_model(name)
+            cache[name] = (model, rewriter.optimize(model))
+        return cache[name]
+    return get
