@@ -9,9 +9,8 @@ pass-key retrieval samples so the model can find a key hidden in 1024 tokens.
 Steps: (1) train a byte-level BPE tokenizer on the training split (digits split
 into single-digit tokens), (2) train ``LlamaForCausalLM`` with AdamW, linear
 warm-up + cosine decay, a short-to-long context curriculum and a mix of code
-chunks, pass-key samples and repeated code segments (the repeats teach the copy
-circuit that retrieval needs; without them a first run sat at chance on the
-pass-key answer for 300 steps), (3) save config + safetensors + tokenizer +
+chunks, pass-key samples and repeated code segments (the repeats reward the
+copy circuit that retrieval needs), (3) save config + safetensors + tokenizer +
 ``training.json`` to ``--out``. Every batch is a pure function of (seed, step),
 and a checkpoint is written every few minutes to ``--ckpt``; rerunning the same
 command resumes from it.
@@ -59,17 +58,17 @@ class Preset:
     ffn: int = 640
     vocab: int = 4096
     max_pos: int = 1024
-    steps: int = 2400
-    batch_tokens: int = 4096        # tokens per optimizer step, at every context length
+    steps: int = 1500
+    batch_tokens: int = 8192        # tokens per optimizer step, at every context length
     lr: float = 2e-3
     min_lr_frac: float = 0.1
-    warmup: int = 100
+    warmup: int = 60
     weight_decay: float = 0.1
     passkey_frac: float = 0.3       # fraction of rows that start with a pass-key sample
-    copy_frac: float = 0.15         # fraction of rows that start with a repeated code segment
+    copy_frac: float = 0.15         # fraction of rows with a repeated code segment
     answer_weight: float = 1.0      # weight of the pass-key answer loss term
-    copy_weight: float = 1.0        # weight of the repeated-segment loss term
-    curriculum: tuple = ((0.0, 256), (0.25, 512), (0.5, 1024))  # (from fraction, context)
+    copy_weight: float = 0.25       # weight of the repeated-segment loss term
+    curriculum: tuple = ((0.0, 256), (0.3, 512), (0.6, 1024))  # (from fraction, context)
 
 
 PRESETS = {
@@ -98,6 +97,9 @@ def parse_args(argv=None):
     p.add_argument("--ckpt-minutes", type=float, default=3.0)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--init", default=None,
+                   help="start from this saved model dir (its weights and tokenizer) instead "
+                        "of random weights, e.g. to train the default model further")
     p.add_argument("--save-dtype", default="auto", choices=["auto", "fp32", "bf16"],
                    help="weights on disk: auto = fp32 if under 26 MB else bf16")
     return p.parse_args(argv)
@@ -178,18 +180,19 @@ class Batcher:
         return enc.ids, lm, ans, [0.0] * n
 
     def copy_row(self, rng: random.Random, T: int):
-        """A code segment, other code, then the segment again (weights as passkey_row).
+        """A code segment, other code, then the same segment again, <= T-1 tokens
+        (weights as ``passkey_row``; the repeat is weighted as "copy").
 
-        Predicting the repeat needs an induction (copy) circuit, the mechanism
-        pass-key retrieval relies on; this gives it a strong, varied signal."""
-        a = rng.randint(16, 64)
+        The repeat is predictable by copying, the induction circuit that
+        pass-key retrieval relies on; the rest is ordinary language-model data."""
+        a = rng.randint(32, 128)
         gap = rng.randint(0, max(0, T - 2 * a - 2))
         seg, mid = self.code_ids(rng, a), self.code_ids(rng, gap) if gap else []
         ids = [self.eot] + seg + mid + seg
         head = 1 + a + gap
         lm = [1.0] * (head + 1) + [0.0] * (a - 1)
         cp = [0.0] * (head + 1) + [1.0] * (a - 1)
-        return ids, lm, [0.0] * len(ids), cp
+        return ids[:T - 1], lm[:T - 1], [0.0] * len(ids[:T - 1]), cp[:T - 1]
 
     def code_ids(self, rng: random.Random, n: int):
         """``n`` consecutive ids from a random offset of the training stream."""
@@ -350,7 +353,9 @@ def main(argv=None):
     train_docs, held_docs = corpus.load_corpus("train"), corpus.load_corpus("heldout")
     tok_path = ckdir / f"tokenizer-{p.vocab}.json"
     from tokenizers import Tokenizer
-    if tok_path.exists():
+    if args.init:
+        tok = Tokenizer.from_file(str(Path(args.init) / "tokenizer.json"))
+    elif tok_path.exists():
         tok = Tokenizer.from_file(str(tok_path))
     else:
         tok = train_tokenizer((t for _, t in train_docs), p.vocab)
@@ -361,16 +366,26 @@ def main(argv=None):
           f"{len(held_docs)} held-out files, {len(held)} tokens", flush=True)
 
     torch.manual_seed(args.seed)
-    model = build_model(p, tok).to(dev)
+    model = build_model(p, tok)
+    if args.init:
+        from safetensors.torch import load_file
+        sd = load_file(str(Path(args.init) / "model.safetensors"))
+        missing, unexpected = model.load_state_dict({k: v.float() for k, v in sd.items()}, strict=False)
+        if unexpected or [k for k in missing if "lm_head" not in k]:
+            sys.exit(f"--init {args.init} does not match preset {args.preset}: {missing} {unexpected}")
+    model = model.to(dev)
     opt = make_optimizer(model, p)
     n_params = sum(t.numel() for t in model.parameters())
     print(f"model: {n_params / 1e6:.2f}M parameters, preset {args.preset}, {steps} steps", flush=True)
 
     state = {"step": 0, "elapsed": 0.0, "tokens": 0, "log": [], "evals": []}
+    meta = {"preset": asdict(p), "steps": steps, "seed": args.seed}
+    if args.init:
+        meta["init"] = str(Path(args.init).resolve())
     ck = ckdir / "ckpt.pt"
     if ck.exists():
         saved = torch.load(ck, map_location=dev, weights_only=False)
-        if saved["meta"] != {"preset": asdict(p), "steps": steps, "seed": args.seed}:
+        if saved["meta"] != meta:
             sys.exit(f"{ck} was made with other settings: {saved['meta']}; remove it to restart")
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["opt"])
@@ -386,7 +401,7 @@ def main(argv=None):
 
     def checkpoint():
         atomic_save({"model": model.state_dict(), "opt": opt.state_dict(), "state": state,
-                     "meta": {"preset": asdict(p), "steps": steps, "seed": args.seed}}, ck)
+                     "meta": meta}, ck)
 
     session_t0, last_ck, stopped_early = time.time(), time.time(), False
     base_elapsed = state["elapsed"]
@@ -445,6 +460,7 @@ def main(argv=None):
     print("final:", json.dumps(final), flush=True)
     info = {
         "model": "LlamaForCausalLM", "parameters": n_params, "preset": args.preset,
+        "init": meta.get("init"),
         "hyperparameters": asdict(p) | {"steps": steps, "seed": args.seed, "device": args.device,
                                         "threads": args.threads, "autocast": args.dtype,
                                         "optimizer": "AdamW(betas=(0.9,0.95), eps=1e-8)",
