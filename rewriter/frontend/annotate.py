@@ -37,7 +37,7 @@ def _role(n: fx.Node, path: str, cls: str, layer: int | None, container: str | N
     classes = scope_classes(n)
     if any(c.endswith("RotaryEmbedding") for c in classes):
         return "rope_table"
-    if cls.endswith("Norm") or "Norm" in cls:
+    if "Norm" in cls:
         return "norm"
     if any(c.endswith("Attention") for c in classes):
         return "attn"
