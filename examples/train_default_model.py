@@ -75,6 +75,11 @@ PRESETS = {
     "cpu": Preset(),
     "tiny": Preset(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=1024, steps=30,
                    batch_tokens=1024, warmup=5, curriculum=((0.0, 192), (0.5, 256))),
+    # Continue the shipped CPU model (--init) with retrieval-heavy batches that
+    # start short: copying is learned first where the key is near, then stretched.
+    "retrieval": Preset(steps=900, lr=1e-3, warmup=30, passkey_frac=0.6, copy_frac=0.25,
+                        answer_weight=2.0, copy_weight=1.0,
+                        curriculum=((0.0, 128), (0.25, 256), (0.5, 512), (0.75, 1024))),
     "gpu": Preset(hidden=512, layers=12, heads=8, kv_heads=2, ffn=1408, vocab=8192, max_pos=2048,
                   steps=6000, batch_tokens=65536, lr=1e-3, warmup=300,
                   curriculum=((0.0, 512), (0.2, 1024), (0.5, 2048))),

@@ -13,31 +13,22 @@ from .ir.core import IR
 from .ir.dump import Dumper
 from .ir.verify import verify
 from .pass_manager import Pass, run_pipeline
+from .runtime.engine import Engine, check_token_ids  # noqa: F401 (re-exported)
 
 BACKENDS = ("torch",)
 
 
-class OptimizedModel:
-    """The optimized program: call it for logits, print ``.ir``, ``dump()`` every pass."""
+class OptimizedModel(Engine):
+    """The optimized program: ``generate`` / ``stream`` / ``save`` (from ``Engine``), call it
+    for logits, print ``.ir``, ``dump()`` the IR after every pass."""
 
     def __init__(self, ir: IR, passes: list[Pass], history: list[dict], backend: str,
-                 snapshots: list[tuple[str, IR]] | None = None):
-        self.ir = ir
+                 snapshots: list[tuple[str, IR]] | None = None, tokenizer=None):
+        super().__init__(ir, tokenizer, [{"name": p.name, "params": p.params()} for p in passes],
+                         backend)
         self.passes = passes
         self.history = history
-        self.backend = backend
         self._snapshots = snapshots or []
-
-    def __call__(self, *inputs: torch.Tensor, positions: torch.Tensor | None = None):
-        if not self.ir.is_causal_lm:
-            return self.ir.gm(*inputs)
-        (input_ids,) = inputs
-        check_token_ids(input_ids, self.ir.info["config"].get("vocab_size"))
-        if positions is None:
-            b, s = input_ids.shape
-            positions = torch.arange(s, device=input_ids.device).expand(b, s)
-        with torch.no_grad():
-            return self.ir.gm(input_ids, positions)
 
     def dump(self, directory: str | os.PathLike) -> None:
         """Write the IR after every pass (text, DOT, op diff) into ``directory``."""
@@ -81,11 +72,3 @@ def _snapshot(ir: IR) -> IR:
     out = graph.graph_copy(ir.gm.graph, {})
     graph.output(out)
     return IR(fx.GraphModule(ir.gm, graph), copy.deepcopy(ir.info))
-
-
-def check_token_ids(ids: torch.Tensor, vocab: int | None) -> None:
-    if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"input_ids must be an integer tensor [batch, seq], got "
-                         f"{ids.dtype} {list(ids.shape)}")
-    if ids.numel() and vocab is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-        raise ValueError(f"input_ids hold token ids outside the vocabulary [0, {vocab})")

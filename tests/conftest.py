@@ -58,6 +58,10 @@ def drop_layers(model: torch.nn.Module, skip: set[int]) -> torch.nn.Module:
     name = "h" if hasattr(m, "transformer") else "layers"
     kept = [layer for i, layer in enumerate(getattr(body, name)) if i not in skip]
     setattr(body, name, torch.nn.ModuleList(kept))
+    for i, layer in enumerate(kept):  # renumber the cache index HF generate uses
+        for mod in layer.modules():
+            if hasattr(mod, "layer_idx"):
+                mod.layer_idx = i
     m.config.num_hidden_layers = len(kept)
     if getattr(m.config, "layer_types", None) is not None:
         m.config.layer_types = [t for i, t in enumerate(m.config.layer_types) if i not in skip]
@@ -88,3 +92,31 @@ def optimized_cache():
             cache[name] = (model, rewriter.optimize(model))
         return cache[name]
     return get
+
+
+@pytest.fixture(scope="session")
+def varied_cache():
+    """Like ``optimized_cache`` but with ``initializer_range=0.2``: weights large enough that
+    greedy continuations vary instead of repeating one token, so parity tests mean something."""
+    import rewriter
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            model = make_model(name, initializer_range=varied_init(name))
+            cache[name] = (model, rewriter.optimize(model))
+        return cache[name]
+    return get
+
+
+def varied_init(name: str) -> float:
+    """An ``initializer_range`` that gives varied greedy continuations (GPT-2's LayerNorm
+    model needs larger weights than the RMSNorm families)."""
+    return 0.5 if name.startswith("gpt2") else 0.2
+
+
+def hf_greedy(model, ids, new_tokens, attention_mask=None):
+    """Hugging Face greedy generation of exactly ``new_tokens`` tokens (no EOS stop)."""
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
+                              do_sample=False, eos_token_id=None, pad_token_id=0)

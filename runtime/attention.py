@@ -1,0 +1,69 @@
+"""Attention over the KV cache, and the masks one step of the runtime needs.
+
+A step writes ``S`` new tokens at cache positions ``[start, start + S)`` of every row and
+lets them attend to positions ``[0, start + S)``. Batches of prompts of different lengths
+are left-padded: row ``b``'s first ``pad[b]`` cache positions hold padding that no real
+token may see. Token positions (for RoPE) are cache position minus ``pad[b]``, so
+windows, measured in cache positions, mean the same as in token positions.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .kv_cache import KVCache
+
+
+class Step:
+    """One forward call of the runtime: where it writes in the cache, and its masks."""
+
+    def __init__(self, cache: KVCache, start: int, length: int, pad: Optional[Tensor]):
+        self.cache, self.start, self.length, self.pad = cache, start, length, pad
+        self.end = start + length
+        self._masks: dict = {}
+
+    def mask(self, window: Optional[int]) -> Optional[Tensor]:
+        """Boolean ``[B, 1, S, end]`` (True = may attend), or None when all keys are visible."""
+        if window not in self._masks:
+            self._masks[window] = self._build_mask(window)
+        return self._masks[window]
+
+    def _build_mask(self, window: Optional[int]) -> Optional[Tensor]:
+        limited = window is not None and self.end > window
+        if self.length == 1 and self.pad is None and not limited:
+            return None  # one new token that sees the whole cache: SDPA's fastest path
+        device = self.cache.k[0].device
+        qi = torch.arange(self.start, self.end, device=device)[:, None]  # [S, 1]
+        kj = torch.arange(self.end, device=device)[None, :]  # [1, end]
+        mask = kj <= qi
+        if window is not None:
+            mask = mask & (qi - kj < window)
+        mask = mask[None, None]  # [1, 1, S, end]
+        if self.pad is not None:
+            real_key = kj[None, None] >= self.pad[:, None, None, None]  # [B, 1, 1, end]
+            # A padding query sees itself only: every softmax row then has a finite
+            # maximum, so padding never turns into NaN in the cache.
+            mask = mask & (real_key | (kj == qi)[None, None])  # [B, 1, S, end]
+        return mask
+
+
+def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, slot: int, num_heads: int,
+                     num_kv_heads: int, head_dim: int, scale: float,
+                     window: Optional[int]) -> Tensor:
+    """``rw.attention`` with K/V written into cache slot ``slot`` first.
+
+    q ``[B, S, Hq*D]``, k/v ``[B, S, Hkv*D]`` -> ``[B, S, Hq*D]``.
+    """
+    b, s, _ = q.shape
+    k_cache, v_cache = step.cache.k[slot], step.cache.v[slot]
+    k_cache[:, :, step.start:step.end] = k.view(b, s, num_kv_heads, head_dim).transpose(1, 2)
+    v_cache[:, :, step.start:step.end] = v.view(b, s, num_kv_heads, head_dim).transpose(1, 2)
+    qh = q.view(b, s, num_heads, head_dim).transpose(1, 2)  # [B, Hq, S, D]
+    keys = k_cache[:, :, :step.end]  # [B, Hkv, end, D]
+    values = v_cache[:, :, :step.end]
+    out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=step.mask(window),
+                                         scale=scale, enable_gqa=num_heads != num_kv_heads)
+    return out.transpose(1, 2).reshape(b, s, num_heads * head_dim)  # [B, S, Hq*D]

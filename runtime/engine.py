@@ -1,0 +1,179 @@
+"""``Engine``: a lowered IR with a KV cache, that generates.
+
+    engine.generate(input_ids, max_new_tokens=64)                          # greedy
+    engine.generate(input_ids, max_new_tokens=64, do_sample=True, temperature=0.8,
+                    top_k=50, top_p=0.95, seed=0)
+    for token in engine.stream(input_ids, max_new_tokens=64): ...          # token: [B]
+    engine.save("artifacts/model")
+
+``rewriter.optimize`` returns one (an ``OptimizedModel``), and ``rewriter.load`` gives one
+back from an artifact.
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterator, Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from rewriter.ir.core import IR
+
+from .generate import Batch, decode_loop, prepare
+from .kv_cache import KVCache, attention_specs
+from .lower import lower
+from .sampling import Sampling
+
+Prompts = Union[Tensor, Sequence[Sequence[int]]]
+
+
+class Engine:
+    """Runs a causal-LM IR with a static KV cache; ``ir`` stays inspectable."""
+
+    def __init__(self, ir: IR, tokenizer=None, passes: Optional[list[dict]] = None,
+                 backend: str = "torch"):
+        self.ir = ir
+        self.tokenizer = tokenizer  # a ``tokenizers.Tokenizer`` (or None)
+        self.pass_specs = passes or []
+        self.backend = backend
+        self._programs = None
+        self._cache: Optional[KVCache] = None
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def config(self) -> dict:
+        return self.ir.info.get("config", {})
+
+    @property
+    def max_len(self) -> int:
+        """Tokens one sequence may hold (prompt + generated): the model's context length."""
+        c = self.config
+        return int(c.get("max_position_embeddings") or c.get("n_positions") or 2048)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        eos = self.config.get("eos_token_id")
+        return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+    def kv_bytes_per_token(self) -> int:
+        """KV-cache bytes per token of one sequence (all cache slots, K and V)."""
+        dtype = self._dtype()
+        return sum(2 * s.num_kv_heads * s.head_dim * dtype.itemsize
+                   for s in attention_specs(self.ir.gm))
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, input_ids: Prompts, max_new_tokens: int = 20,
+                 attention_mask: Optional[Tensor] = None, do_sample: bool = False,
+                 temperature: float = 1.0, top_k: Optional[int] = 50, top_p: float = 1.0,
+                 seed: Optional[int] = None, eos_token_id=None, pad_token_id: Optional[int] = None,
+                 progress: bool = False) -> Tensor:
+        """Prompt + new tokens, ``[B, S + n]``, like ``transformers`` ``generate``.
+
+        ``input_ids`` is a ``[B, S]`` tensor (with ``attention_mask`` marking padding, left
+        or right) or a list of token-id lists of any lengths. Rows that end (an
+        ``eos_token_id``) are filled with ``pad_token_id``; generation stops when all have.
+        """
+        batch, steps = self._start(input_ids, max_new_tokens, attention_mask, do_sample,
+                                   temperature, top_k, top_p, seed, eos_token_id, pad_token_id)
+        if progress:
+            from tqdm import tqdm
+            steps = tqdm(steps, total=max_new_tokens, desc="generate", unit="tok", leave=False)
+        new = [t[:, None] for t in steps]  # n x [B, 1]
+        return torch.cat([batch.source, *new], dim=1)
+
+    def stream(self, input_ids: Prompts, max_new_tokens: int = 20,
+               attention_mask: Optional[Tensor] = None, do_sample: bool = False,
+               temperature: float = 1.0, top_k: Optional[int] = 50, top_p: float = 1.0,
+               seed: Optional[int] = None, eos_token_id=None,
+               pad_token_id: Optional[int] = None) -> Iterator[Tensor]:
+        """Yield each step's new tokens, ``[B]``, as they are made (arguments: ``generate``)."""
+        return self._start(input_ids, max_new_tokens, attention_mask, do_sample, temperature,
+                           top_k, top_p, seed, eos_token_id, pad_token_id)[1]
+
+    def _start(self, input_ids, max_new_tokens, attention_mask, do_sample, temperature, top_k,
+               top_p, seed, eos_token_id, pad_token_id) -> tuple[Batch, Iterator[Tensor]]:
+        """Check everything, then return the batch and the (lazy) token iterator."""
+        sampling = Sampling(do_sample, temperature, top_k, top_p)
+        eos = self.eos_token_ids if eos_token_id is None else (
+            [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
+        pad = pad_token_id if pad_token_id is not None else self.config.get("pad_token_id")
+        pad = pad if pad is not None else (eos[0] if eos else 0)
+        device = self._device()
+        batch = prepare(input_ids, attention_mask, pad, device)
+        need = self._check(batch.ids, max_new_tokens)
+        cache = self._cache_for(batch.ids.shape[0], need)
+        generator = None
+        if do_sample and seed is not None:
+            generator = torch.Generator(device).manual_seed(seed)
+        prefill, decode = self._lowered()
+        return batch, decode_loop(prefill, decode, cache, batch, max_new_tokens, sampling, eos,
+                                  pad, generator)
+
+    def __call__(self, input_ids: Tensor, positions: Optional[Tensor] = None) -> Tensor:
+        """Logits ``[B, S, vocab]`` of the whole IR, no cache (the reference semantics)."""
+        if not self.ir.is_causal_lm:
+            return self.ir.gm(input_ids) if positions is None else self.ir.gm(input_ids, positions)
+        check_token_ids(input_ids, self.config.get("vocab_size"))
+        if positions is None:
+            b, s = input_ids.shape
+            positions = torch.arange(s, device=input_ids.device).expand(b, s)
+        with torch.no_grad():
+            return self.ir.gm(input_ids, positions)
+
+    # ------------------------------------------------------------------ artifacts
+    def save(self, directory: Union[str, os.PathLike], progress: bool = False) -> None:
+        """Write an artifact directory that ``rewriter.load`` reads (atomically)."""
+        from .artifact import save
+        save(self, directory, progress=progress)
+
+    # ------------------------------------------------------------------ internals
+    def _check(self, ids: Tensor, max_new_tokens: int) -> None:
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        check_token_ids(ids, self.config.get("vocab_size"))
+        need = ids.shape[1] + max_new_tokens
+        if need > self.max_len:
+            raise ValueError(f"prompt ({ids.shape[1]} tokens, padding included) + max_new_tokens "
+                             f"({max_new_tokens}) = {need} exceeds the KV cache of "
+                             f"{self.max_len} tokens (the model's context length)")
+        return need
+
+    def _lowered(self):
+        if self._programs is None:
+            self._programs = (lower(self.ir, last_only=True), lower(self.ir, last_only=False))
+        return self._programs
+
+    def _cache_for(self, batch: int, need: int) -> KVCache:
+        """A cache of at least ``need`` tokens, reused across calls while it fits.
+
+        Sized to the request (rounded up to 256), not to the context length: a 128k-token
+        model asked for 200 tokens should not allocate 128k tokens of cache."""
+        dtype, device = self._dtype(), self._device()
+        if self._cache is None or not self._cache.fits(batch, need, dtype, device):
+            self._cache = None  # free the old one before allocating
+            length = min(self.max_len, -(-need // 256) * 256)
+            self._cache = KVCache(attention_specs(self.ir.gm), batch, length, dtype, device)
+        return self._cache
+
+    def _first_weight(self) -> Tensor:
+        """The largest floating-point weight: its dtype and device are the model's (small
+        buffers such as RoPE frequencies may stay float32 in a bf16 model)."""
+        floats = [t for t in self.ir.weights().values() if t.is_floating_point()]
+        return max(floats, key=torch.Tensor.numel) if floats else torch.empty(0)
+
+    def _dtype(self) -> torch.dtype:
+        return self._first_weight().dtype
+
+    def _device(self) -> torch.device:
+        return self._first_weight().device
+
+    def __repr__(self) -> str:
+        return f"Engine({self.ir.summary()}, passes={[p['name'] for p in self.pass_specs]})"
+
+
+def check_token_ids(ids: Tensor, vocab: Optional[int]) -> None:
+    if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"input_ids must be an integer tensor [batch, seq], got "
+                         f"{ids.dtype} {list(ids.shape)}")
+    if ids.numel() and vocab is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise ValueError(f"input_ids hold token ids outside the vocabulary [0, {vocab})")

@@ -1,0 +1,77 @@
+"""Lowering: the IR graph becomes a program the runtime calls once per step.
+
+The program is an ``fx.GraphModule`` over the same weights, with
+- every ``rw`` op replaced by its plain Python reference (no custom-op dispatch),
+- every ``rw.attention`` replaced by ``cached_attention`` on its cache slot,
+- an extra first input, ``step`` (cache, write position, masks),
+- optionally only the last position's logits: prefill needs no more, and the
+  ``[B, S, vocab]`` head is the largest matmul of a long prompt.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from rewriter.errors import RewriterError
+from rewriter.ir.core import IR
+from rewriter.ops import OPS, REFERENCE
+
+from .attention import cached_attention
+from .kv_cache import attention_params, attention_specs
+
+_SHORT = {op: name for name, op in OPS.items()}
+
+
+def lower(ir: IR, last_only: bool) -> fx.GraphModule:
+    """The step program ``(step, input_ids, positions) -> logits`` of a causal-LM IR."""
+    if not ir.is_causal_lm:
+        raise RewriterError("the KV-cache runtime runs causal language models only; "
+                            "call the optimized module directly instead")
+    specs = attention_specs(ir.gm)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    step = graph.placeholder("step")
+    slot = 0
+    for node in ir.graph.nodes:
+        if node.op == "output":
+            (out,) = node.args
+            result = env[out]
+            if last_only:
+                result = _last_position_logits(graph, out, env)
+            graph.output(result)
+            continue
+        new = graph.node_copy(node, lambda n: env[n])
+        name = _SHORT.get(node.target) if node.op == "call_function" else None
+        if name == "attention":
+            if not specs[slot].causal:
+                raise RewriterError(f"{node.name}: the runtime needs causal attention")
+            new.target = cached_attention
+            q, k, v = (env[a] for a in node.args[:3])
+            params = attention_params(node)
+            new.args = (step, q, k, v, slot)
+            new.kwargs = {k: params[k] for k in ("num_heads", "num_kv_heads", "head_dim",
+                                                 "scale", "window")}
+            slot += 1
+        elif name is not None:
+            new.target = REFERENCE[name]
+        env[node] = new
+    graph.eliminate_dead_code()
+    return fx.GraphModule(ir.gm, graph)
+
+
+def _last_position_logits(graph: fx.Graph, out: fx.Node, env: dict) -> fx.Node:
+    """Logits of the last position only, ``[B, 1, vocab]``.
+
+    When the output is the LM head (a linear), its input is sliced to the last position
+    first, so the head runs on one row per sequence; otherwise the logits are sliced.
+    """
+    last = (slice(None), slice(-1, None))  # [:, -1:]
+    head = env[out]
+    if out.op == "call_function" and _SHORT.get(out.target) == "linear":
+        with graph.inserting_before(head):
+            x = graph.call_function(operator.getitem, (head.args[0], last))
+        head.args = (x, *head.args[1:])
+        return head
+    return graph.call_function(operator.getitem, (head, last))

@@ -1,0 +1,65 @@
+"""Sampling: temperature, top-k and top-p mean what they mean in Hugging Face, the sampled
+distribution is the warped softmax, and a seed makes generation reproducible."""
+import pytest
+import torch
+from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
+                                                    TopKLogitsWarper, TopPLogitsWarper)
+
+from rewriter.runtime.sampling import Sampling, next_token, warp
+
+
+def hf_warp(logits, temperature, top_k, top_p):
+    procs = LogitsProcessorList()
+    if temperature != 1.0:
+        procs.append(TemperatureLogitsWarper(temperature))
+    if top_k:
+        procs.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        procs.append(TopPLogitsWarper(top_p))
+    return procs(None, logits.clone())
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [
+    (1.0, 50, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0), (1.0, 0, 0.9), (0.8, 20, 0.95), (2.0, 3, 0.5),
+    (1.0, 0, 0.05)])
+def test_warping_matches_hugging_face(temperature, top_k, top_p):
+    logits = torch.randn(6, 97) * 3  # fresh each run
+    ours = warp(logits, Sampling(True, temperature, top_k, top_p))
+    theirs = hf_warp(logits, temperature, top_k, top_p)
+    assert torch.equal(ours.isinf(), theirs.isinf())
+    torch.testing.assert_close(ours.softmax(-1), theirs.softmax(-1))
+
+
+def test_sampled_frequencies_follow_the_warped_distribution():
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0]])
+    s = Sampling(True, temperature=0.8, top_k=6, top_p=0.9)
+    probs = warp(logits, s).softmax(-1)[0]  # the target distribution
+    n = 40_000
+    tokens = next_token(logits.expand(n, -1), s, torch.Generator().manual_seed(0))
+    freq = torch.bincount(tokens, minlength=8).float() / n
+    assert (freq[probs == 0] == 0).all(), "a token outside top-k/top-p was sampled"
+    assert (probs == 0).sum() >= 3  # the test does exclude something
+    assert 0.5 * (freq - probs).abs().sum() < 0.015  # total variation distance
+
+
+def test_greedy_ignores_sampling_arguments():
+    logits = torch.randn(3, 11)
+    assert torch.equal(next_token(logits, Sampling(False, 0.5, 2, 0.5), None), logits.argmax(-1))
+
+
+def test_seeded_generation_is_reproducible(varied_cache):
+    _, opt = varied_cache("llama-gqa-3l")
+    ids = torch.randint(0, 100, (2, 5), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=16, do_sample=True, temperature=0.9, top_k=40, top_p=0.95,
+              eos_token_id=[])
+    a, b = opt.generate(ids, seed=0, **kw), opt.generate(ids, seed=0, **kw)
+    c = opt.generate(ids, seed=1, **kw)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+
+
+@pytest.mark.parametrize("bad,match", [(dict(temperature=0.0), "temperature"),
+                                       (dict(top_k=-1), "top_k"), (dict(top_p=1.5), "top_p")])
+def test_bad_sampling_arguments_are_named(bad, match):
+    with pytest.raises(ValueError, match=match):
+        Sampling(True, **{"temperature": 1.0, "top_k": 50, "top_p": 1.0, **bad})
