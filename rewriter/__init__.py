@@ -3,15 +3,20 @@
     import rewriter
     from rewriter.passes import LayerSkip
     opt = rewriter.optimize(model, passes=[LayerSkip(speedup=1.5)])
-    logits = opt(input_ids)
+    out = opt.generate(input_ids, max_new_tokens=64)
     print(opt.ir)
+    opt.save("artifacts/model"); engine = rewriter.load("artifacts/model")
 """
 from . import ops  # registers the rw ops before anything traces or loads a graph
-from .errors import PassError, RewriterError, TraceError, VerificationError
+from .checkpoints import default_model, from_pretrained
+from .errors import ArtifactError, PassError, RewriterError, TraceError, VerificationError
 from .ir.core import IR
 from .optimized import OptimizedModel, optimize
 from .pass_manager import Pass
+from .runtime.artifact import load
+from .runtime.engine import Engine
 
 __version__ = "0.1.0"
-__all__ = ["optimize", "OptimizedModel", "IR", "Pass", "ops", "RewriterError", "TraceError",
-           "PassError", "VerificationError", "__version__"]
+__all__ = ["optimize", "OptimizedModel", "Engine", "load", "from_pretrained", "default_model",
+           "IR", "Pass", "ops", "RewriterError", "TraceError", "PassError", "VerificationError",
+           "ArtifactError", "__version__"]

@@ -15,3 +15,7 @@ class PassError(RewriterError):
 
 class VerificationError(RewriterError):
     """An IR broke one of its invariants (raised inside a PassError when a pass caused it)."""
+
+
+class ArtifactError(RewriterError):
+    """An artifact directory cannot be loaded: the message names the file and the reason."""

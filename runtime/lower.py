@@ -1,9 +1,11 @@
 """Lowering: the IR graph becomes a program the runtime calls once per step.
 
 The program is an ``fx.GraphModule`` over the same weights, with
-- every ``rw`` op replaced by its plain Python reference (no custom-op dispatch),
+- every ``rw`` op replaced by its plain-function kernel (no custom-op dispatch),
 - every ``rw.attention`` replaced by ``cached_attention`` on its cache slot,
 - an extra first input, ``step`` (cache, write position, masks),
+- weights under flat names (``self.w12``, not ``self.model.layers[1]...``): nested
+  module lookups cost more than the math of a one-token step,
 - optionally only the last position's logits: prefill needs no more, and the
   ``[B, S, vocab]`` head is the largest matmul of a long prompt.
 """
@@ -16,9 +18,10 @@ from torch import fx
 
 from rewriter.errors import RewriterError
 from rewriter.ir.core import IR
-from rewriter.ops import OPS, REFERENCE
+from rewriter.ops import OPS
 
 from .attention import cached_attention
+from .kernels import KERNELS
 from .kv_cache import attention_params, attention_specs
 
 _SHORT = {op: name for name, op in OPS.items()}
@@ -55,10 +58,21 @@ def lower(ir: IR, last_only: bool) -> fx.GraphModule:
                                                  "scale", "window")}
             slot += 1
         elif name is not None:
-            new.target = REFERENCE[name]
+            new.target = KERNELS[name]
         env[node] = new
     graph.eliminate_dead_code()
-    return fx.GraphModule(ir.gm, graph)
+    return fx.GraphModule(_flatten_weights(ir, graph), graph)
+
+
+def _flatten_weights(ir: IR, graph: fx.Graph) -> dict:
+    """Rename every weight read to a flat attribute; returns the name -> tensor map."""
+    weights, flat = {}, {}
+    for node in graph.find_nodes(op="get_attr"):
+        if node.target not in flat:
+            flat[node.target] = f"w{len(flat)}"
+            weights[flat[node.target]] = ir.weight(node.target)
+        node.target = flat[node.target]
+    return weights
 
 
 def _last_position_logits(graph: fx.Graph, out: fx.Node, env: dict) -> fx.Node:

@@ -194,6 +194,7 @@ class Lifter:
             if n.target == rw.embedding.default and self.input_ids not in data_ancestors(n.args[0]) \
                     and n.args[0] is not self.input_ids:
                 n.args = (self.positions, n.args[1])
+                n.meta.pop("val", None)  # it read [1, S] position ids; now [B, S] positions
 
     def lift_attention(self, scope: str) -> None:
         mod = self.module(scope)

@@ -49,12 +49,22 @@ def propagate_shapes(gm: fx.GraphModule, input_specs: list[dict]) -> None:
 def _fresh_propagation(gm: fx.GraphModule, input_specs: list[dict]) -> FakeTensorMode:
     env = ShapeEnv()
     mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
-    fakes = []
+    fakes, symbols = [], {}  # (dim, example size) -> SymInt, shared between inputs
     for spec in input_specs:
         real = torch.zeros(spec["shape"], dtype=getattr(torch, spec["dtype"]))
         dyn = [DimDynamic.DYNAMIC if d in spec["dynamic"] else DimDynamic.STATIC
                for d in range(real.dim())]
-        fakes.append(mode.from_tensor(real, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dyn)))
+        shared = [symbols.get((d, n)) for d, n in enumerate(real.shape)]
+        if fakes and all(s is not None for d, s in enumerate(shared) if d in spec["dynamic"]):
+            # input_ids and positions are both [B, S]: the same symbols, not new ones
+            sizes = [shared[d] if d in spec["dynamic"] else n for d, n in enumerate(real.shape)]
+            with mode:
+                fakes.append(torch.zeros(sizes, dtype=real.dtype))
+            continue
+        fake = mode.from_tensor(real, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dyn))
+        for d in spec["dynamic"]:
+            symbols.setdefault((d, real.shape[d]), fake.shape[d])
+        fakes.append(fake)
     with mode:
         FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
     return mode

@@ -1,0 +1,181 @@
+"""Artifacts: save/load round trips exactly, every corruption is an ArtifactError naming the
+file and the reason, saves are atomic, and loading runs no stored code."""
+import json
+import pickle
+import shutil
+
+import pytest
+import torch
+
+import rewriter
+from rewriter import ArtifactError
+from rewriter.passes import LayerSkip
+
+from conftest import make_model, varied_init
+
+IDS = torch.tensor([[3, 17, 42, 5, 99, 8], [1, 2, 3, 4, 5, 6]])
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """(OptimizedModel, artifact dir) of a Llama with LayerSkip, saved once."""
+    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    opt = rewriter.optimize(model, passes=[LayerSkip(layers=[1])])
+    path = tmp_path_factory.mktemp("art") / "llama-skip"
+    opt.save(path)
+    return opt, path
+
+
+@pytest.fixture
+def copy(saved, tmp_path):
+    """A fresh copy of the saved artifact that a test may damage."""
+    dst = tmp_path / "copy"
+    shutil.copytree(saved[1], dst)
+    return dst
+
+
+def rewrite_manifest(path, edit):
+    m = json.loads((path / "manifest.json").read_text())
+    edit(m)
+    (path / "manifest.json").write_text(json.dumps(m))
+
+
+def reseal(path, name):
+    """Make the manifest's size and checksum of ``name`` true again after an edit."""
+    from rewriter.runtime.artifact import _file_entry
+    rewrite_manifest(path, lambda m: m["files"].__setitem__(name, _file_entry(path / name)))
+
+
+@pytest.mark.parametrize("name", ["llama-gqa-3l", "qwen2-mqa-3l", "mistral-window-3l", "gpt2-3l"])
+def test_loaded_engine_generates_the_same_tokens(name, tmp_path):
+    opt = rewriter.optimize(make_model(name, initializer_range=varied_init(name)))
+    opt.save(tmp_path / "a")
+    engine = rewriter.load(tmp_path / "a")
+    kw = dict(max_new_tokens=16, eos_token_id=[])
+    assert torch.equal(engine.generate(IDS, **kw), opt.generate(IDS, **kw))
+    assert str(engine.ir) == str(opt.ir)  # names, ops, shapes, layers and roles survive
+
+
+def test_manifest_records_versions_passes_and_checksums(saved):
+    _, path = saved
+    m = json.loads((path / "manifest.json").read_text())
+    assert m["format_version"] == 1 and m["versions"]["torch"] == torch.__version__
+    assert m["passes"] == [{"name": "LayerSkip", "params": {"layers": [1], "speedup": None}}]
+    assert m["model"]["family"] == "llama" and m["model"]["layers"] == 2
+    assert set(m["files"]) == {"ir.json", "weights.safetensors"}
+    for entry in m["files"].values():
+        assert len(entry["sha256"]) == 64 and entry["bytes"] > 0
+
+
+def test_tied_weights_are_stored_once(tmp_path):
+    opt = rewriter.optimize(make_model("llama-gqa-3l", tie_word_embeddings=True))
+    # Give the embedding its own name for the shared tensor, as a pass re-homing weights might.
+    ir = opt.ir
+    embed = next(n for n in ir.ops() if n.target is rewriter.ops.OPS["embedding"])
+    ir.add_weight("model.embed_tokens.weight", ir.weight(embed.args[1].target))
+    with ir.graph.inserting_before(embed):
+        embed.args = (embed.args[0], ir.graph.get_attr("model.embed_tokens.weight"))
+    ir.gm.recompile()
+    names = ir.weights()
+    assert names["model.embed_tokens.weight"] is names["lm_head.weight"]
+    opt.save(tmp_path / "a")
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "a" / "weights.safetensors"), "pt") as f:
+        assert len(set(f.keys())) == len(names) - 1
+    engine = rewriter.load(tmp_path / "a")
+    assert engine.ir.weight("lm_head.weight") is engine.ir.weight("model.embed_tokens.weight")
+    assert torch.equal(engine.generate(IDS, max_new_tokens=4), opt.generate(IDS, max_new_tokens=4))
+
+
+def test_tokenizer_travels_with_the_artifact(tmp_path):
+    from rewriter.checkpoints import load_tokenizer
+    opt = rewriter.optimize(make_model("llama-gqa-3l"))
+    opt.tokenizer = load_tokenizer("default")
+    opt.save(tmp_path / "a")
+    engine = rewriter.load(tmp_path / "a")
+    assert engine.tokenizer.encode("def f(x): return 42").ids == opt.tokenizer.encode("def f(x): return 42").ids
+
+
+def test_missing_file(copy):
+    (copy / "weights.safetensors").unlink()
+    with pytest.raises(ArtifactError, match=r"weights\.safetensors: missing"):
+        rewriter.load(copy)
+
+
+def test_missing_manifest_is_not_an_artifact(copy):
+    (copy / "manifest.json").unlink()
+    with pytest.raises(ArtifactError, match=r"manifest\.json: missing"):
+        rewriter.load(copy)
+
+
+def test_checksum_mismatch(copy):
+    text = (copy / "ir.json").read_text()
+    (copy / "ir.json").write_text(text.replace("rw.linear", "rw.linaer", 1))  # same size
+    with pytest.raises(ArtifactError, match=r"ir\.json: checksum mismatch"):
+        rewriter.load(copy)
+
+
+def test_truncated_weights(copy):
+    data = (copy / "weights.safetensors").read_bytes()
+    (copy / "weights.safetensors").write_bytes(data[:len(data) // 2])
+    with pytest.raises(ArtifactError, match=r"weights\.safetensors: \d+ bytes, the manifest says"):
+        rewriter.load(copy)
+    reseal(copy, "weights.safetensors")  # even with a manifest that agrees, it must not load
+    with pytest.raises(ArtifactError, match=r"weights\.safetensors: unreadable safetensors"):
+        rewriter.load(copy)
+
+
+def test_unknown_format_version(copy):
+    rewrite_manifest(copy, lambda m: m.__setitem__("format_version", 99))
+    with pytest.raises(ArtifactError, match="format version 99 is not supported"):
+        rewriter.load(copy)
+
+
+@pytest.mark.parametrize("target", ["rw.not_an_op", "builtins.exec", "os.system", "aten.__class__.x",
+                                    "aten.add.__init__"])
+def test_unknown_op_is_refused_by_name(copy, target):
+    data = json.loads((copy / "ir.json").read_text())
+    node = next(n for n in data["graph"] if n["op"] == "call_function")
+    node["target"] = target
+    (copy / "ir.json").write_text(json.dumps(data))
+    reseal(copy, "ir.json")
+    with pytest.raises(ArtifactError, match=rf"ir\.json: node {node['name']}: unknown op"):
+        rewriter.load(copy)
+
+
+def test_loading_never_unpickles(copy, monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("load used pickle")
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+    assert rewriter.load(copy).generate(IDS, max_new_tokens=2).shape == (2, 8)
+
+
+def test_interrupted_save_leaves_nothing_that_loads(saved, tmp_path, monkeypatch):
+    opt, _ = saved
+    import safetensors.torch
+
+    def crash(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(safetensors.torch, "save_file", crash)
+    with pytest.raises(KeyboardInterrupt):
+        opt.save(tmp_path / "new")
+    assert list(tmp_path.iterdir()) == []  # no artifact, no half-written temp directory
+
+
+def test_interrupted_overwrite_keeps_the_old_artifact(copy, saved, monkeypatch):
+    opt, _ = saved
+    import safetensors.torch
+    monkeypatch.setattr(safetensors.torch, "save_file", lambda *a, **k: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        opt.save(copy)
+    assert sorted(p.name for p in copy.parent.iterdir()) == ["copy"]
+    assert rewriter.load(copy).generate(IDS, max_new_tokens=2).shape == (2, 8)
+
+
+def test_save_refuses_to_replace_other_directories(saved, tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ArtifactError, match="exists and is not an artifact"):
+        saved[0].save(tmp_path)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
