@@ -42,22 +42,30 @@ class OptimizedModel(Engine):
 
 def optimize(model: nn.Module, passes: Sequence[Pass] = (), backend: str = "torch",
              check: bool = True, dump: str | os.PathLike | None = None,
-             example_inputs: tuple | None = None) -> OptimizedModel:
+             example_inputs: tuple | None = None, progress: bool = False) -> OptimizedModel:
     """Trace ``model``, lift it into the canonical IR, and run ``passes`` in order.
 
     ``check`` verifies the IR after every pass; ``dump`` (or ``$REWRITER_DUMP``) writes the
     IR after every pass into a directory. ``example_inputs`` is needed only for modules that
-    are not Hugging Face causal LMs.
+    are not Hugging Face causal LMs. ``progress`` shows a progress bar (trace, then each pass).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
     passes = list(passes)
+    bar = _progress(progress, 1 + len(passes))
     ir = build_ir(model, example_inputs)
     if check:
         verify(ir)
     snapshots = [("lift", _snapshot(ir))]
-    history = run_pipeline(ir, passes, check=check,
-                           on_step=lambda name, cur: snapshots.append((name, _snapshot(cur))))
+    bar.update()
+
+    def on_step(name: str, cur: IR) -> None:
+        snapshots.append((name, _snapshot(cur)))
+        bar.update()
+    try:
+        history = run_pipeline(ir, passes, check=check, on_step=on_step)
+    finally:
+        bar.close()
     opt = OptimizedModel(ir, passes, history, backend, snapshots)
     dump = dump or os.environ.get("REWRITER_DUMP")
     if dump:
@@ -72,3 +80,9 @@ def _snapshot(ir: IR) -> IR:
     out = graph.graph_copy(ir.gm.graph, {})
     graph.output(out)
     return IR(fx.GraphModule(ir.gm, graph), copy.deepcopy(ir.info))
+
+
+def _progress(enabled: bool, total: int):
+    from tqdm import tqdm
+    return tqdm(total=total, desc="optimize (trace, passes)", unit="step", disable=not enabled,
+                leave=False)

@@ -127,8 +127,6 @@ def load(directory, trust_code: bool = False):
     from rewriter.ir.shapes import propagate_shapes
     from .engine import Engine
     d = Path(directory)
-    if not d.is_dir():
-        raise ArtifactError(f"{d}: no such artifact directory")
     manifest = _read_manifest(d)
     for name, entry in manifest["files"].items():
         _check_file(d, name, entry)
@@ -158,6 +156,8 @@ def read_manifest(directory) -> dict:
 
 
 def _read_manifest(d: Path) -> dict:
+    if not d.is_dir():
+        raise ArtifactError(f"{d}: no such artifact directory")
     path = d / MANIFEST
     if not path.exists():
         raise ArtifactError(f"{path}: missing (not an artifact, or an interrupted save)")
@@ -256,15 +256,5 @@ def _version(package: str) -> Optional[str]:
 
 
 def _bar(enabled: bool, total: int):
-    if enabled:
-        from tqdm import tqdm
-        return tqdm(total=total, desc="save", leave=False)
-    return _NoBar()
-
-
-class _NoBar:
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+    from tqdm import tqdm
+    return tqdm(total=total, desc="save", unit="file", disable=not enabled, leave=False)
