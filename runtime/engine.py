@@ -12,6 +12,7 @@ back from an artifact.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from typing import Iterator, Optional, Sequence, Union
 
 import torch
@@ -38,6 +39,9 @@ class Engine:
         self.backend = backend
         self._programs = None
         self._cache: Optional[KVCache] = None
+        # Cost counters over every generate/stream call: forward_passes, layer_evals, tokens
+        # (see ``decode_loop``); reset with ``stats.clear()``.
+        self.stats: Counter = Counter()
 
     # ------------------------------------------------------------------ properties
     @property
@@ -107,7 +111,7 @@ class Engine:
             generator = torch.Generator(device).manual_seed(seed)
         prefill, decode = self._lowered()
         return batch, decode_loop(prefill, decode, cache, batch, max_new_tokens, sampling, eos,
-                                  pad, generator)
+                                  pad, generator, self.stats)
 
     def __call__(self, input_ids: Tensor, positions: Optional[Tensor] = None) -> Tensor:
         """Logits ``[B, S, vocab]`` of the whole IR, no cache (the reference semantics)."""

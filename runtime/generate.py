@@ -7,6 +7,7 @@ produced an end-of-sequence token get ``pad_token_id`` from then on.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
@@ -61,19 +62,26 @@ def prepare(prompts, attention_mask: Optional[Tensor], pad_token_id: int,
 
 def decode_loop(prefill: fx.GraphModule, decode: fx.GraphModule, cache: KVCache, batch: Batch,
                 max_new_tokens: int, sampling: Sampling, eos: Sequence[int], pad_token_id: int,
-                generator: Optional[torch.Generator]) -> Iterator[Tensor]:
-    """Yield the next token of every row, ``[B]``, ``max_new_tokens`` times at most."""
+                generator: Optional[torch.Generator], stats: Counter) -> Iterator[Tensor]:
+    """Yield the next token of every row, ``[B]``, ``max_new_tokens`` times at most.
+
+    ``stats`` counts the cost: ``forward_passes`` (calls of the model, each over the whole
+    batch), ``layer_evals`` (decoder layers those calls ran) and ``tokens`` (steps yielded).
+    """
+    layers = len(cache.specs)
     b, s = batch.ids.shape
     eos_t = torch.tensor(list(eos), dtype=torch.int64, device=batch.ids.device)
     finished = torch.zeros(b, dtype=torch.bool, device=batch.ids.device)
     positions = batch.positions[:, -1:]  # [B, 1]
     logits = _run(prefill, Step(cache, 0, s, batch.pad), batch.ids, batch.positions)
+    stats.update(forward_passes=1, layer_evals=layers)
     for i in range(max_new_tokens):
         chosen = next_token(logits[:, -1], sampling, generator)  # [B]
         token = chosen
         if len(eos):
             token = chosen.masked_fill(finished, pad_token_id)
             finished |= torch.isin(token, eos_t)
+        stats["tokens"] += 1
         yield token
         if i + 1 == max_new_tokens or (len(eos) and bool(finished.all())):
             return
@@ -81,6 +89,7 @@ def decode_loop(prefill: fx.GraphModule, decode: fx.GraphModule, cache: KVCache,
         # Ended rows go on computing (their output is discarded) on the chosen token, not
         # the pad id, which need not be a valid token.
         logits = _run(decode, Step(cache, s + i, 1, batch.pad), chosen[:, None], positions)
+        stats.update(forward_passes=1, layer_evals=layers)
 
 
 def _run(program: fx.GraphModule, step: Step, ids: Tensor, positions: Tensor) -> Tensor:
