@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import json
 
+from .fuse_add_rms_norm import FuseAddRMSNorm
+from .fuse_qkv import FuseQKV
+from .fuse_swiglu import FuseSwiGLU
 from .layer_skip import LayerSkip
 
-PASSES = {"layer_skip": LayerSkip}
+PASSES = {"layer_skip": LayerSkip, "fuse_qkv": FuseQKV, "fuse_swiglu": FuseSwiGLU,
+          "fuse_add_rms_norm": FuseAddRMSNorm}
 
-__all__ = ["LayerSkip", "PASSES", "from_spec"]
+__all__ = ["LayerSkip", "FuseQKV", "FuseSwiGLU", "FuseAddRMSNorm", "PASSES", "from_spec"]
 
 
 def from_spec(spec: str):

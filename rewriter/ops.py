@@ -110,6 +110,27 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, head_dim: int) -> Tensor:
     return out.reshape(b, s, -1)  # [B, S, H*D]
 
 
+def _add_rms_norm_fake(x, residual, weight, eps):
+    return (x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)),
+            x.new_empty(x.shape))
+
+
+@_register(fake=_add_rms_norm_fake)
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """``(rms_norm(x + residual), x + residual)``: a residual add and the norm after it, in
+    one op (``FuseAddRMSNorm``), so a kernel reads the stream once and writes both."""
+    total = x + residual
+    return REFERENCE["rms_norm"](total, weight, eps), total  # the plain function: no re-dispatch
+
+
+@_register(fake=lambda gu: gu.new_empty((*gu.shape[:-1], gu.shape[-1] // 2)))
+def swiglu(gate_up: Tensor) -> Tensor:
+    """``silu(gate) * up`` for ``gate_up = [gate | up]`` ``[..., 2F]`` -> ``[..., F]``
+    (``FuseSwiGLU``: the gate and up projections became one GEMM)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def attention_mask(q_len: int, k_len: int, window: Optional[int], device) -> Tensor:
     """Boolean ``[q_len, k_len]``: query i (the last ``q_len`` of ``k_len``) sees key j."""
     qi = torch.arange(k_len - q_len, k_len, device=device)[:, None]

@@ -34,4 +34,9 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, head_dim: int) -> Tensor:
     return out.view(b, s, -1)  # [B, S, H*D]
 
 
-KERNELS = {**REFERENCE, "rms_norm": rms_norm, "rope": rope}
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    total = x + residual
+    return rms_norm(total, weight, eps), total
+
+
+KERNELS = {**REFERENCE, "rms_norm": rms_norm, "rope": rope, "add_rms_norm": add_rms_norm}

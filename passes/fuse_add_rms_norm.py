@@ -1,0 +1,70 @@
+"""``FuseAddRMSNorm``: a residual add and the RMSNorm that reads it, as one op.
+
+    h = add(x, residual); n = rms_norm(h, w)
+becomes
+    n, h = add_rms_norm(x, residual, w)   # h still feeds the rest of the residual stream
+
+A kernel then reads the stream once and writes both outputs. Exact: the op computes the
+same add and the same norm.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from ..ir.core import IR
+from ..pass_manager import Pass
+from .fusion import call, mark, record
+
+
+class FuseAddRMSNorm(Pass):
+    def __init__(self):
+        pass
+
+    def run(self, ir: IR) -> IR:
+        count = 0
+        for norm in list(ir.graph.find_nodes(op="call_function", target=torch.ops.rw.rms_norm.default)):
+            add = norm.args[0]
+            if _is_tensor_add(add):
+                _fuse(ir, add, norm, self.name)
+                count += 1
+        ir.prune()
+        record(ir, self.name, count)
+        return ir
+
+
+def _is_tensor_add(node) -> bool:
+    """``aten.add(a, b)`` of two tensors of the same shape and dtype (no broadcast)."""
+    if not (getattr(node, "op", None) == "call_function" and node.target is torch.ops.aten.add.Tensor):
+        return False
+    if node.kwargs.get("alpha", 1) != 1 or len(node.args) != 2:
+        return False
+    a, b = (_val(x) for x in node.args)
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+            and a.shape == b.shape and a.dtype == b.dtype)
+
+
+def _val(node):
+    """The fake value of ``node``; a residual this pass just made has none yet, and is
+    shaped like the stream its fused op read."""
+    if not isinstance(node, torch.fx.Node):
+        return None
+    if "val" in node.meta:
+        return node.meta["val"]
+    if node.target is operator.getitem and node.args[0].target is torch.ops.rw.add_rms_norm.default:
+        return _val(node.args[0].args[0])
+    return None
+
+
+def _fuse(ir: IR, add, norm, pass_name: str) -> None:
+    x, residual = add.args
+    weight, eps = norm.args[1], norm.args[2]
+    g = ir.graph
+    with g.inserting_before(add):
+        both = mark(call(ir, torch.ops.rw.add_rms_norm.default, (x, residual, weight, eps),
+                         "add_rms_norm"), norm, pass_name)
+        normed = mark(call(ir, operator.getitem, (both, 0), "normed"), norm, pass_name)
+        total = mark(call(ir, operator.getitem, (both, 1), "residual"), add, pass_name)
+    norm.replace_all_uses_with(normed)
+    add.replace_all_uses_with(total)

@@ -1,0 +1,58 @@
+"""``FuseSwiGLU``: the gated MLP's gate and up projections as one GEMM, then one op.
+
+    g = linear(x, Wg); u = linear(x, Wu); h = mul(silu(g), u)
+becomes
+    gu = linear(x, [Wg; Wu])      # [B, S, 2F]
+    h = swiglu(gu)                # silu(gu[..., :F]) * gu[..., F:]   [B, S, F]
+
+Lossless up to float rounding of the GEMM. The fused weight is ``<mlp>.gate_up_proj.weight``.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..ir.core import IR
+from ..pass_manager import Pass
+from .fusion import call, concat_weight, first_in_graph, is_op, linear_parts, mark, record, sibling_name
+
+
+class FuseSwiGLU(Pass):
+    def __init__(self):
+        pass
+
+    def run(self, ir: IR) -> IR:
+        count = 0
+        for mul in list(ir.graph.find_nodes(op="call_function", target=torch.ops.aten.mul.Tensor)):
+            match = _match(mul)
+            if match is not None:
+                _fuse(ir, mul, *match, self.name)
+                count += 1
+        ir.prune()
+        record(ir, self.name, count)
+        return ir
+
+
+def _match(mul):
+    """(silu node, gate linear, up linear) when ``mul`` is silu(gate) * up, else None."""
+    for a, b in (mul.args, mul.args[::-1]):
+        if is_op(a, "silu") and is_op(a.args[0], "linear") and is_op(b, "linear"):
+            gate, up = a.args[0], b
+            if (len(a.users) == 1 and len(gate.users) == 1 and len(up.users) == 1
+                    and linear_parts(gate)[0] is linear_parts(up)[0]
+                    and linear_parts(gate)[2] is None and linear_parts(up)[2] is None):
+                return a, gate, up
+    return None
+
+
+def _fuse(ir: IR, mul, silu, gate, up, pass_name: str) -> None:
+    x, w_gate, _ = linear_parts(gate)
+    w_up = linear_parts(up)[1]
+    name = sibling_name(w_gate.target, "gate_up_proj")
+    concat_weight(ir, [w_gate, w_up], name)
+    g = ir.graph
+    with g.inserting_before(first_in_graph(ir, [gate, up])):
+        w = g.get_attr(name)
+        gu = mark(call(ir, torch.ops.rw.linear.default, (x, w, None), "gate_up"), gate, pass_name)
+    with g.inserting_before(mul):
+        h = mark(call(ir, torch.ops.rw.swiglu.default, (gu,), "swiglu"), mul, pass_name)
+    mul.replace_all_uses_with(h)

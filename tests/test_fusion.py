@@ -1,0 +1,76 @@
+"""Fusion passes: each one's IR before and after on a one-layer Llama (golden text), and
+numerically lossless against the unfused IR on every family it applies to.
+
+Regenerate the golden files after an intended change with
+``REWRITER_UPDATE_GOLDEN=1 pytest tests/test_fusion.py``, and read the diff.
+"""
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import rewriter
+from rewriter.passes import FuseAddRMSNorm, FuseQKV, FuseSwiGLU, LayerSkip
+
+from conftest import CONFIGS, assert_close_rel, make_model, varied_init
+
+GOLDEN = Path(__file__).parent / "golden"
+PASSES = {"fuse_qkv": FuseQKV, "fuse_swiglu": FuseSwiGLU, "fuse_add_rms_norm": FuseAddRMSNorm}
+IDS = torch.tensor([[3, 17, 42, 5, 99, 8, 64], [1, 2, 3, 4, 5, 6, 7]])
+
+
+@pytest.mark.parametrize("name", sorted(PASSES))
+def test_before_and_after_match_the_golden_text(name):
+    model = make_model("llama-gqa-3l", num_hidden_layers=1)
+    before = str(rewriter.optimize(model).ir)
+    after = str(rewriter.optimize(model, passes=[PASSES[name]()]).ir)
+    text = f"### before\n{before}\n\n### after {PASSES[name].__name__}()\n{after}\n"
+    path = GOLDEN / f"{name}.txt"
+    if os.environ.get("REWRITER_UPDATE_GOLDEN"):
+        path.write_text(text)
+    assert text == path.read_text()
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize("name", sorted(PASSES))
+def test_each_fusion_is_lossless(config, name):
+    model = make_model(config, initializer_range=varied_init(config))
+    base = rewriter.optimize(model)
+    opt = rewriter.optimize(model, passes=[PASSES[name]()])
+    assert_close_rel(opt(IDS), base(IDS), rel=1e-5)
+    kw = dict(max_new_tokens=16, eos_token_id=[])
+    assert torch.equal(opt.generate(IDS, **kw), base.generate(IDS, **kw))
+
+
+def test_fusions_find_what_each_family_has():
+    counts = {}
+    for config in ("llama-gqa-3l", "gpt2-3l"):
+        opt = rewriter.optimize(make_model(config), passes=[p() for p in PASSES.values()])
+        counts[config] = opt.ir.info["fusions"]
+    # every RMSNorm but the first reads a residual add: 2 per layer + the final one - 1
+    assert counts["llama-gqa-3l"] == {"FuseQKV": 3, "FuseSwiGLU": 3, "FuseAddRMSNorm": 6}
+    # GPT-2: biased q/k/v fuse (their biases too); no gated MLP, LayerNorm not RMSNorm
+    assert counts["gpt2-3l"] == {"FuseQKV": 3, "FuseSwiGLU": 0, "FuseAddRMSNorm": 0}
+
+
+def test_fused_weights_replace_the_originals():
+    opt = rewriter.optimize(make_model("llama-gqa-3l"), passes=[FuseQKV(), FuseSwiGLU()])
+    names = set(opt.ir.weights())
+    assert "model.layers.0.self_attn.qkv_proj.weight" in names
+    assert "model.layers.0.mlp.gate_up_proj.weight" in names
+    gone = {f"model.layers.0.{m}.weight" for m in ("self_attn.q_proj", "self_attn.k_proj",
+                                                   "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")}
+    assert not gone & names
+    assert opt.ir.weight("model.layers.0.self_attn.qkv_proj.weight").shape == (64 + 32 + 32, 64)
+
+
+def test_all_fusions_with_layer_skip_save_and_load(tmp_path):
+    model = make_model("qwen2-mqa-3l", initializer_range=0.2)
+    passes = [LayerSkip(layers=[1]), FuseQKV(), FuseSwiGLU(), FuseAddRMSNorm()]
+    opt = rewriter.optimize(model, passes=passes)
+    ref = rewriter.optimize(model, passes=[LayerSkip(layers=[1])])
+    kw = dict(max_new_tokens=16, eos_token_id=[])
+    assert torch.equal(opt.generate(IDS, **kw), ref.generate(IDS, **kw))
+    opt.save(tmp_path / "a")
+    assert torch.equal(rewriter.load(tmp_path / "a").generate(IDS, **kw), opt.generate(IDS, **kw))
