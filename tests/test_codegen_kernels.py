@@ -43,3 +43,70 @@ def test_rope(b, s, heads, head_dim, rot):
     out = poisoned(x.shape)
     rope.rope(x, cos, sin, head_dim, out=out)
     torch.testing.assert_close(out, REFERENCE["rope"](x, cos, sin, head_dim), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------- decode attention
+
+from rewriter.codegen.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
+
+
+def cache(b, hkv, length, dim):
+    return torch.randn(b, hkv, length, dim), torch.randn(b, hkv, length, dim)
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (6, 2), (3, 1)])  # GQA 1, 4, 3, MQA
+@pytest.mark.parametrize("dim,end", [(16, 37), (24, 130), (12, 5)])
+def test_decode_attention_dense(hq, hkv, dim, end):
+    b = 2
+    k, v = cache(b, hkv, 160, dim)
+    q = torch.randn(b, hq, dim)
+    out = poisoned((b, hq, dim))
+    decode_attention(q, k, v, end, 0.3, splits=3, block_n=16, out=out)
+    torch.testing.assert_close(out, decode_attention_reference(q, k, v, end, 0.3), rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_equals_the_ir_attention_op():
+    """Dense decode attention is what ``rw.attention`` computes for the last query."""
+    from rewriter.ops import REFERENCE
+    b, s, hq, hkv, dim = 2, 9, 8, 2, 16
+    q, k, v = torch.randn(b, s, hq * dim), torch.randn(b, s, hkv * dim), torch.randn(b, s, hkv * dim)
+    want = REFERENCE["attention"](q, k, v, 0, hq, hkv, dim, 0.25, True, None)[:, -1]  # [B, Hq*D]
+    kc = k.view(b, s, hkv, dim).transpose(1, 2).contiguous()  # [B, Hkv, S, D]
+    vc = v.view(b, s, hkv, dim).transpose(1, 2).contiguous()
+    got = decode_attention(q[:, -1].view(b, hq, dim), kc, vc, s, 0.25, splits=2, block_n=4)
+    torch.testing.assert_close(got.reshape(b, -1), want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_padding_window_and_sinks():
+    b, hq, hkv, dim, end = 3, 6, 2, 20, 75
+    k, v = cache(b, hkv, 80, dim)
+    q = torch.randn(b, hq, dim)
+    start = torch.tensor([0, 9, 40], dtype=torch.int32)
+    for window, sinks in [(0, 0), (16, 0), (16, 4), (50, 3)]:
+        out = poisoned((b, hq, dim))
+        decode_attention(q, k, v, end, 0.2, start=start, window=window, sinks=sinks, splits=4,
+                         block_n=8, out=out)
+        want = decode_attention_reference(q, k, v, end, 0.2, start=start.long(), window=window, sinks=sinks)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_per_head_token_lists():
+    b, hq, hkv, dim, end = 2, 8, 2, 16, 90
+    k, v = cache(b, hkv, 96, dim)
+    q = torch.randn(b, hq, dim)
+    index = torch.stack([torch.randperm(end)[:21] for _ in range(b * hkv)]).view(b, hkv, 21).int()
+    index[1, 0, 15:] = -1  # a shorter list for one head
+    out = poisoned((b, hq, dim))
+    decode_attention(q, k, v, end, 0.25, index=index, splits=2, block_n=8, out=out)
+    torch.testing.assert_close(out, decode_attention_reference(q, k, v, end, 0.25, index=index),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_reads_another_layers_cache():
+    """KV sharing: the same query against a second cache tensor, chosen by the caller."""
+    k0, v0 = cache(1, 2, 40, 16)
+    k1, v1 = cache(1, 2, 40, 16)
+    q = torch.randn(1, 4, 16)
+    a, b = decode_attention(q, k0, v0, 33, 0.25), decode_attention(q, k1, v1, 33, 0.25)
+    torch.testing.assert_close(b, decode_attention_reference(q, k1, v1, 33, 0.25), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(a, b)
