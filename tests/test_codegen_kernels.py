@@ -110,3 +110,55 @@ def test_decode_attention_reads_another_layers_cache():
     a, b = decode_attention(q, k0, v0, 33, 0.25), decode_attention(q, k1, v1, 33, 0.25)
     torch.testing.assert_close(b, decode_attention_reference(q, k1, v1, 33, 0.25), rtol=1e-5, atol=1e-5)
     assert not torch.allclose(a, b)
+
+
+# ---------------------------------------------------------------------------- prefill attention
+
+from rewriter.codegen.prefill_attention import prefill_attention  # noqa: E402
+
+
+def as_cache(x, hkv, dim, length):
+    """[B, S, Hkv*D] -> a [B, Hkv, length, D] cache holding it at positions [0, S)."""
+    b, s, _ = x.shape
+    c = torch.randn(b, hkv, length, dim)  # junk past S must never be read
+    c[:, :, :s] = x.view(b, s, hkv, dim).transpose(1, 2)
+    return c
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (6, 2), (3, 1)])
+@pytest.mark.parametrize("s,dim,window", [(7, 16, None), (29, 24, None), (33, 12, 5), (1, 16, None)])
+def test_prefill_attention_equals_the_ir_attention_op(hq, hkv, s, dim, window):
+    from rewriter.ops import REFERENCE
+    b = 2
+    q, k, v = torch.randn(b, s, hq * dim), torch.randn(b, s, hkv * dim), torch.randn(b, s, hkv * dim)
+    want = REFERENCE["attention"](q, k, v, 0, hq, hkv, dim, 0.3, True, window)
+    out = poisoned(q.shape)
+    prefill_attention(q, as_cache(k, hkv, dim, s + 5), as_cache(v, hkv, dim, s + 5), hq, 0.3,
+                      window=window or 0, out=out)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_attention_left_padding_matches_rows_alone():
+    from rewriter.ops import REFERENCE
+    hq, hkv, dim, width = 4, 2, 16, 19
+    lengths = [19, 11, 4]
+    q, k, v = torch.randn(3, width, hq * dim), torch.randn(3, width, hkv * dim), torch.randn(3, width, hkv * dim)
+    start = torch.tensor([width - n for n in lengths], dtype=torch.int32)
+    out = poisoned(q.shape)
+    prefill_attention(q, as_cache(k, hkv, dim, width), as_cache(v, hkv, dim, width), hq, 0.25,
+                      start=start, out=out)
+    for row, n in enumerate(lengths):
+        alone = REFERENCE["attention"](q[row:row + 1, -n:], k[row:row + 1, -n:], v[row:row + 1, -n:],
+                                       0, hq, hkv, dim, 0.25, True, None)
+        torch.testing.assert_close(out[row:row + 1, -n:], alone, rtol=1e-5, atol=1e-5)
+    assert not out.isnan().any()  # padding queries too: they see themselves
+
+
+def test_prefill_attention_continues_after_cached_tokens():
+    """A chunk of 6 tokens after 10 cached ones equals the last 6 rows of the full prefill."""
+    from rewriter.ops import REFERENCE
+    hq, hkv, dim, total = 4, 2, 16, 16
+    q, k, v = torch.randn(1, total, hq * dim), torch.randn(1, total, hkv * dim), torch.randn(1, total, hkv * dim)
+    want = REFERENCE["attention"](q, k, v, 0, hq, hkv, dim, 0.25, True, None)[:, 10:]
+    got = prefill_attention(q[:, 10:], as_cache(k, hkv, dim, 20), as_cache(v, hkv, dim, 20), hq, 0.25, q_start=10)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,90 @@
+"""Prefill attention: a block of new tokens attends causally to the KV cache (flash style).
+
+Queries are the ``S`` tokens at cache positions ``[q_start, q_start + S)`` with heads folded
+(``[B, S, Hq*D]``, the IR's layout); keys and values are cache positions ``[0, q_start + S)``
+of ``[B, Hkv, L, D]`` tensors, already written. Query ``i`` sees key ``j`` when ``j <= i``,
+``j`` is a real token of its row (``j >= start[b]``; a padding query sees itself only, so
+no row is empty), and, with ``window > 0``, ``i - j < window`` or ``j`` is one of the first
+``sinks`` real tokens. Reference: ``rw.attention`` (``rewriter.ops``) for ``q_start = 0``.
+Bytes: Q and O once, K and V once per query block (``S / BLOCK_M`` times).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def prefill_attention_kernel(
+        q_ptr, k_ptr, v_ptr, start_ptr, out_ptr,
+        seq, q_start, scale, window, sinks, n_heads, group, head_dim,
+        q_sb, q_ss, k_sb, k_sh, k_sl, v_sb, v_sh, v_sl, o_sb, o_ss,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    mblock = tl.program_id(0)
+    b = tl.program_id(1) // n_heads
+    h = tl.program_id(1) % n_heads
+    kvh = h // group
+    rows = mblock * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the step
+    d = tl.arange(0, BLOCK_D)
+    rmask, dmask = rows < seq, d < head_dim
+    qi = q_start + rows  # query cache positions
+    q = tl.load(q_ptr + b * q_sb + rows[:, None] * q_ss + h * head_dim + d[None, :],
+                mask=rmask[:, None] & dmask[None, :], other=0.0)
+    first = tl.load(start_ptr + b)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    lsum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    hi = tl.minimum(q_start + (mblock + 1) * BLOCK_M, q_start + seq)  # causal: no later keys
+    for n0 in range(0, hi, BLOCK_N):
+        kj = n0 + tl.arange(0, BLOCK_N)
+        kmask = kj < hi
+        k = tl.load(k_ptr + b * k_sb + kvh * k_sh + kj[:, None] * k_sl + d[None, :],
+                    mask=kmask[:, None] & dmask[None, :], other=0.0)
+        v = tl.load(v_ptr + b * v_sb + kvh * v_sh + kj[:, None] * v_sl + d[None, :],
+                    mask=kmask[:, None] & dmask[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [M, N]
+        ok = (kj[None, :] <= qi[:, None]) & kmask[None, :]
+        ok = ok & ((kj[None, :] >= first) | (kj[None, :] == qi[:, None]))
+        if window > 0:
+            ok = ok & ((qi[:, None] - kj[None, :] < window) | (kj[None, :] < first + sinks))
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        lsum = lsum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m = m_new
+    out = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
+    tl.store(out_ptr + b * o_sb + rows[:, None] * o_ss + h * head_dim + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      num_heads: int, scale: float, q_start: int = 0,
+                      start: Optional[torch.Tensor] = None, window: int = 0, sinks: int = 0,
+                      out: Optional[torch.Tensor] = None, block: int = 16) -> torch.Tensor:
+    """``q`` ``[B, S, Hq*D]`` over cache ``[B, Hkv, L, D]`` positions ``[0, q_start + S)``
+    -> ``[B, S, Hq*D]``."""
+    b, s, hd = q.shape
+    dim = hd // num_heads
+    hkv = k_cache.shape[1]
+    if num_heads % hkv or k_cache.shape[-1] != dim or q_start + s > k_cache.shape[2]:
+        raise ValueError(f"prefill_attention: q {list(q.shape)} ({num_heads} heads), cache "
+                         f"{list(k_cache.shape)}, q_start {q_start} do not fit")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if start is None:
+        start = torch.zeros(b, dtype=torch.int32, device=q.device)
+    if out is None:
+        out = torch.empty_like(q)
+    grid = (triton.cdiv(s, block), b * num_heads)
+    prefill_attention_kernel[grid](
+        q, k_cache, v_cache, start, out, s, q_start, scale, window, sinks, num_heads,
+        num_heads // hkv, dim, q.stride(0), q.stride(1), *k_cache.stride()[:3],
+        *v_cache.stride()[:3], out.stride(0), out.stride(1),
+        BLOCK_M=block, BLOCK_N=block, BLOCK_D=max(16, triton.next_power_of_2(dim)))
+    return out
