@@ -15,7 +15,7 @@ from .ir.verify import verify
 from .pass_manager import Pass, run_pipeline
 from .runtime.engine import Engine, check_token_ids  # noqa: F401 (re-exported)
 
-BACKENDS = ("torch",)
+BACKENDS = ("torch", "triton")
 
 
 class OptimizedModel(Engine):
@@ -51,6 +51,12 @@ def optimize(model: nn.Module, passes: Sequence[Pass] = (), backend: str = "torc
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
+    if backend == "triton":
+        from .runtime.triton_backend import available
+        device = next(iter(model.parameters()), torch.empty(0)).device
+        reason = available(device)
+        if reason is not None:
+            raise ValueError(reason)
     passes = list(passes)
     bar = _progress(progress, 1 + len(passes))
     ir = build_ir(model, example_inputs)

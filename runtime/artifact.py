@@ -120,8 +120,9 @@ def _replace_dir(tmp: Path, final: Path) -> None:
 
 # ---------------------------------------------------------------------------- load
 
-def load(directory, trust_code: bool = False):
-    """The ``Engine`` stored in ``directory``; every file is checked first."""
+def load(directory, trust_code: bool = False, backend: Optional[str] = None):
+    """The ``Engine`` stored in ``directory``; every file is checked first. ``backend``
+    overrides the one it was saved with (e.g. ``"torch"`` for a Triton artifact on a CPU)."""
     from rewriter.ir.core import IR
     from rewriter.ir.serialize import graph_from_data
     from rewriter.ir.shapes import propagate_shapes
@@ -147,7 +148,15 @@ def load(directory, trust_code: bool = False):
     tokenizer = None
     if manifest.get("tokenizer"):
         tokenizer = _read_tokenizer(d / manifest["tokenizer"])
-    return Engine(ir, tokenizer, manifest.get("passes", []), manifest.get("backend", "torch"))
+    backend = backend or manifest.get("backend", "torch")
+    if backend == "triton":
+        from .triton_backend import available
+        reason = available(next(iter(weights.values())).device if weights else torch.device("cpu"))
+        if reason is not None:
+            raise ValueError(f"{d}: saved for {reason}; load(..., backend='torch') runs it anyway")
+    elif backend != "torch":
+        raise ArtifactError(f"{d / MANIFEST}: unknown backend {backend!r}")
+    return Engine(ir, tokenizer, manifest.get("passes", []), backend)
 
 
 def read_manifest(directory) -> dict:

@@ -144,7 +144,8 @@ class Engine:
 
     def _lowered(self):
         if self._programs is None:
-            self._programs = (lower(self.ir, last_only=True), lower(self.ir, last_only=False))
+            self._programs = (lower(self.ir, last_only=True, backend=self.backend),
+                              lower(self.ir, last_only=False, backend=self.backend))
         return self._programs
 
     def _cache_for(self, batch: int, need: int) -> KVCache:

@@ -27,8 +27,14 @@ from .kv_cache import attention_params, attention_specs
 _SHORT = {op: name for name, op in OPS.items()}
 
 
-def lower(ir: IR, last_only: bool) -> fx.GraphModule:
-    """The step program ``(step, input_ids, positions) -> logits`` of a causal-LM IR."""
+def lower(ir: IR, last_only: bool, backend: str = "torch") -> fx.GraphModule:
+    """The step program ``(step, input_ids, positions) -> logits`` of a causal-LM IR;
+    ``backend`` picks the kernels (``torch``: ``runtime.kernels``; ``triton``:
+    ``runtime.triton_backend``)."""
+    table, attention = KERNELS, cached_attention
+    if backend == "triton":
+        from . import triton_backend
+        table, attention = triton_backend.kernels(), triton_backend.cached_attention
     if not ir.is_causal_lm:
         raise RewriterError("the KV-cache runtime runs causal language models only; "
                             "call the optimized module directly instead")
@@ -50,7 +56,7 @@ def lower(ir: IR, last_only: bool) -> fx.GraphModule:
         if name == "attention":
             if not specs[slot].causal:
                 raise RewriterError(f"{node.name}: the runtime needs causal attention")
-            new.target = cached_attention
+            new.target = attention
             q, k, v = (env[a] for a in node.args[:3])
             params = attention_params(node)
             new.args = (step, q, k, v, slot)
@@ -58,7 +64,7 @@ def lower(ir: IR, last_only: bool) -> fx.GraphModule:
                                                  "scale", "window")}
             slot += 1
         elif name is not None:
-            new.target = KERNELS[name]
+            new.target = table[name]
         env[node] = new
     graph.eliminate_dead_code()
     return fx.GraphModule(_flatten_weights(ir, graph), graph)

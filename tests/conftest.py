@@ -5,13 +5,13 @@ import copy
 import os
 import warnings
 
-# The Triton backend runs on this CPU-only machine through Triton's interpreter, which is
-# chosen when a kernel is defined: set it before anything imports rewriter.codegen.
-if not os.environ.get("CUDA_VISIBLE_DEVICES") and "TRITON_INTERPRET" not in os.environ:
-    os.environ["TRITON_INTERPRET"] = "1"
-
 import pytest
 import torch
+
+# Without a GPU the Triton backend runs through Triton's interpreter, which is chosen when
+# a kernel is defined: set it before anything imports rewriter.codegen.
+if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
+    os.environ["TRITON_INTERPRET"] = "1"
 import transformers as T
 
 warnings.filterwarnings("ignore", message=".*(bos|eos)_token_id.*")

@@ -1,0 +1,61 @@
+"""``backend="triton"``: the step programs call the Triton templates in ``rewriter.codegen``.
+
+Norms, SwiGLU, RoPE and attention over the cache run as Triton kernels; matrix multiplies
+and embeddings stay with torch; ops without a template run their torch reference (the
+generic pointwise fuser that would cover them is not built yet). On a CPU the kernels run
+only under ``TRITON_INTERPRET=1`` (set before ``rewriter`` is imported), which is how the
+tests run them.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from rewriter.ops import REFERENCE
+
+from .attention import Step
+
+
+def available(device: torch.device) -> Optional[str]:
+    """None when Triton kernels can run on ``device``, else the reason they cannot."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "backend='triton' needs the triton package: pip install 'rewriter[triton]'"
+    if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    return (f"backend='triton' runs on CUDA devices (the model is on {device}); on a CPU, set "
+            f"TRITON_INTERPRET=1 before importing rewriter to use Triton's interpreter")
+
+
+def kernels() -> dict:
+    from rewriter.codegen import norm, rope, swiglu
+    return {**REFERENCE, "rms_norm": norm.rms_norm,
+            "add_rms_norm": lambda x, r, w, eps: norm.add_rms_norm(x, r, w, eps),
+            "swiglu": swiglu.swiglu, "rope": rope.rope}
+
+
+def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, slot: int, num_heads: int,
+                     num_kv_heads: int, head_dim: int, scale: float,
+                     window: Optional[int]) -> Tensor:
+    """``rw.attention`` over cache slot ``slot``: decode or prefill kernel by step length."""
+    from rewriter.codegen.decode_attention import decode_attention
+    from rewriter.codegen.prefill_attention import prefill_attention
+    b, s, _ = q.shape
+    k_cache, v_cache = step.cache.k[slot], step.cache.v[slot]
+    k_cache[:, :, step.start:step.end] = k.view(b, s, num_kv_heads, head_dim).transpose(1, 2)
+    v_cache[:, :, step.start:step.end] = v.view(b, s, num_kv_heads, head_dim).transpose(1, 2)
+    start = step.pad if step.pad is not None else _zeros(b, q.device)
+    if s == 1:
+        out = decode_attention(q.view(b, num_heads, head_dim), k_cache, v_cache, step.end, scale,
+                               start=start, window=window or 0)
+        return out.view(b, 1, num_heads * head_dim)
+    return prefill_attention(q, k_cache, v_cache, num_heads, scale, q_start=step.start,
+                             start=start, window=window or 0)
+
+
+def _zeros(b: int, device) -> Tensor:
+    return torch.zeros(b, dtype=torch.int64, device=device)
