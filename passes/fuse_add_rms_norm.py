@@ -6,6 +6,12 @@ becomes
 
 A kernel then reads the stream once and writes both outputs. Exact: the op computes the
 same add and the same norm.
+
+Most of these pairs straddle a layer border (layer i's last add, layer i+1's input norm).
+The fused op and ``h`` belong to layer i (``h`` is the stream leaving it) and ``n`` to
+layer i+1, so layer spans stay one value in, one value out. The final norm is left alone:
+its stream value would die and leave the last layer without an output. Run structural
+passes (``LayerSkip``) before this one: ``LayerSkip`` refuses an IR that has it.
 """
 from __future__ import annotations
 
@@ -26,7 +32,8 @@ class FuseAddRMSNorm(Pass):
         count = 0
         for norm in list(ir.graph.find_nodes(op="call_function", target=torch.ops.rw.rms_norm.default)):
             add = norm.args[0]
-            if _is_tensor_add(add):
+            final = "layer" in add.meta and "layer" not in norm.meta
+            if _is_tensor_add(add) and not final:
                 _fuse(ir, add, norm, self.name)
                 count += 1
         ir.prune()
@@ -63,7 +70,7 @@ def _fuse(ir: IR, add, norm, pass_name: str) -> None:
     g = ir.graph
     with g.inserting_before(add):
         both = mark(call(ir, torch.ops.rw.add_rms_norm.default, (x, residual, weight, eps),
-                         "add_rms_norm"), norm, pass_name)
+                         "add_rms_norm"), add, pass_name)
         normed = mark(call(ir, operator.getitem, (both, 0), "normed"), norm, pass_name)
         total = mark(call(ir, operator.getitem, (both, 1), "residual"), add, pass_name)
     norm.replace_all_uses_with(normed)

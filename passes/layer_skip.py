@@ -50,6 +50,9 @@ class LayerSkip(Pass):
         if not ir.layers:
             raise PassError(f"{self!r} needs decoder layers, and the frontend found none in "
                             f"this {ir.info.get('family', 'model')}")
+        if ir.info.get("fusions", {}).get("FuseAddRMSNorm"):
+            raise PassError(f"{self!r} must run before FuseAddRMSNorm: a fused add + norm "
+                            f"joins two layers, so neither can be skipped alone")
         spans = {s["index"]: s for s in ir.layers}
         skip = self.choose(sorted(spans))
         bypass = {}  # skipped layer's output -> the stream that now flows past it

@@ -44,6 +44,8 @@ def parser() -> argparse.ArgumentParser:
                         "layer_skip:layers=[2,3]; repeat for a pipeline")
     o.add_argument("--out", required=True, help="artifact directory to write")
     o.add_argument("--dump", help="also write the IR after every pass into this directory")
+    o.add_argument("--backend", default="torch", choices=["torch", "triton"],
+                   help="kernels the artifact runs with (triton: CUDA, or TRITON_INTERPRET=1)")
     o.set_defaults(func=cmd_optimize)
 
     r = sub.add_parser("run", help="generate text with an artifact (or a checkpoint)",
@@ -61,6 +63,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=None)
     r.add_argument("--no-stream", action="store_true",
                    help="print the result at the end, with a progress bar meanwhile")
+    r.add_argument("--backend", choices=["torch", "triton"], default=None,
+                   help="override the artifact's backend")
     r.add_argument("--trust-code", action="store_true",
                    help="use code stored in the artifact (generated kernels) as is")
     r.set_defaults(func=cmd_run)
@@ -83,7 +87,7 @@ def cmd_optimize(args) -> int:
     from .checkpoints import from_pretrained
     from .passes import from_spec
     passes = [from_spec(s) for s in args.passes]  # bad names/parameters fail before tracing
-    opt = from_pretrained(args.model, passes, dump=args.dump, progress=True)
+    opt = from_pretrained(args.model, passes, dump=args.dump, progress=True, backend=args.backend)
     opt.save(args.out, progress=True)
     print(opt.ir.summary())
     print(f"passes: {', '.join(map(repr, passes)) or 'none'}")
@@ -92,7 +96,7 @@ def cmd_optimize(args) -> int:
 
 
 def cmd_run(args) -> int:
-    engine = _engine(args.model, args.trust_code)
+    engine = _engine(args.model, args.trust_code, args.backend)
     tok = engine.tokenizer
     if args.prompt is not None:
         if tok is None:
@@ -151,15 +155,15 @@ def cmd_info(args) -> int:
 
 # ---------------------------------------------------------------------------- helpers
 
-def _engine(path: str, trust_code: bool):
+def _engine(path: str, trust_code: bool, backend: Optional[str]):
     """An artifact, or else a checkpoint directory (or 'default') optimized with no passes."""
     from .checkpoints import from_pretrained
     from .runtime.artifact import MANIFEST, load
     if (Path(path) / MANIFEST).exists():
-        return load(path, trust_code=trust_code)
+        return load(path, trust_code=trust_code, backend=backend)
     if path != "default" and not Path(path).exists():
         raise FileNotFoundError(f"{path}: no such artifact or checkpoint directory")
-    return from_pretrained(path, progress=True)
+    return from_pretrained(path, progress=True, backend=backend or "torch")
 
 
 def _text(tok, ids: list[int]) -> str:

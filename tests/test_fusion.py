@@ -48,8 +48,8 @@ def test_fusions_find_what_each_family_has():
     for config in ("llama-gqa-3l", "gpt2-3l"):
         opt = rewriter.optimize(make_model(config), passes=[p() for p in PASSES.values()])
         counts[config] = opt.ir.info["fusions"]
-    # every RMSNorm but the first reads a residual add: 2 per layer + the final one - 1
-    assert counts["llama-gqa-3l"] == {"FuseQKV": 3, "FuseSwiGLU": 3, "FuseAddRMSNorm": 6}
+    # every RMSNorm but the first and the final one: 2 per layer - 1
+    assert counts["llama-gqa-3l"] == {"FuseQKV": 3, "FuseSwiGLU": 3, "FuseAddRMSNorm": 5}
     # GPT-2: biased q/k/v fuse (their biases too); no gated MLP, LayerNorm not RMSNorm
     assert counts["gpt2-3l"] == {"FuseQKV": 3, "FuseSwiGLU": 0, "FuseAddRMSNorm": 0}
 
@@ -74,3 +74,15 @@ def test_all_fusions_with_layer_skip_save_and_load(tmp_path):
     assert torch.equal(opt.generate(IDS, **kw), ref.generate(IDS, **kw))
     opt.save(tmp_path / "a")
     assert torch.equal(rewriter.load(tmp_path / "a").generate(IDS, **kw), opt.generate(IDS, **kw))
+
+
+def test_fused_ir_keeps_its_layer_spans():
+    model = make_model("llama-gqa-3l")
+    plain = rewriter.optimize(model).ir
+    fused = rewriter.optimize(model, passes=[p() for p in PASSES.values()]).ir
+    assert [s["index"] for s in fused.layers] == [s["index"] for s in plain.layers] == [0, 1, 2]
+
+
+def test_layer_skip_after_fuse_add_rms_norm_is_refused():
+    with pytest.raises(rewriter.PassError, match="must run before FuseAddRMSNorm"):
+        rewriter.optimize(make_model("llama-gqa-3l"), passes=[FuseAddRMSNorm(), LayerSkip(layers=[1])])

@@ -24,7 +24,9 @@ def layer_spans(gm: fx.GraphModule) -> list[dict]:
     for index in sorted(by_layer):
         nodes = by_layer[index]
         inside = set(nodes)
-        outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+        # Tuple-valued nodes (a fused add + norm) are not the stream: their parts are.
+        outputs = [n for n in nodes if any(u not in inside for u in n.users)
+                   and isinstance(n.meta.get("val"), torch.Tensor)]
         if len(outputs) != 1:
             continue
         out_val = outputs[0].meta.get("val")
