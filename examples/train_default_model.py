@@ -6,6 +6,17 @@ pass-key retrieval samples so the model can find a key hidden in 1024 tokens.
     nice -n 10 python examples/train_default_model.py            # CPU, 1 thread
     python examples/train_default_model.py --preset gpu --device cuda
 
+The shipped default model is two CPU runs (71 + 43 minutes on one thread):
+
+    python examples/train_default_model.py --out stage1                     # LM, 1500 steps
+    python examples/train_default_model.py --preset retrieval --init stage1 \
+        --ckpt .train_ckpt_retrieval                                        # 900 steps
+
+Stage 1 learns the language but not copying (pass-key accuracy 0). Stage 2 continues it
+with retrieval-heavy batches that start at 128 tokens and grow to 1024: the copy circuit
+forms within ~300 steps at short context (answer loss 1.6 -> 0.02) and then stretches to
+the full context (pass-key accuracy 0.99 at 1024 tokens).
+
 Steps: (1) train a byte-level BPE tokenizer on the training split (digits split
 into single-digit tokens), (2) train ``LlamaForCausalLM`` with AdamW, linear
 warm-up + cosine decay, a short-to-long context curriculum and a mix of code
