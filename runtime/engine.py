@@ -144,8 +144,9 @@ class Engine:
 
     def _lowered(self):
         if self._programs is None:
-            self._programs = (lower(self.ir, last_only=True, backend=self.backend),
-                              lower(self.ir, last_only=False, backend=self.backend))
+            transposed: dict = {}  # one transposed copy per weight, for both programs
+            self._programs = (lower(self.ir, True, self.backend, transposed),
+                              lower(self.ir, False, self.backend, transposed))
         return self._programs
 
     def _cache_for(self, batch: int, need: int) -> KVCache:

@@ -21,16 +21,18 @@ from rewriter.ir.core import IR
 from rewriter.ops import OPS
 
 from .attention import cached_attention
-from .kernels import KERNELS
+from .kernels import KERNELS, linear_t
 from .kv_cache import attention_params, attention_specs
 
 _SHORT = {op: name for name, op in OPS.items()}
 
 
-def lower(ir: IR, last_only: bool, backend: str = "torch") -> fx.GraphModule:
+def lower(ir: IR, last_only: bool, backend: str = "torch",
+          transposed: dict | None = None) -> fx.GraphModule:
     """The step program ``(step, input_ids, positions) -> logits`` of a causal-LM IR;
     ``backend`` picks the kernels (``torch``: ``runtime.kernels``; ``triton``:
-    ``runtime.triton_backend``)."""
+    ``runtime.triton_backend``). With ``transposed`` (a dict the caller keeps, shared by
+    its programs), linears on CPU weights read ``[in, out]`` copies (``linear_t``)."""
     table, attention = KERNELS, cached_attention
     if backend == "triton":
         from . import triton_backend
@@ -67,16 +69,33 @@ def lower(ir: IR, last_only: bool, backend: str = "torch") -> fx.GraphModule:
             new.target = table[name]
         env[node] = new
     graph.eliminate_dead_code()
-    return fx.GraphModule(_flatten_weights(ir, graph), graph)
+    if transposed is not None and backend == "torch":
+        _transpose_linear_weights(ir, graph, transposed)
+    graph.eliminate_dead_code()
+    return fx.GraphModule(_flatten_weights(ir, graph, transposed or {}), graph)
 
 
-def _flatten_weights(ir: IR, graph: fx.Graph) -> dict:
+def _transpose_linear_weights(ir: IR, graph: fx.Graph, transposed: dict) -> None:
+    """``linear(x, W, b)`` -> ``linear_t(x, W^T, b)`` for 2-d CPU weights (see ``linear_t``)."""
+    for node in list(graph.find_nodes(op="call_function", target=KERNELS["linear"])):
+        w = node.args[1]
+        if w.op != "get_attr" or ir.weight(w.target).dim() != 2 or ir.weight(w.target).is_cuda:
+            continue
+        name = w.target + ".__transposed"
+        if name not in transposed:
+            transposed[name] = ir.weight(w.target).t().contiguous()  # [in, out]
+        with graph.inserting_before(node):
+            node.args = (node.args[0], graph.get_attr(name), *node.args[2:])
+        node.target = linear_t
+
+
+def _flatten_weights(ir: IR, graph: fx.Graph, extra: dict) -> dict:
     """Rename every weight read to a flat attribute; returns the name -> tensor map."""
     weights, flat = {}, {}
     for node in graph.find_nodes(op="get_attr"):
         if node.target not in flat:
             flat[node.target] = f"w{len(flat)}"
-            weights[flat[node.target]] = ir.weight(node.target)
+            weights[flat[node.target]] = extra[node.target] if node.target in extra else ir.weight(node.target)
         node.target = flat[node.target]
     return weights
 

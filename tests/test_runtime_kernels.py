@@ -22,3 +22,21 @@ def test_rope(heads, head_dim, rot):
     x = torch.randn(2, 5, heads * head_dim)
     cos, sin = torch.randn(2, 5, rot), torch.randn(2, 5, rot)  # rot < head_dim: partial rotary
     assert torch.equal(KERNELS["rope"](x, cos, sin, head_dim), REFERENCE["rope"](x, cos, sin, head_dim))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_with_a_transposed_weight(bias):
+    x, w = torch.randn(3, 5, 96), torch.randn(40, 96)
+    b = torch.randn(40) if bias else None
+    from rewriter.runtime.kernels import linear_t
+    got = linear_t(x, w.t().contiguous(), b)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_and_decode_programs_share_one_transposed_copy():
+    import rewriter
+    from conftest import make_model
+    opt = rewriter.optimize(make_model("llama-gqa-3l"))
+    prefill, decode = opt._lowered()
+    ptrs = lambda gm: {t.data_ptr() for t in gm.buffers() if t.dim() == 2}  # noqa: E731
+    assert ptrs(prefill) == ptrs(decode)
