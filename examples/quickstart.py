@@ -43,6 +43,9 @@ def main():
         out = engine.generate(ids, max_new_tokens=48)
         text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
         print(f"--- {name}, greedy:\n{PROMPT}{text}\n")
+    out = opt.generate(ids, max_new_tokens=48, do_sample=True, temperature=0.8, top_p=0.95, seed=0)
+    text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    print(f"--- {repr(opt.passes[0])}, sampled (temperature 0.8, top_p 0.95, seed 0):\n{PROMPT}{text}")
 
 
 if __name__ == "__main__":
