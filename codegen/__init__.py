@@ -1,1 +1,22 @@
-"""Triton backend (fusion grouping, kernel templates, generated kernels): not built yet."""
+"""Triton backend: kernel templates for the fused operators and attention over the KV
+cache, and generated kernels for the pointwise groups no template covers.
+
+    norm.py               rms_norm, add_rms_norm
+    swiglu.py             silu(gate) * up
+    rope.py               rotary embedding on folded heads
+    decode_attention.py   one token over the cache: GQA, split (flash-decoding), window +
+                          sinks, per-head token lists, any layer's cache
+    prefill_attention.py  causal flash attention over the cache
+    partition.py          pointwise groups on the graph (networkx)
+    pointwise.py          their generated Triton source (sympy indices), cache, launcher
+
+Importing the templates imports triton; ``TEMPLATES`` lists them for dumps.
+"""
+from __future__ import annotations
+
+
+def __getattr__(name):
+    if name == "TEMPLATES":  # imported on use: triton is an optional dependency
+        from . import decode_attention, norm, prefill_attention, rope, swiglu
+        return [norm, swiglu, rope, decode_attention, prefill_attention]
+    raise AttributeError(name)

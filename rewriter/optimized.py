@@ -31,10 +31,14 @@ class OptimizedModel(Engine):
         self._snapshots = snapshots or []
 
     def dump(self, directory: str | os.PathLike) -> None:
-        """Write the IR after every pass (text, DOT, op diff) into ``directory``."""
+        """Write the IR after every pass (text, DOT, op diff) into ``directory``; with the
+        Triton backend, also ``kernels/``: every generated kernel's source and the templates."""
         dumper = Dumper(directory)
         for name, ir in self._snapshots:
             dumper.write(name, ir)
+        if self.backend == "triton" and self.ir.is_causal_lm:
+            for name, source in self.kernel_sources(templates=True).items():
+                dumper.write_text(f"kernels/{name}", source)
 
     def __repr__(self) -> str:
         return f"OptimizedModel({self.ir.summary()}, passes={self.passes}, backend={self.backend!r})"

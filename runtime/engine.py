@@ -124,6 +124,19 @@ class Engine:
         with torch.no_grad():
             return self.ir.gm(input_ids, positions)
 
+    def kernel_sources(self, templates: bool = False) -> dict[str, str]:
+        """File name -> Triton source of every generated kernel (and, with ``templates``,
+        of the template modules) the Triton backend runs for this IR."""
+        if self.backend != "triton":
+            return {}
+        out = {f"{k.name}.py": k.source for program in self._lowered()
+               for k in program.generated_kernels}
+        if templates:
+            from rewriter.codegen import TEMPLATES
+            out.update({f"templates/{m.__name__.rsplit('.', 1)[-1]}.py": _module_source(m)
+                        for m in TEMPLATES})
+        return out
+
     # ------------------------------------------------------------------ artifacts
     def save(self, directory: Union[str, os.PathLike], progress: bool = False) -> None:
         """Write an artifact directory that ``rewriter.load`` reads (atomically)."""
@@ -183,3 +196,8 @@ def check_token_ids(ids: Tensor, vocab: Optional[int]) -> None:
                          f"{ids.dtype} {list(ids.shape)}")
     if ids.numel() and vocab is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
         raise ValueError(f"input_ids hold token ids outside the vocabulary [0, {vocab})")
+
+
+def _module_source(module) -> str:
+    import inspect
+    return inspect.getsource(module)

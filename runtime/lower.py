@@ -45,7 +45,14 @@ def lower(ir: IR, last_only: bool, backend: str = "torch",
     env: dict[fx.Node, fx.Node] = {}
     step = graph.placeholder("step")
     slot = 0
-    for node in ir.graph.nodes:
+    order, generated = list(ir.graph.nodes), []
+    if backend == "triton":  # pointwise groups no template covers become generated kernels
+        from rewriter.codegen.partition import pointwise_groups, schedule
+        order = schedule(ir.gm, pointwise_groups(ir.gm))
+    for node in order:
+        if isinstance(node, list):
+            generated.append(_generated_call(graph, node, env, len(generated)))
+            continue
         if node.op == "output":
             (out,) = node.args
             result = env[out]
@@ -72,7 +79,22 @@ def lower(ir: IR, last_only: bool, backend: str = "torch",
     if transposed is not None and backend == "torch":
         _transpose_linear_weights(ir, graph, transposed)
     graph.eliminate_dead_code()
-    return fx.GraphModule(_flatten_weights(ir, graph, transposed or {}), graph)
+    program = fx.GraphModule(_flatten_weights(ir, graph, transposed or {}), graph)
+    program.generated_kernels = generated  # for dumps and artifacts
+    return program
+
+
+def _generated_call(graph: fx.Graph, group: list, env: dict, index: int):
+    """One call of a generated Triton kernel in place of a pointwise group."""
+    from rewriter.codegen.pointwise import Launcher, generate
+    kernel = generate(group, index)
+    call = graph.call_function(Launcher(kernel), tuple(env[a] for a in kernel.inputs))
+    if len(kernel.outputs) == 1:
+        env[kernel.outputs[0]] = call
+    else:
+        for i, out in enumerate(kernel.outputs):
+            env[out] = graph.call_function(operator.getitem, (call, i))
+    return kernel
 
 
 def _transpose_linear_weights(ir: IR, graph: fx.Graph, transposed: dict) -> None:

@@ -68,6 +68,12 @@ class Dumper:
         self.prev = counts
         _write_text(self.dir / "summary.json", json.dumps(self.steps, indent=2) + "\n")
 
+    def write_text(self, relpath: str, text: str) -> None:
+        """Any other file of the dump (e.g. ``kernels/<name>.py``)."""
+        path = self.dir / relpath
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_text(path, text)
+
 
 def _write_text(path: Path, text: str) -> None:
     """Write through a temporary file so a reader never sees half a dump."""
