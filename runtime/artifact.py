@@ -4,6 +4,8 @@
     ir.json              the IR as data (``rewriter.ir.serialize``) and the IR's info
     weights.safetensors  every weight once (tied weights are stored once and aliased)
     tokenizer.json       the tokenizer, when there is one
+    kernels/*.py         generated Triton kernels (Triton backend), for reading and, with
+                         ``load(..., trust_code=True)``, for running as stored
 
 Saving writes a hidden sibling directory and renames it into place, so an interrupted
 save leaves no directory that loads. Loading checks every file against the manifest
@@ -27,8 +29,8 @@ from rewriter.errors import ArtifactError
 
 FORMAT = "rewriter-artifact"
 FORMAT_VERSION = 1
-IR_FILE, WEIGHTS_FILE, TOKENIZER_FILE, MANIFEST = (
-    "ir.json", "weights.safetensors", "tokenizer.json", "manifest.json")
+IR_FILE, WEIGHTS_FILE, TOKENIZER_FILE, MANIFEST, KERNELS_DIR = (
+    "ir.json", "weights.safetensors", "tokenizer.json", "manifest.json", "kernels")
 
 
 # ---------------------------------------------------------------------------- save
@@ -53,7 +55,13 @@ def save(engine, directory, progress: bool = False) -> Path:
         tokenizer = _tokenizer_json(engine.tokenizer)
         if tokenizer is not None:
             (tmp / TOKENIZER_FILE).write_text(tokenizer)
-        files = {p.name: _file_entry(p) for p in sorted(tmp.iterdir())}
+        kernels = {n: src for n, src in engine.kernel_sources().items() if "/" not in n}
+        if kernels:
+            (tmp / KERNELS_DIR).mkdir()
+            for name, source in kernels.items():
+                (tmp / KERNELS_DIR / name).write_text(source)
+        files = {p.relative_to(tmp).as_posix(): _file_entry(p)
+                 for p in sorted(tmp.rglob("*")) if p.is_file()}
         bar.update()
         _write_json(tmp / MANIFEST, _manifest(engine, files, tokenizer is not None))
         _replace_dir(tmp, final)
@@ -149,6 +157,8 @@ def load(directory, trust_code: bool = False, backend: Optional[str] = None):
     if manifest.get("tokenizer"):
         tokenizer = _read_tokenizer(d / manifest["tokenizer"])
     backend = backend or manifest.get("backend", "torch")
+    stored_kernels = {n.split("/", 1)[1].removesuffix(".py"): (d / n).read_text()
+                      for n in manifest["files"] if n.startswith(KERNELS_DIR + "/")}
     if backend == "triton":
         from .triton_backend import available
         reason = available(next(iter(weights.values())).device if weights else torch.device("cpu"))
@@ -156,7 +166,10 @@ def load(directory, trust_code: bool = False, backend: Optional[str] = None):
             raise ValueError(f"{d}: saved for {reason}; load(..., backend='torch') runs it anyway")
     elif backend != "torch":
         raise ArtifactError(f"{d / MANIFEST}: unknown backend {backend!r}")
-    return Engine(ir, tokenizer, manifest.get("passes", []), backend)
+    engine = Engine(ir, tokenizer, manifest.get("passes", []), backend)
+    if trust_code:
+        engine.trusted_kernels = stored_kernels
+    return engine
 
 
 def read_manifest(directory) -> dict:
@@ -182,7 +195,9 @@ def _read_manifest(d: Path) -> dict:
 
 
 def _check_file(d: Path, name: str, entry: dict) -> None:
-    if Path(name).name != name or name in (".", "..", MANIFEST):
+    parts = name.split("/")
+    plain = all(p and p not in (".", "..") and Path(p).name == p for p in parts)
+    if not plain or name == MANIFEST or (len(parts) == 2 and parts[0] != KERNELS_DIR) or len(parts) > 2:
         raise ArtifactError(f"{d / MANIFEST}: bad file name {name!r}")
     path = d / name
     if not path.is_file():

@@ -42,6 +42,9 @@ class Engine:
         # Cost counters over every generate/stream call: forward_passes, layer_evals, tokens
         # (see ``decode_loop``); reset with ``stats.clear()``.
         self.stats: Counter = Counter()
+        # Stored kernel sources (kernel name -> source) to run as they are; set by
+        # ``rewriter.load(..., trust_code=True)`` only.
+        self.trusted_kernels: dict[str, str] = {}
 
     # ------------------------------------------------------------------ properties
     @property
@@ -158,8 +161,8 @@ class Engine:
     def _lowered(self):
         if self._programs is None:
             transposed: dict = {}  # one transposed copy per weight, for both programs
-            self._programs = (lower(self.ir, True, self.backend, transposed),
-                              lower(self.ir, False, self.backend, transposed))
+            self._programs = (lower(self.ir, True, self.backend, transposed, self.trusted_kernels),
+                              lower(self.ir, False, self.backend, transposed, self.trusted_kernels))
         return self._programs
 
     def _cache_for(self, batch: int, need: int) -> KVCache:

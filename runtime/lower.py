@@ -28,11 +28,13 @@ _SHORT = {op: name for name, op in OPS.items()}
 
 
 def lower(ir: IR, last_only: bool, backend: str = "torch",
-          transposed: dict | None = None) -> fx.GraphModule:
+          transposed: dict | None = None, kernel_sources: dict | None = None) -> fx.GraphModule:
     """The step program ``(step, input_ids, positions) -> logits`` of a causal-LM IR;
     ``backend`` picks the kernels (``torch``: ``runtime.kernels``; ``triton``:
     ``runtime.triton_backend``). With ``transposed`` (a dict the caller keeps, shared by
-    its programs), linears on CPU weights read ``[in, out]`` copies (``linear_t``)."""
+    its programs), linears on CPU weights read ``[in, out]`` copies (``linear_t``).
+    ``kernel_sources`` (name -> source) replaces generated kernels' sources: an artifact's
+    stored kernels, used only when its loader said ``trust_code=True``."""
     table, attention = KERNELS, cached_attention
     if backend == "triton":
         from . import triton_backend
@@ -51,7 +53,7 @@ def lower(ir: IR, last_only: bool, backend: str = "torch",
         order = schedule(ir.gm, pointwise_groups(ir.gm))
     for node in order:
         if isinstance(node, list):
-            generated.append(_generated_call(graph, node, env, len(generated)))
+            generated.append(_generated_call(graph, node, env, len(generated), kernel_sources or {}))
             continue
         if node.op == "output":
             (out,) = node.args
@@ -84,10 +86,13 @@ def lower(ir: IR, last_only: bool, backend: str = "torch",
     return program
 
 
-def _generated_call(graph: fx.Graph, group: list, env: dict, index: int):
+def _generated_call(graph: fx.Graph, group: list, env: dict, index: int, sources: dict):
     """One call of a generated Triton kernel in place of a pointwise group."""
+    import dataclasses
     from rewriter.codegen.pointwise import Launcher, generate
     kernel = generate(group, index)
+    if kernel.name in sources:
+        kernel = dataclasses.replace(kernel, source=sources[kernel.name])
     call = graph.call_function(Launcher(kernel), tuple(env[a] for a in kernel.inputs))
     if len(kernel.outputs) == 1:
         env[kernel.outputs[0]] = call
