@@ -50,3 +50,45 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
                                 BLOCK_HALF=triton.next_power_of_2(max(1, rot // 2)),
                                 BLOCK_D=triton.next_power_of_2(max(1, head_dim - rot)))
     return out.view(b, s, hd)
+
+
+@triton.jit
+def rope_into_cache_kernel(k_ptr, cos_ptr, sin_ptr, cache_ptr, seq, start, head_dim, half,
+                           k_stride, cs_stride, c_sb, c_sh, c_sl,
+                           BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+    token = tl.program_id(0)  # b * seq + s
+    head = tl.program_id(1)
+    b, s = token // seq, token % seq
+    src = k_ptr + token * k_stride + head * head_dim
+    dst = cache_ptr + b * c_sb + head * c_sh + (start + s) * c_sl
+    i = tl.arange(0, BLOCK_HALF)
+    m = i < half
+    a1 = tl.load(src + i, mask=m, other=0.0).to(tl.float32)
+    a2 = tl.load(src + half + i, mask=m, other=0.0).to(tl.float32)
+    c1 = tl.load(cos_ptr + token * cs_stride + i, mask=m, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + token * cs_stride + half + i, mask=m, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + token * cs_stride + i, mask=m, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + token * cs_stride + half + i, mask=m, other=0.0).to(tl.float32)
+    ty = cache_ptr.dtype.element_ty
+    tl.store(dst + i, (a1 * c1 - a2 * s1).to(ty), mask=m)
+    tl.store(dst + half + i, (a2 * c2 + a1 * s2).to(ty), mask=m)
+    j = 2 * half + tl.arange(0, BLOCK_D)
+    mp = j < head_dim
+    tl.store(dst + j, tl.load(src + j, mask=mp, other=0.0), mask=mp)
+
+
+def rope_into_cache(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
+                    cache: torch.Tensor, start: int) -> None:
+    """Rotate ``k`` ``[B, S, Hkv*D]`` and write it into ``cache`` ``[B, Hkv, L, D]`` at
+    positions ``[start, start + S)``: ``FuseRoPE``'s K path, one read and one write."""
+    b, s, hd = k.shape
+    heads, rot = hd // head_dim, cos.shape[-1]
+    k2 = k.reshape(b * s, hd)
+    if k2.stride(-1) != 1:
+        k2 = k2.contiguous()
+    c2 = cos.to(k.dtype).reshape(b * s, rot).contiguous()
+    s2 = sin.to(k.dtype).reshape(b * s, rot).contiguous()
+    rope_into_cache_kernel[(b * s, heads)](
+        k2, c2, s2, cache, s, start, head_dim, rot // 2, k2.stride(0), c2.stride(0),
+        *cache.stride()[:3], BLOCK_HALF=triton.next_power_of_2(max(1, rot // 2)),
+        BLOCK_D=triton.next_power_of_2(max(1, head_dim - rot)))

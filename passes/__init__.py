@@ -9,13 +9,15 @@ import json
 
 from .fuse_add_rms_norm import FuseAddRMSNorm
 from .fuse_qkv import FuseQKV
+from .fuse_rope import FuseRoPE
 from .fuse_swiglu import FuseSwiGLU
 from .layer_skip import LayerSkip
 
 PASSES = {"layer_skip": LayerSkip, "fuse_qkv": FuseQKV, "fuse_swiglu": FuseSwiGLU,
-          "fuse_add_rms_norm": FuseAddRMSNorm}
+          "fuse_add_rms_norm": FuseAddRMSNorm, "fuse_rope": FuseRoPE}
 
-__all__ = ["LayerSkip", "FuseQKV", "FuseSwiGLU", "FuseAddRMSNorm", "PASSES", "from_spec"]
+__all__ = ["LayerSkip", "FuseQKV", "FuseSwiGLU", "FuseAddRMSNorm", "FuseRoPE", "PASSES",
+           "from_spec"]
 
 
 def from_spec(spec: str):

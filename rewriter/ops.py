@@ -153,13 +153,20 @@ def attention(
     scale: float,
     causal: bool = True,
     window: Optional[int] = None,
+    cos: Optional[Tensor] = None,
+    sin: Optional[Tensor] = None,
 ) -> Tensor:
     """Scaled dot-product attention of one decoder layer; the op that owns the KV cache.
 
     q ``[B, S, Hq*D]``, k/v ``[B, S, Hkv*D]`` -> ``[B, S, Hq*D]``. Query heads are grouped
     over ``Hq / Hkv`` key/value heads (GQA). ``window`` limits each query to the last
-    ``window`` keys (sliding-window attention). ``layer`` names the cache slot.
+    ``window`` keys (sliding-window attention). ``layer`` names the cache slot. With
+    ``cos``/``sin`` (``FuseRoPE``), q and k are rotated first, exactly as ``rope`` does, so a
+    backend can rotate K in the kernel that writes it into the cache.
     """
+    if cos is not None:
+        q = REFERENCE["rope"](q, cos, sin, head_dim)
+        k = REFERENCE["rope"](k, cos, sin, head_dim)
     b, s, _ = q.shape
     qh = q.view(b, s, num_heads, head_dim).transpose(1, 2)  # [B, Hq, S, D]
     kh = k.view(b, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, T, D]

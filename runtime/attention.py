@@ -51,12 +51,16 @@ class Step:
 
 
 def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, slot: int, num_heads: int,
-                     num_kv_heads: int, head_dim: int, scale: float,
-                     window: Optional[int]) -> Tensor:
+                     num_kv_heads: int, head_dim: int, scale: float, window: Optional[int],
+                     cos: Optional[Tensor] = None, sin: Optional[Tensor] = None) -> Tensor:
     """``rw.attention`` with K/V written into cache slot ``slot`` first.
 
-    q ``[B, S, Hq*D]``, k/v ``[B, S, Hkv*D]`` -> ``[B, S, Hq*D]``.
+    q ``[B, S, Hq*D]``, k/v ``[B, S, Hkv*D]`` -> ``[B, S, Hq*D]``; with ``cos``/``sin``
+    (``FuseRoPE``) q and k are rotated here first.
     """
+    if cos is not None:
+        from .kernels import KERNELS
+        q, k = KERNELS["rope"](q, cos, sin, head_dim), KERNELS["rope"](k, cos, sin, head_dim)
     b, s, _ = q.shape
     k_cache, v_cache = step.cache.k[slot], step.cache.v[slot]
     k_cache[:, :, step.start:step.end] = k.view(b, s, num_kv_heads, head_dim).transpose(1, 2)

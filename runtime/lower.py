@@ -73,6 +73,9 @@ def lower(ir: IR, last_only: bool, backend: str = "torch",
             new.args = (step, q, k, v, slot)
             new.kwargs = {k: params[k] for k in ("num_heads", "num_kv_heads", "head_dim",
                                                  "scale", "window")}
+            if node.kwargs.get("cos") is not None:  # FuseRoPE: rotate inside attention
+                new.kwargs = {**new.kwargs, "cos": env[node.kwargs["cos"]],
+                              "sin": env[node.kwargs["sin"]]}
             slot += 1
         elif name is not None:
             new.target = table[name]

@@ -39,14 +39,20 @@ def kernels() -> dict:
 
 
 def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, slot: int, num_heads: int,
-                     num_kv_heads: int, head_dim: int, scale: float,
-                     window: Optional[int]) -> Tensor:
-    """``rw.attention`` over cache slot ``slot``: decode or prefill kernel by step length."""
+                     num_kv_heads: int, head_dim: int, scale: float, window: Optional[int],
+                     cos: Optional[Tensor] = None, sin: Optional[Tensor] = None) -> Tensor:
+    """``rw.attention`` over cache slot ``slot``: decode or prefill kernel by step length;
+    with ``cos``/``sin`` (``FuseRoPE``) K is rotated by the kernel that writes the cache."""
     from rewriter.codegen.decode_attention import decode_attention
     from rewriter.codegen.prefill_attention import prefill_attention
+    from rewriter.codegen.rope import rope, rope_into_cache
     b, s, _ = q.shape
     k_cache, v_cache = step.cache.k[slot], step.cache.v[slot]
-    k_cache[:, :, step.start:step.end] = k.view(b, s, num_kv_heads, head_dim).transpose(1, 2)
+    if cos is not None:
+        q = rope(q, cos, sin, head_dim)
+        rope_into_cache(k, cos, sin, head_dim, k_cache, step.start)
+    else:
+        k_cache[:, :, step.start:step.end] = k.view(b, s, num_kv_heads, head_dim).transpose(1, 2)
     v_cache[:, :, step.start:step.end] = v.view(b, s, num_kv_heads, head_dim).transpose(1, 2)
     start = step.pad if step.pad is not None else _zeros(b, q.device)
     if s == 1:

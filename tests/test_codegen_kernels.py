@@ -162,3 +162,15 @@ def test_prefill_attention_continues_after_cached_tokens():
     want = REFERENCE["attention"](q, k, v, 0, hq, hkv, dim, 0.25, True, None)[:, 10:]
     got = prefill_attention(q[:, 10:], as_cache(k, hkv, dim, 20), as_cache(v, hkv, dim, 20), hq, 0.25, q_start=10)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("b,s,heads,head_dim,rot,start", [(2, 5, 2, 16, 16, 3), (1, 1, 1, 24, 24, 9),
+                                                           (3, 4, 2, 20, 10, 0)])
+def test_rope_into_cache_writes_rotated_keys_and_nothing_else(b, s, heads, head_dim, rot, start):
+    k = torch.randn(b, s, heads * head_dim)
+    cos, sin = torch.randn(b, s, rot), torch.randn(b, s, rot)
+    cache = poisoned((b, heads, start + s + 4, head_dim))
+    rope.rope_into_cache(k, cos, sin, head_dim, cache, start)
+    want = REFERENCE["rope"](k, cos, sin, head_dim).view(b, s, heads, head_dim).transpose(1, 2)
+    torch.testing.assert_close(cache[:, :, start:start + s], want, rtol=1e-5, atol=1e-5)
+    assert cache[:, :, :start].isnan().all() and cache[:, :, start + s:].isnan().all()

@@ -11,12 +11,13 @@ import pytest
 import torch
 
 import rewriter
-from rewriter.passes import FuseAddRMSNorm, FuseQKV, FuseSwiGLU, LayerSkip
+from rewriter.passes import FuseAddRMSNorm, FuseQKV, FuseRoPE, FuseSwiGLU, LayerSkip
 
 from conftest import CONFIGS, assert_close_rel, make_model, varied_init
 
 GOLDEN = Path(__file__).parent / "golden"
-PASSES = {"fuse_qkv": FuseQKV, "fuse_swiglu": FuseSwiGLU, "fuse_add_rms_norm": FuseAddRMSNorm}
+PASSES = {"fuse_qkv": FuseQKV, "fuse_swiglu": FuseSwiGLU, "fuse_add_rms_norm": FuseAddRMSNorm,
+          "fuse_rope": FuseRoPE}
 IDS = torch.tensor([[3, 17, 42, 5, 99, 8, 64], [1, 2, 3, 4, 5, 6, 7]])
 
 
@@ -49,9 +50,10 @@ def test_fusions_find_what_each_family_has():
         opt = rewriter.optimize(make_model(config), passes=[p() for p in PASSES.values()])
         counts[config] = opt.ir.info["fusions"]
     # every RMSNorm but the first and the final one: 2 per layer - 1
-    assert counts["llama-gqa-3l"] == {"FuseQKV": 3, "FuseSwiGLU": 3, "FuseAddRMSNorm": 5}
-    # GPT-2: biased q/k/v fuse (their biases too); no gated MLP, LayerNorm not RMSNorm
-    assert counts["gpt2-3l"] == {"FuseQKV": 3, "FuseSwiGLU": 0, "FuseAddRMSNorm": 0}
+    assert counts["llama-gqa-3l"] == {"FuseQKV": 3, "FuseSwiGLU": 3, "FuseAddRMSNorm": 5,
+                                      "FuseRoPE": 3}
+    # GPT-2: biased q/k/v fuse (their biases too); no gated MLP, no RMSNorm, no RoPE
+    assert counts["gpt2-3l"] == {"FuseQKV": 3, "FuseSwiGLU": 0, "FuseAddRMSNorm": 0, "FuseRoPE": 0}
 
 
 def test_fused_weights_replace_the_originals():

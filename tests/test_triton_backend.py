@@ -6,11 +6,11 @@ import torch
 pytest.importorskip("triton")
 
 import rewriter  # noqa: E402
-from rewriter.passes import FuseAddRMSNorm, FuseQKV, FuseSwiGLU, LayerSkip  # noqa: E402
+from rewriter.passes import FuseAddRMSNorm, FuseQKV, FuseRoPE, FuseSwiGLU, LayerSkip  # noqa: E402
 
 from conftest import make_model  # noqa: E402
 
-FUSIONS = [FuseQKV, FuseSwiGLU, FuseAddRMSNorm]
+FUSIONS = [FuseQKV, FuseSwiGLU, FuseAddRMSNorm, FuseRoPE]
 ROWS = [[3, 17, 42, 5, 99, 8, 64], [1, 2, 3], [50, 60, 70, 80, 90]]
 
 
