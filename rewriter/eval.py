@@ -101,7 +101,7 @@ def agreement(tokens: torch.Tensor, reference: torch.Tensor) -> dict:
 
 def passkey_accuracy(engine, tokenizer, lengths, depths, trials: int, seed: int = 0) -> dict:
     """Exact-digit greedy accuracy per context length (every depth and trial batched)."""
-    from .corpus import code_lines, load_corpus, passkey_sample
+    from .corpus import passkey_sample
     tok = _backend(tokenizer)
     lines = _code_lines()
     out = {}

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import operator
 
-import torch
 from torch import fx
 
 from rewriter.errors import RewriterError
