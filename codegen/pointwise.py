@@ -18,6 +18,7 @@ from pathlib import Path
 
 import sympy
 import torch
+from sympy.printing.pycode import PythonCodePrinter
 from torch import fx
 
 from .partition import POINTWISE
@@ -60,7 +61,7 @@ def generate(group: list[fx.Node], index: int) -> GeneratedKernel:
     for k, a in enumerate(inputs):
         offset = _offset(i, tuple(a.meta["shape"]), out_shape)
         offsets.append(offset)
-        body.append(f"    x{k} = tl.load(in{k}_ptr + ({_code(offset)}), mask=mask, other=0.0).to(tl.float32)")
+        body.append(f"    x{k} = tl.load(in{k}_ptr + {_code(offset)}, mask=mask, other=0.0).to(tl.float32)")
         names[a] = f"x{k}"
     for k, n in enumerate(group):
         args = [names[a] if isinstance(a, fx.Node) else _literal(a) for a in n.args
@@ -105,10 +106,38 @@ def _offset(i: sympy.Symbol, shape: tuple, out_shape: tuple) -> sympy.Expr:
     return sympy.simplify(offset)
 
 
+class _IndexPrinter(PythonCodePrinter):
+    """Integer index arithmetic: ``floor(p/q)`` prints as ``(p // q)``, ``Mod`` as ``(a % b)``."""
+
+    def _operand(self, x) -> str:
+        text = self._print(x)
+        return text if x.is_Atom or _enclosed(text) else f"({text})"
+
+    def _print_floor(self, expr):
+        num, den = sympy.fraction(sympy.together(expr.args[0]))
+        return f"({self._operand(num)} // {self._operand(den)})"
+
+    def _print_Mod(self, expr):
+        a, b = expr.args
+        return f"({self._operand(a)} % {self._operand(b)})"
+
+
+def _enclosed(text: str) -> bool:
+    """Whether ``text`` is one parenthesised group, ``(...)``."""
+    if not (text.startswith("(") and text.endswith(")")):
+        return False
+    depth = 0
+    for k, ch in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0 and k < len(text) - 1:
+            return False
+    return True
+
+
 def _code(e: sympy.Expr) -> str:
-    """Triton/Python text of an index expression (floor division, modulo)."""
-    text = sympy.pycode(e).replace("math.floor", "")
-    return text
+    """Triton/Python text of an index expression, in integer arithmetic only, enclosed."""
+    text = _IndexPrinter().doprint(e)
+    return text if _enclosed(text) else f"({text})"
 
 
 def _literal(v) -> str:
@@ -118,8 +147,16 @@ def _literal(v) -> str:
 # ---------------------------------------------------------------------------- compile + launch
 
 def cache_dir() -> Path:
-    d = Path(os.environ.get("REWRITER_CACHE", Path(tempfile.gettempdir()) / "rewriter-kernels"))
-    d.mkdir(parents=True, exist_ok=True)
+    """``$REWRITER_CACHE``, or a private per-user directory under the system temp dir."""
+    if os.environ.get("REWRITER_CACHE"):
+        d = Path(os.environ["REWRITER_CACHE"])
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+    d = Path(tempfile.gettempdir()) / f"rewriter-kernels-{os.getuid()}"
+    d.mkdir(mode=0o700, exist_ok=True)
+    st = d.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:  # someone else's, or open to others
+        raise RuntimeError(f"{d}: kernel cache not private to this user; set $REWRITER_CACHE")
     return d
 
 
@@ -130,14 +167,16 @@ def compile_source(kernel: GeneratedKernel):
     """The ``@triton.jit`` function of ``kernel.source``, cached by the source's hash.
 
     Triton reads a kernel's source from its file, so the source is written to the cache
-    directory (``$REWRITER_CACHE``) under its hash and imported from there.
+    directory under its hash and imported from there; a file already there is used only if
+    its text is exactly the source (a stale or planted file is rewritten first).
     """
     digest = hashlib.sha256(kernel.source.encode()).hexdigest()[:20]
     if digest not in _COMPILED:
         path = cache_dir() / f"k_{digest}.py"
-        if not path.exists():
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(kernel.source)
+        if not path.is_file() or path.is_symlink() or path.read_text() != kernel.source:
+            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")  # O_EXCL, mode 0600
+            with os.fdopen(fd, "w") as f:
+                f.write(kernel.source)
             os.replace(tmp, path)
         spec = importlib.util.spec_from_file_location(f"rewriter_kernel_{digest}", path)
         module = importlib.util.module_from_spec(spec)

@@ -132,7 +132,7 @@ def load(directory, trust_code: bool = False, backend: Optional[str] = None):
     """The ``Engine`` stored in ``directory``; every file is checked first. ``backend``
     overrides the one it was saved with (e.g. ``"torch"`` for a Triton artifact on a CPU)."""
     from rewriter.ir.core import IR
-    from rewriter.ir.serialize import graph_from_data
+    from rewriter.ir.serialize import check_weight_path, graph_from_data
     from rewriter.ir.shapes import propagate_shapes
     from .engine import Engine
     d = Path(directory)
@@ -145,6 +145,8 @@ def load(directory, trust_code: bool = False, backend: Optional[str] = None):
     ir_data = _read_json(d / IR_FILE)
     weights = _read_weights(d / WEIGHTS_FILE)
     try:
+        for name in ir_data["weights"]:
+            check_weight_path(name)
         by_name = {name: weights[stored] for name, stored in ir_data["weights"].items()}
         gm = graph_from_data(ir_data["graph"], by_name)
         ir = IR(gm, ir_data["info"])
@@ -154,8 +156,11 @@ def load(directory, trust_code: bool = False, backend: Optional[str] = None):
     except (ValueError, RuntimeError, TypeError) as e:
         raise ArtifactError(f"{d / IR_FILE}: {e}") from e
     tokenizer = None
-    if manifest.get("tokenizer"):
-        tokenizer = _read_tokenizer(d / manifest["tokenizer"])
+    if manifest.get("tokenizer") is not None:
+        if manifest["tokenizer"] != TOKENIZER_FILE or TOKENIZER_FILE not in manifest["files"]:
+            raise ArtifactError(f"{d / MANIFEST}: tokenizer must be the listed {TOKENIZER_FILE}, "
+                                f"got {manifest['tokenizer']!r}")
+        tokenizer = _read_tokenizer(d / TOKENIZER_FILE)
     backend = backend or manifest.get("backend", "torch")
     stored_kernels = {n.split("/", 1)[1].removesuffix(".py"): (d / n).read_text()
                       for n in manifest["files"] if n.startswith(KERNELS_DIR + "/")}

@@ -109,6 +109,7 @@ class Engine:
         batch = prepare(input_ids, attention_mask, pad, device)
         need = self._check(batch.ids, max_new_tokens)
         cache = self._cache_for(batch.ids.shape[0], need)
+        cache.busy = True  # held from now (a stream not yet started too) until its loop ends
         generator = None
         if do_sample and seed is not None:
             generator = torch.Generator(device).manual_seed(seed)

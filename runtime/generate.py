@@ -69,27 +69,31 @@ def decode_loop(prefill: fx.GraphModule, decode: fx.GraphModule, cache: KVCache,
     batch), ``layer_evals`` (decoder layers those calls ran) and ``tokens`` (steps yielded).
     """
     layers = len(cache.specs)
-    b, s = batch.ids.shape
-    eos_t = torch.tensor(list(eos), dtype=torch.int64, device=batch.ids.device)
-    finished = torch.zeros(b, dtype=torch.bool, device=batch.ids.device)
-    positions = batch.positions[:, -1:]  # [B, 1]
-    logits = _run(prefill, Step(cache, 0, s, batch.pad), batch.ids, batch.positions)
-    stats.update(forward_passes=1, layer_evals=layers)
-    for i in range(max_new_tokens):
-        chosen = next_token(logits[:, -1], sampling, generator)  # [B]
-        token = chosen
-        if len(eos):
-            token = chosen.masked_fill(finished, pad_token_id)
-            finished |= torch.isin(token, eos_t)
-        stats["tokens"] += 1
-        yield token
-        if i + 1 == max_new_tokens or (len(eos) and bool(finished.all())):
-            return
-        positions = positions + 1
-        # Ended rows go on computing (their output is discarded) on the chosen token, not
-        # the pad id, which need not be a valid token.
-        logits = _run(decode, Step(cache, s + i, 1, batch.pad), chosen[:, None], positions)
+    cache.busy = True  # until this generator ends or is dropped: no other call may reuse it
+    try:  # (the engine marks it busy already when it hands the cache out)
+        b, s = batch.ids.shape
+        eos_t = torch.tensor(list(eos), dtype=torch.int64, device=batch.ids.device)
+        finished = torch.zeros(b, dtype=torch.bool, device=batch.ids.device)
+        positions = batch.positions[:, -1:]  # [B, 1]
+        logits = _run(prefill, Step(cache, 0, s, batch.pad), batch.ids, batch.positions)
         stats.update(forward_passes=1, layer_evals=layers)
+        for i in range(max_new_tokens):
+            chosen = next_token(logits[:, -1], sampling, generator)  # [B]
+            token = chosen
+            if len(eos):
+                token = chosen.masked_fill(finished, pad_token_id)
+                finished |= torch.isin(token, eos_t)
+            stats["tokens"] += 1
+            yield token
+            if i + 1 == max_new_tokens or (len(eos) and bool(finished.all())):
+                return
+            positions = positions + 1
+            # Ended rows go on computing (their output is discarded) on the chosen token, not
+            # the pad id, which need not be a valid token.
+            logits = _run(decode, Step(cache, s + i, 1, batch.pad), chosen[:, None], positions)
+            stats.update(forward_passes=1, layer_evals=layers)
+    finally:
+        cache.busy = False
 
 
 def _run(program: fx.GraphModule, step: Step, ids: Tensor, positions: Tensor) -> Tensor:

@@ -60,10 +60,11 @@ class KVCache:
         shape = lambda s: (batch, s.num_kv_heads, max_len, s.head_dim)  # noqa: E731
         self.k = [torch.zeros(shape(s), dtype=dtype, device=device) for s in specs]
         self.v = [torch.zeros(shape(s), dtype=dtype, device=device) for s in specs]
+        self.busy = False  # a generation in progress (e.g. a paused stream) holds it
 
     def fits(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> bool:
         k = self.k[0] if self.k else None
-        return (self.batch == batch and self.max_len >= max_len
+        return (not self.busy and self.batch == batch and self.max_len >= max_len
                 and (k is None or (k.dtype == dtype and k.device == device)))
 
     @property

@@ -23,6 +23,8 @@ class Sampling:
     top_p: float = 1.0
 
     def __post_init__(self):
+        if not self.do_sample:
+            return  # greedy ignores the sampling settings, as Hugging Face does
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if self.top_k is not None and self.top_k < 0:

@@ -179,3 +179,51 @@ def test_save_refuses_to_replace_other_directories(saved, tmp_path):
     with pytest.raises(ArtifactError, match="exists and is not an artifact"):
         saved[0].save(tmp_path)
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def edit_ir(path, edit):
+    data = json.loads((path / "ir.json").read_text())
+    edit(data)
+    (path / "ir.json").write_text(json.dumps(data))
+    reseal(path, "ir.json")
+
+
+def test_a_node_name_that_is_code_is_refused(copy, capsys):
+    """torch.fx writes placeholder names into the forward() it generates."""
+    def inject(data):
+        last = [n for n in data["graph"] if n["op"] == "placeholder"][-1]
+        evil = 'positions=print("INJECTED")'
+        for n in data["graph"]:  # rename it and every reference to it
+            text = json.dumps(n).replace(f'{{"node": "{last["name"]}"}}', json.dumps({"node": evil}))
+            n.clear()
+            n.update(json.loads(text))
+        last["name"] = evil
+    edit_ir(copy, inject)
+    with pytest.raises(ArtifactError, match="ir.json: bad node name"):
+        rewriter.load(copy)
+    assert "INJECTED" not in capsys.readouterr().out
+
+
+def test_a_weight_name_that_is_code_is_refused(copy):
+    evil = 'w", None) or print("INJECTED") or getattr(self, "y'
+    def inject(data):
+        node = next(n for n in data["graph"] if n["op"] == "get_attr")
+        data["weights"][evil] = data["weights"][node["target"]]
+        node["target"] = evil
+    edit_ir(copy, inject)
+    with pytest.raises(ArtifactError, match="ir.json: .*bad weight name"):
+        rewriter.load(copy)
+
+
+def test_the_tokenizer_cannot_point_outside_the_artifact(copy):
+    rewrite_manifest(copy, lambda m: m.__setitem__("tokenizer", "/etc/hostname"))
+    with pytest.raises(ArtifactError, match="tokenizer must be the listed tokenizer.json"):
+        rewriter.load(copy)
+
+
+def test_file_reading_aten_ops_are_not_known_ops(copy):
+    def inject(data):
+        next(n for n in data["graph"] if n["op"] == "call_function")["target"] = "aten.from_file.default"
+    edit_ir(copy, inject)
+    with pytest.raises(ArtifactError, match="unknown op 'aten.from_file.default'"):
+        rewriter.load(copy)

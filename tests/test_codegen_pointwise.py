@@ -101,3 +101,41 @@ def test_llama_silu_mul_is_one_kernel_cached_by_source(tmp_path, monkeypatch):
     assert a.fn is b.fn and len(list(tmp_path.glob("k_*.py"))) == 1
     g, u = torch.randn(2, 3, 96), torch.randn(2, 3, 96)
     torch.testing.assert_close(a(g, u), torch.nn.functional.silu(g) * u, rtol=1e-5, atol=1e-6)
+
+
+class Broadcasts(torch.nn.Module):
+    """Inputs broadcast along every dimension but the last: [B,1,N], [1,S,N] (a parameter
+    slice) and [B,S,1] against [B,S,N]."""
+
+    def __init__(self, s, n):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(1, s, n))
+
+    def forward(self, x):
+        return (x * x.mean(1, keepdim=True) + self.table[:, : x.shape[1]]) * x.amax(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 12), (3, 7, 12)])
+def test_broadcast_along_leading_dims_indexes_with_integer_arithmetic(shape):
+    model = Broadcasts(7, 12)
+    opt = rewriter.optimize(model, example_inputs=(torch.randn(2, 5, 12),))
+    groups = pointwise_groups(opt.ir.gm)
+    sources = "\n".join(generate(g, i).source for i, g in enumerate(groups))
+    assert "//" in sources  # floor division, not a float index
+    x = torch.randn(shape)
+    with torch.no_grad():
+        want = model(x)
+    torch.testing.assert_close(run_groups(opt, x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_planted_cache_file_is_replaced_not_imported(tmp_path, monkeypatch):
+    monkeypatch.setenv("REWRITER_CACHE", str(tmp_path))
+    import hashlib
+    from rewriter.codegen import pointwise
+    ir = rewriter.optimize(make_model("llama-gqa-3l")).ir
+    k = generate([g for g in pointwise_groups(ir.gm) if len(g) == 2][0], 7)
+    digest = hashlib.sha256(k.source.encode()).hexdigest()[:20]
+    (tmp_path / f"k_{digest}.py").write_text("raise SystemExit('planted file ran')\n")
+    pointwise._COMPILED.pop(digest, None)
+    Launcher(k)  # compiles from the real source
+    assert (tmp_path / f"k_{digest}.py").read_text() == k.source

@@ -104,3 +104,27 @@ def test_the_cache_is_sized_to_the_request(varied_cache):
     assert cache.max_len == 128 and len(cache.k) == 3  # min(context 128, 256)
     assert cache.k[0].shape == (1, 2, 128, 16)  # [B, Hkv, max_len, D]
     assert opt.kv_bytes_per_token() == 3 * 2 * 2 * 16 * 4  # layers * (K,V) * Hkv * D * fp32
+
+
+def test_interleaved_streams_do_not_share_a_cache(varied_cache):
+    _, opt = varied_cache("llama-gqa-3l")
+    a, b = prompt(1, 6, seed=4), prompt(1, 9, seed=5)
+    kw = dict(max_new_tokens=10, eos_token_id=[])
+    want_a = opt.generate(a, **kw)[0, 6:].tolist()
+    want_b = opt.generate(b, **kw)[0, 9:].tolist()
+    s1, s2 = opt.stream(a, **kw), opt.stream(b, **kw)  # both handed out before either runs
+    got_a = [int(next(s1)[0])]
+    assert opt.generate(b, **kw)[0, 9:].tolist() == want_b  # a whole call in between
+    got_b = []
+    for t1, t2 in zip(s1, s2):
+        got_a.append(int(t1[0]))
+        got_b.append(int(t2[0]))
+    got_b += [int(t[0]) for t in s2]
+    assert got_a == want_a and got_b == want_b
+
+
+def test_greedy_ignores_sampling_settings_like_hugging_face(varied_cache):
+    _, opt = varied_cache("llama-gqa-3l")
+    ids = prompt(1, 5)
+    kw = dict(max_new_tokens=6, eos_token_id=[])
+    assert torch.equal(opt.generate(ids, temperature=0.0, top_p=0.0, **kw), opt.generate(ids, **kw))

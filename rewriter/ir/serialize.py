@@ -3,12 +3,17 @@
 A node is ``{"name", "op", "target", "args", "kwargs", "meta"}``. Targets are names:
 ``rw.<op>`` (looked up in ``rewriter.ops.OPS``), ``aten.<op>.<overload>`` (looked up on
 ``torch.ops.aten``, accepted only if it is an ATen operator overload) or
-``operator.<fn>`` from a short allow-list. Anything else is refused by name, so loading an
-IR can only ever build a graph of known operators. Arguments are JSON values, node
-references ``{"node": name}``, and tagged ``tuple``/``dtype``/``device``/``slice`` values.
+``operator.<fn>`` from a short allow-list. ATen ops must be functional (no mutation) and
+tagged core or pointwise, or be one of ``EXTRA_ATEN`` (so no file-reading op such as
+``aten.from_file``). Anything else is refused by name, so loading an IR can only ever build
+a graph of known operators. Node names must be Python identifiers and weight paths dotted
+identifiers: torch.fx writes both into the Python source it generates for the graph, so an
+unchecked name would be code. Arguments are JSON values, node references
+``{"node": name}``, and tagged ``tuple``/``dtype``/``device``/``slice`` values.
 """
 from __future__ import annotations
 
+import keyword
 import operator
 
 import torch
@@ -20,6 +25,8 @@ OPERATORS = {f.__name__: f for f in (operator.getitem, operator.add, operator.su
                                      operator.floordiv, operator.truediv, operator.neg,
                                      operator.mod, operator.pow)}
 META_KEYS = ("layer", "role", "pass")
+EXTRA_ATEN = {"t", "linear", "matmul", "softmax", "log_softmax", "contiguous", "reshape",
+              "unsqueeze", "squeeze", "transpose", "flatten", "chunk", "split"}
 _RW = {op: name for name, op in OPS.items()}
 
 
@@ -37,6 +44,8 @@ def graph_from_data(nodes: list[dict], weights: dict[str, torch.Tensor]) -> fx.G
     env: dict[str, fx.Node] = {}
     for d in nodes:
         name, op = d["name"], d["op"]
+        if not _is_identifier(name) or name in env:
+            raise ValueError(f"bad node name {name!r} (not a Python identifier, or repeated)")
         args = _decode(d.get("args", []), env, name)
         kwargs = {k: _decode(v, env, name) for k, v in d.get("kwargs", {}).items()}
         if op == "output":
@@ -45,6 +54,7 @@ def graph_from_data(nodes: list[dict], weights: dict[str, torch.Tensor]) -> fx.G
         if op == "placeholder":
             node = graph.placeholder(name)
         elif op == "get_attr":
+            check_weight_path(d["target"], name)
             if d["target"] not in weights:
                 raise ValueError(f"node {name}: weight {d['target']!r} is not in the weights file")
             node = graph.get_attr(d["target"])
@@ -53,21 +63,43 @@ def graph_from_data(nodes: list[dict], weights: dict[str, torch.Tensor]) -> fx.G
         else:
             raise ValueError(f"node {name}: unsupported node kind {op!r}")
         node.name = name
-        node.meta.update(d.get("meta", {}))
+        meta = d.get("meta", {})
+        node.meta.update({k: meta[k] for k in META_KEYS if k in meta
+                          and isinstance(meta[k], (int, str)) and not isinstance(meta[k], bool)})
         env[name] = node
     graph.lint()
     return fx.GraphModule(weights, graph)
 
 
+def _is_identifier(name) -> bool:
+    return isinstance(name, str) and name.isidentifier() and not keyword.iskeyword(name)
+
+
+def check_weight_path(path, node: str = "weights") -> None:
+    """A weight name is dotted identifiers (or indices, as in ``layers.0``)."""
+    parts = path.split(".") if isinstance(path, str) else [None]
+    if not all(p is not None and (_is_identifier(p) or p.isdigit()) for p in parts):
+        raise ValueError(f"node {node}: bad weight name {path!r}")
+
+
+def allowed_aten(op) -> bool:
+    """Functional ATen ops tagged core or pointwise, and the few in ``EXTRA_ATEN``."""
+    if op._schema.is_mutable:
+        return False
+    tags = set(op.tags)
+    return (torch.Tag.core in tags or torch.Tag.pointwise in tags
+            or op._schema.name.split("::")[-1] in EXTRA_ATEN)
+
+
 def target_name(target) -> str:
     if target in _RW:
         return f"rw.{_RW[target]}"
-    if isinstance(target, torch._ops.OpOverload) and target.namespace == "aten":
+    if isinstance(target, torch._ops.OpOverload) and target.namespace == "aten" and allowed_aten(target):
         return f"aten.{target._schema.name.split('::')[-1]}.{target._overloadname}"
     if OPERATORS.get(getattr(target, "__name__", None)) is target:
         return f"operator.{target.__name__}"
-    raise ValueError(f"cannot store op {short_name(target)}: only rw, aten and basic "
-                     f"operator targets have a data form")
+    raise ValueError(f"cannot store op {short_name(target)}: only rw ops, functional core or "
+                     f"pointwise ATen ops and basic operator targets have a data form")
 
 
 def resolve_target(name: str, node: str):
@@ -82,7 +114,7 @@ def resolve_target(name: str, node: str):
         op, overload = rest.split(".")
         packet = getattr(torch.ops.aten, op, None) if op.isidentifier() else None
         found = getattr(packet, overload, None) if packet is not None and overload.isidentifier() else None
-        found = found if isinstance(found, torch._ops.OpOverload) else None
+        found = found if isinstance(found, torch._ops.OpOverload) and allowed_aten(found) else None
     if found is None:
         raise UnknownOpError(f"node {node}: unknown op {name!r}")
     return found
