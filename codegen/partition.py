@@ -1,8 +1,10 @@
-"""Fusion groups for generated kernels: maximal groups of pointwise ops on the IR graph.
+"""Fusion groups for generated kernels: maximal groups of pointwise ops on the IR graph,
+each optionally ending in one row reduction.
 
 A node is pointwise when it is one of ``POINTWISE`` (elementwise ATen ops and the ``rw``
 activations that no template covers) and its output has the shape every tensor input
-broadcasts to. Groups grow along producer -> consumer edges (networkx), and a merge is
+broadcasts to. A row reduction (``REDUCTIONS``: sum, mean or amax over the last dim, of a
+float tensor whose last dim is a constant) may end a group: nothing joins after it. Groups grow along producer -> consumer edges (networkx), and a merge is
 kept only if the graph with every group contracted to one node stays acyclic, so a fused
 kernel never needs a value that is computed from its own output.
 """
@@ -23,6 +25,22 @@ POINTWISE = {
     aten.tanh.default: "tanh",
     OPS["silu"]: "silu", OPS["gelu"]: "gelu",
 }
+
+
+REDUCTIONS = {aten.sum.dim_IntList: "sum", aten.mean.dim: "mean", aten.amax.default: "amax"}
+
+
+def is_row_reduction(node: fx.Node) -> bool:
+    """sum / mean / amax over the last dimension only (no dtype change), constant width."""
+    if node.op != "call_function" or node.target not in REDUCTIONS:
+        return False
+    x, dims = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    v = x.meta.get("val") if isinstance(x, fx.Node) else None
+    if not isinstance(v, torch.Tensor) or not v.dtype.is_floating_point or v.dim() == 0:
+        return False
+    if node.kwargs.get("dtype") is not None or not isinstance(dims, (list, tuple)) or len(dims) != 1:
+        return False
+    return dims[0] in (-1, v.dim() - 1) and isinstance(v.shape[-1], int)
 
 
 def is_pointwise(node: fx.Node) -> bool:
@@ -52,16 +70,22 @@ def pointwise_groups(gm: fx.GraphModule) -> list[list[fx.Node]]:
     dag = nx.DiGraph()
     dag.add_nodes_from(nodes)
     dag.add_edges_from((a, n) for n in nodes for a in n.all_input_nodes)
-    group_of = {n: frozenset([n]) for n in nodes if is_pointwise(n)}
-    for n in nodes:  # topological: merge each pointwise node into its producers' groups
+    group_of = {n: frozenset([n]) for n in nodes if is_pointwise(n) or is_row_reduction(n)}
+    closed = {n for n in group_of if is_row_reduction(n)}  # groups that end in a reduction
+    for n in nodes:  # topological: merge each node into its producers' groups
         if n not in group_of:
             continue
         for a in n.all_input_nodes:
-            if a in group_of and group_of[a] is not group_of[n] and _same_shape(a, n):
-                merged = group_of[a] | group_of[n]
-                if _acyclic_with(dag, merged):
-                    for m in merged:
-                        group_of[m] = merged
+            if a not in group_of or group_of[a] is group_of[n] or group_of[a] & closed:
+                continue
+            if is_row_reduction(n):
+                ok = a is n.args[0] and not group_of[n] - {n}  # the reduction joins its input
+            else:
+                ok = not group_of[n] & closed and _same_shape(a, n)
+            merged = group_of[a] | group_of[n]
+            if ok and _acyclic_with(dag, merged):
+                for m in merged:
+                    group_of[m] = merged
     groups = {g for g in group_of.values()}
     return sorted((sorted(g, key=order.get) for g in groups), key=lambda g: order[g[0]])
 

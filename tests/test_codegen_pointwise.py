@@ -139,3 +139,32 @@ def test_a_planted_cache_file_is_replaced_not_imported(tmp_path, monkeypatch):
     pointwise._COMPILED.pop(digest, None)
     Launcher(k)  # compiles from the real source
     assert (tmp_path / f"k_{digest}.py").read_text() == k.source
+
+
+class RowReductions(torch.nn.Module):
+    """Pointwise chains that end in last-dim reductions, one result also used outside."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.w, self.b = torch.nn.Parameter(torch.randn(n)), torch.nn.Parameter(torch.randn(n))
+
+    def forward(self, x):
+        y = torch.sigmoid(x * self.w + self.b)
+        total = y.sum(-1, keepdim=True)  # ends the group of y
+        peak = torch.nn.functional.silu(x).amax(-1)  # a second group, no keepdim
+        mean = (x * x).mean(-1, keepdim=True)
+        return y / total, peak, mean
+
+
+@pytest.mark.parametrize("n,shape", [(37, (3, 5, 37)), (200, (2, 7, 200)), (5, (1, 1, 5))])
+def test_groups_may_end_in_a_row_reduction(n, shape):
+    model = RowReductions(n)
+    opt = rewriter.optimize(model, example_inputs=(torch.randn(2, 3, n),))
+    groups = pointwise_groups(opt.ir.gm)
+    ends = sorted(str(g[-1].target).split(".")[-2] for g in groups if len(g) > 1)
+    assert {"sum", "amax", "mean"} <= set(ends), ends  # each reduction closes a group
+    x = torch.randn(shape)
+    with torch.no_grad():
+        want = model(x)
+    for got, ref in zip(run_groups(opt, x), want):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
