@@ -227,3 +227,16 @@ def test_file_reading_aten_ops_are_not_known_ops(copy):
     edit_ir(copy, inject)
     with pytest.raises(ArtifactError, match="unknown op 'aten.from_file.default'"):
         rewriter.load(copy)
+
+
+def test_a_generic_module_round_trips(tmp_path):
+    """Not a causal LM: ATen ops and broadcast parameters, called with its one input."""
+    from test_codegen_pointwise import RowReductions
+    model = RowReductions(12)
+    x = torch.randn(2, 3, 12)
+    opt = rewriter.optimize(model, example_inputs=(x,))
+    opt.save(tmp_path / "a")
+    loaded = rewriter.load(tmp_path / "a")
+    y = torch.randn(4, 5, 12)  # other sizes than traced
+    for got, want in zip(loaded(y), opt(y)):
+        assert torch.equal(got, want)
