@@ -128,3 +128,13 @@ def test_greedy_ignores_sampling_settings_like_hugging_face(varied_cache):
     ids = prompt(1, 5)
     kw = dict(max_new_tokens=6, eos_token_id=[])
     assert torch.equal(opt.generate(ids, temperature=0.0, top_p=0.0, **kw), opt.generate(ids, **kw))
+
+
+@pytest.mark.parametrize("name", ["llama-gqa-3l", "gpt2-3l"])
+def test_bfloat16_greedy_equals_hugging_face(name):
+    model = make_model(name, initializer_range=varied_init(name)).to(torch.bfloat16)
+    opt = rewriter.optimize(model)
+    ids = prompt(1, 9)
+    ours = opt.generate(ids, max_new_tokens=NEW, eos_token_id=[])
+    assert opt._cache.k[0].dtype == torch.bfloat16
+    assert torch.equal(ours, hf_greedy(model, ids, NEW))
