@@ -174,3 +174,16 @@ def test_rope_into_cache_writes_rotated_keys_and_nothing_else(b, s, heads, head_
     want = REFERENCE["rope"](k, cos, sin, head_dim).view(b, s, heads, head_dim).transpose(1, 2)
     torch.testing.assert_close(cache[:, :, start:start + s], want, rtol=1e-5, atol=1e-5)
     assert cache[:, :, :start].isnan().all() and cache[:, :, start + s:].isnan().all()
+
+
+def test_decode_attention_ignores_token_indices_outside_the_cache():
+    """A bad index list is masked inside the kernel, never read out of bounds."""
+    b, hq, hkv, dim, end = 1, 4, 2, 16, 30
+    k, v = cache(b, hkv, 32, dim)
+    q = torch.randn(b, hq, dim)
+    good = torch.tensor([[[3, 7, 11, 29], [0, 1, 2, 5]]], dtype=torch.int32)
+    bad = torch.tensor([[[3, 7, 11, 29, 30, 10_000], [0, 1, 2, 5, -7, 1 << 30]]], dtype=torch.int32)
+    want = decode_attention(q, k, v, end, 0.25, index=good)
+    torch.testing.assert_close(decode_attention(q, k, v, end, 0.25, index=bad), want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="do not fit"):
+        decode_attention(q, k, v, 33, 0.25)  # more positions than the cache holds
