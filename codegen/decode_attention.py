@@ -26,12 +26,14 @@ import triton.language as tl
 
 @triton.jit
 def decode_attention_split_kernel(
-        q_ptr, k_ptr, v_ptr, start_ptr, index_ptr, part_ptr, lse_ptr,
+        q_ptr, k_ptr, v_ptr, start_ptr, index_ptr, part_ptr, lse_ptr, end_ptr,
         end, n_cand, chunk, scale, window, sinks, group, head_dim,
         q_sb, q_sh, k_sb, k_sh, k_sl, v_sb, v_sh, v_sl, i_sb, i_sh,
         p_sb, p_sh, p_ss, l_sb, l_sh,
-        HAS_INDEX: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr):
+        HAS_INDEX: tl.constexpr, END_FROM_PTR: tl.constexpr, BLOCK_G: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    if END_FROM_PTR:  # a device value: the same launch serves every step of a CUDA graph
+        end = tl.load(end_ptr)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -96,15 +98,20 @@ def decode_attention_combine_kernel(part_ptr, lse_ptr, out_ptr, splits, head_dim
     tl.store(out_ptr + b * o_sb + h * o_sh + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, end: int,
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     end: int | torch.Tensor,
                      scale: float, start: Optional[torch.Tensor] = None, window: int = 0,
                      sinks: int = 0, index: Optional[torch.Tensor] = None,
                      splits: Optional[int] = None, block_n: int = 32,
                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of ``q`` ``[B, Hq, D]`` over cache positions ``[0, end)`` of
-    ``k_cache``/``v_cache`` ``[B, Hkv, L, D]`` -> ``[B, Hq, D]``."""
+    ``k_cache``/``v_cache`` ``[B, Hkv, L, D]`` -> ``[B, Hq, D]``. ``end`` may be a
+    one-element device tensor (read by the kernel; the work then spans the whole cache)."""
     b, hq, dim = q.shape
     hkv = k_cache.shape[1]
+    end_ptr = end if isinstance(end, torch.Tensor) else None
+    if end_ptr is not None:
+        end = k_cache.shape[2]  # the loop bound; the kernel masks past the stored end
     if hq % hkv or k_cache.shape[-1] != dim or not 0 < end <= k_cache.shape[2]:
         raise ValueError(f"decode_attention: q {list(q.shape)}, cache {list(k_cache.shape)}, "
                          f"end {end} do not fit")
@@ -119,11 +126,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     lse = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
     idx = index if index is not None else start  # any int tensor: unused without HAS_INDEX
     decode_attention_split_kernel[(b, hkv, splits)](
-        q, k_cache, v_cache, start, idx, part, lse, end, n_cand, chunk, scale, window, sinks,
+        q, k_cache, v_cache, start, idx, part, lse, end_ptr if end_ptr is not None else start,
+        end, n_cand, chunk, scale, window, sinks,
         hq // hkv, dim, q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         idx.stride(0), idx.stride(1) if index is not None else 0,
         *part.stride()[:3], *lse.stride()[:2],
-        HAS_INDEX=index is not None, BLOCK_G=max(1, triton.next_power_of_2(hq // hkv)),
+        HAS_INDEX=index is not None, END_FROM_PTR=end_ptr is not None,
+        BLOCK_G=max(1, triton.next_power_of_2(hq // hkv)),
         BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(dim))
     if out is None:
         out = torch.empty(b, hq, dim, dtype=q.dtype, device=q.device)

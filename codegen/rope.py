@@ -13,11 +13,14 @@ import triton.language as tl
 
 
 @triton.jit
-def rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, seq, start, head_dim, half, x_stride,
-                cs_stride, o_sb, o_ss, o_sh, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+def rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, start_ptr, seq, start, head_dim, half,
+                x_stride, cs_stride, o_sb, o_ss, o_sh, START_FROM_PTR: tl.constexpr,
+                BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
     """One (token, head): read ``x`` ``[tokens, H*D]``, write the rotated head at
     ``out + b*o_sb + (start + s)*o_ss + head*o_sh``: a ``[B, S, H*D]`` tensor or a
-    ``[B, H, L, D]`` cache, by strides."""
+    ``[B, H, L, D]`` cache, by strides. ``start`` may come from a device value."""
+    if START_FROM_PTR:
+        start = tl.load(start_ptr)
     token = tl.program_id(0)  # b * seq + s
     head = tl.program_id(1)
     b, s = token // seq, token % seq
@@ -47,8 +50,11 @@ def _launch(x, cos, sin, head_dim, out, start, out_strides):
         x2 = x2.contiguous()
     c2 = cos.to(x.dtype).reshape(b * s, rot).contiguous()  # the reference casts cos/sin first
     s2 = sin.to(x.dtype).reshape(b * s, rot).contiguous()
-    rope_kernel[(b * s, heads)](x2, c2, s2, out, s, start, head_dim, rot // 2, x2.stride(0),
-                                c2.stride(0), *out_strides,
+    start_ptr = start if isinstance(start, torch.Tensor) else c2  # unused unless a tensor
+    rope_kernel[(b * s, heads)](x2, c2, s2, out, start_ptr,
+                                s, 0 if isinstance(start, torch.Tensor) else start, head_dim,
+                                rot // 2, x2.stride(0), c2.stride(0), *out_strides,
+                                START_FROM_PTR=isinstance(start, torch.Tensor),
                                 BLOCK_HALF=triton.next_power_of_2(max(1, rot // 2)),
                                 BLOCK_D=triton.next_power_of_2(max(1, head_dim - rot)))
 
@@ -63,7 +69,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
 
 
 def rope_into_cache(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
-                    cache: torch.Tensor, start: int) -> None:
+                    cache: torch.Tensor, start: int | torch.Tensor) -> None:
     """Rotate ``k`` ``[B, S, Hkv*D]`` and write it into ``cache`` ``[B, Hkv, L, D]`` at
-    positions ``[start, start + S)``: ``FuseRoPE``'s K path, one read and one write."""
+    positions ``[start, start + S)``: ``FuseRoPE``'s K path, one read and one write.
+    ``start`` may be a one-element device tensor (a CUDA-graph decode step)."""
     _launch(k, cos, sin, head_dim, cache, start, (cache.stride(0), cache.stride(2), cache.stride(1)))

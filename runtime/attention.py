@@ -20,6 +20,8 @@ from .kv_cache import KVCache
 class Step:
     """One forward call of the runtime: where it writes in the cache, and its masks."""
 
+    static = False
+
     def __init__(self, cache: KVCache, start: int, length: int, pad: Optional[Tensor]):
         self.cache, self.start, self.length, self.pad = cache, start, length, pad
         self.end = start + length
@@ -63,11 +65,47 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, slot: int, num
         q, k = KERNELS["rope"](q, cos, sin, head_dim), KERNELS["rope"](k, cos, sin, head_dim)
     b, s, _ = q.shape
     k_cache, v_cache = step.cache.k[slot], step.cache.v[slot]
-    k_cache[:, :, step.start:step.end] = k.view(b, s, num_kv_heads, head_dim).transpose(1, 2)
-    v_cache[:, :, step.start:step.end] = v.view(b, s, num_kv_heads, head_dim).transpose(1, 2)
+    write_kv(step, k_cache, v_cache, k.view(b, s, num_kv_heads, head_dim).transpose(1, 2),
+             v.view(b, s, num_kv_heads, head_dim).transpose(1, 2))  # [B, Hkv, S, D]
     qh = q.view(b, s, num_heads, head_dim).transpose(1, 2)  # [B, Hq, S, D]
     keys = k_cache[:, :, :step.end]  # [B, Hkv, end, D]
     values = v_cache[:, :, :step.end]
     out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=step.mask(window),
                                          scale=scale, enable_gqa=num_heads != num_kv_heads)
     return out.transpose(1, 2).reshape(b, s, num_heads * head_dim)  # [B, S, Hq*D]
+
+
+class StaticStep(Step):
+    """A one-token decode step whose write position is a device tensor ``pos`` ``[1]``.
+
+    Nothing about it is a Python number that changes between tokens: K/V are written with
+    ``index_copy_`` at ``pos`` and attention reads the whole cache under a mask built on
+    the device. So the step can be captured once in a CUDA graph and replayed per token.
+    """
+
+    static = True
+
+    def __init__(self, cache: KVCache, pos: Tensor, pad: Optional[Tensor]):
+        super().__init__(cache, 0, 1, pad)
+        self.pos = pos
+        self.end = cache.max_len
+
+    def _build_mask(self, window: Optional[int]) -> Tensor:
+        kj = torch.arange(self.cache.max_len, device=self.pos.device)  # [L]
+        mask = kj <= self.pos
+        if window is not None:
+            mask = mask & (self.pos - kj < window)
+        mask = mask[None, None, None, :]  # [1, 1, 1, L]
+        if self.pad is not None:
+            mask = mask & (kj >= self.pad[:, None, None, None])  # [B, 1, 1, L]
+        return mask
+
+
+def write_kv(step: Step, k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor) -> None:
+    """Store the step's K and V ``[B, Hkv, S, D]`` at its cache positions."""
+    if step.static:
+        k_cache.index_copy_(2, step.pos, k)
+        v_cache.index_copy_(2, step.pos, v)
+    else:
+        k_cache[:, :, step.start:step.end] = k
+        v_cache[:, :, step.start:step.end] = v

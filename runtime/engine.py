@@ -45,6 +45,9 @@ class Engine:
         # Stored kernel sources (kernel name -> source) to run as they are; set by
         # ``rewriter.load(..., trust_code=True)`` only.
         self.trusted_kernels: dict[str, str] = {}
+        # Decode through fixed buffers with a device-side write position (always on CUDA,
+        # where the step is also captured in a CUDA graph); settable to test it on a CPU.
+        self.static_decode: Optional[bool] = None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -114,8 +117,11 @@ class Engine:
         if do_sample and seed is not None:
             generator = torch.Generator(device).manual_seed(seed)
         prefill, decode = self._lowered()
+        cuda = device.type == "cuda"
+        static = self.static_decode if self.static_decode is not None else cuda
         return batch, decode_loop(prefill, decode, cache, batch, max_new_tokens, sampling, eos,
-                                  pad, generator, self.stats)
+                                  pad, generator, self.stats, static=static,
+                                  cuda_graph=static and cuda)
 
     def __call__(self, input_ids: Tensor, positions: Optional[Tensor] = None) -> Tensor:
         """Logits ``[B, S, vocab]`` of the whole IR, no cache (the reference semantics)."""

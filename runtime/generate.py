@@ -14,7 +14,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 from torch import Tensor, fx
 
-from .attention import Step
+from .attention import StaticStep, Step
 from .kv_cache import KVCache
 from .sampling import Sampling, next_token
 
@@ -62,8 +62,12 @@ def prepare(prompts, attention_mask: Optional[Tensor], pad_token_id: int,
 
 def decode_loop(prefill: fx.GraphModule, decode: fx.GraphModule, cache: KVCache, batch: Batch,
                 max_new_tokens: int, sampling: Sampling, eos: Sequence[int], pad_token_id: int,
-                generator: Optional[torch.Generator], stats: Counter) -> Iterator[Tensor]:
+                generator: Optional[torch.Generator], stats: Counter,
+                static: bool = False, cuda_graph: bool = False) -> Iterator[Tensor]:
     """Yield the next token of every row, ``[B]``, ``max_new_tokens`` times at most.
+
+    ``static`` runs decode steps through ``StaticStep`` (device-side write position), and
+    ``cuda_graph`` then replays them from one captured CUDA graph (see ``StaticDecoder``).
 
     ``stats`` counts the cost: ``forward_passes`` (calls of the model, each over the whole
     batch), ``layer_evals`` (decoder layers those calls ran) and ``tokens`` (steps yielded).
@@ -75,6 +79,7 @@ def decode_loop(prefill: fx.GraphModule, decode: fx.GraphModule, cache: KVCache,
         eos_t = torch.tensor(list(eos), dtype=torch.int64, device=batch.ids.device)
         finished = torch.zeros(b, dtype=torch.bool, device=batch.ids.device)
         positions = batch.positions[:, -1:]  # [B, 1]
+        decoder = StaticDecoder(decode, cache, batch.pad, cuda_graph) if static else None
         logits = _run(prefill, Step(cache, 0, s, batch.pad), batch.ids, batch.positions)
         stats.update(forward_passes=1, layer_evals=layers)
         for i in range(max_new_tokens):
@@ -90,7 +95,10 @@ def decode_loop(prefill: fx.GraphModule, decode: fx.GraphModule, cache: KVCache,
             positions = positions + 1
             # Ended rows go on computing (their output is discarded) on the chosen token, not
             # the pad id, which need not be a valid token.
-            logits = _run(decode, Step(cache, s + i, 1, batch.pad), chosen[:, None], positions)
+            if decoder is not None:
+                logits = decoder(chosen[:, None], positions, s + i)
+            else:
+                logits = _run(decode, Step(cache, s + i, 1, batch.pad), chosen[:, None], positions)
             stats.update(forward_passes=1, layer_evals=layers)
     finally:
         cache.busy = False
@@ -101,3 +109,38 @@ def _run(program: fx.GraphModule, step: Step, ids: Tensor, positions: Tensor) ->
     # would leave inference mode on in the caller's code between tokens.
     with torch.inference_mode():
         return program(step, ids, positions)
+
+
+class StaticDecoder:
+    """Decode steps with fixed input buffers and a device-side write position.
+
+    Every step runs the same kernels on the same addresses, so on CUDA the first step runs
+    eagerly (compiling and warming everything), the second is captured in a CUDA graph, and
+    from then on a step is a buffer copy and ``graph.replay()``: no per-kernel launch cost.
+    """
+
+    def __init__(self, program: fx.GraphModule, cache: KVCache, pad: Optional[Tensor],
+                 cuda_graph: bool):
+        device = cache.k[0].device
+        self.program, self.cache, self.pad, self.cuda_graph = program, cache, pad, cuda_graph
+        self.tokens = torch.zeros(cache.batch, 1, dtype=torch.int64, device=device)  # [B, 1]
+        self.positions = torch.zeros(cache.batch, 1, dtype=torch.int64, device=device)
+        self.pos = torch.zeros(1, dtype=torch.int64, device=device)  # cache write position
+        self.graph, self.logits, self.calls = None, None, 0
+
+    def __call__(self, tokens: Tensor, positions: Tensor, write_at: int) -> Tensor:
+        self.tokens.copy_(tokens)
+        self.positions.copy_(positions)
+        self.pos.fill_(write_at)
+        self.calls += 1
+        if self.graph is not None:
+            self.graph.replay()
+            return self.logits
+        step = StaticStep(self.cache, self.pos, self.pad)
+        if not self.cuda_graph or self.calls == 1:
+            return _run(self.program, step, self.tokens, self.positions)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):  # recorded, not run: the replay below runs it
+            self.logits = _run(self.program, step, self.tokens, self.positions)
+        self.graph.replay()
+        return self.logits

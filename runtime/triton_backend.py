@@ -16,7 +16,7 @@ from torch import Tensor
 
 from rewriter.ops import REFERENCE
 
-from .attention import Step
+from .attention import Step, write_kv
 
 
 def available(device: torch.device) -> Optional[str]:
@@ -48,19 +48,28 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, slot: int, num
     from rewriter.codegen.rope import rope, rope_into_cache
     b, s, _ = q.shape
     k_cache, v_cache = step.cache.k[slot], step.cache.v[slot]
+    split = lambda x: x.view(b, s, num_kv_heads, head_dim).transpose(1, 2)  # noqa: E731  [B, Hkv, S, D]
     if cos is not None:
         q = rope(q, cos, sin, head_dim)
-        rope_into_cache(k, cos, sin, head_dim, k_cache, step.start)
+        rope_into_cache(k, cos, sin, head_dim, k_cache, step.pos if step.static else step.start)
+        write_kv_values(step, v_cache, split(v))
     else:
-        k_cache[:, :, step.start:step.end] = k.view(b, s, num_kv_heads, head_dim).transpose(1, 2)
-    v_cache[:, :, step.start:step.end] = v.view(b, s, num_kv_heads, head_dim).transpose(1, 2)
+        write_kv(step, k_cache, v_cache, split(k), split(v))
     start = step.pad if step.pad is not None else _zeros(b, q.device)
     if s == 1:
-        out = decode_attention(q.view(b, num_heads, head_dim), k_cache, v_cache, step.end, scale,
+        end = step.pos + 1 if step.static else step.end
+        out = decode_attention(q.view(b, num_heads, head_dim), k_cache, v_cache, end, scale,
                                start=start, window=window or 0)
         return out.view(b, 1, num_heads * head_dim)
     return prefill_attention(q, k_cache, v_cache, num_heads, scale, q_start=step.start,
                              start=start, window=window or 0)
+
+
+def write_kv_values(step: Step, v_cache: Tensor, v: Tensor) -> None:
+    if step.static:
+        v_cache.index_copy_(2, step.pos, v)
+    else:
+        v_cache[:, :, step.start:step.end] = v
 
 
 def _zeros(b: int, device) -> Tensor:

@@ -138,3 +138,19 @@ def test_bfloat16_greedy_equals_hugging_face(name):
     ours = opt.generate(ids, max_new_tokens=NEW, eos_token_id=[])
     assert opt._cache.k[0].dtype == torch.bfloat16
     assert torch.equal(ours, hf_greedy(model, ids, NEW))
+
+
+@pytest.mark.parametrize("name", ["llama-gqa-3l", "mistral-window-3l"])
+def test_static_decode_steps_give_the_same_tokens(varied_cache, name):
+    """The CUDA-graph decode path (device-side write position, whole-cache masks), run
+    without capture: same tokens as the ordinary path, padding and windows included."""
+    _, opt = varied_cache(name)
+    rows = [prompt(1, n, seed=n)[0].tolist() for n in (3, 11, 7)]
+    kw = dict(max_new_tokens=NEW, eos_token_id=[])
+    want = opt.generate(rows, **kw)
+    opt.static_decode = True
+    try:
+        assert torch.equal(opt.generate(rows, **kw), want)
+        assert torch.equal(opt.generate(rows[1:2], **kw), opt.generate(rows[1:2], **kw))
+    finally:
+        opt.static_decode = None

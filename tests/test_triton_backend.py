@@ -89,3 +89,23 @@ def test_stored_kernels_run_only_with_trust_code(tmp_path):
     assert torch.equal(rewriter.load(tmp_path / "a").generate(ROWS[:1], **kw), want)  # regenerated
     trusted = rewriter.load(tmp_path / "a", trust_code=True)
     assert not torch.equal(trusted.generate(ROWS[:1], **kw), want)  # the stored code did run
+
+
+def test_triton_static_decode_steps_give_the_same_tokens():
+    model = make_model("mistral-window-3l", initializer_range=0.2)
+    tri = rewriter.optimize(model, passes=[p() for p in FUSIONS], backend="triton")
+    kw = dict(max_new_tokens=8, eos_token_id=[])
+    want = tri.generate(ROWS, **kw)
+    tri.static_decode = True
+    assert torch.equal(tri.generate(ROWS, **kw), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_decode_matches_eager_decode():
+    model = make_model("llama-gqa-3l", initializer_range=0.2).cuda()
+    tri = rewriter.optimize(model, passes=[p() for p in FUSIONS], backend="triton")
+    kw = dict(max_new_tokens=16, eos_token_id=[])
+    captured = tri.generate(ROWS, **kw)  # static + CUDA graph by default on CUDA
+    tri.static_decode = False
+    assert torch.equal(tri.generate(ROWS, **kw), captured)
