@@ -20,15 +20,11 @@ import operator
 import torch
 
 from ..ir.core import IR
-from ..pass_manager import Pass
-from .fusion import call, mark, record
+from .fusion import FusionPass, call, mark
 
 
-class FuseAddRMSNorm(Pass):
-    def __init__(self):
-        pass
-
-    def run(self, ir: IR) -> IR:
+class FuseAddRMSNorm(FusionPass):
+    def fuse(self, ir: IR) -> int:
         count = 0
         for norm in list(ir.graph.find_nodes(op="call_function", target=torch.ops.rw.rms_norm.default)):
             add = norm.args[0]
@@ -36,9 +32,7 @@ class FuseAddRMSNorm(Pass):
             if _is_tensor_add(add) and not final:
                 _fuse(ir, add, norm, self.name)
                 count += 1
-        ir.prune()
-        record(ir, self.name, count)
-        return ir
+        return count
 
 
 def _is_tensor_add(node) -> bool:

@@ -15,15 +15,12 @@ import operator
 import torch
 
 from ..ir.core import IR
-from ..pass_manager import Pass
-from .fusion import call, concat_weight, first_in_graph, is_op, linear_parts, mark, record, sibling_name
+from .fusion import (FusionPass, call, concat_weight, first_in_graph, is_op, linear_parts, mark,
+                     sibling_name)
 
 
-class FuseQKV(Pass):
-    def __init__(self):
-        pass
-
-    def run(self, ir: IR) -> IR:
+class FuseQKV(FusionPass):
+    def fuse(self, ir: IR) -> int:
         count = 0
         for attn in list(ir.graph.find_nodes(op="call_function", target=torch.ops.rw.attention.default)):
             projections = [_projection(a) for a in attn.args[:3]]
@@ -33,9 +30,7 @@ class FuseQKV(Pass):
             if len(inputs) != 1:
                 continue
             count += _fuse(ir, projections, inputs.pop(), self.name)
-        ir.prune()
-        record(ir, self.name, count)
-        return ir
+        return count
 
 
 def _projection(node):

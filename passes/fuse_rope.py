@@ -13,15 +13,11 @@ from __future__ import annotations
 import torch
 
 from ..ir.core import IR
-from ..pass_manager import Pass
-from .fusion import is_op, record
+from .fusion import FusionPass, is_op
 
 
-class FuseRoPE(Pass):
-    def __init__(self):
-        pass
-
-    def run(self, ir: IR) -> IR:
+class FuseRoPE(FusionPass):
+    def fuse(self, ir: IR) -> int:
         count = 0
         for attn in list(ir.graph.find_nodes(op="call_function", target=torch.ops.rw.attention.default)):
             q, k = attn.args[0], attn.args[1]
@@ -37,9 +33,7 @@ class FuseRoPE(Pass):
             attn.meta.pop("val", None)  # it computes something else from other inputs now
             attn.meta["pass"] = self.name
             count += 1
-        ir.prune()
-        record(ir, self.name, count)
-        return ir
+        return count
 
 
 def _head_dim(attn) -> int:

@@ -12,24 +12,19 @@ from __future__ import annotations
 import torch
 
 from ..ir.core import IR
-from ..pass_manager import Pass
-from .fusion import call, concat_weight, first_in_graph, is_op, linear_parts, mark, record, sibling_name
+from .fusion import (FusionPass, call, concat_weight, first_in_graph, is_op, linear_parts, mark,
+                     sibling_name)
 
 
-class FuseSwiGLU(Pass):
-    def __init__(self):
-        pass
-
-    def run(self, ir: IR) -> IR:
+class FuseSwiGLU(FusionPass):
+    def fuse(self, ir: IR) -> int:
         count = 0
         for mul in list(ir.graph.find_nodes(op="call_function", target=torch.ops.aten.mul.Tensor)):
             match = _match(mul)
             if match is not None:
                 _fuse(ir, mul, *match, self.name)
                 count += 1
-        ir.prune()
-        record(ir, self.name, count)
-        return ir
+        return count
 
 
 def _match(mul):

@@ -9,6 +9,24 @@ from torch import fx
 
 from ..ir.core import IR
 from ..ops import OPS
+from ..pass_manager import Pass
+
+
+class FusionPass(Pass):
+    """A pass that rewrites every match in place: ``fuse(ir)`` returns how many groups it
+    fused; then dead nodes and weights go and ``ir.info["fusions"]`` records the count."""
+
+    def __init__(self):
+        pass  # no parameters
+
+    def fuse(self, ir: IR) -> int:
+        raise NotImplementedError
+
+    def run(self, ir: IR) -> IR:
+        count = self.fuse(ir)
+        ir.prune()
+        record(ir, self.name, count)
+        return ir
 
 
 def is_op(node, name: str) -> bool:
