@@ -101,11 +101,13 @@ class StaticStep(Step):
         return mask
 
 
-def write_kv(step: Step, k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor) -> None:
-    """Store the step's K and V ``[B, Hkv, S, D]`` at its cache positions."""
-    if step.static:
-        k_cache.index_copy_(2, step.pos, k)
-        v_cache.index_copy_(2, step.pos, v)
-    else:
-        k_cache[:, :, step.start:step.end] = k
-        v_cache[:, :, step.start:step.end] = v
+def write_kv(step: Step, k_cache: Optional[Tensor], v_cache: Tensor, k: Optional[Tensor],
+             v: Tensor) -> None:
+    """Store the step's K and V ``[B, Hkv, S, D]`` at its cache positions (K skipped when
+    ``k`` is None: a kernel wrote it already, as ``FuseRoPE`` does)."""
+    pairs = [(v_cache, v)] if k is None else [(k_cache, k), (v_cache, v)]
+    for cache, new in pairs:
+        if step.static:
+            cache.index_copy_(2, step.pos, new)
+        else:
+            cache[:, :, step.start:step.end] = new

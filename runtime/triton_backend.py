@@ -52,7 +52,7 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, slot: int, num
     if cos is not None:
         q = rope(q, cos, sin, head_dim)
         rope_into_cache(k, cos, sin, head_dim, k_cache, step.pos if step.static else step.start)
-        write_kv_values(step, v_cache, split(v))
+        write_kv(step, None, v_cache, None, split(v))
     else:
         write_kv(step, k_cache, v_cache, split(k), split(v))
     start = step.pad if step.pad is not None else _zeros(b, q.device)
@@ -63,13 +63,6 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, slot: int, num
         return out.view(b, 1, num_heads * head_dim)
     return prefill_attention(q, k_cache, v_cache, num_heads, scale, q_start=step.start,
                              start=start, window=window or 0)
-
-
-def write_kv_values(step: Step, v_cache: Tensor, v: Tensor) -> None:
-    if step.static:
-        v_cache.index_copy_(2, step.pos, v)
-    else:
-        v_cache[:, :, step.start:step.end] = v
 
 
 def _zeros(b: int, device) -> Tensor:
