@@ -29,7 +29,7 @@ import torch
 from tabulate import tabulate
 
 import rewriter
-from rewriter.checkpoints import load_hf_model, load_tokenizer
+from rewriter.checkpoints import llama_1b, load_hf_model, load_tokenizer
 
 
 def prompts(path: str, batch: int, length: int) -> torch.Tensor:
@@ -62,15 +62,6 @@ def timed(fn, repeat: int) -> tuple[float, torch.Tensor]:
 def sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def llama_1b(device, dtype):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
-                         num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
-                         max_position_embeddings=2048)
-    return LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
 
 
 def gpu_rows(model, ids, args) -> list[dict]:
@@ -112,7 +103,8 @@ def main():
         torch.set_num_threads(args.threads)
 
     if args.model == "llama-1b":
-        model = llama_1b(args.device, torch.bfloat16 if args.device == "cuda" else torch.float32)
+        model = llama_1b(device=args.device,
+                         dtype=torch.bfloat16 if args.device == "cuda" else torch.float32)
     else:
         model = load_hf_model(args.model).to(args.device)
     opt = rewriter.optimize(model)

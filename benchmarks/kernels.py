@@ -1,12 +1,19 @@
 """Kernel benchmark: each Triton template and a generated pointwise kernel against torch.
 
     python benchmarks/kernels.py [--json benchmarks/results/kernels.json]
+    python benchmarks/kernels.py --aot 90      # no GPU needed: compile for sm_90 (H100)
 
 On a CUDA GPU: time (``triton.testing.do_bench``), achieved bandwidth against the device's
 measured copy bandwidth, and time against torch eager and ``torch.compile`` of the same
 operator, in the same run. Targets (issue 4): memory-bound kernels at >= 85% of copy
 bandwidth at large sizes, none slower than torch.compile's kernel. On a CPU the kernels
 run under ``TRITON_INTERPRET=1`` and this script checks correctness only (small sizes).
+
+``--aot ARCH`` (CPU): runs the large cases' per-program shapes (GPU feature sizes, a small
+grid) and a 2-layer ``llama_1b`` through ``backend="triton"`` in bf16 under the interpreter,
+records every kernel specialization launched, and compiles each for ``sm_ARCH`` with
+Triton and ptxas (``rewriter.codegen.aot``): what fails to compile for that GPU fails here,
+and the table shows each kernel's registers, spilled (stack) bytes and shared memory.
 """
 from __future__ import annotations
 
@@ -31,14 +38,16 @@ from rewriter.codegen.prefill_attention import prefill_attention  # noqa: E402
 from rewriter.ops import REFERENCE  # noqa: E402
 
 
-def cases(large: bool, dtype, dev):
-    """(name, triton fn, torch fn, bytes moved) for each kernel."""
+def cases(size: str, dtype, dev):
+    """(name, triton fn, torch fn, bytes moved) for each kernel. ``size``: "small" (the
+    interpreter check), "large" (GPU timing) or "aot" (large per-program shapes, small grid)."""
     t = lambda *s: torch.randn(*s, dtype=dtype, device=dev)  # noqa: E731
-    rows, hid, ffn = (8192, 4096, 11008) if large else (37, 200, 300)
-    b, hq, hkv, d, ctx = (8, 32, 8, 128, 8192) if large else (2, 8, 2, 16, 77)
+    large = size != "small"
+    rows, hid, ffn = (8192 if size == "large" else 3, 4096, 11008) if large else (37, 200, 300)
+    b, hq, hkv, d, ctx = (8 if size == "large" else 1, 32, 8, 128, 8192) if large else (2, 8, 2, 16, 77)
     x, r, w, gu = t(rows, hid), t(rows, hid), t(hid), t(rows, 2 * ffn)
     q1, kc, vc = t(b, hq, d), t(b, hkv, ctx, d), t(b, hkv, ctx, d)
-    s = 1024 if large else 29
+    s = {"large": 1024, "aot": 64, "small": 29}[size]
     qp, cs, sn = t(1, s, hq * d), t(1, s, d), t(1, s, d)
     kp, vp = t(1, hkv, s, d), t(1, hkv, s, d)
     size = x.element_size()
@@ -57,7 +66,8 @@ def cases(large: bool, dtype, dev):
          2 * qp.numel() * size),
         ("decode_attention", lambda: decode_attention(q1, kc, vc, ctx, d ** -0.5),
          lambda: decode_attention_reference(q1, kc, vc, ctx, d ** -0.5), 2 * kc.numel() * size),
-        ("prefill_attention", lambda: prefill_attention(qp, kp, vp, hq, d ** -0.5),
+        ("prefill_attention", lambda: prefill_attention(qp, kp, vp, hq, d ** -0.5,
+                                                        block=64 if large else None),
          torch_prefill, 4 * qp.numel() * size),
     ]
 
@@ -77,17 +87,58 @@ def copy_bandwidth(dev) -> float:
     return 2 * x.numel() / timed(lambda: y.copy_(x), CUDA)
 
 
+def aot(arch: int, json_path: str) -> None:
+    """Compile every kernel the GPU runs would launch for ``sm_<arch>``; print resources."""
+    from rewriter.checkpoints import llama_1b
+    from rewriter.codegen.aot import compile_for, record_launches
+    from rewriter.passes import FuseAddRMSNorm, FuseQKV, FuseRoPE, FuseSwiGLU
+    import rewriter
+
+    model = llama_1b(num_hidden_layers=2, dtype=torch.bfloat16)
+    tri = rewriter.optimize(model, passes=[FuseQKV(), FuseSwiGLU(), FuseAddRMSNorm(), FuseRoPE()],
+                            backend="triton", check=False)
+    ids = torch.randint(0, 32000, (1, 20))
+    with record_launches(arch) as launches:
+        for _name, tri_fn, _ref, _bytes in cases("aot", torch.bfloat16, "cpu"):
+            tri_fn()
+        tri.generate(ids, max_new_tokens=3, eos_token_id=[])
+    reports = compile_for(launches, arch)
+    rows = [[r.name, _short(r.constexprs), r.ok, r.registers, r.stack_bytes,
+             None if r.shared_bytes is None else f"{r.shared_bytes / 1024:.1f}", r.num_warps]
+            for r in reports]
+    print(f"{len(reports)} kernel specializations compiled for sm_{arch} (bf16)")
+    print(tabulate(rows, headers=["kernel", "constexprs", "ok", "regs", "stack B", "shared KiB", "warps"]))
+    for r in reports:
+        if not r.ok:
+            print(f"\n{r.name} ({r.file}):\n{r.error}")
+    Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(json_path).write_text(json.dumps({"arch": arch, "dtype": "bfloat16", "machine": platform.processor(),
+                                           "kernels": [vars(r) for r in reports]}, indent=1))
+    if not all(r.ok for r in reports):
+        raise SystemExit(1)
+
+
+def _short(constexprs: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in constexprs.items() if k.isupper())
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", default="benchmarks/results/kernels.json")
+    ap.add_argument("--json", default=None, help="default: benchmarks/results/kernels[_aot_smARCH].json")
+    ap.add_argument("--aot", type=int, metavar="ARCH", help="compile for sm_ARCH instead (CPU only)")
     args = ap.parse_args()
+    if args.aot:
+        if CUDA:
+            raise SystemExit("--aot is the CPU check; on a GPU run without it")
+        return aot(args.aot, args.json or f"benchmarks/results/kernels_aot_sm{args.aot}.json")
+    args.json = args.json or "benchmarks/results/kernels.json"
     dev = "cuda" if CUDA else "cpu"
     dtype = torch.bfloat16 if CUDA else torch.float32
     results = {"device": torch.cuda.get_device_name() if CUDA else platform.processor() or "cpu",
                "mode": "timing" if CUDA else "correctness only (TRITON_INTERPRET=1)", "kernels": []}
     peak = copy_bandwidth(dev) if CUDA else None
     rows = []
-    for name, tri, ref, nbytes in cases(CUDA, dtype, dev):
+    for name, tri, ref, nbytes in cases("large" if CUDA else "small", dtype, dev):
         got, want = tri(), ref()
         tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
         ok = torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)

@@ -14,6 +14,21 @@ Importing the templates imports triton; ``TEMPLATES`` lists them for dumps.
 """
 from __future__ import annotations
 
+import os
+
+
+def interpreted() -> bool:
+    """Kernels run under Triton's CPU interpreter. It multiplies bfloat16 operands of
+    ``tl.dot`` as raw bit patterns (triton-lang/triton#11584, unsupported upstream), so the
+    attention templates give ``tl.dot`` float32 operands there; on a GPU they stay bf16."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def row_warps(block: int) -> int:
+    """Warps for a program that holds one row of ``block`` elements in registers: 4 warps
+    (128 threads) up to 2048 elements, more beyond, so each thread keeps <= 16-32 values."""
+    return 4 if block < 2048 else 8 if block < 8192 else 16
+
 
 def __getattr__(name):
     if name == "TEMPLATES":  # imported on use: triton is an optional dependency

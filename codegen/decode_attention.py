@@ -12,7 +12,9 @@ Parameters the sparse-attention passes need are built in:
 
 Reference: ``decode_attention_reference`` below (dense mask + softmax). Bytes: every
 visible K and V row once, ``2 * n * D * itemsize`` per KV head; query heads of a GQA
-group share those reads (one program serves the whole group). Stage 1 gives each
+group share those reads (one program serves the whole group, padded to 16 rows so the
+scores and the weighted sum are ``tl.dot``s: a broadcast product ``[G, N, D]`` spilled
+registers on sm_90 at G=8, D=64, see ``benchmarks/kernels.py --aot``). Stage 1 gives each
 (row, KV head, split) a partial softmax (output and log-sum-exp); stage 2 combines them.
 """
 from __future__ import annotations
@@ -23,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import interpreted
+
 
 @triton.jit
 def decode_attention_split_kernel(
@@ -30,8 +34,8 @@ def decode_attention_split_kernel(
         end, n_cand, chunk, scale, window, sinks, group, head_dim,
         q_sb, q_sh, k_sb, k_sh, k_sl, v_sb, v_sh, v_sl, i_sb, i_sh,
         p_sb, p_sh, p_ss, l_sb, l_sh,
-        HAS_INDEX: tl.constexpr, END_FROM_PTR: tl.constexpr, BLOCK_G: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+        HAS_INDEX: tl.constexpr, END_FROM_PTR: tl.constexpr, DOT_F32: tl.constexpr,
+        BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     if END_FROM_PTR:  # a device value: the same launch serves every step of a CUDA graph
         end = tl.load(end_ptr)
     b = tl.program_id(0)
@@ -42,7 +46,9 @@ def decode_attention_split_kernel(
     gmask, dmask = g < group, d < head_dim
     heads = kvh * group + g  # the query heads of this KV head
     q = tl.load(q_ptr + b * q_sb + heads[:, None] * q_sh + d[None, :],
-                mask=gmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)  # [G, D]
+                mask=gmask[:, None] & dmask[None, :], other=0.0)  # [G, D]
+    if DOT_F32:
+        q = q.to(tl.float32)
     first = tl.load(start_ptr + b)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     lsum = tl.zeros([BLOCK_G], tl.float32)
@@ -61,17 +67,19 @@ def decode_attention_split_kernel(
             valid = valid & ((end - 1 - pos < window) | (pos < first + sinks))
         kv_mask = valid[:, None] & dmask[None, :]
         k = tl.load(k_ptr + b * k_sb + kvh * k_sh + pos[:, None] * k_sl + d[None, :],
-                    mask=kv_mask, other=0.0).to(tl.float32)  # [N, D]
+                    mask=kv_mask, other=0.0)  # [N, D]
         v = tl.load(v_ptr + b * v_sb + kvh * v_sh + pos[:, None] * v_sl + d[None, :],
-                    mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, N]
+                    mask=kv_mask, other=0.0)
+        if DOT_F32:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [G, N]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # an all-masked block so far
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m - m_safe)
         lsum = lsum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m = m_new
     out = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
     lse = tl.where(lsum > 0, m + tl.log(tl.where(lsum > 0, lsum, 1.0)), float("-inf"))
@@ -131,9 +139,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         hq // hkv, dim, q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         idx.stride(0), idx.stride(1) if index is not None else 0,
         *part.stride()[:3], *lse.stride()[:2],
-        HAS_INDEX=index is not None, END_FROM_PTR=end_ptr is not None,
-        BLOCK_G=max(1, triton.next_power_of_2(hq // hkv)),
-        BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(dim))
+        HAS_INDEX=index is not None, END_FROM_PTR=end_ptr is not None, DOT_F32=interpreted(),
+        BLOCK_G=max(16, triton.next_power_of_2(hq // hkv)),  # tl.dot's least M
+        BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(dim)))  # tl.dot's least K
     if out is None:
         out = torch.empty(b, hq, dim, dtype=q.dtype, device=q.device)
     decode_attention_combine_kernel[(b, hq)](

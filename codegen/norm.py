@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import row_warps
+
 
 @triton.jit
 def add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, total_ptr, n_cols, x_stride, res_stride,
@@ -46,11 +48,12 @@ def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torc
         total = torch.empty_like(x2) if residual is not None else out
     out, total = out.view(-1, n), total.view(-1, n)
     r2 = residual.reshape(-1, n) if residual is not None else x2
+    block = triton.next_power_of_2(n)
     if x2.stride(-1) != 1 or r2.stride(-1) != 1:
         x2, r2 = x2.contiguous(), r2.contiguous()
     add_rms_norm_kernel[(x2.shape[0],)](
         x2, r2, weight, out, total, n, x2.stride(0), r2.stride(0), out.stride(0), total.stride(0),
-        eps, HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n))
+        eps, HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=row_warps(block))
     if residual is None:
         return out.view(shape)
     return out.view(shape), total.view(shape)

@@ -16,13 +16,16 @@ import torch
 import triton
 import triton.language as tl
 
+from . import interpreted
+
 
 @triton.jit
 def prefill_attention_kernel(
         q_ptr, k_ptr, v_ptr, start_ptr, out_ptr,
         seq, q_start, scale, window, sinks, n_heads, group, head_dim,
         q_sb, q_ss, k_sb, k_sh, k_sl, v_sb, v_sh, v_sl, o_sb, o_ss,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+        DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr):
     mblock = tl.program_id(0)
     b = tl.program_id(1) // n_heads
     h = tl.program_id(1) % n_heads
@@ -33,6 +36,8 @@ def prefill_attention_kernel(
     qi = q_start + rows  # query cache positions
     q = tl.load(q_ptr + b * q_sb + rows[:, None] * q_ss + h * head_dim + d[None, :],
                 mask=rmask[:, None] & dmask[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
     first = tl.load(start_ptr + b)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     lsum = tl.zeros([BLOCK_M], tl.float32)
@@ -45,6 +50,8 @@ def prefill_attention_kernel(
                     mask=kmask[:, None] & dmask[None, :], other=0.0)
         v = tl.load(v_ptr + b * v_sb + kvh * v_sh + kj[:, None] * v_sl + d[None, :],
                     mask=kmask[:, None] & dmask[None, :], other=0.0)
+        if DOT_F32:
+            k, v = k.to(tl.float32), v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [M, N]
         ok = (kj[None, :] <= qi[:, None]) & kmask[None, :]
         ok = ok & ((kj[None, :] >= first) | (kj[None, :] == qi[:, None]))
@@ -66,9 +73,11 @@ def prefill_attention_kernel(
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       num_heads: int, scale: float, q_start: int = 0,
                       start: Optional[torch.Tensor] = None, window: int = 0, sinks: int = 0,
-                      out: Optional[torch.Tensor] = None, block: int = 16) -> torch.Tensor:
+                      out: Optional[torch.Tensor] = None,
+                      block: Optional[int] = None) -> torch.Tensor:
     """``q`` ``[B, S, Hq*D]`` over cache ``[B, Hkv, L, D]`` positions ``[0, q_start + S)``
-    -> ``[B, S, Hq*D]``."""
+    -> ``[B, S, Hq*D]``. ``block``: query and key tile (64 on a GPU; 16 under the
+    interpreter, where small tiles keep several blocks, and their masks, in small tests)."""
     b, s, hd = q.shape
     dim = hd // num_heads
     hkv = k_cache.shape[1]
@@ -81,10 +90,13 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         start = torch.zeros(b, dtype=torch.int32, device=q.device)
     if out is None:
         out = torch.empty_like(q)
+    if block is None:
+        block = 64 if q.is_cuda else 16
     grid = (triton.cdiv(s, block), b * num_heads)
     prefill_attention_kernel[grid](
         q, k_cache, v_cache, start, out, s, q_start, scale, window, sinks, num_heads,
         num_heads // hkv, dim, q.stride(0), q.stride(1), *k_cache.stride()[:3],
         *v_cache.stride()[:3], out.stride(0), out.stride(1),
-        BLOCK_M=block, BLOCK_N=block, BLOCK_D=max(16, triton.next_power_of_2(dim)))
+        DOT_F32=interpreted(), BLOCK_M=block, BLOCK_N=block,
+        BLOCK_D=max(16, triton.next_power_of_2(dim)))
     return out

@@ -18,7 +18,10 @@ def swiglu_kernel(gu_ptr, out_ptr, n_cols, gu_stride, out_stride, BLOCK: tl.cons
     g = tl.load(gu_ptr + row * gu_stride + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + row * gu_stride + n_cols + cols, mask=mask, other=0.0)
     silu = (g / (1.0 + tl.exp(-g))).to(u.dtype)  # F.silu rounds to the input dtype first
-    tl.store(out_ptr + row * out_stride + cols, silu * u, mask=mask)
+    # The product of two bf16/fp16 values is exact in fp32, so one rounding gives torch's
+    # result (and the interpreter cannot multiply bf16 directly).
+    y = silu.to(tl.float32) * u.to(tl.float32)
+    tl.store(out_ptr + row * out_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def swiglu(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

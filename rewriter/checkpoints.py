@@ -59,3 +59,16 @@ def default_model():
                                         bos_token="<|endoftext|>", eos_token="<|endoftext|>",
                                         pad_token="<|endoftext|>")
     return model, tokenizer
+
+
+def llama_1b(num_hidden_layers: int = 22, device="cpu", dtype=None, seed: int = 0):
+    """A TinyLlama-shaped Llama (1.1B parameters at 22 layers) with seeded random weights:
+    the GPU benchmarks' model, since nothing can be downloaded. Fewer layers keep every
+    per-layer shape (the kernels' specializations) and cut the memory."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                         num_hidden_layers=num_hidden_layers, num_attention_heads=32,
+                         num_key_value_heads=4, max_position_embeddings=2048)
+    return LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()

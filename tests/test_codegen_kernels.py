@@ -187,3 +187,34 @@ def test_decode_attention_ignores_token_indices_outside_the_cache():
     torch.testing.assert_close(decode_attention(q, k, v, end, 0.25, index=bad), want, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="do not fit"):
         decode_attention(q, k, v, 33, 0.25)  # more positions than the cache holds
+
+
+# ---------------------------------------------------------------------------- bfloat16
+
+def _bf16_cases():
+    t = lambda *s: torch.randn(*s, dtype=torch.bfloat16)  # noqa: E731
+    x, r, w, gu = t(5, 200), t(5, 200), t(200), t(5, 2 * 150)
+    qp, cs, sn = t(1, 9, 4 * 24), t(1, 9, 24), t(1, 9, 24)
+    q1, kc, vc = t(2, 6, 24), t(2, 2, 77, 24), t(2, 2, 77, 24)
+    kp, vp, qq = t(1, 2, 29, 24), t(1, 2, 29, 24), t(1, 29, 6 * 24)
+    k, v = (c.transpose(1, 2).reshape(1, 29, 48) for c in (kp, vp))  # [B, S, Hkv*D]
+    return {
+        "add_rms_norm": (lambda: norm.add_rms_norm(x, r, w, 1e-6)[0],
+                         lambda: REFERENCE["add_rms_norm"](x, r, w, 1e-6)[0]),
+        "swiglu": (lambda: swiglu.swiglu(gu), lambda: REFERENCE["swiglu"](gu)),
+        "rope": (lambda: rope.rope(qp, cs, sn, 24), lambda: REFERENCE["rope"](qp, cs, sn, 24)),
+        "decode_attention": (lambda: decode_attention(q1, kc, vc, 77, 0.2),
+                             lambda: decode_attention_reference(q1, kc, vc, 77, 0.2)),
+        "prefill_attention": (lambda: prefill_attention(qq, kp, vp, 6, 0.2),
+                              lambda: REFERENCE["attention"](qq, k, v, 0, 6, 2, 24, 0.2, True, None)),
+    }
+
+
+@pytest.mark.parametrize("name", ["add_rms_norm", "swiglu", "rope", "decode_attention",
+                                  "prefill_attention"])
+def test_templates_in_bfloat16(name):
+    """bf16 is what a GPU runs. Under the interpreter this also guards the workarounds for
+    its bf16 gaps (``tl.dot`` and bf16 products; see ``rewriter.codegen.interpreted``)."""
+    got, want = (f() for f in _bf16_cases()[name])
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
