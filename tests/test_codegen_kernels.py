@@ -10,6 +10,17 @@ from rewriter.codegen import norm, rope, swiglu  # noqa: E402
 from rewriter.ops import REFERENCE  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def on_the_gpu_when_there_is_one():
+    """The same tests run the compiled kernels on a GPU: every tensor is made there."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    torch.set_default_device("cuda")
+    yield
+    torch.set_default_device(None)
+
+
 def poisoned(shape, dtype=torch.float32):
     return torch.full(shape, float("nan"), dtype=dtype)
 
