@@ -93,10 +93,13 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if block is None:
         block = 64 if q.is_cuda else 16
     grid = (triton.cdiv(s, block), b * num_heads)
+    block_d = max(16, triton.next_power_of_2(dim))
+    # A 64x128 fp32 accumulator on 4 warps is 64 registers a thread before the tiles: sm_80
+    # hit its 255-register ceiling there (benchmarks/kernels.py --aot 80), so 8 warps.
+    warps = 8 if block >= 64 and block_d >= 128 else 4
     prefill_attention_kernel[grid](
         q, k_cache, v_cache, start, out, s, q_start, scale, window, sinks, num_heads,
         num_heads // hkv, dim, q.stride(0), q.stride(1), *k_cache.stride()[:3],
         *v_cache.stride()[:3], out.stride(0), out.stride(1),
-        DOT_F32=interpreted(), BLOCK_M=block, BLOCK_N=block,
-        BLOCK_D=max(16, triton.next_power_of_2(dim)))
+        DOT_F32=interpreted(), BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d, num_warps=warps)
     return out
