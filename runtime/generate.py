@@ -117,6 +117,8 @@ class StaticDecoder:
     Every step runs the same kernels on the same addresses, so on CUDA the first step runs
     eagerly (compiling and warming everything), the second is captured in a CUDA graph, and
     from then on a step is a buffer copy and ``graph.replay()``: no per-kernel launch cost.
+    The eager step runs on the stream the capture will use: libraries that create handles
+    per stream on first use (cuBLAS, cuBLASLt) must not do so inside the capture.
     """
 
     def __init__(self, program: fx.GraphModule, cache: KVCache, pad: Optional[Tensor],
@@ -127,6 +129,7 @@ class StaticDecoder:
         self.positions = torch.zeros(cache.batch, 1, dtype=torch.int64, device=device)
         self.pos = torch.zeros(1, dtype=torch.int64, device=device)  # cache write position
         self.graph, self.logits, self.calls = None, None, 0
+        self.stream = torch.cuda.Stream(device) if cuda_graph else None
 
     def __call__(self, tokens: Tensor, positions: Tensor, write_at: int) -> Tensor:
         self.tokens.copy_(tokens)
@@ -137,10 +140,17 @@ class StaticDecoder:
             self.graph.replay()
             return self.logits
         step = StaticStep(self.cache, self.pos, self.pad)
-        if not self.cuda_graph or self.calls == 1:
+        if not self.cuda_graph:
             return _run(self.program, step, self.tokens, self.positions)
+        self.stream.wait_stream(torch.cuda.current_stream())  # the copies above
+        if self.calls == 1:
+            with torch.cuda.stream(self.stream):
+                logits = _run(self.program, step, self.tokens, self.positions)
+            torch.cuda.current_stream().wait_stream(self.stream)
+            logits.record_stream(torch.cuda.current_stream())  # used there, made here
+            return logits
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):  # recorded, not run: the replay below runs it
+        with torch.cuda.graph(self.graph, stream=self.stream):  # recorded, not run
             self.logits = _run(self.program, step, self.tokens, self.positions)
         self.graph.replay()
         return self.logits
