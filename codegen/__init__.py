@@ -26,7 +26,7 @@ def interpreted() -> bool:
 
 def row_warps(block: int) -> int:
     """Warps for a program that holds one row of ``block`` elements in registers: 4 warps
-    (128 threads) up to 2048 elements, more beyond, so each thread keeps <= 16-32 values."""
+    (128 threads) below 2048 elements, 8 below 8192, then 16: a thread keeps <= 16-32 values."""
     return 4 if block < 2048 else 8 if block < 8192 else 16
 
 

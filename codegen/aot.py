@@ -24,6 +24,7 @@ import inspect
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -63,8 +64,9 @@ SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 
 
 # Constexprs set only under the interpreter (see ``rewriter.codegen.interpreted``): the GPU
-# build of the same launch gets these values.
+# build of the same launch gets these values. They must be passed by keyword.
 GPU_CONSTEXPRS = {"DOT_F32": False}
+_CHILD = "REWRITER_AOT_CHILD"  # set in the compile process: no recording, no nested compile
 
 
 def _target(arch: int):
@@ -76,12 +78,17 @@ def _target(arch: int):
 def record_launches(arch: int = 90) -> Iterator[list[Launch]]:
     """Collects the specializations of every kernel launched inside the block (interpreter only).
 
-    Each launch still runs (so the recorded program is the one that produced the checked
-    values); a specialization is listed once however often it is launched.
+    Each launch still runs, with the arguments the checked values came from; what is
+    recorded is that launch as a GPU would compile it (``GPU_CONSTEXPRS`` applied). A
+    specialization is listed once however often it is launched. Kernels must live in an
+    importable module or file (not ``__main__``): the compile imports them elsewhere.
     """
     from triton.runtime import interpreter
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("record_launches needs TRITON_INTERPRET=1 (kernels run on the CPU)")
+    if os.environ.get(_CHILD):
+        raise RuntimeError("record_launches inside a kernel compile process (a kernel module "
+                           "that launches kernels when imported?)")
     from triton.compiler import make_backend
     from triton.runtime.jit import JITFunction, create_function_from_signature
 
@@ -93,8 +100,11 @@ def record_launches(arch: int = 90) -> Iterator[list[Launch]]:
 
     def run(self, *args, grid, warmup, **kwargs):
         fn = self.fn
-        if fn not in binders:
-            jit = JITFunction(fn)
+        if fn.__module__ == "__main__":
+            raise RuntimeError(f"kernel {fn.__name__} is defined in __main__; the compile imports "
+                               "kernels in another process: define it in a module")
+        if fn not in binders:  # the decorator's options too (do_not_specialize, ...)
+            jit = JITFunction(fn, **self.kwargs)
             binders[fn] = (jit, create_function_from_signature(jit.signature, jit.params, backend))
         jit, binder = binders[fn]
         gpu_kwargs = {**kwargs, **{k: v for k, v in GPU_CONSTEXPRS.items() if k in kwargs}}
@@ -126,21 +136,33 @@ def _plain(v):
 
 
 def compile_for(launches: list[Launch], arch: int = 90, timeout: float = 600) -> list[CompileReport]:
-    """Compiles every launch for ``sm_<arch>`` in a clean subprocess; one report per launch."""
+    """Compiles every launch for ``sm_<arch>`` in a clean subprocess; one report per launch.
+
+    A kernel that does not compile gets a report with ``ok=False`` and the compiler's
+    message; a compile process that dies or hangs raises, with its stderr."""
     if not launches:
         return []
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"arch": arch, "launches": [asdict(x) for x in launches]}, f)
-        request = f.name
-    try:
-        done = subprocess.run([sys.executable, "-m", "rewriter.codegen.aot", request], env=env,
-                              capture_output=True, text=True, timeout=timeout)
-    finally:
-        os.unlink(request)
-    if done.returncode != 0:
-        raise RuntimeError(f"kernel compile subprocess failed:\n{done.stderr[-4000:]}")
-    return [CompileReport(**r) for r in json.loads(done.stdout.splitlines()[-1])]
+    env[_CHILD] = "1"
+    with tempfile.TemporaryDirectory(prefix="rewriter-aot-") as d:
+        request, result = os.path.join(d, "request.json"), os.path.join(d, "result.json")
+        with open(request, "w") as f:
+            json.dump({"arch": arch, "launches": [asdict(x) for x in launches]}, f)
+        # Its own process group, so a timeout ends everything it started.
+        child = subprocess.Popen([sys.executable, "-m", "rewriter.codegen.aot", request, result],
+                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                 text=True, start_new_session=True)
+        try:
+            _, stderr = child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            _, stderr = child.communicate()
+            raise RuntimeError(f"kernel compile took over {timeout:.0f} s; stderr:\n{stderr[-4000:]}")
+        if child.returncode != 0 or not os.path.exists(result):
+            raise RuntimeError(f"kernel compile process failed (exit {child.returncode}):\n"
+                               f"{stderr[-4000:]}")
+        with open(result) as f:
+            return [CompileReport(**r) for r in json.load(f)]
 
 
 # ---------------------------------------------------------------------------- in the subprocess
@@ -159,7 +181,7 @@ def _load_kernel(module: str, file: str, name: str):
 def _value(v):
     if isinstance(v, dict) and "dtype" in v:
         import triton.language as tl
-        return getattr(tl, v["dtype"])
+        return tl.dtype(v["dtype"])
     return v
 
 
@@ -168,11 +190,12 @@ def _compile_one(launch: dict, arch: int, modules: dict) -> dict:
     from triton.compiler import ASTSource, make_backend
 
     signature = json.loads(launch["signature"])
-    constexprs = {tuple(k): _value(v) for k, v in json.loads(launch["constexprs"])}
-    named = {name: constexprs[(i,)] for i, name in enumerate(signature) if (i,) in constexprs}
+    raw = {tuple(k): v for k, v in json.loads(launch["constexprs"])}
+    named = {name: raw[(i,)] for i, name in enumerate(signature) if (i,) in raw}
     report = dict(name=launch["name"], file=launch["file"], signature=signature,
                   constexprs={k: repr(v) for k, v in named.items()}, ok=False)
     try:
+        constexprs = {k: _value(v) for k, v in raw.items()}
         key = (launch["module"], launch["file"], launch["name"])
         if key not in modules:
             modules[key] = _load_kernel(*key)
@@ -210,11 +233,13 @@ def _resource_usage(cubin: bytes) -> dict:
 
 
 def main(argv: list[str]) -> None:
+    """``python -m rewriter.codegen.aot REQUEST.json RESULT.json``"""
     with open(argv[0]) as f:
         request = json.load(f)
     modules: dict = {}
     reports = [_compile_one(x, request["arch"], modules) for x in request["launches"]]
-    print(json.dumps(reports))
+    with open(argv[1], "w") as f:
+        json.dump(reports, f)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ Parameters the sparse-attention passes need are built in:
 
 Reference: ``decode_attention_reference`` below (dense mask + softmax). Bytes: every
 visible K and V row once, ``2 * n * D * itemsize`` per KV head; query heads of a GQA
-group share those reads (one program serves the whole group, padded to 16 rows so the
-scores and the weighted sum are ``tl.dot``s: a broadcast product ``[G, N, D]`` spilled
+group share those reads (one program serves the whole group, padded to 16 rows, a tensor-core
+tile, so the scores and the weighted sum are ``tl.dot``s: a broadcast product ``[G, N, D]`` spilled
 registers on sm_90 at G=8, D=64, see ``benchmarks/kernels.py --aot``). Stage 1 gives each
 (row, KV head, split) a partial softmax (output and log-sum-exp); stage 2 combines them.
 """
@@ -123,6 +123,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if hq % hkv or k_cache.shape[-1] != dim or not 0 < end <= k_cache.shape[2]:
         raise ValueError(f"decode_attention: q {list(q.shape)}, cache {list(k_cache.shape)}, "
                          f"end {end} do not fit")
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"decode_attention: block_n={block_n}; it must be a power of two >= 16 "
+                         "(the p @ v product is a tl.dot over it)")
     if start is None:
         start = torch.zeros(b, dtype=torch.int32, device=q.device)
     n_cand = index.shape[-1] if index is not None else end
@@ -140,7 +143,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         idx.stride(0), idx.stride(1) if index is not None else 0,
         *part.stride()[:3], *lse.stride()[:2],
         HAS_INDEX=index is not None, END_FROM_PTR=end_ptr is not None, DOT_F32=interpreted(),
-        BLOCK_G=max(16, triton.next_power_of_2(hq // hkv)),  # tl.dot's least M
+        BLOCK_G=max(16, triton.next_power_of_2(hq // hkv)),  # a tensor-core tile's rows
         BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(dim)))  # tl.dot's least K
     if out is None:
         out = torch.empty(b, hq, dim, dtype=q.dtype, device=q.device)

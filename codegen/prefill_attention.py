@@ -91,7 +91,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if out is None:
         out = torch.empty_like(q)
     if block is None:
-        block = 64 if q.is_cuda else 16
+        block = 16 if interpreted() else 64
     grid = (triton.cdiv(s, block), b * num_heads)
     block_d = max(16, triton.next_power_of_2(dim))
     # A 64x128 fp32 accumulator on 4 warps is 64 registers a thread before the tiles: sm_80

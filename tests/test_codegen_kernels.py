@@ -79,12 +79,12 @@ def test_decode_attention_dense(hq, hkv, dim, end):
 def test_decode_attention_equals_the_ir_attention_op():
     """Dense decode attention is what ``rw.attention`` computes for the last query."""
     from rewriter.ops import REFERENCE
-    b, s, hq, hkv, dim = 2, 9, 8, 2, 16
+    b, s, hq, hkv, dim = 2, 37, 8, 2, 16
     q, k, v = torch.randn(b, s, hq * dim), torch.randn(b, s, hkv * dim), torch.randn(b, s, hkv * dim)
     want = REFERENCE["attention"](q, k, v, 0, hq, hkv, dim, 0.25, True, None)[:, -1]  # [B, Hq*D]
     kc = k.view(b, s, hkv, dim).transpose(1, 2).contiguous()  # [B, Hkv, S, D]
     vc = v.view(b, s, hkv, dim).transpose(1, 2).contiguous()
-    got = decode_attention(q[:, -1].view(b, hq, dim), kc, vc, s, 0.25, splits=2, block_n=4)
+    got = decode_attention(q[:, -1].view(b, hq, dim), kc, vc, s, 0.25, splits=2, block_n=16)
     torch.testing.assert_close(got.reshape(b, -1), want, rtol=1e-5, atol=1e-5)
 
 
@@ -96,7 +96,7 @@ def test_decode_attention_padding_window_and_sinks():
     for window, sinks in [(0, 0), (16, 0), (16, 4), (50, 3)]:
         out = poisoned((b, hq, dim))
         decode_attention(q, k, v, end, 0.2, start=start, window=window, sinks=sinks, splits=4,
-                         block_n=8, out=out)
+                         block_n=16, out=out)
         want = decode_attention_reference(q, k, v, end, 0.2, start=start.long(), window=window, sinks=sinks)
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
@@ -108,9 +108,16 @@ def test_decode_attention_per_head_token_lists():
     index = torch.stack([torch.randperm(end)[:21] for _ in range(b * hkv)]).view(b, hkv, 21).int()
     index[1, 0, 15:] = -1  # a shorter list for one head
     out = poisoned((b, hq, dim))
-    decode_attention(q, k, v, end, 0.25, index=index, splits=2, block_n=8, out=out)
+    decode_attention(q, k, v, end, 0.25, index=index, splits=2, block_n=16, out=out)
     torch.testing.assert_close(out, decode_attention_reference(q, k, v, end, 0.25, index=index),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_refuses_blocks_the_gpu_cannot_compile():
+    q, (k, v) = torch.randn(1, 4, 16), cache(1, 2, 40, 16)
+    for block_n in (8, 24):  # tl.dot needs K >= 16; tl.arange a power of two
+        with pytest.raises(ValueError, match="block_n"):
+            decode_attention(q, k, v, 33, 0.25, block_n=block_n)
 
 
 def test_decode_attention_reads_another_layers_cache():
