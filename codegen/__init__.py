@@ -24,6 +24,13 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def check(ok: bool, kernel: str, problem: str) -> None:
+    """Arguments are checked before a launch: a kernel reads and writes through raw
+    pointers, so a wrong shape would be an out-of-bounds access, not an error."""
+    if not ok:
+        raise ValueError(f"{kernel}: {problem}")
+
+
 def row_warps(block: int) -> int:
     """Warps for a program that holds one row of ``block`` elements in registers: 4 warps
     (128 threads) below 2048 elements, 8 below 8192, then 16: a thread keeps <= 16-32 values."""

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import row_warps
+from . import check, row_warps
 
 
 @triton.jit
@@ -41,6 +41,12 @@ def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torc
     """``(rms_norm(x + residual), x + residual)``; with ``residual=None``, ``rms_norm(x)``.
     ``out``/``total`` (contiguous, shaped like ``x``) receive the results when given."""
     shape, n = x.shape, x.shape[-1]
+    check(tuple(weight.shape) == (n,), "add_rms_norm", f"weight {list(weight.shape)} for rows of {n}")
+    check(residual is None or residual.shape == shape, "add_rms_norm",
+          f"residual {list(residual.shape) if residual is not None else None} != x {list(shape)}")
+    for name, t in (("out", out), ("total", total)):
+        check(t is None or (t.shape == shape and t.is_contiguous()), "add_rms_norm",
+              f"{name} must be contiguous and shaped like x {list(shape)}")
     x2 = x.reshape(-1, n)  # [rows, H]
     if out is None:
         out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)

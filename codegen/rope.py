@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import check
+
 
 @triton.jit
 def rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, start_ptr, seq, start, heads, head_dim, half,
@@ -47,6 +49,10 @@ def rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, start_ptr, seq, start, heads, 
 def _launch(x, cos, sin, head_dim, out, start, out_strides):
     b, s, hd = x.shape
     heads, rot = hd // head_dim, cos.shape[-1]
+    check(hd % head_dim == 0, "rope", f"{hd} features are not heads of {head_dim}")
+    check(cos.shape == sin.shape and tuple(cos.shape[:-1]) == (b, s) and rot % 2 == 0
+          and rot <= head_dim, "rope", f"cos {list(cos.shape)} / sin {list(sin.shape)} do not "
+          f"fit x {list(x.shape)} with head_dim {head_dim}")
     x2 = x.reshape(b * s, hd)  # [tokens, H*D]
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -68,6 +74,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
          out: torch.Tensor | None = None) -> torch.Tensor:
     """``rw.rope``: ``x`` ``[B, S, H*D]`` -> rotated, same shape."""
     b, s, hd = x.shape
+    check(out is None or (out.shape == x.shape and out.stride(-1) == 1), "rope",
+          f"out must be shaped like x {list(x.shape)}, last dim contiguous")
     out = torch.empty(b, s, hd, dtype=x.dtype, device=x.device) if out is None else out
     _launch(x, cos, sin, head_dim, out, 0, (out.stride(0), out.stride(1), head_dim))
     return out
@@ -78,4 +86,10 @@ def rope_into_cache(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_
     """Rotate ``k`` ``[B, S, Hkv*D]`` and write it into ``cache`` ``[B, Hkv, L, D]`` at
     positions ``[start, start + S)``: ``FuseRoPE``'s K path, one read and one write.
     ``start`` may be a one-element device tensor (a CUDA-graph decode step)."""
+    b, s, hd = k.shape
+    check(cache.dim() == 4 and cache.shape[0] == b and cache.shape[1] * head_dim == hd
+          and cache.shape[3] == head_dim and cache.stride(3) == 1, "rope_into_cache",
+          f"cache {list(cache.shape)} does not hold k {list(k.shape)} as heads of {head_dim}")
+    check(isinstance(start, torch.Tensor) or 0 <= start <= cache.shape[2] - s, "rope_into_cache",
+          f"positions [{start}, {start} + {s}) are outside a cache of {cache.shape[2]}")
     _launch(k, cos, sin, head_dim, cache, start, (cache.stride(0), cache.stride(2), cache.stride(1)))

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import check
+
 
 @triton.jit
 def swiglu_kernel(gu_ptr, out_ptr, n_cols, gu_stride, out_stride, BLOCK: tl.constexpr):
@@ -27,6 +29,9 @@ def swiglu_kernel(gu_ptr, out_ptr, n_cols, gu_stride, out_stride, BLOCK: tl.cons
 def swiglu(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     two_f = gate_up.shape[-1]
     n = two_f // 2
+    check(two_f % 2 == 0, "swiglu", f"gate_up's last dim {two_f} is not [gate | up]")
+    check(out is None or (out.numel() == gate_up.numel() // 2 and out.is_contiguous()), "swiglu",
+          f"out must be contiguous with {gate_up.numel() // 2} elements")
     gu = gate_up.reshape(-1, two_f)  # [rows, 2F]
     if gu.stride(-1) != 1:
         gu = gu.contiguous()

@@ -236,3 +236,32 @@ def test_templates_in_bfloat16(name):
     got, want = (f() for f in _bf16_cases()[name])
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+# ---------------------------------------------------------------------------- bad arguments
+
+def _bad_calls():
+    x, w = torch.randn(3, 40), torch.randn(40)
+    q, cs = torch.randn(2, 5, 4 * 16), torch.randn(2, 5, 16)
+    return {
+        "weight of the wrong length": lambda: norm.rms_norm(x, torch.randn(39), 1e-6),
+        "residual of another shape": lambda: norm.add_rms_norm(x, torch.randn(3, 41), w, 1e-6),
+        "norm output too small": lambda: norm.rms_norm(x, w, 1e-6, out=torch.empty(2, 40)),
+        "odd gate_up": lambda: swiglu.swiglu(torch.randn(3, 41)),
+        "swiglu output too small": lambda: swiglu.swiglu(torch.randn(3, 40), out=torch.empty(3, 19)),
+        "features not whole heads": lambda: rope.rope(q, cs, cs, 24),
+        "cos for fewer tokens": lambda: rope.rope(q, cs[:, :4], cs[:, :4], 16),
+        "rotary wider than a head": lambda: rope.rope(q, torch.randn(2, 5, 18), torch.randn(2, 5, 18), 16),
+        "cache of another head_dim": lambda: rope.rope_into_cache(
+            torch.randn(2, 1, 32), torch.randn(2, 1, 16), torch.randn(2, 1, 16), 16,
+            torch.zeros(2, 2, 8, 32), 0),
+        "write past the cache": lambda: rope.rope_into_cache(
+            torch.randn(2, 3, 32), torch.randn(2, 3, 16), torch.randn(2, 3, 16), 16,
+            torch.zeros(2, 2, 8, 16), 6),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_calls()))
+def test_bad_arguments_are_refused_before_a_launch(case):
+    with pytest.raises(ValueError, match="rms_norm|swiglu|rope"):
+        _bad_calls()[case]()
