@@ -15,12 +15,14 @@ from . import check
 
 
 @triton.jit
-def rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, start_ptr, seq, start, heads, head_dim, half,
-                x_stride, cs_stride, o_sb, o_ss, o_sh, START_FROM_PTR: tl.constexpr,
-                BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+def rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, start_ptr, v_ptr, v_out_ptr, seq, start, heads,
+                head_dim, half, x_stride, cs_stride, o_sb, o_ss, o_sh, v_stride, vo_sb, vo_ss,
+                vo_sh, START_FROM_PTR: tl.constexpr, HAS_V: tl.constexpr, BLOCK_H: tl.constexpr,
+                BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HD: tl.constexpr):
     """One token, ``BLOCK_H`` heads: read ``x`` ``[tokens, H*D]``, write each rotated head
     at ``out + b*o_sb + (start + s)*o_ss + head*o_sh``: a ``[B, S, H*D]`` tensor or a
-    ``[B, H, L, D]`` cache, by strides. ``start`` may come from a device value."""
+    ``[B, H, L, D]`` cache, by strides. ``start`` may come from a device value. With
+    ``HAS_V`` the same heads of ``v`` are copied, unrotated, into the V cache too."""
     if START_FROM_PTR:
         start = tl.load(start_ptr)
     token = tl.program_id(0)  # b * seq + s
@@ -44,9 +46,16 @@ def rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, start_ptr, seq, start, heads, 
     j = 2 * half + tl.arange(0, BLOCK_D)  # features past the rotary part pass through
     mp = (h < heads)[:, None] & (j < head_dim)[None, :]
     tl.store(dst + j[None, :], tl.load(src + j[None, :], mask=mp, other=0.0), mask=mp)
+    if HAS_V:  # one launch writes the step's K and V, not two
+        e = tl.arange(0, BLOCK_HD)
+        mv = (h < heads)[:, None] & (e < head_dim)[None, :]
+        vals = tl.load(v_ptr + token * v_stride + h[:, None] * head_dim + e[None, :], mask=mv,
+                       other=0.0)
+        tl.store(v_out_ptr + b * vo_sb + (start + s) * vo_ss + h[:, None] * vo_sh + e[None, :],
+                 vals.to(v_out_ptr.dtype.element_ty), mask=mv)
 
 
-def _launch(x, cos, sin, head_dim, out, start, out_strides):
+def _launch(x, cos, sin, head_dim, out, start, out_strides, v=None, v_out=None):
     b, s, hd = x.shape
     heads, rot = hd // head_dim, cos.shape[-1]
     check(hd % head_dim == 0, "rope", f"{hd} features are not heads of {head_dim}")
@@ -63,11 +72,17 @@ def _launch(x, cos, sin, head_dim, out, start, out_strides):
     # A token's heads together, up to ~2048 elements a program: a decode step's 32 heads of
     # 64 are one program per token, not 32 programs of 64 elements.
     block_h = min(triton.next_power_of_2(heads), max(1, 1024 // block_half))
+    v2 = v.reshape(b * s, hd) if v is not None else x2  # [tokens, H*D]; unused without v
+    if v2.stride(-1) != 1:
+        v2 = v2.contiguous()
+    v_out_strides = (v_out.stride(0), v_out.stride(2), v_out.stride(1)) if v is not None else (0, 0, 0)
     rope_kernel[(b * s, triton.cdiv(heads, block_h))](
-        x2, c2, s2, out, start_ptr, s, 0 if isinstance(start, torch.Tensor) else start, heads,
-        head_dim, rot // 2, x2.stride(0), c2.stride(0), *out_strides,
-        START_FROM_PTR=isinstance(start, torch.Tensor), BLOCK_H=block_h, BLOCK_HALF=block_half,
-        BLOCK_D=triton.next_power_of_2(max(1, head_dim - rot)))
+        x2, c2, s2, out, start_ptr, v2, v_out if v is not None else out, s,
+        0 if isinstance(start, torch.Tensor) else start, heads, head_dim, rot // 2,
+        x2.stride(0), c2.stride(0), *out_strides, v2.stride(0), *v_out_strides,
+        START_FROM_PTR=isinstance(start, torch.Tensor), HAS_V=v is not None, BLOCK_H=block_h,
+        BLOCK_HALF=block_half, BLOCK_D=triton.next_power_of_2(max(1, head_dim - rot)),
+        BLOCK_HD=triton.next_power_of_2(head_dim))
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
@@ -82,14 +97,20 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
 
 
 def rope_into_cache(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
-                    cache: torch.Tensor, start: int | torch.Tensor) -> None:
+                    cache: torch.Tensor, start: int | torch.Tensor,
+                    v: torch.Tensor | None = None, v_cache: torch.Tensor | None = None) -> None:
     """Rotate ``k`` ``[B, S, Hkv*D]`` and write it into ``cache`` ``[B, Hkv, L, D]`` at
     positions ``[start, start + S)``: ``FuseRoPE``'s K path, one read and one write.
-    ``start`` may be a one-element device tensor (a CUDA-graph decode step)."""
+    ``start`` may be a one-element device tensor (a CUDA-graph decode step). With ``v``
+    and ``v_cache`` (same shapes as ``k`` and ``cache``), V is stored by the same launch."""
     b, s, hd = k.shape
+    check((v is None) == (v_cache is None) and (v is None or (
+          v.shape == k.shape and v_cache.shape == cache.shape and v_cache.stride(3) == 1)),
+          "rope_into_cache", "v and v_cache must come together, shaped like k and cache")
     check(cache.dim() == 4 and cache.shape[0] == b and cache.shape[1] * head_dim == hd
           and cache.shape[3] == head_dim and cache.stride(3) == 1, "rope_into_cache",
           f"cache {list(cache.shape)} does not hold k {list(k.shape)} as heads of {head_dim}")
     check(isinstance(start, torch.Tensor) or 0 <= start <= cache.shape[2] - s, "rope_into_cache",
           f"positions [{start}, {start} + {s}) are outside a cache of {cache.shape[2]}")
-    _launch(k, cos, sin, head_dim, cache, start, (cache.stride(0), cache.stride(2), cache.stride(1)))
+    _launch(k, cos, sin, head_dim, cache, start, (cache.stride(0), cache.stride(2), cache.stride(1)),
+            v, v_cache)

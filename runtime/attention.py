@@ -25,13 +25,18 @@ class Step:
     def __init__(self, cache: KVCache, start: int, length: int, pad: Optional[Tensor]):
         self.cache, self.start, self.length, self.pad = cache, start, length, pad
         self.end = start + length
-        self._masks: dict = {}
+        self._values: dict = {}
+
+    def once(self, key, make):
+        """A device value every layer of the step needs (``make()`` runs at the first
+        layer): built once a step, not once a layer, which on a GPU is a kernel saved per layer."""
+        if key not in self._values:
+            self._values[key] = make()
+        return self._values[key]
 
     def mask(self, window: Optional[int]) -> Optional[Tensor]:
         """Boolean ``[B, 1, S, end]`` (True = may attend), or None when all keys are visible."""
-        if window not in self._masks:
-            self._masks[window] = self._build_mask(window)
-        return self._masks[window]
+        return self.once(("mask", window), lambda: self._build_mask(window))
 
     def _build_mask(self, window: Optional[int]) -> Optional[Tensor]:
         limited = window is not None and self.end > window

@@ -51,13 +51,13 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, slot: int, num
     split = lambda x: x.view(b, s, num_kv_heads, head_dim).transpose(1, 2)  # noqa: E731  [B, Hkv, S, D]
     if cos is not None:
         q = rope(q, cos, sin, head_dim)
-        rope_into_cache(k, cos, sin, head_dim, k_cache, step.pos if step.static else step.start)
-        write_kv(step, None, v_cache, None, split(v))
+        rope_into_cache(k, cos, sin, head_dim, k_cache, step.pos if step.static else step.start,
+                        v=v, v_cache=v_cache)  # K rotated and V, one launch
     else:
         write_kv(step, k_cache, v_cache, split(k), split(v))
-    start = step.pad if step.pad is not None else _zeros(b, q.device)
+    start = step.pad if step.pad is not None else step.once("zeros", lambda: _zeros(b, q.device))
     if s == 1:
-        end = step.pos + 1 if step.static else step.end
+        end = step.once("end", lambda: step.pos + 1) if step.static else step.end
         out = decode_attention(q.view(b, num_heads, head_dim), k_cache, v_cache, end, scale,
                                start=start, window=window or 0)
         return out.view(b, 1, num_heads * head_dim)

@@ -194,6 +194,25 @@ def test_rope_into_cache_writes_rotated_keys_and_nothing_else(b, s, heads, head_
     assert cache[:, :, :start].isnan().all() and cache[:, :, start + s:].isnan().all()
 
 
+@pytest.mark.parametrize("device_start", [False, True])
+def test_rope_into_cache_stores_v_in_the_same_launch(device_start):
+    """K rotated and V copied by one kernel, from views of a fused qkv output (row stride
+    wider than the row), at a position that may be a device value."""
+    b, s, heads, head_dim, start = 2, 3, 3, 20, 4
+    qkv = torch.randn(b, s, 5 * heads * head_dim)  # [B, S, (3 q + 1 k + 1 v) heads]
+    k, v = qkv[..., 3 * heads * head_dim:4 * heads * head_dim], qkv[..., 4 * heads * head_dim:]
+    cos, sin = torch.randn(b, s, 16), torch.randn(b, s, 16)
+    k_cache, v_cache = poisoned((b, heads, 9, head_dim)), poisoned((b, heads, 9, head_dim))
+    where = torch.tensor([start]) if device_start else start
+    rope.rope_into_cache(k, cos, sin, head_dim, k_cache, where, v=v, v_cache=v_cache)
+    split = lambda x: x.reshape(b, s, heads, head_dim).transpose(1, 2)  # noqa: E731
+    torch.testing.assert_close(k_cache[:, :, start:start + s],
+                               split(REFERENCE["rope"](k, cos, sin, head_dim)), rtol=1e-5, atol=1e-5)
+    assert torch.equal(v_cache[:, :, start:start + s], split(v))
+    for c in (k_cache, v_cache):
+        assert c[:, :, :start].isnan().all() and c[:, :, start + s:].isnan().all()
+
+
 def test_decode_attention_ignores_token_indices_outside_the_cache():
     """A bad index list is masked inside the kernel, never read out of bounds."""
     b, hq, hkv, dim, end = 1, 4, 2, 16, 30
