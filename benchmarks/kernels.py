@@ -102,8 +102,9 @@ def aot(arch: int, json_path: str) -> None:
         for _name, tri_fn, _ref, _bytes in cases("aot", torch.bfloat16, "cpu"):
             tri_fn()
         kc = torch.randn(1, 4, 80, 64, dtype=torch.bfloat16)  # llama_1b's prefill, GPU tile
+        cs = torch.randn(1, 80, 64, dtype=torch.bfloat16)  # FuseRoPE: q rotated in the kernel
         prefill_attention(torch.randn(1, 80, 32 * 64, dtype=torch.bfloat16), kc, kc, 32, 0.125,
-                          block=64)
+                          block=64, cos=cs, sin=cs)
         tri.generate(ids, max_new_tokens=3, eos_token_id=[])
         tri.static_decode = True  # the CUDA-graph step's kernels read positions from memory
         tri.generate(ids, max_new_tokens=3, eos_token_id=[])

@@ -26,16 +26,17 @@ import triton
 import triton.language as tl
 
 from . import interpreted
+from .rope import rope_operands
 
 
 @triton.jit
 def decode_attention_split_kernel(
-        q_ptr, k_ptr, v_ptr, start_ptr, index_ptr, part_ptr, lse_ptr, end_ptr,
-        end, n_cand, chunk, scale, window, sinks, group, head_dim,
+        q_ptr, k_ptr, v_ptr, start_ptr, index_ptr, part_ptr, lse_ptr, end_ptr, cos_ptr, sin_ptr,
+        end, n_cand, chunk, scale, window, sinks, group, head_dim, half,
         q_sb, q_sh, k_sb, k_sh, k_sl, v_sb, v_sh, v_sl, i_sb, i_sh,
-        p_sb, p_sh, p_ss, l_sb, l_sh,
-        HAS_INDEX: tl.constexpr, END_FROM_PTR: tl.constexpr, DOT_F32: tl.constexpr,
-        BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+        p_sb, p_sh, p_ss, l_sb, l_sh, cs_sb,
+        HAS_INDEX: tl.constexpr, END_FROM_PTR: tl.constexpr, HAS_ROPE: tl.constexpr,
+        DOT_F32: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     if END_FROM_PTR:  # a device value: the same launch serves every step of a CUDA graph
         end = tl.load(end_ptr)
     b = tl.program_id(0)
@@ -47,6 +48,15 @@ def decode_attention_split_kernel(
     heads = kvh * group + g  # the query heads of this KV head
     q = tl.load(q_ptr + b * q_sb + heads[:, None] * q_sh + d[None, :],
                 mask=gmask[:, None] & dmask[None, :], other=0.0)  # [G, D]
+    if HAS_ROPE:  # FuseRoPE: q is rotated here, not by a launch of its own
+        rot = d < 2 * half
+        partner = tl.where(d < half, d + half, d - half)  # rotate_half's source feature
+        qp = tl.load(q_ptr + b * q_sb + heads[:, None] * q_sh + partner[None, :],
+                     mask=gmask[:, None] & rot[None, :], other=0.0)
+        c = tl.load(cos_ptr + b * cs_sb + d, mask=rot, other=1.0).to(tl.float32)
+        sn = tl.load(sin_ptr + b * cs_sb + d, mask=rot, other=0.0).to(tl.float32)
+        sn = tl.where(d < half, -sn, sn)
+        q = (q.to(tl.float32) * c[None, :] + qp.to(tl.float32) * sn[None, :]).to(q.dtype)
     if DOT_F32:
         q = q.to(tl.float32)
     first = tl.load(start_ptr + b)
@@ -111,10 +121,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      scale: float, start: Optional[torch.Tensor] = None, window: int = 0,
                      sinks: int = 0, index: Optional[torch.Tensor] = None,
                      splits: Optional[int] = None, block_n: int = 32,
-                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     out: Optional[torch.Tensor] = None, cos: Optional[torch.Tensor] = None,
+                     sin: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of ``q`` ``[B, Hq, D]`` over cache positions ``[0, end)`` of
     ``k_cache``/``v_cache`` ``[B, Hkv, L, D]`` -> ``[B, Hq, D]``. ``end`` may be a
-    one-element device tensor (read by the kernel; the work then spans the whole cache)."""
+    one-element device tensor (read by the kernel; the work then spans the whole cache).
+    With ``cos``/``sin`` ``[B, 1, R]``, q is first rotated as ``rw.rope`` does."""
     b, hq, dim = q.shape
     hkv = k_cache.shape[1]
     end_ptr = end if isinstance(end, torch.Tensor) else None
@@ -136,13 +148,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     part = torch.empty(b, hq, splits, dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
     idx = index if index is not None else start  # any int tensor: unused without HAS_INDEX
+    cos2, sin2, half = rope_operands(cos, sin, b, 1, dim, q, "decode_attention")  # [B, R]
     decode_attention_split_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, start, idx, part, lse, end_ptr if end_ptr is not None else start,
-        end, n_cand, chunk, scale, window, sinks,
-        hq // hkv, dim, q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        cos2, sin2, end, n_cand, chunk, scale, window, sinks,
+        hq // hkv, dim, half, q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         idx.stride(0), idx.stride(1) if index is not None else 0,
-        *part.stride()[:3], *lse.stride()[:2],
-        HAS_INDEX=index is not None, END_FROM_PTR=end_ptr is not None, DOT_F32=interpreted(),
+        *part.stride()[:3], *lse.stride()[:2], cos2.stride(0),
+        HAS_INDEX=index is not None, END_FROM_PTR=end_ptr is not None, HAS_ROPE=cos is not None,
+        DOT_F32=interpreted(),
         BLOCK_G=max(16, triton.next_power_of_2(hq // hkv)),  # a tensor-core tile's rows
         BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(dim)))  # tl.dot's least K
     if out is None:

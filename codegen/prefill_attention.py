@@ -17,15 +17,16 @@ import triton
 import triton.language as tl
 
 from . import interpreted
+from .rope import rope_operands
 
 
 @triton.jit
 def prefill_attention_kernel(
-        q_ptr, k_ptr, v_ptr, start_ptr, out_ptr,
-        seq, q_start, scale, window, sinks, n_heads, group, head_dim,
-        q_sb, q_ss, k_sb, k_sh, k_sl, v_sb, v_sh, v_sl, o_sb, o_ss,
-        DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr):
+        q_ptr, k_ptr, v_ptr, start_ptr, out_ptr, cos_ptr, sin_ptr,
+        seq, q_start, scale, window, sinks, n_heads, group, head_dim, half,
+        q_sb, q_ss, k_sb, k_sh, k_sl, v_sb, v_sh, v_sl, o_sb, o_ss, cs_ss,
+        HAS_ROPE: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     mblock = tl.program_id(0)
     b = tl.program_id(1) // n_heads
     h = tl.program_id(1) % n_heads
@@ -36,6 +37,17 @@ def prefill_attention_kernel(
     qi = q_start + rows  # query cache positions
     q = tl.load(q_ptr + b * q_sb + rows[:, None] * q_ss + h * head_dim + d[None, :],
                 mask=rmask[:, None] & dmask[None, :], other=0.0)
+    if HAS_ROPE:  # FuseRoPE: q is rotated here, not by a launch of its own
+        rot = d < 2 * half
+        partner = tl.where(d < half, d + half, d - half)  # rotate_half's source feature
+        rm = rmask[:, None] & rot[None, :]
+        qp = tl.load(q_ptr + b * q_sb + rows[:, None] * q_ss + h * head_dim + partner[None, :],
+                     mask=rm, other=0.0)
+        cs = (b * seq + rows)[:, None] * cs_ss + d[None, :]  # cos/sin rows: [B*S, R]
+        c = tl.load(cos_ptr + cs, mask=rm, other=1.0).to(tl.float32)
+        sn = tl.load(sin_ptr + cs, mask=rm, other=0.0).to(tl.float32)
+        sn = tl.where((d < half)[None, :], -sn, sn)
+        q = (q.to(tl.float32) * c + qp.to(tl.float32) * sn).to(q.dtype)
     if DOT_F32:
         q = q.to(tl.float32)
     first = tl.load(start_ptr + b)
@@ -73,11 +85,13 @@ def prefill_attention_kernel(
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       num_heads: int, scale: float, q_start: int = 0,
                       start: Optional[torch.Tensor] = None, window: int = 0, sinks: int = 0,
-                      out: Optional[torch.Tensor] = None,
-                      block: Optional[int] = None) -> torch.Tensor:
+                      out: Optional[torch.Tensor] = None, block: Optional[int] = None,
+                      cos: Optional[torch.Tensor] = None,
+                      sin: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``q`` ``[B, S, Hq*D]`` over cache ``[B, Hkv, L, D]`` positions ``[0, q_start + S)``
     -> ``[B, S, Hq*D]``. ``block``: query and key tile (64 on a GPU; 16 under the
-    interpreter, where small tiles keep several blocks, and their masks, in small tests)."""
+    interpreter, where small tiles keep several blocks, and their masks, in small tests).
+    With ``cos``/``sin`` ``[B, S, R]``, q is first rotated as ``rw.rope`` does."""
     b, s, hd = q.shape
     dim = hd // num_heads
     hkv = k_cache.shape[1]
@@ -93,13 +107,14 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if block is None:
         block = 16 if interpreted() else 64
     grid = (triton.cdiv(s, block), b * num_heads)
+    cos2, sin2, half = rope_operands(cos, sin, b, s, dim, q, "prefill_attention")  # [B*S, R]
     block_d = max(16, triton.next_power_of_2(dim))
     # A 64x128 fp32 accumulator on 4 warps is 64 registers a thread before the tiles: sm_80
     # hit its 255-register ceiling there (benchmarks/kernels.py --aot 80), so 8 warps.
     warps = 8 if block >= 64 and block_d >= 128 else 4
     prefill_attention_kernel[grid](
-        q, k_cache, v_cache, start, out, s, q_start, scale, window, sinks, num_heads,
-        num_heads // hkv, dim, q.stride(0), q.stride(1), *k_cache.stride()[:3],
-        *v_cache.stride()[:3], out.stride(0), out.stride(1),
-        DOT_F32=interpreted(), BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d, num_warps=warps)
+        q, k_cache, v_cache, start, out, cos2, sin2, s, q_start, scale, window, sinks, num_heads,
+        num_heads // hkv, dim, half, q.stride(0), q.stride(1), *k_cache.stride()[:3],
+        *v_cache.stride()[:3], out.stride(0), out.stride(1), cos2.stride(0),
+        HAS_ROPE=cos is not None, DOT_F32=interpreted(), BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d, num_warps=warps)
     return out

@@ -85,6 +85,21 @@ def _launch(x, cos, sin, head_dim, out, start, out_strides, v=None, v_out=None):
         BLOCK_HD=triton.next_power_of_2(head_dim))
 
 
+def rope_operands(cos, sin, b: int, s: int, head_dim: int, x: torch.Tensor, kernel: str):
+    """``cos``/``sin`` ``[B, S, R]`` as ``[B*S, R]`` rows in ``x``'s dtype (``rw.rope`` casts
+    them first) and ``R / 2``, for a kernel that rotates ``x`` itself; without them,
+    placeholders its ``HAS_ROPE=False`` build never reads."""
+    if cos is None:
+        return x, x, 0
+    rot = cos.shape[-1]
+    check(sin is not None and cos.shape == sin.shape and tuple(cos.shape[:-1]) == (b, s)
+          and rot % 2 == 0 and rot <= head_dim, kernel,
+          f"cos {list(cos.shape)} / sin {list(getattr(sin, 'shape', []))} do not fit {b} rows "
+          f"of {s} tokens with head_dim {head_dim}")
+    cos2 = cos.to(x.dtype).reshape(b * s, rot).contiguous()  # [B*S, R]
+    return cos2, sin.to(x.dtype).reshape(b * s, rot).contiguous(), rot // 2
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
          out: torch.Tensor | None = None) -> torch.Tensor:
     """``rw.rope``: ``x`` ``[B, S, H*D]`` -> rotated, same shape."""

@@ -42,15 +42,15 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, slot: int, num
                      num_kv_heads: int, head_dim: int, scale: float, window: Optional[int],
                      cos: Optional[Tensor] = None, sin: Optional[Tensor] = None) -> Tensor:
     """``rw.attention`` over cache slot ``slot``: decode or prefill kernel by step length;
-    with ``cos``/``sin`` (``FuseRoPE``) K is rotated by the kernel that writes the cache."""
+    with ``cos``/``sin`` (``FuseRoPE``) K is rotated by the kernel that writes the cache
+    (V with it) and q by the attention kernel: no launch of its own for either."""
     from rewriter.codegen.decode_attention import decode_attention
     from rewriter.codegen.prefill_attention import prefill_attention
-    from rewriter.codegen.rope import rope, rope_into_cache
+    from rewriter.codegen.rope import rope_into_cache
     b, s, _ = q.shape
     k_cache, v_cache = step.cache.k[slot], step.cache.v[slot]
     split = lambda x: x.view(b, s, num_kv_heads, head_dim).transpose(1, 2)  # noqa: E731  [B, Hkv, S, D]
-    if cos is not None:
-        q = rope(q, cos, sin, head_dim)
+    if cos is not None:  # q is rotated inside the attention kernel
         rope_into_cache(k, cos, sin, head_dim, k_cache, step.pos if step.static else step.start,
                         v=v, v_cache=v_cache)  # K rotated and V, one launch
     else:
@@ -59,10 +59,10 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, slot: int, num
     if s == 1:
         end = step.once("end", lambda: step.pos + 1) if step.static else step.end
         out = decode_attention(q.view(b, num_heads, head_dim), k_cache, v_cache, end, scale,
-                               start=start, window=window or 0)
+                               start=start, window=window or 0, cos=cos, sin=sin)
         return out.view(b, 1, num_heads * head_dim)
     return prefill_attention(q, k_cache, v_cache, num_heads, scale, q_start=step.start,
-                             start=start, window=window or 0)
+                             start=start, window=window or 0, cos=cos, sin=sin)
 
 
 def _zeros(b: int, device) -> Tensor:

@@ -40,8 +40,9 @@ def _launch_everything():
                          torch.zeros(2, 2, 16, 64), torch.tensor([5]))
     for dim in (64, 128):  # the GPU's prefill tile (the interpreter's default is 16)
         kc = torch.randn(1, 2, 70, dim, dtype=torch.bfloat16)
+        cs = torch.randn(1, 70, dim, dtype=torch.bfloat16)
         prefill_attention(torch.randn(1, 70, 4 * dim, dtype=torch.bfloat16), kc, kc, 4,
-                          dim ** -0.5, block=64)
+                          dim ** -0.5, block=64, cos=cs, sin=cs)
 
 
 def test_every_kernel_the_backend_launches_compiles_for_sm90_without_spills():
@@ -61,6 +62,9 @@ def test_every_kernel_the_backend_launches_compiles_for_sm90_without_spills():
     for variant in [("decode_attention_split_kernel", "HAS_INDEX", "True"),
                     ("decode_attention_split_kernel", "END_FROM_PTR", "True"),
                     ("rope_kernel", "START_FROM_PTR", "True"),
+                    ("rope_kernel", "HAS_V", "True"),
+                    ("decode_attention_split_kernel", "HAS_ROPE", "True"),
+                    ("prefill_attention_kernel", "HAS_ROPE", "True"),
                     ("prefill_attention_kernel", "BLOCK_M", "64"),
                     ("decode_attention_split_kernel", "DOT_F32", "False")]:
         assert variant in seen, variant

@@ -284,3 +284,32 @@ def _bad_calls():
 def test_bad_arguments_are_refused_before_a_launch(case):
     with pytest.raises(ValueError, match="rms_norm|swiglu|rope"):
         _bad_calls()[case]()
+
+
+# ---------------------------------------------------------------------------- q rotated in attention
+
+@pytest.mark.parametrize("hq,hkv,dim,rot", [(4, 4, 16, 16), (6, 2, 24, 24), (8, 2, 20, 10)])
+def test_decode_attention_rotates_q_itself(hq, hkv, dim, rot):
+    """``FuseRoPE`` on the Triton path: q rotated inside the kernel == rope, then attention."""
+    b, end = 3, 45
+    k, v = cache(b, hkv, 50, dim)
+    q = torch.randn(b, 1, hq * dim)
+    cos, sin = torch.randn(b, 1, rot), torch.randn(b, 1, rot)
+    out = poisoned((b, hq, dim))
+    decode_attention(q.view(b, hq, dim), k, v, end, 0.3, cos=cos, sin=sin, out=out, block_n=16)
+    want = decode_attention(rope.rope(q, cos, sin, dim).view(b, hq, dim), k, v, end, 0.3, block_n=16)
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(out, decode_attention(q.view(b, hq, dim), k, v, end, 0.3))
+
+
+@pytest.mark.parametrize("hq,hkv,s,dim,rot", [(4, 2, 19, 16, 16), (6, 6, 33, 24, 12)])
+def test_prefill_attention_rotates_q_itself(hq, hkv, s, dim, rot):
+    b = 2
+    q = torch.randn(b, s, hq * dim)
+    k, v = cache(b, hkv, s + 3, dim)
+    cos, sin = torch.randn(b, s, rot), torch.randn(b, s, rot)
+    got = prefill_attention(q, k, v, hq, 0.3, cos=cos, sin=sin)
+    want = prefill_attention(rope.rope(q, cos, sin, dim), k, v, hq, 0.3)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="prefill_attention"):
+        prefill_attention(q, k, v, hq, 0.3, cos=cos[:, :-1], sin=sin[:, :-1])
