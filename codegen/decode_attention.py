@@ -53,8 +53,9 @@ def decode_attention_split_kernel(
         partner = tl.where(d < half, d + half, d - half)  # rotate_half's source feature
         qp = tl.load(q_ptr + b * q_sb + heads[:, None] * q_sh + partner[None, :],
                      mask=gmask[:, None] & rot[None, :], other=0.0)
-        c = tl.load(cos_ptr + b * cs_sb + d, mask=rot, other=1.0).to(tl.float32)
-        sn = tl.load(sin_ptr + b * cs_sb + d, mask=rot, other=0.0).to(tl.float32)
+        qt = q_ptr.dtype.element_ty  # cos/sin rounded to q's dtype first, as rw.rope does
+        c = tl.load(cos_ptr + b * cs_sb + d, mask=rot, other=1.0).to(qt).to(tl.float32)
+        sn = tl.load(sin_ptr + b * cs_sb + d, mask=rot, other=0.0).to(qt).to(tl.float32)
         sn = tl.where(d < half, -sn, sn)
         q = (q.to(tl.float32) * c[None, :] + qp.to(tl.float32) * sn[None, :]).to(q.dtype)
     if DOT_F32:

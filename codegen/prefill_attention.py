@@ -44,8 +44,9 @@ def prefill_attention_kernel(
         qp = tl.load(q_ptr + b * q_sb + rows[:, None] * q_ss + h * head_dim + partner[None, :],
                      mask=rm, other=0.0)
         cs = (b * seq + rows)[:, None] * cs_ss + d[None, :]  # cos/sin rows: [B*S, R]
-        c = tl.load(cos_ptr + cs, mask=rm, other=1.0).to(tl.float32)
-        sn = tl.load(sin_ptr + cs, mask=rm, other=0.0).to(tl.float32)
+        qt = q_ptr.dtype.element_ty  # cos/sin rounded to q's dtype first, as rw.rope does
+        c = tl.load(cos_ptr + cs, mask=rm, other=1.0).to(qt).to(tl.float32)
+        sn = tl.load(sin_ptr + cs, mask=rm, other=0.0).to(qt).to(tl.float32)
         sn = tl.where((d < half)[None, :], -sn, sn)
         q = (q.to(tl.float32) * c + qp.to(tl.float32) * sn).to(q.dtype)
     if DOT_F32:

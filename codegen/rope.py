@@ -33,11 +33,14 @@ def rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, start_ptr, v_ptr, v_out_ptr, s
     i = tl.arange(0, BLOCK_HALF)
     im = i < half
     m = (h < heads)[:, None] & im[None, :]  # [H, HALF]
-    # cos/sin are one row per token, shared by its heads: loaded once, broadcast.
-    c1 = tl.load(cos_ptr + token * cs_stride + i, mask=im, other=0.0).to(tl.float32)[None, :]
-    c2 = tl.load(cos_ptr + token * cs_stride + half + i, mask=im, other=0.0).to(tl.float32)[None, :]
-    s1 = tl.load(sin_ptr + token * cs_stride + i, mask=im, other=0.0).to(tl.float32)[None, :]
-    s2 = tl.load(sin_ptr + token * cs_stride + half + i, mask=im, other=0.0).to(tl.float32)[None, :]
+    # cos/sin are one row per token, shared by its heads: loaded once, broadcast. They come
+    # as computed (fp32) and are rounded to x's dtype here, as rw.rope does first: a cast
+    # in the wrapper would be two more launches a layer.
+    xt = x_ptr.dtype.element_ty
+    c1 = tl.load(cos_ptr + token * cs_stride + i, mask=im, other=0.0).to(xt).to(tl.float32)[None, :]
+    c2 = tl.load(cos_ptr + token * cs_stride + half + i, mask=im, other=0.0).to(xt).to(tl.float32)[None, :]
+    s1 = tl.load(sin_ptr + token * cs_stride + i, mask=im, other=0.0).to(xt).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + token * cs_stride + half + i, mask=im, other=0.0).to(xt).to(tl.float32)[None, :]
     a1 = tl.load(src + i[None, :], mask=m, other=0.0).to(tl.float32)
     a2 = tl.load(src + half + i[None, :], mask=m, other=0.0).to(tl.float32)
     ty = out_ptr.dtype.element_ty
@@ -65,13 +68,14 @@ def _launch(x, cos, sin, head_dim, out, start, out_strides, v=None, v_out=None):
     x2 = x.reshape(b * s, hd)  # [tokens, H*D]
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    c2 = cos.to(x.dtype).reshape(b * s, rot).contiguous()  # the reference casts cos/sin first
-    s2 = sin.to(x.dtype).reshape(b * s, rot).contiguous()
+    c2 = cos.reshape(b * s, rot).contiguous()  # [tokens, R], a view of rw.rotary's output
+    s2 = sin.reshape(b * s, rot).contiguous()
     start_ptr = start if isinstance(start, torch.Tensor) else c2  # unused unless a tensor
     block_half = triton.next_power_of_2(max(1, rot // 2))
     # A token's heads together, up to ~2048 elements a program: a decode step's 32 heads of
     # 64 are one program per token, not 32 programs of 64 elements.
-    block_h = min(triton.next_power_of_2(heads), max(1, 1024 // block_half))
+    width = max(block_half, triton.next_power_of_2(head_dim) // 2 if v is not None else 1)
+    block_h = min(triton.next_power_of_2(heads), max(1, 1024 // width))
     v2 = v.reshape(b * s, hd) if v is not None else x2  # [tokens, H*D]; unused without v
     if v2.stride(-1) != 1:
         v2 = v2.contiguous()
@@ -86,9 +90,9 @@ def _launch(x, cos, sin, head_dim, out, start, out_strides, v=None, v_out=None):
 
 
 def rope_operands(cos, sin, b: int, s: int, head_dim: int, x: torch.Tensor, kernel: str):
-    """``cos``/``sin`` ``[B, S, R]`` as ``[B*S, R]`` rows in ``x``'s dtype (``rw.rope`` casts
-    them first) and ``R / 2``, for a kernel that rotates ``x`` itself; without them,
-    placeholders its ``HAS_ROPE=False`` build never reads."""
+    """``cos``/``sin`` ``[B, S, R]`` as ``[B*S, R]`` rows (views; the kernel rounds them to
+    ``x``'s dtype, as ``rw.rope`` does first) and ``R / 2``, for a kernel that rotates ``x``
+    itself; without them, placeholders its ``HAS_ROPE=False`` build never reads."""
     if cos is None:
         return x, x, 0
     rot = cos.shape[-1]
@@ -96,8 +100,7 @@ def rope_operands(cos, sin, b: int, s: int, head_dim: int, x: torch.Tensor, kern
           and rot % 2 == 0 and rot <= head_dim, kernel,
           f"cos {list(cos.shape)} / sin {list(getattr(sin, 'shape', []))} do not fit {b} rows "
           f"of {s} tokens with head_dim {head_dim}")
-    cos2 = cos.to(x.dtype).reshape(b * s, rot).contiguous()  # [B*S, R]
-    return cos2, sin.to(x.dtype).reshape(b * s, rot).contiguous(), rot // 2
+    return cos.reshape(b * s, rot).contiguous(), sin.reshape(b * s, rot).contiguous(), rot // 2
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int,

@@ -233,6 +233,7 @@ def _bf16_cases():
     x, r, w, gu = t(5, 200), t(5, 200), t(200), t(5, 2 * 150)
     qp, cs, sn = t(1, 9, 4 * 24), t(1, 9, 24), t(1, 9, 24)
     q1, kc, vc = t(2, 6, 24), t(2, 2, 77, 24), t(2, 2, 77, 24)
+    cq, sq = t(2, 1, 24), t(2, 1, 24)
     kp, vp, qq = t(1, 2, 29, 24), t(1, 2, 29, 24), t(1, 29, 6 * 24)
     k, v = (c.transpose(1, 2).reshape(1, 29, 48) for c in (kp, vp))  # [B, S, Hkv*D]
     return {
@@ -240,6 +241,14 @@ def _bf16_cases():
                          lambda: REFERENCE["add_rms_norm"](x, r, w, 1e-6)[0]),
         "swiglu": (lambda: swiglu.swiglu(gu), lambda: REFERENCE["swiglu"](gu)),
         "rope": (lambda: rope.rope(qp, cs, sn, 24), lambda: REFERENCE["rope"](qp, cs, sn, 24)),
+        # rw.rotary's tables are fp32: the kernels round them to bf16 themselves
+        "rope_fp32_tables": (lambda: rope.rope(qp, cs.float(), sn.float(), 24),
+                             lambda: REFERENCE["rope"](qp, cs.float(), sn.float(), 24)),
+        "decode_attention_rope": (
+            lambda: decode_attention(q1, kc, vc, 77, 0.2, cos=cq.float(), sin=sq.float()),
+            lambda: decode_attention_reference(
+                REFERENCE["rope"](q1.reshape(2, 1, -1), cq.float(), sq.float(), 24).view(2, 6, 24),
+                kc, vc, 77, 0.2)),
         "decode_attention": (lambda: decode_attention(q1, kc, vc, 77, 0.2),
                              lambda: decode_attention_reference(q1, kc, vc, 77, 0.2)),
         "prefill_attention": (lambda: prefill_attention(qq, kp, vp, 6, 0.2),
@@ -247,8 +256,8 @@ def _bf16_cases():
     }
 
 
-@pytest.mark.parametrize("name", ["add_rms_norm", "swiglu", "rope", "decode_attention",
-                                  "prefill_attention"])
+@pytest.mark.parametrize("name", ["add_rms_norm", "swiglu", "rope", "rope_fp32_tables",
+                                  "decode_attention", "decode_attention_rope", "prefill_attention"])
 def test_templates_in_bfloat16(name):
     """bf16 is what a GPU runs. Under the interpreter this also guards the workarounds for
     its bf16 gaps (``tl.dot`` and bf16 products; see ``rewriter.codegen.interpreted``)."""
