@@ -302,7 +302,7 @@ def test_decode_attention_rotates_q_itself(hq, hkv, dim, rot):
     """``FuseRoPE`` on the Triton path: q rotated inside the kernel == rope, then attention."""
     b, end = 3, 45
     k, v = cache(b, hkv, 50, dim)
-    q = torch.randn(b, 1, hq * dim)
+    q = torch.randn(b, 1, (hq + 2 * hkv) * dim)[..., :hq * dim]  # q of a fused qkv: a view
     cos, sin = torch.randn(b, 1, rot), torch.randn(b, 1, rot)
     out = poisoned((b, hq, dim))
     decode_attention(q.view(b, hq, dim), k, v, end, 0.3, cos=cos, sin=sin, out=out, block_n=16)
@@ -314,7 +314,7 @@ def test_decode_attention_rotates_q_itself(hq, hkv, dim, rot):
 @pytest.mark.parametrize("hq,hkv,s,dim,rot", [(4, 2, 19, 16, 16), (6, 6, 33, 24, 12)])
 def test_prefill_attention_rotates_q_itself(hq, hkv, s, dim, rot):
     b = 2
-    q = torch.randn(b, s, hq * dim)
+    q = torch.randn(b, s, (hq + 2 * hkv) * dim)[..., :hq * dim]  # q of a fused qkv: a view
     k, v = cache(b, hkv, s + 3, dim)
     cos, sin = torch.randn(b, s, rot), torch.randn(b, s, rot)
     got = prefill_attention(q, k, v, hq, 0.3, cos=cos, sin=sin)
