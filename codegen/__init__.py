@@ -6,7 +6,8 @@ cache, and generated kernels for the pointwise groups no template covers.
     rope.py               rotary embedding on folded heads; K (and V) into the cache
     decode_attention.py   one token over the cache: GQA, split (flash-decoding), q RoPE, window +
                           sinks, per-head token lists, any layer's cache
-    prefill_attention.py  causal flash attention over the cache
+    prefill_attention.py  causal flash attention over the cache, q RoPE
+    online_softmax.py     the per-block softmax update both attention kernels share
     partition.py          pointwise groups on the graph (networkx)
     pointwise.py          their generated Triton source (sympy indices), cache, launcher
     aot.py                compile what a run launched for a GPU that is not here (sm_80/90)

@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 
 from . import interpreted
-from .rope import rope_operands
+from .online_softmax import online_softmax_step
+from .rope import rope_operands, rope_rows
 
 
 @triton.jit
@@ -49,15 +50,8 @@ def decode_attention_split_kernel(
     q = tl.load(q_ptr + b * q_sb + heads[:, None] * q_sh + d[None, :],
                 mask=gmask[:, None] & dmask[None, :], other=0.0)  # [G, D]
     if HAS_ROPE:  # FuseRoPE: q is rotated here, not by a launch of its own
-        rot = d < 2 * half
-        partner = tl.where(d < half, d + half, d - half)  # rotate_half's source feature
-        qp = tl.load(q_ptr + b * q_sb + heads[:, None] * q_sh + partner[None, :],
-                     mask=gmask[:, None] & rot[None, :], other=0.0)
-        qt = q_ptr.dtype.element_ty  # cos/sin rounded to q's dtype first, as rw.rope does
-        c = tl.load(cos_ptr + b * cs_sb + d, mask=rot, other=1.0).to(qt).to(tl.float32)
-        sn = tl.load(sin_ptr + b * cs_sb + d, mask=rot, other=0.0).to(qt).to(tl.float32)
-        sn = tl.where(d < half, -sn, sn)
-        q = (q.to(tl.float32) * c[None, :] + qp.to(tl.float32) * sn[None, :]).to(q.dtype)
+        q = rope_rows(q, q_ptr + b * q_sb + heads[:, None] * q_sh, gmask[:, None], cos_ptr,
+                      sin_ptr, (b * cs_sb + 0 * heads)[:, None], d, half)
     if DOT_F32:
         q = q.to(tl.float32)
     first = tl.load(start_ptr + b)
@@ -85,13 +79,7 @@ def decode_attention_split_kernel(
             k, v = k.to(tl.float32), v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [G, N]
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # an all-masked block so far
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
-        lsum = lsum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m = m_new
+        m, lsum, acc = online_softmax_step(s, v, m, lsum, acc)
     out = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
     lse = tl.where(lsum > 0, m + tl.log(tl.where(lsum > 0, lsum, 1.0)), float("-inf"))
     tl.store(part_ptr + b * p_sb + heads[:, None] * p_sh + split * p_ss + d[None, :], out,

@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 from . import interpreted
-from .rope import rope_operands
+from .online_softmax import online_softmax_step
+from .rope import rope_operands, rope_rows
 
 
 @triton.jit
@@ -38,17 +39,8 @@ def prefill_attention_kernel(
     q = tl.load(q_ptr + b * q_sb + rows[:, None] * q_ss + h * head_dim + d[None, :],
                 mask=rmask[:, None] & dmask[None, :], other=0.0)
     if HAS_ROPE:  # FuseRoPE: q is rotated here, not by a launch of its own
-        rot = d < 2 * half
-        partner = tl.where(d < half, d + half, d - half)  # rotate_half's source feature
-        rm = rmask[:, None] & rot[None, :]
-        qp = tl.load(q_ptr + b * q_sb + rows[:, None] * q_ss + h * head_dim + partner[None, :],
-                     mask=rm, other=0.0)
-        cs = (b * seq + rows)[:, None] * cs_ss + d[None, :]  # cos/sin rows: [B*S, R]
-        qt = q_ptr.dtype.element_ty  # cos/sin rounded to q's dtype first, as rw.rope does
-        c = tl.load(cos_ptr + cs, mask=rm, other=1.0).to(qt).to(tl.float32)
-        sn = tl.load(sin_ptr + cs, mask=rm, other=0.0).to(qt).to(tl.float32)
-        sn = tl.where((d < half)[None, :], -sn, sn)
-        q = (q.to(tl.float32) * c + qp.to(tl.float32) * sn).to(q.dtype)
+        q = rope_rows(q, q_ptr + b * q_sb + rows[:, None] * q_ss + h * head_dim, rmask[:, None],
+                      cos_ptr, sin_ptr, (b * seq + rows)[:, None] * cs_ss, d, half)
     if DOT_F32:
         q = q.to(tl.float32)
     first = tl.load(start_ptr + b)
@@ -71,13 +63,7 @@ def prefill_attention_kernel(
         if window > 0:
             ok = ok & ((qi[:, None] - kj[None, :] < window) | (kj[None, :] < first + sinks))
         s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
-        lsum = lsum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m = m_new
+        m, lsum, acc = online_softmax_step(s, v, m, lsum, acc)
     out = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
     tl.store(out_ptr + b * o_sb + rows[:, None] * o_ss + h * head_dim + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])

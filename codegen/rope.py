@@ -58,6 +58,21 @@ def rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, start_ptr, v_ptr, v_out_ptr, s
                  vals.to(v_out_ptr.dtype.element_ty), mask=mv)
 
 
+@triton.jit
+def rope_rows(x, x_rows, row_mask, cos_ptr, sin_ptr, cs_rows, d, half):
+    """``rw.rope`` on a loaded tile ``x`` ``[R, D]`` inside another kernel (the attention
+    kernels rotate q this way): ``x_rows`` ``[R, 1]`` point at each row's head, ``cs_rows``
+    ``[R, 1]`` are the offsets of its cos/sin rows; the first ``2 * half`` features rotate,
+    the rest pass (cos 1, sin 0 there). cos/sin are rounded to x's dtype first, as rw.rope does."""
+    m = row_mask & (d < 2 * half)[None, :]
+    partner = tl.where(d < half, d + half, d - half)[None, :]  # rotate_half's source feature
+    xp = tl.load(x_rows + partner, mask=m, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + cs_rows + d[None, :], mask=m, other=1.0).to(x.dtype).to(tl.float32)
+    sn = tl.load(sin_ptr + cs_rows + d[None, :], mask=m, other=0.0).to(x.dtype).to(tl.float32)
+    sn = tl.where((d < half)[None, :], -sn, sn)
+    return (x.to(tl.float32) * c + xp * sn).to(x.dtype)
+
+
 def _launch(x, cos, sin, head_dim, out, start, out_strides, v=None, v_out=None):
     b, s, hd = x.shape
     heads, rot = hd // head_dim, cos.shape[-1]
