@@ -23,7 +23,7 @@ from rewriter.ir.core import IR
 from .generate import Batch, decode_loop, prepare
 from .kv_cache import KVCache, attention_specs
 from .lower import lower
-from .sampling import Sampling
+from .settings import GenerationSettings, token_ids
 
 Prompts = Union[Tensor, Sequence[Sequence[int]]]
 
@@ -62,8 +62,8 @@ class Engine:
 
     @property
     def eos_token_ids(self) -> list[int]:
-        eos = self.config.get("eos_token_id")
-        return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        return list(token_ids("eos_token_id (from the model config)",
+                              self.config.get("eos_token_id")))
 
     def kv_bytes_per_token(self) -> int:
         """KV-cache bytes per token of one sequence (all cache slots, K and V)."""
@@ -82,9 +82,11 @@ class Engine:
         ``input_ids`` is a ``[B, S]`` tensor (with ``attention_mask`` marking padding, left
         or right) or a list of token-id lists of any lengths. Rows that end (an
         ``eos_token_id``) are filled with ``pad_token_id``; generation stops when all have.
+        Every argument is checked (``GenerationSettings``) before anything runs.
         """
-        batch, steps = self._start(input_ids, max_new_tokens, attention_mask, do_sample,
-                                   temperature, top_k, top_p, seed, eos_token_id, pad_token_id)
+        settings = GenerationSettings(max_new_tokens, do_sample, temperature, top_k, top_p,
+                                      seed, eos_token_id, pad_token_id)
+        batch, steps = self._start(input_ids, attention_mask, settings)
         if progress:
             from tqdm import tqdm
             steps = tqdm(steps, total=max_new_tokens, desc="generate", unit="tok", leave=False)
@@ -96,31 +98,26 @@ class Engine:
                temperature: float = 1.0, top_k: Optional[int] = 50, top_p: float = 1.0,
                seed: Optional[int] = None, eos_token_id=None,
                pad_token_id: Optional[int] = None) -> Iterator[Tensor]:
-        """Yield each step's new tokens, ``[B]``, as they are made (arguments: ``generate``)."""
-        return self._start(input_ids, max_new_tokens, attention_mask, do_sample, temperature,
-                           top_k, top_p, seed, eos_token_id, pad_token_id)[1]
+        """Yield each step's new tokens, ``[B]``, as they are made (arguments: ``generate``).
+        The arguments are checked here, when ``stream`` is called, not at the first token."""
+        settings = GenerationSettings(max_new_tokens, do_sample, temperature, top_k, top_p,
+                                      seed, eos_token_id, pad_token_id)
+        return self._start(input_ids, attention_mask, settings)[1]
 
-    def _start(self, input_ids, max_new_tokens, attention_mask, do_sample, temperature, top_k,
-               top_p, seed, eos_token_id, pad_token_id) -> tuple[Batch, Iterator[Tensor]]:
+    def _start(self, input_ids, attention_mask,
+               settings: GenerationSettings) -> tuple[Batch, Iterator[Tensor]]:
         """Check everything, then return the batch and the (lazy) token iterator."""
-        sampling = Sampling(do_sample, temperature, top_k, top_p)
-        eos = self.eos_token_ids if eos_token_id is None else (
-            [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
-        pad = pad_token_id if pad_token_id is not None else self.config.get("pad_token_id")
-        pad = pad if pad is not None else (eos[0] if eos else 0)
+        settings = settings.for_model(self.config)
         device = self._device()
-        batch = prepare(input_ids, attention_mask, pad, device)
-        need = self._check(batch.ids, max_new_tokens)
+        batch = prepare(input_ids, attention_mask, settings.pad_token_id, device)
+        need = self._check(batch.ids, settings.max_new_tokens)
         cache = self._cache_for(batch.ids.shape[0], need)
         cache.busy = True  # held from now (a stream not yet started too) until its loop ends
-        generator = None
-        if do_sample and seed is not None:
-            generator = torch.Generator(device).manual_seed(seed)
         prefill, decode = self._lowered()
         cuda = device.type == "cuda"
         static = self.static_decode if self.static_decode is not None else cuda
-        return batch, decode_loop(prefill, decode, cache, batch, max_new_tokens, sampling, eos,
-                                  pad, generator, self.stats, static=static,
+        return batch, decode_loop(prefill, decode, cache, batch, settings,
+                                  settings.generator(device), self.stats, static=static,
                                   cuda_graph=static and cuda)
 
     def __call__(self, input_ids: Tensor, positions: Optional[Tensor] = None) -> Tensor:
@@ -154,9 +151,7 @@ class Engine:
         save(self, directory, progress=progress)
 
     # ------------------------------------------------------------------ internals
-    def _check(self, ids: Tensor, max_new_tokens: int) -> None:
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    def _check(self, ids: Tensor, max_new_tokens: int) -> int:
         check_token_ids(ids, self.config.get("vocab_size"))
         need = ids.shape[1] + max_new_tokens
         if need > self.max_len:
@@ -201,11 +196,18 @@ class Engine:
 
 
 def check_token_ids(ids: Tensor, vocab: Optional[int]) -> None:
-    if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"input_ids must be an integer tensor [batch, seq], got "
-                         f"{ids.dtype} {list(ids.shape)}")
-    if ids.numel() and vocab is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-        raise ValueError(f"input_ids hold token ids outside the vocabulary [0, {vocab})")
+    """``ids`` is an integer ``[batch, seq]`` tensor of ids in ``[0, vocab)``; the error
+    names the first id outside."""
+    if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+        shown = f"{ids.dtype} {list(ids.shape)}" if isinstance(ids, Tensor) else type(ids).__name__
+        raise ValueError(f"input_ids must be an integer tensor [batch, seq], got {shown}")
+    if not ids.numel() or vocab is None:
+        return
+    outside = ((ids < 0) | (ids >= vocab)).nonzero()
+    if len(outside):
+        b, s = outside[0].tolist()
+        raise ValueError(f"input_ids hold token ids outside the vocabulary [0, {vocab}): "
+                         f"row {b} has {int(ids[b, s])}")
 
 
 def _module_source(module) -> str:

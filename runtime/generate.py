@@ -16,7 +16,10 @@ from torch import Tensor, fx
 
 from .attention import StaticStep, Step
 from .kv_cache import KVCache
-from .sampling import Sampling, next_token
+from .sampling import next_token
+from .settings import GenerationSettings, is_int
+
+INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 @dataclass
@@ -29,49 +32,112 @@ class Batch:
 
 def prepare(prompts, attention_mask: Optional[Tensor], pad_token_id: int,
             device: torch.device) -> Batch:
-    """One left-padded batch from a ``[B, S]`` tensor (+ mask) or a list of id lists."""
+    """One left-padded batch from a ``[B, S]`` tensor (+ mask) or a list of id lists.
+
+    Token ids must be integers (a float id is refused, not truncated; a bool is not an id);
+    a mask must be 0/1 (bool or integer dtype) and leave every row a token. The vocabulary
+    range is the engine's check (``check_token_ids``), made on the batch this returns."""
     if isinstance(prompts, Tensor):
-        if prompts.dim() == 1:
-            prompts = prompts[None]
-        if prompts.dim() != 2 or prompts.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"input_ids must be an integer tensor [batch, seq], got "
-                             f"{prompts.dtype} {list(prompts.shape)}")
-        source = prompts.to(device=device, dtype=torch.int64)
+        source = _tensor_prompts(prompts).to(device=device, dtype=torch.int64)
         if attention_mask is None:
             rows = list(source)
         else:
-            if attention_mask.shape != prompts.shape:
-                raise ValueError(f"attention_mask has shape {list(attention_mask.shape)}, "
-                                 f"input_ids {list(prompts.shape)}")
-            keep = attention_mask.to(device).bool()
+            keep = _mask(attention_mask, source.shape).to(device)
             rows = [row[m] for row, m in zip(source, keep)]
     else:
-        rows = [torch.as_tensor(list(r), dtype=torch.int64, device=device) for r in prompts]
+        if attention_mask is not None:
+            raise ValueError("attention_mask goes with a [batch, seq] tensor of input_ids; lists "
+                             "of token-id lists of different lengths need none")
+        rows = [torch.tensor(_id_list(r, b), dtype=torch.int64, device=device)
+                for b, r in enumerate(_prompt_list(prompts))]
         source = None
     if not rows or any(len(r) == 0 for r in rows):
-        raise ValueError("every prompt needs at least one token")
+        raise ValueError("input_ids: every prompt needs at least one token")
     width = max(len(r) for r in rows)
     pad = torch.tensor([width - len(r) for r in rows], device=device)  # [B]
-    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.int64, device=device)
+    shown = torch.full((len(rows), width), pad_token_id, dtype=torch.int64, device=device)
     for b, r in enumerate(rows):
-        ids[b, width - len(r):] = r
-    positions = (torch.arange(width, device=device)[None] - pad[:, None]).clamp_min(0)  # [B, S]
+        shown[b, width - len(r):] = r
+    column = torch.arange(width, device=device)[None]  # [1, S]
+    # The model reads token 0 where the caller sees pad_token_id (masked either way): the
+    # pad id need not be a token.
+    ids = shown.masked_fill(column < pad[:, None], 0)  # [B, S]
+    positions = (column - pad[:, None]).clamp_min(0)  # [B, S]
     return Batch(ids, positions, pad if int(pad.max()) > 0 else None,
-                 source if source is not None else ids)
+                 source if source is not None else shown)
+
+
+def _tensor_prompts(prompts: Tensor) -> Tensor:
+    """``[B, S]`` (a ``[S]`` tensor is one prompt) of an integer dtype."""
+    if prompts.dim() == 1:
+        prompts = prompts[None]
+    if prompts.dim() != 2 or prompts.dtype not in INT_DTYPES:
+        raise ValueError(f"input_ids must be an integer tensor [batch, seq], got "
+                         f"{prompts.dtype} {list(prompts.shape)}")
+    return prompts
+
+
+def _mask(mask, shape) -> Tensor:
+    """The attention mask as bool, after checking it is a 0/1 tensor of ``shape``."""
+    if not isinstance(mask, Tensor):
+        raise ValueError(f"attention_mask must be a tensor, got {type(mask).__name__}")
+    if mask.dim() == 1:
+        mask = mask[None]  # the mask of a [S] prompt
+    if mask.dtype != torch.bool and mask.dtype not in INT_DTYPES:
+        raise ValueError(f"attention_mask must be a bool or integer tensor of 0s and 1s, "
+                         f"got {mask.dtype}")
+    if mask.shape != shape:
+        raise ValueError(f"attention_mask has shape {list(mask.shape)}, input_ids {list(shape)}")
+    if mask.dtype != torch.bool and bool(((mask != 0) & (mask != 1)).any()):
+        bad = mask[(mask != 0) & (mask != 1)][0].item()
+        raise ValueError(f"attention_mask must hold only 0 and 1, found {bad}")
+    keep = mask.bool()
+    empty = (~keep.any(-1)).nonzero()
+    if len(empty):
+        raise ValueError(f"attention_mask row {int(empty[0])} is all zeros: that prompt has "
+                         f"no token")
+    return keep
+
+
+def _prompt_list(prompts) -> list:
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise ValueError(f"input_ids must be a [batch, seq] integer tensor or a list of "
+                         f"token-id lists, got {type(prompts).__name__}")
+    return list(prompts)
+
+
+def _id_list(row, b: int) -> list[int]:
+    """Row ``b`` of list prompts as ints: a list/tuple of ints or a 1-D integer tensor."""
+    if isinstance(row, Tensor):
+        if row.dim() != 1 or row.dtype not in INT_DTYPES:
+            raise ValueError(f"input_ids[{b}] must be a 1-D integer tensor, got "
+                             f"{row.dtype} {list(row.shape)}")
+        return row.tolist()
+    if isinstance(row, (str, bytes)) or not isinstance(row, Sequence):
+        raise ValueError(f"input_ids[{b}] must be a list of token ids, got {row!r}")
+    for i, t in enumerate(row):
+        if not is_int(t):
+            raise ValueError(f"input_ids[{b}][{i}] must be an integer token id, got {t!r} "
+                             f"({type(t).__name__})")
+    return [int(t) for t in row]
 
 
 def decode_loop(prefill: fx.GraphModule, decode: fx.GraphModule, cache: KVCache, batch: Batch,
-                max_new_tokens: int, sampling: Sampling, eos: Sequence[int], pad_token_id: int,
-                generator: Optional[torch.Generator], stats: Counter,
-                static: bool = False, cuda_graph: bool = False) -> Iterator[Tensor]:
-    """Yield the next token of every row, ``[B]``, ``max_new_tokens`` times at most.
+                settings: GenerationSettings, generator: Optional[torch.Generator],
+                stats: Counter, static: bool = False,
+                cuda_graph: bool = False) -> Iterator[Tensor]:
+    """Yield the next token of every row, ``[B]``, ``settings.max_new_tokens`` times at most.
 
-    ``static`` runs decode steps through ``StaticStep`` (device-side write position), and
-    ``cuda_graph`` then replays them from one captured CUDA graph (see ``StaticDecoder``).
+    ``settings`` are resolved for the model (``GenerationSettings.for_model``): its eos ids
+    are a tuple and its pad id an int. ``static`` runs decode steps through ``StaticStep``
+    (device-side write position), and ``cuda_graph`` then replays them from one captured
+    CUDA graph (see ``StaticDecoder``).
 
     ``stats`` counts the cost: ``forward_passes`` (calls of the model, each over the whole
     batch), ``layer_evals`` (decoder layers those calls ran) and ``tokens`` (steps yielded).
     """
+    max_new_tokens, eos, pad_token_id = (settings.max_new_tokens, settings.eos_token_id,
+                                         settings.pad_token_id)
     layers = len(cache.specs)
     cache.busy = True  # until this generator ends or is dropped: no other call may reuse it
     try:  # (the engine marks it busy already when it hands the cache out)
@@ -83,7 +149,7 @@ def decode_loop(prefill: fx.GraphModule, decode: fx.GraphModule, cache: KVCache,
         logits = _run(prefill, Step(cache, 0, s, batch.pad), batch.ids, batch.positions)
         stats.update(forward_passes=1, layer_evals=layers)
         for i in range(max_new_tokens):
-            chosen = next_token(logits[:, -1], sampling, generator)  # [B]
+            chosen = next_token(logits[:, -1], settings, generator)  # [B]
             token = chosen
             if len(eos):
                 token = chosen.masked_fill(finished, pad_token_id)

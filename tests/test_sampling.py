@@ -5,7 +5,12 @@ import torch
 from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
-from rewriter.runtime.sampling import Sampling, next_token, warp
+from rewriter.runtime.sampling import next_token, warp
+from rewriter.runtime.settings import GenerationSettings
+
+
+def Sampling(do_sample, temperature=1.0, top_k=50, top_p=1.0):
+    return GenerationSettings(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
 
 
 def hf_warp(logits, temperature, top_k, top_p):
@@ -62,4 +67,4 @@ def test_seeded_generation_is_reproducible(varied_cache):
                                        (dict(top_k=-1), "top_k"), (dict(top_p=1.5), "top_p")])
 def test_bad_sampling_arguments_are_named(bad, match):
     with pytest.raises(ValueError, match=match):
-        Sampling(True, **{"temperature": 1.0, "top_k": 50, "top_p": 1.0, **bad})
+        GenerationSettings(do_sample=True, **bad)

@@ -1,0 +1,132 @@
+"""``GenerationSettings``: every generation parameter, checked in one place.
+
+    s = GenerationSettings(max_new_tokens=64, do_sample=True, temperature=0.8, top_k=50)
+    s = s.for_model(engine.config)   # eos/pad filled from the config, ids checked against its vocabulary
+
+``Engine.generate`` and ``Engine.stream`` build one from their keyword arguments and hand
+that one object to the decode loop and the sampler; strategies built on the loop take it
+as it is. Defaults are Hugging Face's (``max_new_tokens=20, temperature=1.0, top_k=50,
+top_p=1.0``).
+
+What is refused, with a ``ValueError`` that names the parameter:
+- an integer parameter that is not an ``int``: ``bool`` is refused (``True`` is not token
+  1), and so is every ``float``, integral or not (``3.0`` is refused, not truncated: a
+  float where an id or a count belongs is a mistake upstream, and one rule is easier to
+  trust than "floats that happen to be whole");
+- a real parameter that is not a finite ``int``/``float`` (NaN, inf, bools, strings);
+- out-of-range values: ``max_new_tokens >= 1``, ``top_k >= 0`` or None (0 and None: no
+  limit, as in Hugging Face), ``temperature > 0`` and ``top_p`` in (0, 1] when sampling
+  (greedy decoding ignores them, as Hugging Face does, but they must still be numbers),
+  eos ids in ``[0, vocab_size)`` once the model is known (``pad_token_id`` may be any int:
+  it only marks output positions).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence, Union
+
+import torch
+
+TokenIds = Union[None, int, Sequence[int]]
+
+# torch.Generator.manual_seed takes any value that fits 64 bits, signed or not.
+_SEED_RANGE = (-(2 ** 63), 2 ** 64)
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    max_new_tokens: int = 20
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: Optional[int] = 50
+    top_p: float = 1.0
+    seed: Optional[int] = None
+    # None: the model config's; an int or a list of ints (stored as a tuple); () for none.
+    eos_token_id: TokenIds = None
+    # None: the model config's pad_token_id, else the first eos id, else 0. It only fills
+    # the output (ended rows, the left padding of list prompts) and never reaches the
+    # model, so any int will do (-1 as a marker, as Hugging Face users do).
+    pad_token_id: Optional[int] = None
+
+    def __post_init__(self):
+        whole("max_new_tokens", self.max_new_tokens, minimum=1)
+        if not isinstance(self.do_sample, bool):
+            raise ValueError(f"do_sample must be True or False, got {self.do_sample!r}")
+        real("temperature", self.temperature)
+        real("top_p", self.top_p)
+        if self.top_k is not None:
+            whole("top_k", self.top_k, minimum=0)
+        if self.seed is not None:
+            whole("seed", self.seed, minimum=_SEED_RANGE[0], below=_SEED_RANGE[1])
+        if self.do_sample:
+            if not self.temperature > 0:
+                raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature}")
+            if not 0.0 < self.top_p <= 1.0:
+                raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.eos_token_id is not None:
+            object.__setattr__(self, "eos_token_id", token_ids("eos_token_id", self.eos_token_id))
+        if self.pad_token_id is not None:
+            whole("pad_token_id", self.pad_token_id)
+
+    def for_model(self, config: dict) -> "GenerationSettings":
+        """These settings with eos and pad resolved from the model ``config`` (a
+        ``config.json`` dict) and every token id checked against its ``vocab_size``."""
+        vocab = config.get("vocab_size")
+        eos = self.eos_token_id
+        if eos is None:
+            eos = token_ids("eos_token_id (from the model config)", config.get("eos_token_id"))
+        pad = self.pad_token_id
+        if pad is None:
+            pad = config.get("pad_token_id")
+            if pad is not None:
+                whole("pad_token_id (from the model config)", pad)
+        pad = pad if pad is not None else (eos[0] if eos else 0)
+        if vocab is not None:
+            for i in eos:
+                if i >= vocab:
+                    raise ValueError(f"eos_token_id {i} is outside the vocabulary [0, {vocab})")
+        return replace(self, eos_token_id=eos, pad_token_id=pad)
+
+    def generator(self, device) -> Optional[torch.Generator]:
+        """The seeded random generator sampling draws from (None: torch's global one)."""
+        if not self.do_sample or self.seed is None:
+            return None
+        return torch.Generator(device).manual_seed(self.seed)
+
+
+def is_int(value) -> bool:
+    """An integer that is not a bool (numpy integers count; floats never do)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def whole(name: str, value, minimum: Optional[int] = None, below: Optional[int] = None) -> int:
+    """``value`` if it is an int in ``[minimum, below)``, else a ValueError naming ``name``."""
+    if not is_int(value):
+        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if below is not None and value >= below:
+        raise ValueError(f"{name} must be < {below}, got {value}")
+    return int(value)
+
+
+def real(name: str, value) -> float:
+    """``value`` if it is a finite int or float (not a bool), else a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return float(value)
+
+
+def token_ids(name: str, value) -> tuple[int, ...]:
+    """An id or a list of ids as a tuple of non-negative ints (None: the empty tuple)."""
+    if value is None:
+        return ()
+    if is_int(value):
+        return (whole(name, value, minimum=0),)
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ValueError(f"{name} must be a token id or a list of token ids, got {value!r}")
+    return tuple(whole(f"{name}[{i}]", v, minimum=0) for i, v in enumerate(value))
