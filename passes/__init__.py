@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import inspect
 import json
 
 from .fuse_add_rms_norm import FuseAddRMSNorm
@@ -21,24 +22,31 @@ __all__ = ["LayerSkip", "FuseQKV", "FuseSwiGLU", "FuseAddRMSNorm", "FuseRoPE", "
 
 
 def from_spec(spec: str):
-    """``"name:key=value,key=value"`` -> a pass; values are JSON (``layers=[1,2]``) or text."""
+    """``"name:key=value,key=value"`` -> a pass; values are JSON (``layers=[1,2]``) or text.
+
+    Each key may appear once, and only the pass's own parameters are accepted; the pass's
+    ``__init__`` then checks the values (types, NaN, ranges)."""
+    if not isinstance(spec, str):
+        raise ValueError(f"a pass spec is a string like 'layer_skip:speedup=1.5', got {spec!r}")
     name, _, rest = spec.partition(":")
-    cls = PASSES.get(name.strip())
+    name = name.strip()
+    cls = PASSES.get(name)
     if cls is None:
-        raise ValueError(f"unknown pass {name.strip()!r}; available: {', '.join(sorted(PASSES))}")
+        raise ValueError(f"unknown pass {name!r}; available: {', '.join(sorted(PASSES))}")
+    known = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
     params = {}
     for item in _split_top_level(rest):
         key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            raise ValueError(f"pass {name}: parameter {item!r} is not key=value")
-        params[key.strip()] = _value(value.strip())
-    try:
-        return cls(**params)
-    except TypeError as e:  # an unknown keyword
-        import inspect
-        known = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
-        raise ValueError(f"pass {name}: {e.args[0].split('() ')[-1]}; its parameters are "
-                         f"{', '.join(known)}") from e
+        key = key.strip()
+        if not eq or not key:
+            raise ValueError(f"pass {name}: parameter {item.strip()!r} is not key=value")
+        if key not in known:
+            raise ValueError(f"pass {name}: unknown parameter {key!r}; its parameters are "
+                             f"{', '.join(known) or 'none'}")
+        if key in params:
+            raise ValueError(f"pass {name}: parameter {key!r} is given twice")
+        params[key] = _value(value.strip())
+    return cls(**params)
 
 
 def _split_top_level(text: str) -> list[str]:

@@ -69,8 +69,11 @@ def mark(node: fx.Node, like: fx.Node, pass_name: str) -> fx.Node:
 
 
 def record(ir: IR, pass_name: str, count: int) -> None:
-    """How many groups each fusion pass fused, in ``ir.info["fusions"]``."""
-    ir.info.setdefault("fusions", {})[pass_name] = count
+    """Add ``count`` to how many groups ``pass_name`` fused, in ``ir.info["fusions"]``: a
+    total over every run, so a second run (which finds nothing left) does not reset it
+    to 0 and hide an earlier fusion from checks such as ``LayerSkip``'s."""
+    fusions = ir.info.setdefault("fusions", {})
+    fusions[pass_name] = fusions.get(pass_name, 0) + count
 
 
 def call(ir: IR, target, args: tuple, name: str) -> fx.Node:

@@ -8,6 +8,7 @@ so its nodes and its weights leave the graph.
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 from ..errors import PassError
@@ -20,6 +21,8 @@ class LayerSkip(Pass):
         if (layers is None) == (speedup is None):
             raise ValueError("LayerSkip takes exactly one of layers=[...] or speedup=s")
         if layers is not None:
+            if isinstance(layers, (str, bytes)) or not isinstance(layers, (list, tuple)):
+                raise ValueError(f"LayerSkip: layers must be a list of layer indices, got {layers!r}")
             layers = [_as_index(i) for i in layers]
             if len(set(layers)) != len(layers):
                 raise ValueError(f"LayerSkip: layers {layers} names a layer twice")
@@ -28,6 +31,8 @@ class LayerSkip(Pass):
         if speedup is not None:
             if isinstance(speedup, bool) or not isinstance(speedup, (int, float)):
                 raise ValueError(f"LayerSkip: speedup must be a number, got {speedup!r}")
+            if not math.isfinite(speedup):
+                raise ValueError(f"LayerSkip: speedup must be a finite number, got {speedup}")
             if not speedup >= 1.0:
                 raise ValueError(f"LayerSkip: speedup must be >= 1, got {speedup}")
         self.layers = sorted(layers) if layers is not None else None
@@ -76,7 +81,7 @@ def kept_positions(num_layers: int, speedup: float) -> set[int]:
 
 def _as_index(i) -> int:
     if isinstance(i, bool) or not isinstance(i, int) or i < 0:
-        raise ValueError(f"LayerSkip: layer indices must be non-negative integers, got {i!r}")
+        raise ValueError(f"LayerSkip: layers must hold non-negative integers, got {i!r}")
     return i
 
 
