@@ -47,19 +47,62 @@ def _register(fake=_like_first):
     return wrap
 
 
-@_register(fake=lambda ids, w: w.new_empty((*ids.shape, w.shape[1])))
+# Shape rules: each fake checks what its reference would need, so a mis-shaped weight or a
+# wrong width fails shape propagation (after every pass, and when an artifact loads)
+# with a message that names the op, instead of failing inside a kernel at generate time.
+
+class ShapeError(ValueError):
+    """An op's inputs do not fit together (raised while propagating shapes)."""
+
+
+def _need(ok, op: str, why: str) -> None:
+    if not ok:
+        raise ShapeError(f"rw.{op}: {why}")
+
+
+def _dims(t) -> str:
+    return "None" if t is None else str(list(t.shape))
+
+
+def _check_norm_weight(op: str, x, w) -> None:
+    _need(w is None or (w.dim() == 1 and w.shape[0] == x.shape[-1]), op,
+          f"weight {_dims(w)} does not fit x {_dims(x)} (one per feature)")
+
+
+def _embedding_fake(ids, w):
+    _need(not ids.is_floating_point() and not ids.is_complex(), "embedding",
+          f"ids must be integers, got {ids.dtype}")
+    _need(w.dim() == 2, "embedding", f"weight must be [rows, features], got {_dims(w)}")
+    return w.new_empty((*ids.shape, w.shape[1]))
+
+
+@_register(fake=_embedding_fake)
 def embedding(ids: Tensor, weight: Tensor) -> Tensor:
     """Rows of ``weight`` ``[V, H]`` for integer ``ids`` ``[B, S]`` -> ``[B, S, H]``."""
     return F.embedding(ids, weight)
 
 
-@_register(fake=lambda x, w, b=None: x.new_empty((*x.shape[:-1], w.shape[0])))
+def _linear_fake(x, w, b=None):
+    _need(w.dim() == 2 and x.dim() >= 1 and x.shape[-1] == w.shape[1], "linear",
+          f"weight {_dims(w)} does not take x {_dims(x)} (in-features must match)")
+    _need(b is None or (b.dim() == 1 and b.shape[0] == w.shape[0]), "linear",
+          f"bias {_dims(b)} does not fit weight {_dims(w)}")
+    _need(x.dtype == w.dtype, "linear", f"x is {x.dtype} but weight is {w.dtype}")
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+@_register(fake=_linear_fake)
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """``x @ weight.T + bias``; ``weight`` is ``[out, in]`` as in ``nn.Linear``."""
     return F.linear(x, weight, bias)
 
 
-@_register(fake=lambda x, w, eps: x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, w.dtype)))
+def _rms_norm_fake(x, w, eps):
+    _check_norm_weight("rms_norm", x, w)
+    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, w.dtype))
+
+
+@_register(fake=_rms_norm_fake)
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm computed in float32 and cast back before the weight, as Llama does."""
     h = x.to(torch.float32)
@@ -67,7 +110,13 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * h.to(x.dtype)
 
 
-@_register()
+def _layer_norm_fake(x, w, b, eps):
+    _check_norm_weight("layer_norm", x, w)
+    _check_norm_weight("layer_norm", x, b)
+    return torch.empty_like(x)
+
+
+@_register(fake=_layer_norm_fake)
 def layer_norm(x: Tensor, weight: Tensor, bias: Optional[Tensor], eps: float) -> Tensor:
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
@@ -83,6 +132,8 @@ def gelu(x: Tensor, approximate: str = "none") -> Tensor:
 
 
 def _rotary_fake(positions, inv_freq, scaling):
+    _need(inv_freq.dim() == 1 and inv_freq.is_floating_point(), "rotary",
+          f"inv_freq must be a 1-d float tensor, got {inv_freq.dtype} {_dims(inv_freq)}")
     shape = (*positions.shape, 2 * inv_freq.shape[0])  # [B, S, D]
     return (positions.new_empty(shape, dtype=torch.float32),
             positions.new_empty(shape, dtype=torch.float32))
@@ -96,7 +147,17 @@ def rotary(positions: Tensor, inv_freq: Tensor, scaling: float) -> tuple[Tensor,
     return emb.cos() * scaling, emb.sin() * scaling
 
 
-@_register()
+def _rope_fake(x, cos, sin, head_dim):
+    rot = cos.shape[-1]
+    _need(cos.shape == sin.shape and rot % 2 == 0 and rot <= head_dim, "rope",
+          f"cos {_dims(cos)} / sin {_dims(sin)} must match and rotate an even number of "
+          f"at most head_dim={head_dim} features")
+    _need(x.dim() == 3 and x.shape[-1] % head_dim == 0, "rope",
+          f"x {_dims(x)} is not [B, S, heads * {head_dim}]")
+    return torch.empty_like(x)
+
+
+@_register(fake=_rope_fake)
 def rope(x: Tensor, cos: Tensor, sin: Tensor, head_dim: int) -> Tensor:
     """Rotate the first ``cos.shape[-1]`` features of every head of ``x`` ``[B, S, H*D]``."""
     b, s, _ = x.shape
@@ -111,6 +172,9 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, head_dim: int) -> Tensor:
 
 
 def _add_rms_norm_fake(x, residual, weight, eps):
+    _need(x.shape == residual.shape, "add_rms_norm", f"x {_dims(x)} and residual "
+          f"{_dims(residual)} differ")
+    _check_norm_weight("add_rms_norm", x, weight)
     return (x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)),
             x.new_empty(x.shape))
 
@@ -123,7 +187,13 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tup
     return REFERENCE["rms_norm"](total, weight, eps), total  # the plain function: no re-dispatch
 
 
-@_register(fake=lambda gu: gu.new_empty((*gu.shape[:-1], gu.shape[-1] // 2)))
+def _swiglu_fake(gu):
+    _need(gu.dim() >= 1 and gu.shape[-1] % 2 == 0, "swiglu",
+          f"gate_up {_dims(gu)} must have an even last dimension [gate | up]")
+    return gu.new_empty((*gu.shape[:-1], gu.shape[-1] // 2))
+
+
+@_register(fake=_swiglu_fake)
 def swiglu(gate_up: Tensor) -> Tensor:
     """``silu(gate) * up`` for ``gate_up = [gate | up]`` ``[..., 2F]`` -> ``[..., F]``
     (``FuseSwiGLU``: the gate and up projections became one GEMM)."""
@@ -141,7 +211,21 @@ def attention_mask(q_len: int, k_len: int, window: Optional[int], device) -> Ten
     return mask
 
 
-@_register()
+def _attention_fake(q, k, v, layer, num_heads, num_kv_heads, head_dim, scale, causal=True,
+                    window=None, cos=None, sin=None):
+    q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
+    _need(q.dim() == 3 and q.shape[-1] == q_width, "attention",
+          f"q {_dims(q)} is not [B, S, num_heads * head_dim = {q_width}]")
+    for name, t in (("k", k), ("v", v)):
+        _need(t.dim() == 3 and t.shape[-1] == kv_width and t.shape[:2] == q.shape[:2], "attention",
+              f"{name} {_dims(t)} is not [B, S, num_kv_heads * head_dim = {kv_width}] like q {_dims(q)}")
+    if cos is not None or sin is not None:
+        _need(cos is not None and sin is not None, "attention", "cos and sin come together")
+        _rope_fake(q, cos, sin, head_dim)
+    return torch.empty_like(q)
+
+
+@_register(fake=_attention_fake)
 def attention(
     q: Tensor,
     k: Tensor,
@@ -191,3 +275,97 @@ def short_name(target) -> str:
         base = target._schema.name.split("::")[-1]
         return f"{ns}.{base}"
     return name
+
+
+# ---------------------------------------------------------------------------- attributes
+# The non-tensor arguments of each op and what they may hold: one rule per argument, here
+# beside the ops, so that ``verify`` (after every pass) and the artifact loader refuse the
+# same values. ``window=-5`` once changed the tokens of a loaded IR; now it names itself.
+
+MAX_INT = 2**31 - 1
+
+
+def _int(low: int):
+    def check(v):
+        if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= MAX_INT:
+            return f"an integer in [{low}, {MAX_INT}]"
+    return check
+
+
+def _finite_positive(v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        return "a finite number > 0"
+
+
+def _bool(v):
+    if not isinstance(v, bool):
+        return "true or false"
+
+
+def _one_of(*choices):
+    def check(v):
+        if not isinstance(v, str) or v not in choices:
+            return f"one of {', '.join(map(repr, choices))}"
+    return check
+
+
+def _optional(rule):
+    def check(v):
+        return None if v is None else rule(v) and f"None or {rule(v)}"
+    return check
+
+
+ATTRIBUTES: dict[str, dict[str, callable]] = {
+    "rms_norm": {"eps": _finite_positive},
+    "layer_norm": {"eps": _finite_positive},
+    "add_rms_norm": {"eps": _finite_positive},
+    "gelu": {"approximate": _one_of("none", "tanh")},
+    "rotary": {"scaling": _finite_positive},
+    "rope": {"head_dim": _int(1)},
+    "attention": {"layer": _int(0), "num_heads": _int(1), "num_kv_heads": _int(1),
+                  "head_dim": _int(1), "scale": _finite_positive, "causal": _bool,
+                  "window": _optional(_int(1))},
+}
+
+
+def op_arguments(name: str, args: tuple, kwargs: dict) -> dict:
+    """The arguments of a call of ``rw.<name>`` by their schema names, defaults filled in;
+    ``ValueError`` for too many, unknown, repeated or missing ones."""
+    schema = OPS[name]._schema.arguments
+    if len(args) > len(schema):
+        raise ValueError(f"rw.{name} takes {len(schema)} arguments, got {len(args)}")
+    bound = {a.name: v for a, v in zip(schema, args)}
+    for key, v in kwargs.items():
+        if key in bound or key not in {a.name for a in schema}:
+            raise ValueError(f"rw.{name}: unexpected or repeated argument {key!r}")
+        bound[key] = v
+    for a in schema:
+        if a.name not in bound:
+            if not a.has_default_value():
+                raise ValueError(f"rw.{name}: missing argument {a.name!r}")
+            bound[a.name] = a.default_value
+    return bound
+
+
+def check_arguments(name: str, args: tuple, kwargs: dict, is_tensor=None) -> dict:
+    """``op_arguments``, each attribute checked by its rule and each tensor argument by
+    ``is_tensor`` (e.g. "is an fx node"); ``ValueError`` names the argument and the value."""
+    bound = op_arguments(name, args, kwargs)
+    rules = ATTRIBUTES.get(name, {})
+    for a in OPS[name]._schema.arguments:
+        v = bound[a.name]
+        optional = isinstance(a.type, torch.OptionalType)
+        if isinstance(a.type.getElementType() if optional else a.type, torch.TensorType):
+            if is_tensor is not None and not (is_tensor(v) or (optional and v is None)):
+                raise ValueError(f"rw.{name}: {a.name} must be a tensor, got {v!r}")
+            continue
+        rule = rules.get(a.name)
+        why = rule(v) if rule is not None else None
+        if why:
+            raise ValueError(f"rw.{name}: {a.name} must be {why}, got {v!r}")
+    if name == "attention" and bound["num_heads"] % bound["num_kv_heads"]:
+        raise ValueError(f"rw.attention: num_heads={bound['num_heads']} is not a multiple of "
+                         f"num_kv_heads={bound['num_kv_heads']}")
+    if name == "attention" and (bound["cos"] is None) != (bound["sin"] is None):
+        raise ValueError("rw.attention: cos and sin come together (both or neither)")
+    return bound

@@ -6,8 +6,11 @@ import operator
 import torch
 from torch import fx
 
-from ..errors import VerificationError
-from .core import IR
+from rewriter.errors import VerificationError
+from rewriter.ir.core import IR
+from rewriter.ops import OPS, check_arguments
+
+_RW_NAMES = {op: name for name, op in OPS.items()}
 
 
 def verify(ir: IR, shapes: bool = True) -> None:
@@ -43,10 +46,20 @@ def _check_node(ir: IR, n: fx.Node, shapes: bool) -> None:
         raise VerificationError(f"{n.name} calls {n.target!r}, which is neither an rw nor an ATen op")
     if shapes and n.meta.get("shape") is None and isinstance(n.meta.get("val"), torch.Tensor):
         raise VerificationError(f"{n.name} has no shape")
-    if n.target == torch.ops.rw.attention.default and "layer" in n.meta:
-        if n.args[3] != n.meta["layer"]:
-            raise VerificationError(
-                f"{n.name}: attention says layer={n.args[3]} but sits in layer {n.meta['layer']}")
+    if n.op == "call_function" and n.target in _RW_NAMES:
+        _check_rw_arguments(n)
+
+
+def _check_rw_arguments(n: fx.Node) -> None:
+    """The op's attributes by the rules beside it (``rewriter.ops.ATTRIBUTES``)."""
+    try:
+        bound = check_arguments(_RW_NAMES[n.target], n.args, n.kwargs,
+                                is_tensor=lambda v: isinstance(v, fx.Node))
+    except ValueError as e:
+        raise VerificationError(f"{n.name}: {e}") from None
+    if _RW_NAMES[n.target] == "attention" and "layer" in n.meta and bound["layer"] != n.meta["layer"]:
+        raise VerificationError(f"{n.name}: attention says layer={bound['layer']} but sits in "
+                                f"layer {n.meta['layer']}")
 
 
 def _known_target(target) -> bool:
