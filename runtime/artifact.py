@@ -1,77 +1,179 @@
-"""Ahead-of-time artifacts: a directory that loads without the model's Python code.
+'''Ahead-of-time artifacts: a directory that loads without the model's Python code.
 
-    manifest.json        format version, versions, model config, passes, sha256 of each file
-    ir.json              the IR as data (``rewriter.ir.serialize``) and the IR's info
-    weights.safetensors  every weight once (tied weights are stored once and aliased)
-    tokenizer.json       the tokenizer, when there is one
-    kernels/*.py         generated Triton kernels (Triton backend), for reading and, with
-                         ``load(..., trust_code=True)``, for running as stored
+    DIR/artifact.json          the pointer, written last: {"format": "rewriter-artifact",
+                               "format_version": 2, "version_dir": "v-<16 hex>",
+                               "manifest_sha256": sha256 of that version's manifest.json}
+    DIR/v-<16 hex>/
+        manifest.json          versions, model config, passes, bytes and sha256 of each file
+        ir.json                the IR as data (``rewriter.ir.serialize``) and the IR's info
+        weights.safetensors    every weight once (tied weights are stored once and aliased)
+        tokenizer.json         the tokenizer, when there is one
+        kernels/*.py           generated Triton kernels (Triton backend), for reading and,
+                               with ``load(..., trust_code=True)``, for running as stored
 
-Saving writes a hidden sibling directory and renames it into place, so an interrupted
-save leaves no directory that loads. Loading checks every file against the manifest
-before reading it and raises ``ArtifactError`` naming the file and the reason. Format 1
-stores no code; ``trust_code`` is accepted for the generated kernels later formats store.
-"""
+Guarantees of ``save(engine, DIR)``:
+
+- It writes only inside DIR (creating DIR and missing parents), every file created
+  exclusively (``O_EXCL | O_NOFOLLOW``, ``rewriter.safe_files``): no link is followed.
+- It replaces only an artifact (recognised by the pointer's format marker and version,
+  ``artifact_dir.is_artifact``), an empty directory, or the leftovers of interrupted
+  saves. Anything else, a symlink at DIR or its pointer, a file in the path, a read-only
+  directory: an ``ArtifactError`` naming the path, raised before anything is written.
+- A new save goes into a new version directory; the pointer is replaced atomically (a
+  rename) only when that is complete, and the old version is deleted after. Killed at
+  any moment, DIR loads as the old artifact or the new one, never neither. A failure
+  that raises removes what the save wrote. The next save deletes what a kill left.
+- Two saves to one DIR at once are serialised by a lock (``flock`` on DIR).
+
+``load`` reads the pointer, checks the manifest against the pointer's checksum (an edited
+manifest is reported as such), checks the manifest's fields, then every file's size and
+sha256, before reading any of them. Every failure is an ``ArtifactError`` naming the file
+and the reason. Format 1 (a flat directory, written by rewriter before format 2) is
+recognised so that a save may replace it, but not loaded: save it again.
+'''
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import shutil
-import tempfile
+import re
+import secrets
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
+from rewriter import safe_files
 from rewriter.errors import ArtifactError
+from rewriter.runtime.artifact_dir import (
+    FORMAT, IR_FILE, KERNELS_DIR, MANIFEST, POINTER, TOKENIZER_FILE, VERSION_DIR, WEIGHTS_FILE,
+    Target, is_artifact)
 
-FORMAT = "rewriter-artifact"
-FORMAT_VERSION = 1
-IR_FILE, WEIGHTS_FILE, TOKENIZER_FILE, MANIFEST, KERNELS_DIR = (
-    "ir.json", "weights.safetensors", "tokenizer.json", "manifest.json", "kernels")
+FORMAT_VERSION = 2
+__all__ = ["save", "load", "read_manifest", "is_artifact", "FORMAT", "FORMAT_VERSION",
+           "POINTER", "MANIFEST"]
+
+# Test hook: ``save`` calls each function here with the name of every step it finishes, so
+# that a test can kill the process (or raise) at each step in turn.
+SAVE_STEP_HOOKS: list[Callable[[str], None]] = []
 
 
 # ---------------------------------------------------------------------------- save
 
 def save(engine, directory, progress: bool = False) -> Path:
-    from rewriter.ir.serialize import graph_to_data
+    """Write ``engine`` as the artifact at ``directory`` (see the module docstring)."""
     final = Path(directory)
-    if final.exists() and not (final / MANIFEST).exists() and any(final.iterdir()):
-        raise ArtifactError(f"{final}: exists and is not an artifact; not overwriting it")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.saving-", dir=final.parent))
-    bar = _bar(progress, 4)
+    bar = _bar(progress, 3)
     try:
-        stored, names = _unique_weights(engine.ir.weights())
-        ir_data = {"graph": graph_to_data(engine.ir.gm), "weights": names,
-                   "info": engine.ir.info}
-        _write_json(tmp / IR_FILE, ir_data)
+        files = _serialize(engine)  # everything in memory first: errors here change no file
         bar.update()
-        from safetensors.torch import save_file
-        save_file(stored, str(tmp / WEIGHTS_FILE))
+        target = _target(final)
+        try:
+            _step("locked")
+            target.remove_leftovers()
+            _step("removed leftovers")
+            version = _write_version(target.fd, files)
+        except BaseException as e:
+            target.abandon()
+            _reraise(e, final)
         bar.update()
-        tokenizer = _tokenizer_json(engine.tokenizer)
-        if tokenizer is not None:
-            (tmp / TOKENIZER_FILE).write_text(tokenizer)
-        kernels = {n: src for n, src in engine.kernel_sources().items() if "/" not in n}
-        if kernels:
-            (tmp / KERNELS_DIR).mkdir()
-            for name, source in kernels.items():
-                (tmp / KERNELS_DIR / name).write_text(source)
-        files = {p.relative_to(tmp).as_posix(): _file_entry(p)
-                 for p in sorted(tmp.rglob("*")) if p.is_file()}
+        _finish(target, version, files[MANIFEST])
         bar.update()
-        _write_json(tmp / MANIFEST, _manifest(engine, files, tokenizer is not None))
-        _replace_dir(tmp, final)
-        bar.update()
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     finally:
         bar.close()
     return final
+
+
+def _target(final: Path) -> Target:
+    try:
+        return Target(final)
+    except OSError as e:
+        _reraise(e, final)
+
+
+def _reraise(e: BaseException, final: Path):
+    """``e`` again; an ``OSError`` (a permission refused midway) as an ``ArtifactError``."""
+    if isinstance(e, OSError):
+        raise ArtifactError(f"{final}: cannot save the artifact ({e})") from e
+    raise e
+
+
+def _serialize(engine) -> dict[str, bytes]:
+    """File name (``kernels/x.py`` for a kernel) -> content; ``manifest.json`` last."""
+    from safetensors.torch import save as safetensors_bytes
+    from rewriter.ir.serialize import graph_to_data
+    stored, names = _unique_weights(engine.ir.weights())
+    ir_data = {"graph": graph_to_data(engine.ir.gm), "weights": names,
+               "info": {**engine.ir.info, "passes": engine.pass_specs}}
+    files = {IR_FILE: _json_bytes(ir_data), WEIGHTS_FILE: safetensors_bytes(stored)}
+    tokenizer = _tokenizer_json(engine.tokenizer)
+    if tokenizer is not None:
+        files[TOKENIZER_FILE] = tokenizer.encode()
+    for name, source in sorted(engine.kernel_sources().items()):
+        if "/" not in name:  # templates/ are the package's own modules, not generated code
+            if not safe_files.is_plain_name(name) or name.startswith("."):
+                raise ArtifactError(f"cannot store a kernel named {name!r}")
+            files[f"{KERNELS_DIR}/{name}"] = source.encode()
+    entries = {name: {"bytes": len(data), "sha256": _sha256_bytes(data)}
+               for name, data in sorted(files.items())}
+    files[MANIFEST] = _json_bytes(_manifest(engine, entries, tokenizer is not None))
+    return files
+
+
+def _write_version(dir_fd: int, files: dict[str, bytes]) -> str:
+    """A new version directory in ``dir_fd`` holding ``files``; its name."""
+    name = f"v-{secrets.token_hex(8)}"
+    os.mkdir(name, dir_fd=dir_fd)
+    try:
+        _step("created the version directory")
+        vfd = safe_files.open_dir(name, dir_fd)
+        try:
+            for rel, data in files.items():
+                *subdirs, base = rel.split("/")
+                fd = safe_files.make_dirs(subdirs, vfd)
+                try:
+                    safe_files.create_file(base, data, fd)
+                finally:
+                    os.close(fd)
+                _step(f"wrote {rel}")
+            safe_files.fsync_dir(vfd)
+        finally:
+            os.close(vfd)
+    except BaseException:
+        safe_files.remove_tree(name, dir_fd)
+        raise
+    return name
+
+
+def _finish(target: Target, version: str, manifest: bytes) -> None:
+    """Point DIR at ``version`` (the commit), then delete the old version."""
+    pointer = {"format": FORMAT, "format_version": FORMAT_VERSION, "version_dir": version,
+               "manifest_sha256": _sha256_bytes(manifest)}
+    try:
+        safe_files.replace_file(POINTER, _json_bytes(pointer), target.fd,
+                                before_rename=lambda: _step("wrote the new pointer"))
+    except BaseException as e:
+        try:
+            safe_files.remove_tree(version, target.fd)
+        finally:
+            target.abandon()
+        _reraise(e, target.path)
+    try:
+        safe_files.fsync_dir(target.fd)
+        _step("swapped the pointer")
+        try:
+            target.remove_old(keep=version)
+        except OSError:
+            pass  # the new artifact is in place; the next save deletes what is left
+        _step("removed the old version")
+    finally:
+        target.close()
+
+
+def _step(name: str) -> None:
+    for hook in SAVE_STEP_HOOKS:
+        hook(name)
 
 
 def _manifest(engine, files: dict, has_tokenizer: bool) -> dict:
@@ -115,28 +217,14 @@ def _unique_weights(weights: dict[str, torch.Tensor]) -> tuple[dict, dict]:
     return stored, names
 
 
-def _replace_dir(tmp: Path, final: Path) -> None:
-    """Move ``tmp`` to ``final``; an old artifact there is moved aside, then deleted."""
-    old = None
-    if final.exists():
-        old = final.parent / f".{final.name}.old-{os.getpid()}"
-        os.replace(final, old)
-    os.replace(tmp, final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 # ---------------------------------------------------------------------------- load
 
 def load(directory, trust_code: bool = False, backend: Optional[str] = None):
     """The ``Engine`` stored in ``directory``; every file is checked first. ``backend``
     overrides the one it was saved with (e.g. ``"torch"`` for a Triton artifact on a CPU)."""
-    from rewriter.ir.core import IR
-    from rewriter.ir.serialize import check_weight_path, graph_from_data
-    from rewriter.ir.shapes import propagate_shapes
+    from .artifact_ir import Paths, ir_from_data
     from .engine import Engine
-    d = Path(directory)
-    manifest = _read_manifest(d)
+    d, manifest = _checked_manifest(Path(directory))  # d: the version directory
     for name, entry in manifest["files"].items():
         _check_file(d, name, entry)
     for name in (IR_FILE, WEIGHTS_FILE):
@@ -144,25 +232,15 @@ def load(directory, trust_code: bool = False, backend: Optional[str] = None):
             raise ArtifactError(f"{d / MANIFEST}: lists no {name}")
     ir_data = _read_json(d / IR_FILE)
     weights = _read_weights(d / WEIGHTS_FILE)
-    try:
-        for name in ir_data["weights"]:
-            check_weight_path(name)
-        by_name = {name: weights[stored] for name, stored in ir_data["weights"].items()}
-        gm = graph_from_data(ir_data["graph"], by_name)
-        ir = IR(gm, ir_data["info"])
-        propagate_shapes(gm, ir.info["inputs"])
-    except KeyError as e:
-        raise ArtifactError(f"{d / IR_FILE}: missing entry {e}") from e
-    except (ValueError, RuntimeError, TypeError) as e:
-        raise ArtifactError(f"{d / IR_FILE}: {e}") from e
+    ir = ir_from_data(ir_data, weights, manifest, Paths(d / IR_FILE, d / MANIFEST, d / WEIGHTS_FILE))
     tokenizer = None
-    if manifest.get("tokenizer") is not None:
+    if manifest["tokenizer"] is not None:
         if manifest["tokenizer"] != TOKENIZER_FILE or TOKENIZER_FILE not in manifest["files"]:
             raise ArtifactError(f"{d / MANIFEST}: tokenizer must be the listed {TOKENIZER_FILE}, "
                                 f"got {manifest['tokenizer']!r}")
         tokenizer = _read_tokenizer(d / TOKENIZER_FILE)
-    backend = backend or manifest.get("backend", "torch")
-    stored_kernels = {n.split("/", 1)[1].removesuffix(".py"): (d / n).read_text()
+    backend = backend or manifest["backend"]
+    stored_kernels = {n.split("/", 1)[1].removesuffix(".py"): _read_text(d / n)
                       for n in manifest["files"] if n.startswith(KERNELS_DIR + "/")}
     if backend == "triton":
         from .triton_backend import available
@@ -171,58 +249,181 @@ def load(directory, trust_code: bool = False, backend: Optional[str] = None):
             raise ValueError(f"{d}: saved for {reason}; load(..., backend='torch') runs it anyway")
     elif backend != "torch":
         raise ArtifactError(f"{d / MANIFEST}: unknown backend {backend!r}")
-    engine = Engine(ir, tokenizer, manifest.get("passes", []), backend)
+    engine = Engine(ir, tokenizer, manifest["passes"], backend)
     if trust_code:
         engine.trusted_kernels = stored_kernels
     return engine
 
 
 def read_manifest(directory) -> dict:
-    """The manifest of an artifact (checked for format, not for file contents)."""
-    return _read_manifest(Path(directory))
+    """The manifest of an artifact, checked against the pointer's checksum and for its
+    fields; each listed file is checked to exist with its recorded size (not hashed)."""
+    d, manifest = _checked_manifest(Path(directory))
+    for name, entry in manifest["files"].items():
+        _check_file(d, name, entry, hash=False)
+    return manifest
 
 
-def _read_manifest(d: Path) -> dict:
-    if not d.is_dir():
-        raise ArtifactError(f"{d}: no such artifact directory")
+def _checked_manifest(root: Path) -> tuple[Path, dict]:
+    """(the version directory, its manifest), after checking the pointer, the manifest's
+    checksum against the pointer, and the manifest's fields."""
+    pointer = _read_pointer(root)
+    d = root / pointer["version_dir"]
+    if _kind(d) != "dir":
+        raise ArtifactError(f"{d}: missing or not a directory (named by {root / POINTER})")
     path = d / MANIFEST
-    if not path.exists():
-        raise ArtifactError(f"{path}: missing (not an artifact, or an interrupted save)")
-    m = _read_json(path)
-    if m.get("format") != FORMAT:
-        raise ArtifactError(f"{path}: not a rewriter artifact manifest")
-    if m.get("format_version") != FORMAT_VERSION:
-        raise ArtifactError(f"{path}: format version {m.get('format_version')!r} is not "
-                            f"supported (this rewriter reads version {FORMAT_VERSION})")
-    if not isinstance(m.get("files"), dict):
-        raise ArtifactError(f"{path}: has no file list")
-    return m
+    data = _read_bytes(path)
+    digest = _sha256_bytes(data)
+    if digest != pointer["manifest_sha256"]:
+        raise ArtifactError(f"{path}: changed since it was saved (checksum {digest[:16]}…, "
+                            f"{POINTER} recorded {pointer['manifest_sha256'][:16]}…)")
+    manifest = _parse_json(path, data)
+    _check_format(path, manifest)
+    _check_fields(path, manifest)
+    return d, manifest
 
 
-def _check_file(d: Path, name: str, entry: dict) -> None:
+def _read_pointer(root: Path) -> dict:
+    if not root.is_dir():
+        raise ArtifactError(f"{root}: no such artifact directory")
+    path = root / POINTER
+    if _kind(path) is None:
+        if is_artifact(root):  # a format-1 one, then
+            raise ArtifactError(f"{root}: an artifact of format 1 (an older rewriter); this "
+                                f"rewriter reads format {FORMAT_VERSION}: save the model again "
+                                f"(rewriter optimize --out {root})")
+        raise ArtifactError(f"{path}: missing (not an artifact, or a save that never finished)")
+    pointer = _parse_json(path, _read_bytes(path))
+    _check_format(path, pointer)
+    name, digest = pointer.get("version_dir"), pointer.get("manifest_sha256")
+    if not isinstance(name, str) or not VERSION_DIR.fullmatch(name):
+        raise ArtifactError(f"{path}: version_dir must be 'v-' and 16 hex digits, got {name!r:.80}")
+    if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+        raise ArtifactError(f"{path}: manifest_sha256 must be 64 hex digits, got {digest!r:.80}")
+    return pointer
+
+
+def _check_format(path: Path, data: dict) -> None:
+    if data.get("format") != FORMAT:
+        raise ArtifactError(f"{path}: not a rewriter artifact (format is {data.get('format')!r:.80}, "
+                            f"not {FORMAT!r})")
+    version = data.get("format_version")
+    if version != FORMAT_VERSION or type(version) is not int:
+        raise ArtifactError(f"{path}: format version {version!r:.40} is not supported "
+                            f"(this rewriter reads version {FORMAT_VERSION})")
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _is_int(x) -> bool:
+    return type(x) is int and x >= 0
+
+
+def _is_opt_str(x) -> bool:
+    return x is None or isinstance(x, str)
+
+
+def _is_model(m) -> bool:
+    return (isinstance(m, dict) and _is_opt_str(m.get("family")) and _is_int(m.get("layers"))
+            and _is_int(m.get("parameters")) and _is_opt_str(m.get("dtype"))
+            and isinstance(m.get("config"), (dict, type(None))))
+
+
+def _is_file_entry(e) -> bool:
+    return (isinstance(e, dict) and _is_int(e.get("bytes")) and isinstance(e.get("sha256"), str)
+            and _SHA256.fullmatch(e["sha256"]) is not None)
+
+
+# field -> (check, what it must be): the manifest is checksummed, but a resealed or
+# hand-made one must still fail here, by name, rather than deep inside load or `info`.
+_FIELDS = {
+    "created": (lambda v: isinstance(v, str), "a string"),
+    "versions": (lambda v: isinstance(v, dict) and all(map(_is_opt_str, v.values())),
+                 "an object of version strings"),
+    "model": (_is_model, "an object with family, config, layers, parameters and dtype"),
+    "backend": (lambda v: isinstance(v, str), "a string"),
+    "passes": (lambda v: isinstance(v, list) and all(
+        isinstance(p, dict) and isinstance(p.get("name"), str) and isinstance(p.get("params"), dict)
+        for p in v), "a list of {name, params} objects"),
+    "tokenizer": (_is_opt_str, "null or a file name"),
+    "files": (lambda v: isinstance(v, dict) and all(map(_is_file_entry, v.values())),
+              "an object of {bytes, sha256} entries"),
+}
+
+
+def _check_fields(path: Path, m: dict) -> None:
+    for key, (ok, what) in _FIELDS.items():
+        if key not in m:
+            raise ArtifactError(f"{path}: has no {key!r}")
+        if not ok(m[key]):
+            raise ArtifactError(f"{path}: {key!r} must be {what}, got {_short(m[key])}")
+
+
+def _check_file(d: Path, name: str, entry: dict, hash: bool = True) -> None:
     parts = name.split("/")
-    plain = all(p and p not in (".", "..") and Path(p).name == p for p in parts)
+    plain = all(safe_files.is_plain_name(p) for p in parts)
     if not plain or name == MANIFEST or (len(parts) == 2 and parts[0] != KERNELS_DIR) or len(parts) > 2:
-        raise ArtifactError(f"{d / MANIFEST}: bad file name {name!r}")
+        raise ArtifactError(f"{d / MANIFEST}: bad file name {name!r:.80}")
     path = d / name
-    if not path.is_file():
+    if len(parts) == 2 and _kind(d / parts[0]) not in (None, "dir"):
+        raise ArtifactError(f"{d / parts[0]}: not a directory (a link or a file)")
+    kind = _kind(path)
+    if kind is None:
         raise ArtifactError(f"{path}: missing")
-    size = path.stat().st_size
-    if size != entry.get("bytes"):
-        raise ArtifactError(f"{path}: {size} bytes, the manifest says {entry.get('bytes')} "
+    if kind != "file":
+        raise ArtifactError(f"{path}: is a {'symbolic link' if kind == 'link' else kind}, "
+                            f"not a regular file")
+    size = _stat(path).st_size
+    if size != entry["bytes"]:
+        raise ArtifactError(f"{path}: {size} bytes, the manifest says {entry['bytes']} "
                             f"(truncated or changed)")
-    if _sha256(path) != entry.get("sha256"):
+    if hash and _sha256_bytes(_read_bytes(path)) != entry["sha256"]:
         raise ArtifactError(f"{path}: checksum mismatch (the file was changed or corrupted)")
 
 
-def _read_json(path: Path) -> dict:
+def _kind(path: Path) -> Optional[str]:
+    """``safe_files.entry_type``, its failures (a permission) named as the file's."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ArtifactError(f"{path}: unreadable JSON ({e})") from e
-    if not isinstance(data, dict):
-        raise ArtifactError(f"{path}: expected a JSON object")
-    return data
+        return safe_files.entry_type(path)
+    except OSError as e:
+        raise ArtifactError(f"{path}: unreadable ({e.strerror or e})") from e
+
+
+def _stat(path: Path) -> os.stat_result:
+    try:
+        return path.lstat()
+    except OSError as e:
+        raise ArtifactError(f"{path}: unreadable ({e.strerror or e})") from e
+
+
+def _read_bytes(path: Path) -> bytes:
+    """A regular file's bytes (a symlink is refused); any failure names the file."""
+    try:
+        return safe_files.read_file(os.fspath(path))
+    except OSError as e:
+        raise ArtifactError(f"{path}: unreadable ({e.strerror or e})") from e
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return _read_bytes(path).decode()
+    except UnicodeDecodeError as e:
+        raise ArtifactError(f"{path}: not UTF-8 text ({e})") from e
+
+
+def _parse_json(path: Path, data: bytes) -> dict:
+    try:
+        value = json.loads(data.decode())
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: JSON, huge ints
+        raise ArtifactError(f"{path}: unreadable JSON ({type(e).__name__}: {str(e)[:200]})") from e
+    if not isinstance(value, dict):
+        raise ArtifactError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _read_json(path: Path) -> dict:
+    return _parse_json(path, _read_bytes(path))
 
 
 def _read_weights(path: Path) -> dict:
@@ -254,8 +455,8 @@ def _tokenizer_json(tokenizer) -> Optional[str]:
     return backend.to_str()
 
 
-def _write_json(path: Path, data) -> None:
-    path.write_text(json.dumps(data, indent=1, default=_json_default))
+def _json_bytes(data) -> bytes:
+    return json.dumps(data, indent=1, default=_json_default).encode()
 
 
 def _json_default(x):
@@ -264,16 +465,18 @@ def _json_default(x):
     raise TypeError(f"cannot store {type(x).__name__} {x!r} in JSON")
 
 
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _file_entry(path: Path) -> dict:
-    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    data = _read_bytes(path)
+    return {"bytes": len(data), "sha256": _sha256_bytes(data)}
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+def _sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def _version(package: str) -> Optional[str]:
@@ -286,4 +489,4 @@ def _version(package: str) -> Optional[str]:
 
 def _bar(enabled: bool, total: int):
     from tqdm import tqdm
-    return tqdm(total=total, desc="save", unit="file", disable=not enabled, leave=False)
+    return tqdm(total=total, desc="save", unit="step", disable=not enabled, leave=False)

@@ -11,6 +11,7 @@ import rewriter
 from rewriter import ArtifactError
 from rewriter.passes import LayerSkip
 
+from artifact_tools import artifact_files, reseal
 from conftest import make_model, varied_init
 
 IDS = torch.tensor([[3, 17, 42, 5, 99, 8], [1, 2, 3, 4, 5, 6]])
@@ -35,15 +36,12 @@ def copy(saved, tmp_path):
 
 
 def rewrite_manifest(path, edit):
-    m = json.loads((path / "manifest.json").read_text())
+    """Edit the manifest, then make every checksum agree (the pointer's included)."""
+    manifest = artifact_files(path)["manifest.json"]
+    m = json.loads(manifest.read_text())
     edit(m)
-    (path / "manifest.json").write_text(json.dumps(m))
-
-
-def reseal(path, name):
-    """Make the manifest's size and checksum of ``name`` true again after an edit."""
-    from rewriter.runtime.artifact import _file_entry
-    rewrite_manifest(path, lambda m: m["files"].__setitem__(name, _file_entry(path / name)))
+    manifest.write_text(json.dumps(m))
+    reseal(path)
 
 
 @pytest.mark.parametrize("name", ["llama-gqa-3l", "qwen2-mqa-3l", "mistral-window-3l", "gpt2-3l"])
@@ -58,8 +56,8 @@ def test_loaded_engine_generates_the_same_tokens(name, tmp_path):
 
 def test_manifest_records_versions_passes_and_checksums(saved):
     _, path = saved
-    m = json.loads((path / "manifest.json").read_text())
-    assert m["format_version"] == 1 and m["versions"]["torch"] == torch.__version__
+    m = json.loads(artifact_files(path)["manifest.json"].read_text())
+    assert m["format_version"] == 2 and m["versions"]["torch"] == torch.__version__
     assert m["passes"] == [{"name": "LayerSkip", "params": {"layers": [1], "speedup": None}}]
     assert m["model"]["family"] == "llama" and m["model"]["layers"] == 2
     assert set(m["files"]) == {"ir.json", "weights.safetensors"}
@@ -80,7 +78,7 @@ def test_tied_weights_are_stored_once(tmp_path):
     assert names["model.embed_tokens.weight"] is names["lm_head.weight"]
     opt.save(tmp_path / "a")
     from safetensors import safe_open
-    with safe_open(str(tmp_path / "a" / "weights.safetensors"), "pt") as f:
+    with safe_open(str(artifact_files(tmp_path / "a")["weights.safetensors"]), "pt") as f:
         assert len(set(f.keys())) == len(names) - 1
     engine = rewriter.load(tmp_path / "a")
     assert engine.ir.weight("lm_head.weight") is engine.ir.weight("model.embed_tokens.weight")
@@ -97,30 +95,37 @@ def test_tokenizer_travels_with_the_artifact(tmp_path):
 
 
 def test_missing_file(copy):
-    (copy / "weights.safetensors").unlink()
+    artifact_files(copy)["weights.safetensors"].unlink()
     with pytest.raises(ArtifactError, match=r"weights\.safetensors: missing"):
         rewriter.load(copy)
 
 
-def test_missing_manifest_is_not_an_artifact(copy):
-    (copy / "manifest.json").unlink()
-    with pytest.raises(ArtifactError, match=r"manifest\.json: missing"):
+def test_missing_pointer_is_not_an_artifact(copy):
+    (copy / "artifact.json").unlink()
+    with pytest.raises(ArtifactError, match=r"artifact\.json: missing"):
+        rewriter.load(copy)
+
+
+def test_missing_manifest(copy):
+    artifact_files(copy)["manifest.json"].unlink()
+    with pytest.raises(ArtifactError, match=r"manifest\.json: unreadable"):
         rewriter.load(copy)
 
 
 def test_checksum_mismatch(copy):
-    text = (copy / "ir.json").read_text()
-    (copy / "ir.json").write_text(text.replace("rw.linear", "rw.linaer", 1))  # same size
+    ir = artifact_files(copy)["ir.json"]
+    ir.write_text(ir.read_text().replace("rw.linear", "rw.linaer", 1))  # same size
     with pytest.raises(ArtifactError, match=r"ir\.json: checksum mismatch"):
         rewriter.load(copy)
 
 
 def test_truncated_weights(copy):
-    data = (copy / "weights.safetensors").read_bytes()
-    (copy / "weights.safetensors").write_bytes(data[:len(data) // 2])
+    weights = artifact_files(copy)["weights.safetensors"]
+    data = weights.read_bytes()
+    weights.write_bytes(data[:len(data) // 2])
     with pytest.raises(ArtifactError, match=r"weights\.safetensors: \d+ bytes, the manifest says"):
         rewriter.load(copy)
-    reseal(copy, "weights.safetensors")  # even with a manifest that agrees, it must not load
+    reseal(copy)  # even with a manifest that agrees, it must not load
     with pytest.raises(ArtifactError, match=r"weights\.safetensors: unreadable safetensors"):
         rewriter.load(copy)
 
@@ -134,11 +139,11 @@ def test_unknown_format_version(copy):
 @pytest.mark.parametrize("target", ["rw.not_an_op", "builtins.exec", "os.system", "aten.__class__.x",
                                     "aten.add.__init__"])
 def test_unknown_op_is_refused_by_name(copy, target):
-    data = json.loads((copy / "ir.json").read_text())
-    node = next(n for n in data["graph"] if n["op"] == "call_function")
-    node["target"] = target
-    (copy / "ir.json").write_text(json.dumps(data))
-    reseal(copy, "ir.json")
+    def inject(data):
+        next(n for n in data["graph"] if n["op"] == "call_function")["target"] = target
+    edit_ir(copy, inject)
+    node = next(n for n in json.loads(artifact_files(copy)["ir.json"].read_text())["graph"]
+                if n["op"] == "call_function")
     with pytest.raises(ArtifactError, match=rf"ir\.json: node {node['name']}: unknown op"):
         rewriter.load(copy)
 
@@ -152,40 +157,48 @@ def test_loading_never_unpickles(copy, monkeypatch):
     assert rewriter.load(copy).generate(IDS, max_new_tokens=2).shape == (2, 8)
 
 
+def crash_at(monkeypatch, step, error=KeyboardInterrupt):
+    """Make ``save`` raise ``error`` when it finishes ``step``."""
+    from rewriter.runtime import artifact
+
+    def hook(name):
+        if name == step:
+            raise error
+    monkeypatch.setattr(artifact, "SAVE_STEP_HOOKS", [hook])
+
+
 def test_interrupted_save_leaves_nothing_that_loads(saved, tmp_path, monkeypatch):
     opt, _ = saved
-    import safetensors.torch
-
-    def crash(*a, **k):
-        raise KeyboardInterrupt
-    monkeypatch.setattr(safetensors.torch, "save_file", crash)
+    crash_at(monkeypatch, "wrote weights.safetensors")
     with pytest.raises(KeyboardInterrupt):
         opt.save(tmp_path / "new")
-    assert list(tmp_path.iterdir()) == []  # no artifact, no half-written temp directory
+    assert list(tmp_path.iterdir()) == []  # no artifact, no half-written version directory
 
 
 def test_interrupted_overwrite_keeps_the_old_artifact(copy, saved, monkeypatch):
     opt, _ = saved
-    import safetensors.torch
-    monkeypatch.setattr(safetensors.torch, "save_file", lambda *a, **k: 1 / 0)
+    before = sorted(p.name for p in copy.iterdir())
+    crash_at(monkeypatch, "wrote ir.json", ZeroDivisionError)
     with pytest.raises(ZeroDivisionError):
         opt.save(copy)
     assert sorted(p.name for p in copy.parent.iterdir()) == ["copy"]
+    assert sorted(p.name for p in copy.iterdir()) == before
     assert rewriter.load(copy).generate(IDS, max_new_tokens=2).shape == (2, 8)
 
 
 def test_save_refuses_to_replace_other_directories(saved, tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
-    with pytest.raises(ArtifactError, match="exists and is not an artifact"):
+    with pytest.raises(ArtifactError, match="is not a rewriter artifact"):
         saved[0].save(tmp_path)
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
 def edit_ir(path, edit):
-    data = json.loads((path / "ir.json").read_text())
+    ir = artifact_files(path)["ir.json"]
+    data = json.loads(ir.read_text())
     edit(data)
-    (path / "ir.json").write_text(json.dumps(data))
-    reseal(path, "ir.json")
+    ir.write_text(json.dumps(data))
+    reseal(path)
 
 
 def test_a_node_name_that_is_code_is_refused(copy, capsys):

@@ -70,20 +70,16 @@ def test_pointwise_groups_run_as_generated_kernels_and_are_dumped(tmp_path):
 
 
 def test_stored_kernels_run_only_with_trust_code(tmp_path):
-    import json
-    from rewriter.runtime.artifact import _file_entry
+    from artifact_tools import reseal, version_dir
     model = make_model("gpt2-3l", initializer_range=0.5)
     tri = rewriter.optimize(model, backend="triton")
     tri.save(tmp_path / "a")
-    kernels = sorted((tmp_path / "a" / "kernels").glob("pointwise_*_add.py"))
+    kernels = sorted((version_dir(tmp_path / "a") / "kernels").glob("pointwise_*_add.py"))
     assert kernels, "the artifact stores its generated kernels"
     # Tamper with one stored kernel (a + b -> a - b) and make the manifest agree.
     src = kernels[0].read_text()
     kernels[0].write_text(src.replace("= x0 + x1", "= x0 - x1"))
-    manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
-    rel = f"kernels/{kernels[0].name}"
-    manifest["files"][rel] = _file_entry(kernels[0])
-    (tmp_path / "a" / "manifest.json").write_text(json.dumps(manifest))
+    reseal(tmp_path / "a")
     kw = dict(max_new_tokens=6, eos_token_id=[])
     want = tri.generate(ROWS[:1], **kw)
     assert torch.equal(rewriter.load(tmp_path / "a").generate(ROWS[:1], **kw), want)  # regenerated
