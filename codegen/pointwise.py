@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,9 @@ import torch
 from sympy.printing.pycode import PythonCodePrinter
 from torch import fx
 
-from .partition import POINTWISE, REDUCTIONS, is_row_reduction
+from rewriter import safe_files
+from rewriter.codegen.partition import POINTWISE, REDUCTIONS, is_row_reduction
+from rewriter.errors import RewriterError
 
 # Triton expression of each op, over already-loaded float32 values.
 EXPRESSIONS = {
@@ -184,16 +187,30 @@ def _literal(v) -> str:
 # ---------------------------------------------------------------------------- compile + launch
 
 def cache_dir() -> Path:
-    """``$REWRITER_CACHE``, or a private per-user directory under the system temp dir."""
-    if os.environ.get("REWRITER_CACHE"):
-        d = Path(os.environ["REWRITER_CACHE"])
-        d.mkdir(parents=True, exist_ok=True)
-        return d
-    d = Path(tempfile.gettempdir()) / f"rewriter-kernels-{os.getuid()}"
-    d.mkdir(mode=0o700, exist_ok=True)
-    st = d.stat()
+    """``$REWRITER_CACHE``, or a private per-user directory under the system temp dir.
+
+    Either must be a directory owned by this user and closed to others (mode 0700): the
+    kernels in it are imported, so no one else may put files there. The default one must
+    not be a symlink (anyone can plant one under /tmp); ``$REWRITER_CACHE`` is the user's
+    own choice and may be one.
+    """
+    custom = os.environ.get("REWRITER_CACHE")
+    d = Path(custom) if custom else Path(tempfile.gettempdir()) / f"rewriter-kernels-{os.getuid()}"
+    try:
+        if custom:
+            d.parent.mkdir(parents=True, exist_ok=True)
+        d.mkdir(mode=0o700, exist_ok=True)
+        st = os.stat(d) if custom else os.lstat(d)
+    except OSError as e:
+        raise RewriterError(f"{d}: cannot use it as the kernel cache ({e.strerror or e}); "
+                            f"set $REWRITER_CACHE to a private directory") from e
+    if not stat.S_ISDIR(st.st_mode):
+        raise RewriterError(f"{d}: kernel cache is not a directory (a symlink or a file); "
+                            f"set $REWRITER_CACHE to a private directory")
     if st.st_uid != os.getuid() or st.st_mode & 0o077:  # someone else's, or open to others
-        raise RuntimeError(f"{d}: kernel cache not private to this user; set $REWRITER_CACHE")
+        raise RewriterError(f"{d}: kernel cache not private to this user (owner uid {st.st_uid}, "
+                            f"mode {stat.S_IMODE(st.st_mode):o}); chmod 700 it or set "
+                            f"$REWRITER_CACHE to a private directory")
     return d
 
 
@@ -205,21 +222,38 @@ def compile_source(kernel: GeneratedKernel):
 
     Triton reads a kernel's source from its file, so the source is written to the cache
     directory under its hash and imported from there; a file already there is used only if
-    its text is exactly the source (a stale or planted file is rewritten first).
+    it is a regular file whose text is exactly the source (a stale file, or a symlink
+    planted under that name, is replaced first, never read or written through).
     """
     digest = hashlib.sha256(kernel.source.encode()).hexdigest()[:20]
     if digest not in _COMPILED:
-        path = cache_dir() / f"k_{digest}.py"
-        if not path.is_file() or path.is_symlink() or path.read_text() != kernel.source:
-            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")  # O_EXCL, mode 0600
-            with os.fdopen(fd, "w") as f:
-                f.write(kernel.source)
-            os.replace(tmp, path)
-        spec = importlib.util.spec_from_file_location(f"rewriter_kernel_{digest}", path)
+        d = cache_dir()
+        name = f"k_{digest}.py"
+        _store(d, name, kernel.source.encode())
+        spec = importlib.util.spec_from_file_location(f"rewriter_kernel_{digest}", d / name)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         _COMPILED[digest] = getattr(module, kernel.name)
     return _COMPILED[digest]
+
+
+def _store(d: Path, name: str, source: bytes) -> None:
+    """Make ``d/name`` a regular file holding ``source``: created exclusively under a
+    temporary name, then renamed onto ``name`` (a rename replaces a link, never follows it)."""
+    try:
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            try:
+                current = safe_files.read_file(name, fd)  # O_NOFOLLOW: a link is not read
+            except OSError:
+                current = None  # missing, a symlink, or not a regular file
+            if current != source:
+                safe_files.replace_file(name, source, fd, mode=0o600)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise RewriterError(f"{d / name}: cannot write the kernel to the cache "
+                            f"({e.strerror or e})") from e
 
 
 class Launcher:

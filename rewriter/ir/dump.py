@@ -13,8 +13,10 @@ from pathlib import Path
 import networkx as nx
 from torch import fx
 
-from ..ops import short_name
-from .printer import format_call, format_type
+from rewriter import safe_files
+from rewriter.errors import RewriterError
+from rewriter.ir.printer import format_call, format_type
+from rewriter.ops import short_name
 
 
 def to_networkx(gm: fx.GraphModule) -> nx.DiGraph:
@@ -44,11 +46,20 @@ def op_diff(before: dict[str, int], after: dict[str, int]) -> dict[str, dict[str
 
 
 class Dumper:
-    """Writes one set of files per pass into ``directory``; keeps the summary."""
+    """Writes one set of files per pass into ``directory``; keeps the summary.
+
+    Files are written only inside ``directory``: each through a new temporary file
+    (created exclusively, never through a link) renamed onto its name, so a symlink
+    planted in the directory is replaced, not written through, and a reader never sees
+    half a file. Subdirectories that are symlinks are refused.
+    """
 
     def __init__(self, directory: str | os.PathLike):
         self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise RewriterError(f"{self.dir}: cannot create the dump directory ({e.strerror or e})") from e
         self.steps: list[dict] = []
         self.prev: dict[str, int] = {}
 
@@ -56,27 +67,35 @@ class Dumper:
         stem = f"{len(self.steps):02d}_{name}"
         counts = ir.op_counts()
         diff = op_diff(self.prev, counts)
-        _write_text(self.dir / f"{stem}.txt", str(ir) + "\n")
+        self.write_text(f"{stem}.txt", str(ir) + "\n")
         dot = nx.nx_pydot.to_pydot(to_networkx(ir.gm)).to_string()
-        _write_text(self.dir / f"{stem}.dot", dot)
+        self.write_text(f"{stem}.dot", dot)
         lines = [f"{op}: {'+' if 'added' in d else '-'}{d.get('added', d.get('removed'))}"
                  for op, d in diff.items()]
-        _write_text(self.dir / f"{stem}.diff.txt",
-                    f"# {name}: nodes added/removed by op\n" + "\n".join(lines or ["(no change)"]) + "\n")
+        self.write_text(f"{stem}.diff.txt",
+                        f"# {name}: nodes added/removed by op\n" + "\n".join(lines or ["(no change)"]) + "\n")
         self.steps.append({"pass": name, "file": stem, "ops": counts, "diff": diff,
                            "layers": [s["index"] for s in ir.layers]})
         self.prev = counts
-        _write_text(self.dir / "summary.json", json.dumps(self.steps, indent=2) + "\n")
+        self.write_text("summary.json", json.dumps(self.steps, indent=2) + "\n")
 
     def write_text(self, relpath: str, text: str) -> None:
-        """Any other file of the dump (e.g. ``kernels/<name>.py``)."""
-        path = self.dir / relpath
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _write_text(path, text)
-
-
-def _write_text(path: Path, text: str) -> None:
-    """Write through a temporary file so a reader never sees half a dump."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+        """Any file of the dump (e.g. ``kernels/<name>.py``): ``relpath`` is relative, with
+        no ``..``; its subdirectories are created, and must not be symlinks."""
+        parts = relpath.split("/")
+        if relpath.startswith("/") or not all(safe_files.is_plain_name(p) for p in parts):
+            raise ValueError(f"dump file {relpath!r}: must be a relative path without '..'")
+        try:
+            root = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                sub = safe_files.make_dirs(parts[:-1], root)
+            finally:
+                os.close(root)
+            try:
+                safe_files.replace_file(parts[-1], text.encode(), sub)
+            finally:
+                os.close(sub)
+        except OSError as e:
+            raise RewriterError(f"{self.dir / relpath}: cannot write the dump file "
+                                f"({e.strerror or e}; a symlink or a file where a directory "
+                                f"should be?)") from e
