@@ -1,13 +1,18 @@
 """Models from disk: Hugging Face checkpoint directories and the shipped default model.
 
 No network: ``transformers`` is called with ``local_files_only=True`` and never with
-``trust_remote_code``; a directory without ``config.json`` is refused by name.
+``trust_remote_code``; a directory without ``config.json`` is refused by name. Only
+safetensors weights are read, and they must match the config exactly: every bad file is a
+``CheckpointError`` naming it.
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Sequence, Union
+
+from rewriter.errors import CheckpointError
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "default_model"
 
@@ -19,19 +24,39 @@ def checkpoint_dir(path: PathLike) -> Path:
     d = DEFAULT_MODEL_DIR if str(path) == "default" else Path(path)
     if not d.exists():
         raise FileNotFoundError(f"{d}: no such checkpoint directory")
+    if not d.is_dir():
+        raise NotADirectoryError(f"{d}: not a directory (a checkpoint is a directory with "
+                                 f"config.json and safetensors weights)")
     if not (d / "config.json").is_file():
         raise FileNotFoundError(f"{d}: not a Hugging Face checkpoint (no config.json)")
     return d
 
 
 def load_hf_model(path: PathLike, dtype=None):
-    """The ``transformers`` causal LM stored in ``path``, in eval mode."""
+    """The ``transformers`` causal LM stored in ``path``, in eval mode.
+
+    Every weight the config calls for must be in the checkpoint with its shape, and every
+    tensor in the checkpoint must be one the model has: ``transformers`` would fill a
+    missing or mis-shaped weight with random values and carry on. Only safetensors are
+    read (a pickled ``pytorch_model.bin`` runs code when loaded)."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
     d = checkpoint_dir(path)
+    _read_config(d)
+    _check_safetensors(d)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its load report repeats what the error below says
     try:
-        model = AutoModelForCausalLM.from_pretrained(d, local_files_only=True, dtype=dtype)
-    except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"{d}: cannot load the checkpoint ({str(e).splitlines()[0]})") from e
+        model, info = AutoModelForCausalLM.from_pretrained(
+            d, local_files_only=True, dtype=dtype, use_safetensors=True,
+            output_loading_info=True, ignore_mismatched_sizes=True)
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
+        # TypeError too: transformers builds the model from config.json's values as given
+        raise CheckpointError(f"{d}: cannot load the checkpoint ({_first_line(e)})") from e
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    _check_loading_info(d, info)
     return model.eval()
 
 
@@ -39,7 +64,83 @@ def load_tokenizer(path: PathLike):
     """The checkpoint's fast tokenizer as a ``tokenizers.Tokenizer``, or None."""
     from tokenizers import Tokenizer
     f = checkpoint_dir(path) / "tokenizer.json"
-    return Tokenizer.from_file(str(f)) if f.is_file() else None
+    if not f.is_file():
+        return None
+    try:
+        return Tokenizer.from_file(str(f))
+    except Exception as e:  # tokenizers raises bare Exception for every malformed file
+        raise CheckpointError(f"{f}: not a valid tokenizer file ({_first_line(e)})") from e
+
+
+PICKLED = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+
+
+def _read_config(d: Path) -> dict:
+    """``config.json`` as a dict naming a model type ``transformers`` knows."""
+    from transformers import CONFIG_MAPPING
+    f = d / "config.json"
+    try:
+        config = json.loads(f.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{f}: not valid JSON ({e})") from e
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{f}: must hold a JSON object, got {type(config).__name__}")
+    kind = config.get("model_type")
+    if not isinstance(kind, str) or kind not in CONFIG_MAPPING:
+        raise CheckpointError(f"{f}: model_type {kind!r} is not a model type transformers knows")
+    return config
+
+
+def _check_safetensors(d: Path) -> None:
+    """Refuse a directory whose weights are only pickled; open every safetensors file's
+    header (it covers the whole file: a truncated file fails here, by name)."""
+    from safetensors import SafetensorError, safe_open
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        pickled = sorted(p.name for pattern in PICKLED for p in d.glob(pattern))
+        if pickled:
+            raise CheckpointError(f"{d / pickled[0]}: pickled weights are refused (loading "
+                                  f"them runs code); convert the checkpoint to safetensors")
+        raise CheckpointError(f"{d}: no weights (no *.safetensors file)")
+    for f in files:
+        try:
+            with safe_open(str(f), "pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{f}: not a valid safetensors file ({_first_line(e)})") from e
+
+
+def _check_loading_info(d: Path, info: dict) -> None:
+    """Missing, unexpected and mis-shaped weights are errors (tied weights that
+    ``transformers`` ties itself are not reported missing)."""
+    problems = []
+    if info["missing_keys"]:
+        problems.append(f"missing from the checkpoint: {_keys(info['missing_keys'])}")
+    if info["unexpected_keys"]:
+        problems.append(f"in the checkpoint but not in the model: "
+                        f"{_keys(info['unexpected_keys'])}")
+    mismatched = sorted(info["mismatched_keys"])
+    if mismatched:
+        key, stored, wanted = mismatched[0]
+        more = f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""
+        problems.append(f"shaped unlike config.json: {key} is {list(stored)} in the checkpoint, "
+                        f"{list(wanted)} by the config{more}")
+    if info.get("error_msgs"):
+        problems.append(_first_line(info["error_msgs"][0]))
+    if problems:
+        raise CheckpointError(f"{d}: weights do not match config.json; "
+                              + "; ".join(problems))
+
+
+def _keys(keys, shown: int = 3) -> str:
+    keys = sorted(keys)
+    more = f" (and {len(keys) - shown} more)" if len(keys) > shown else ""
+    return ", ".join(keys[:shown]) + more
+
+
+def _first_line(e) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def from_pretrained(path: PathLike, passes: Sequence = (), **optimize_kwargs):

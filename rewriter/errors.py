@@ -19,3 +19,8 @@ class VerificationError(RewriterError):
 
 class ArtifactError(RewriterError):
     """An artifact directory cannot be loaded: the message names the file and the reason."""
+
+
+class CheckpointError(RewriterError, ValueError):
+    """A checkpoint directory cannot be loaded as it is: the message names the file (or
+    the weights) and the reason. Also a ValueError, which these errors were before."""
