@@ -5,34 +5,78 @@
     rewriter ir DIR
     rewriter info DIR
 
-Errors print one line (``rewriter: error: ...``) and exit with status 2.
+Every failure the user can cause (a bad argument, a missing or broken file, an unwritable
+``--out``, a bad sampling parameter) prints one line, ``rewriter: error: ...``, on stderr
+and exits with status 2; ``run`` prints nothing of a generation before its inputs are
+checked. A closed stdout (``rewriter run ... | head -c1``) ends the command quietly with
+status 2. A traceback means a bug in rewriter.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = parser().parse_args(argv)
+    try:
+        args = parser().parse_args(argv)
+    except UsageError as e:
+        return _fail(str(e))
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # our own bars cover loading; one bar at a time
     from .errors import RewriterError
     try:
-        return args.func(args) or 0
-    except (RewriterError, ValueError, FileNotFoundError, NotADirectoryError) as e:
-        print(f"rewriter: error: {e}", file=sys.stderr)
-        return 2
+        status = args.func(args) or 0
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return status
+    except BrokenPipeError:
+        return _closed_stdout()
+    except (RewriterError, ValueError) as e:
+        return _fail(str(e))
+    except OSError as e:  # files the user named: missing, unwritable, under a regular file
+        return _fail(_os_error_text(e))
     except KeyboardInterrupt:
         print("rewriter: interrupted", file=sys.stderr)
         return 130
 
 
+class UsageError(Exception):
+    """A command line argparse cannot parse (reported as one line, like every error)."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse without the usage block on errors: one ``rewriter: error:`` line, exit 2."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def _fail(message: str) -> int:
+    print(f"rewriter: error: {' '.join(message.split())}", file=sys.stderr)  # one line
+    return 2
+
+
+def _os_error_text(e: OSError) -> str:
+    if e.filename is None or e.strerror is None:
+        return str(e)  # our own messages (FileNotFoundError("x: no such ...")) say it all
+    return f"{e.filename}: {e.strerror}"
+
+
+def _closed_stdout() -> int:
+    """The reader of stdout went away (``| head``): stop quietly, as ``cat`` does. Later
+    writes (the interpreter's own flush at exit) go to devnull, not into a traceback."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 2
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rewriter", description="A compiler for LLM inference.")
+    p = Parser(prog="rewriter", description="A compiler for LLM inference.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     o = sub.add_parser("optimize", help="trace a checkpoint, run passes, save an artifact",
@@ -87,8 +131,12 @@ def cmd_optimize(args) -> int:
     from .checkpoints import from_pretrained
     from .passes import from_spec
     passes = [from_spec(s) for s in args.passes]  # bad names/parameters fail before tracing
-    opt = from_pretrained(args.model, passes, dump=args.dump, progress=True, backend=args.backend)
-    opt.save(args.out, progress=True)
+    _check_writable("--out", args.out)
+    if args.dump:
+        _check_writable("--dump", args.dump)
+    opt = from_pretrained(args.model, passes, dump=args.dump, progress=_bars(),
+                          backend=args.backend)
+    opt.save(args.out, progress=_bars())
     print(opt.ir.summary())
     print(f"passes: {', '.join(map(repr, passes)) or 'none'}")
     print(f"saved: {args.out}")
@@ -96,27 +144,26 @@ def cmd_optimize(args) -> int:
 
 
 def cmd_run(args) -> int:
+    from .runtime.settings import GenerationSettings
+    kw = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
+              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    GenerationSettings(**kw)  # bad parameters fail before the model loads
+    ids = _parse_ids(args.ids) if args.ids is not None else None
     engine = _engine(args.model, args.trust_code, args.backend)
     tok = engine.tokenizer
-    if args.prompt is not None:
+    if ids is None:
         if tok is None:
             raise ValueError(f"{args.model} has no tokenizer; give --ids instead of --prompt")
         ids = tok.encode(args.prompt).ids
-    else:
-        try:
-            ids = [int(x) for x in args.ids.split(",") if x.strip()]
-        except ValueError:
-            raise ValueError(f"--ids must be comma-separated integers, got {args.ids!r}") from None
-    kw = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
-              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     if args.no_stream:
-        out = engine.generate([ids], progress=True, **kw)[0, len(ids):].tolist()
+        out = engine.generate([ids], progress=_bars(), **kw)[0, len(ids):].tolist()
         print(_text(tok, ids) + _text(tok, out))
         return 0
+    steps = engine.stream([ids], **kw)  # checks the prompt and settings: nothing printed yet
     sys.stdout.write(_text(tok, ids))
     new: list[int] = []
     shown = ""
-    for token in engine.stream([ids], **kw):
+    for token in steps:
         new.append(int(token[0]))
         text = _text(tok, new)  # decode the whole tail: byte-level pieces join up later
         sys.stdout.write(text[len(shown):] if text.startswith(shown) else text)
@@ -158,12 +205,41 @@ def cmd_info(args) -> int:
 def _engine(path: str, trust_code: bool, backend: Optional[str]):
     """An artifact, or else a checkpoint directory (or 'default') optimized with no passes."""
     from .checkpoints import from_pretrained
-    from .runtime.artifact import MANIFEST, load
-    if (Path(path) / MANIFEST).exists():
+    from .runtime.artifact import is_artifact, load
+    if is_artifact(path):
         return load(path, trust_code=trust_code, backend=backend)
     if path != "default" and not Path(path).exists():
         raise FileNotFoundError(f"{path}: no such artifact or checkpoint directory")
-    return from_pretrained(path, progress=True, backend=backend or "torch")
+    return from_pretrained(path, progress=_bars(), backend=backend or "torch")
+
+
+def _bars() -> bool:
+    """Progress bars only on a terminal: in a log or a pipe they are noise around the one
+    line an error is."""
+    return sys.stderr.isatty()
+
+
+def _parse_ids(text: str) -> list[int]:
+    """``--ids 1,2,3`` as ints (range checks are the engine's, against the vocabulary)."""
+    parts = [x.strip() for x in text.split(",")]
+    if not all(re.fullmatch(r"-?[0-9]+", p) for p in parts):
+        raise ValueError(f"--ids must be comma-separated integers, got {text!r}")
+    return [int(p) for p in parts]
+
+
+def _check_writable(flag: str, path: str) -> None:
+    """Fail now, before tracing, if ``path`` cannot be created: its nearest existing
+    ancestor must be a directory we may write in, and ``path`` itself no regular file."""
+    target = Path(path).absolute()
+    if target.is_file() or target.is_symlink() and not target.exists():
+        raise ValueError(f"{flag} {path}: exists and is not a directory")
+    parent = target.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"{flag} {path}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: cannot write in {parent} (permission denied)")
 
 
 def _text(tok, ids: list[int]) -> str:

@@ -9,6 +9,7 @@ import torch
 import rewriter
 from rewriter.cli import main
 
+from artifact_tools import artifact_files
 from conftest import hf_greedy, make_model
 
 
@@ -76,7 +77,7 @@ def test_corrupt_artifact_is_reported(artifact, tmp_path, capsys):
     import shutil
     bad = tmp_path / "bad"
     shutil.copytree(artifact, bad)
-    with open(bad / "weights.safetensors", "r+b") as f:
+    with open(artifact_files(bad)["weights.safetensors"], "r+b") as f:
         f.seek(200)
         f.write(b"\x00\x01\x02")
     assert main(["run", str(bad), "--ids", "1"]) == 2
