@@ -17,7 +17,7 @@ from torch import Tensor, fx
 from .attention import StaticStep, Step
 from .kv_cache import KVCache
 from .sampling import next_token
-from .settings import GenerationSettings, is_int
+from .settings import GenerationSettings, whole
 
 INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
@@ -115,11 +115,8 @@ def _id_list(row, b: int) -> list[int]:
         return row.tolist()
     if isinstance(row, (str, bytes)) or not isinstance(row, Sequence):
         raise ValueError(f"input_ids[{b}] must be a list of token ids, got {row!r}")
-    for i, t in enumerate(row):
-        if not is_int(t):
-            raise ValueError(f"input_ids[{b}][{i}] must be an integer token id, got {t!r} "
-                             f"({type(t).__name__})")
-    return [int(t) for t in row]
+    # >= 0 and within int64 here; the vocabulary bound is the engine's check
+    return [whole(f"input_ids[{b}][{i}]", t, minimum=0, below=2 ** 63) for i, t in enumerate(row)]
 
 
 def decode_loop(prefill: fx.GraphModule, decode: fx.GraphModule, cache: KVCache, batch: Batch,

@@ -125,7 +125,7 @@ def token_ids(name: str, value) -> tuple[int, ...]:
     """An id or a list of ids as a tuple of non-negative ints (None: the empty tuple)."""
     if value is None:
         return ()
-    if is_int(value):
+    if isinstance(value, numbers.Number):  # an id, or a bool/float that whole() names
         return (whole(name, value, minimum=0),)
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise ValueError(f"{name} must be a token id or a list of token ids, got {value!r}")
