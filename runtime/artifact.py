@@ -167,6 +167,8 @@ def _finish(target: Target, version: str, manifest: bytes) -> None:
         except OSError:
             pass  # the new artifact is in place; the next save deletes what is left
         _step("removed the old version")
+    except BaseException as e:
+        _reraise(e, target.path)
     finally:
         target.close()
 

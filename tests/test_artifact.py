@@ -10,6 +10,7 @@ import torch
 import rewriter
 from rewriter import ArtifactError
 from rewriter.passes import LayerSkip
+from rewriter.runtime.artifact import read_manifest
 
 from artifact_tools import artifact_files, reseal
 from conftest import make_model, varied_init
@@ -253,3 +254,137 @@ def test_a_generic_module_round_trips(tmp_path):
     y = torch.randn(4, 5, 12)  # other sizes than traced
     for got, want in zip(loaded(y), opt(y)):
         assert torch.equal(got, want)
+
+
+# ---------------------------------------------------------------- the manifest is covered
+
+def write_manifest_text(path, edit):
+    """Edit the manifest's text, leaving every checksum as it was."""
+    manifest = artifact_files(path)["manifest.json"]
+    manifest.write_text(edit(manifest.read_text()))
+
+
+def set_ir_checksum(text):
+    m = json.loads(text)
+    m["files"]["ir.json"]["sha256"] = "0" * 64
+    return json.dumps(m, indent=1)
+
+
+@pytest.mark.parametrize("edit", [
+    lambda t: t.replace('"layers": [\n     1\n    ]', '"layers": []'),  # the issue's: pass list
+    set_ir_checksum,  # the issue's: a file's checksum
+    lambda t: t + "\n",  # whitespace only
+    lambda t: t.replace('"backend": "torch"', '"backend": "triton"'),
+    lambda t: t.replace('"family": "llama"', '"family": "gpt2"'),
+], ids=["pass_list", "checksum", "whitespace", "backend", "family"])
+def test_an_edited_manifest_is_reported_as_an_edit_of_the_manifest(copy, edit):
+    before = artifact_files(copy)["manifest.json"].read_text()
+    write_manifest_text(copy, edit)
+    assert artifact_files(copy)["manifest.json"].read_text() != before
+    with pytest.raises(ArtifactError, match=r"manifest\.json: changed since it was saved") as info:
+        rewriter.load(copy)
+    assert "ir.json" not in str(info.value)
+    with pytest.raises(ArtifactError, match=r"manifest\.json: changed since it was saved"):
+        read_manifest(copy)  # what `rewriter info` shows
+
+
+def test_another_artifacts_manifest_is_refused(copy, tmp_path):
+    other = rewriter.optimize(make_model("llama-gqa-3l", initializer_range=0.2))
+    other.save(tmp_path / "other")
+    shutil.copy(artifact_files(tmp_path / "other")["manifest.json"], artifact_files(copy)["manifest.json"])
+    with pytest.raises(ArtifactError, match=r"manifest\.json: changed since it was saved"):
+        rewriter.load(copy)
+
+
+def edit_pointer(path, key, value):
+    pointer = json.loads((path / "artifact.json").read_text())
+    pointer[key] = value
+    (path / "artifact.json").write_text(json.dumps(pointer))
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("manifest_sha256", "0" * 64, r"manifest\.json: changed since it was saved"),
+    ("manifest_sha256", "not hex", r"artifact\.json: manifest_sha256 must be 64 hex digits"),
+    ("manifest_sha256", None, r"artifact\.json: manifest_sha256 must be 64 hex digits"),
+    ("version_dir", "../copy", r"artifact\.json: version_dir must be 'v-' and 16 hex digits"),
+    ("version_dir", "/etc", r"artifact\.json: version_dir must be"),
+    ("version_dir", "v-0123", r"artifact\.json: version_dir must be"),
+    ("version_dir", ["v-0123456789abcdef"], r"artifact\.json: version_dir must be"),
+    ("version_dir", "v-0123456789abcdef", r"v-0123456789abcdef: missing or not a directory"),
+    ("format_version", 99, r"artifact\.json: format version 99 is not supported"),
+    ("format_version", True, r"artifact\.json: format version True is not supported"),
+    ("format_version", 2.0, r"artifact\.json: format version 2.0 is not supported"),
+    ("format", "something-else", r"artifact\.json: not a rewriter artifact"),
+])
+def test_a_bad_pointer_is_named(copy, key, value, match):
+    edit_pointer(copy, key, value)
+    with pytest.raises(ArtifactError, match=match):
+        rewriter.load(copy)
+
+
+@pytest.mark.parametrize("text", [b"[" * 100000 + b"]" * 100000, b"\xff\xfe not utf-8", b"[1, 2]",
+                                  b'{"format": ', b""], ids=["nested", "not_utf8", "list", "cut", "empty"])
+@pytest.mark.parametrize("which", ["artifact.json", "manifest.json"])
+def test_an_unreadable_pointer_or_manifest_is_named(copy, which, text):
+    artifact_files(copy)[which].write_bytes(text)
+    reseal(copy)  # the manifest's checksum agrees: its content must still be refused
+    with pytest.raises(ArtifactError, match=rf"{which.replace('.', '[.]')}: (unreadable JSON|expected a JSON object)"):
+        rewriter.load(copy)
+
+
+def set_key(m, path, value):
+    *outer, last = path
+    for k in outer:
+        m = m[k]
+    m[last] = value
+
+
+@pytest.mark.parametrize("path, value, match", [
+    (["files", "ir.json"], "0" * 64, "'files' must be"),
+    (["files", "ir.json", "bytes"], "123", "'files' must be"),
+    (["files", "ir.json", "bytes"], True, "'files' must be"),
+    (["files", "ir.json", "sha256"], 12, "'files' must be"),
+    (["files"], [], "'files' must be"),
+    (["passes"], {"name": "LayerSkip"}, "'passes' must be"),
+    (["passes", 0, "params"], None, "'passes' must be"),
+    (["model", "layers"], "2", "'model' must be"),
+    (["model"], None, "'model' must be"),
+    (["tokenizer"], 5, "'tokenizer' must be"),
+    (["backend"], None, "'backend' must be"),
+    (["versions"], ["2.13"], "'versions' must be"),
+    (["created"], 0, "'created' must be"),
+    (["format_version"], "2", "format version '2' is not supported"),
+])
+def test_a_manifest_field_of_the_wrong_type_is_named(copy, path, value, match):
+    manifest = artifact_files(copy)["manifest.json"]
+    m = json.loads(manifest.read_text())
+    set_key(m, path, value)
+    manifest.write_text(json.dumps(m))
+    reseal(copy, entries=False)
+    with pytest.raises(ArtifactError, match=r"manifest\.json: " + match):
+        rewriter.load(copy)
+
+
+@pytest.mark.parametrize("key", ["files", "passes", "model", "backend", "tokenizer"])
+def test_a_manifest_without_a_field_is_named(copy, key):
+    rewrite_manifest(copy, lambda m: m.pop(key))
+    with pytest.raises(ArtifactError, match=rf"manifest\.json: has no '{key}'"):
+        rewriter.load(copy)
+
+
+def test_artifact_files_that_are_symlinks_are_refused(copy, tmp_path):
+    """Same bytes, same checksums, but read through a link: refused."""
+    files = artifact_files(copy)
+    outside = tmp_path / "weights.safetensors"
+    shutil.move(files["weights.safetensors"], outside)
+    files["weights.safetensors"].symlink_to(outside)
+    with pytest.raises(ArtifactError, match=r"weights\.safetensors: is a symbolic link"):
+        rewriter.load(copy)
+
+
+def test_a_version_directory_that_is_a_symlink_is_refused(copy, tmp_path):
+    v = artifact_files(copy)["manifest.json"].parent
+    shutil.move(v, tmp_path / "elsewhere")
+    v.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ArtifactError, match=rf"{v.name}: missing or not a directory"):
+        rewriter.load(copy)
