@@ -390,20 +390,53 @@ def test_leftover_versions_and_pointer_temporaries_are_deleted(old, new, tmp_pat
 def test_what_only_looks_like_a_leftover_is_kept(old, new, tmp_path):
     path = tmp_path / "a"
     old.save(path)
-    (tmp_path / ".a.saving-k2j4_9xz").mkdir()
+    (tmp_path / ".a.saving-k2j4_9xz").mkdir()  # the old layout's name, holding a user's file
     (tmp_path / ".a.saving-k2j4_9xz" / "diary.txt").write_text("mine")
     (tmp_path / ".b.saving-k2j4_9xz").mkdir()  # another artifact's, maybe saving right now
     (tmp_path / ".b.saving-k2j4_9xz" / "ir.json").write_text("{}")
-    (path / "v-0123456789abcdef").mkdir()
+    (path / "v-0123456789abcdef").mkdir()  # a version's name, holding a user's file
     (path / "v-0123456789abcdef" / "thesis.tex").write_text("mine")
     (path / "README.md").write_text("notes the user keeps beside the artifact")
-    (path / "v-00000000deadbeef").symlink_to(tmp_path / ".a.saving-k2j4_9xz")
-    kept = {k: v for k, v in tree(tmp_path).items() if "/v-" not in "/" + k or "thesis" in k
-            or k.endswith("deadbeef")}
-    kept = {k: v for k, v in kept.items() if not k.startswith("a/artifact.json")}
+    (path / "v-00000000deadbeef").symlink_to(tmp_path / ".a.saving-k2j4_9xz")  # a link
+    kept = [".a.saving-k2j4_9xz/diary.txt", ".b.saving-k2j4_9xz/ir.json", "a/README.md",
+            "a/v-0123456789abcdef/thesis.tex", "a/v-00000000deadbeef"]
+    before = tree(tmp_path)
     new.save(path)
     after = tree(tmp_path)
-    assert {k: after.get(k) for k in kept} == kept and holds(path, new)
+    assert {k: after.get(k) for k in kept} == {k: before[k] for k in kept} and holds(path, new)
+
+
+def test_a_second_save_waits_for_the_first_instead_of_deleting_its_files(old, new, tmp_path):
+    """Without the lock, the second save would take the first one's unfinished version
+    directory for a leftover and delete it."""
+    import threading
+    path = tmp_path / "a"
+    old.save(path)
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            def pause(name):
+                if name == "created the version directory":
+                    os.write(ready_w, b"x")
+                    os.read(go_r, 1)
+            artifact.SAVE_STEP_HOOKS.append(pause)
+            new.save(path)
+            code = 0
+        finally:
+            os._exit(code)
+    os.read(ready_r, 1)  # the first save holds the lock and has a half-made version
+    second = threading.Thread(target=old.save, args=(path,))
+    second.start()
+    second.join(timeout=1.0)
+    waited = second.is_alive()
+    os.write(go_w, b"x")
+    _, status = os.waitpid(pid, 0)
+    second.join()
+    assert waited and os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    assert_one_clean_artifact(path, old)  # the second save ran after the first
 
 
 def format1(path: Path, source: Path) -> Path:
