@@ -81,8 +81,8 @@ def _check_manifest_model(ir: IR, manifest: dict, dtype, where) -> None:
 
 def _check_passes(ir: IR, manifest: dict, where) -> None:
     passes = manifest.get("passes")
-    recorded = ir.info.get("passes")
-    if recorded is not None and passes != recorded:
+    recorded = ir.info["passes"]  # written beside the graph by the same save
+    if passes != recorded:
         raise ArtifactError(f"{where.manifest}: passes {_names(passes)} are not the passes "
                             f"{where.ir} records ({_names(recorded)})")
     names = {p.get("name") for p in passes if isinstance(p, dict)} if isinstance(passes, list) else set()

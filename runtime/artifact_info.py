@@ -13,8 +13,8 @@ import math
 
 from rewriter.ops import MAX_INT
 
-REQUIRED = ("family", "causal_lm", "config", "inputs", "lift_report", "layers")
-OPTIONAL = ("fusions", "skipped_layers", "passes", "unlifted_attention", "unlifted_embeddings")
+REQUIRED = ("family", "causal_lm", "config", "inputs", "lift_report", "layers", "passes")
+OPTIONAL = ("fusions", "skipped_layers", "unlifted_attention", "unlifted_embeddings")
 DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16",
           "float32", "float64")
 MAX_CONFIG_DEPTH = 32  # Hugging Face configs nest 3 or 4 deep (text_config, rope_parameters)
