@@ -2,7 +2,8 @@
 
 The program is an ``fx.GraphModule`` over the same weights, with
 - every ``rw`` op replaced by its plain-function kernel (no custom-op dispatch),
-- every ``rw.attention`` replaced by ``cached_attention`` on its cache slot,
+- every ``rw.attention`` replaced by ``cached_attention`` on its cache slot (an IR that
+  computes across positions anywhere else is refused: ``rewriter.ir.cacheable``),
 - an extra first input, ``step`` (cache, write position, masks),
 - weights under flat names (``self.w12``, not ``self.model.layers[1]...``): nested
   module lookups cost more than the math of a one-token step,
@@ -16,6 +17,7 @@ import operator
 from torch import fx
 
 from rewriter.errors import RewriterError
+from rewriter.ir.cacheable import check_cacheable
 from rewriter.ir.core import IR
 from rewriter.ops import OPS
 
@@ -41,6 +43,7 @@ def lower(ir: IR, last_only: bool, backend: str = "torch",
     if not ir.is_causal_lm:
         raise RewriterError("the KV-cache runtime runs causal language models only; "
                             "call the optimized module directly instead")
+    check_cacheable(ir)  # attention it could not cache would give wrong tokens, silently
     specs = attention_specs(ir.gm)
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..ir.cacheable import uncacheable
 from ..ir.core import IR
 from ..ir.shapes import lm_input_specs, propagate_shapes, specs_from_placeholders
 from ..ir.layers import layer_spans
@@ -26,6 +27,10 @@ def build_ir(model: nn.Module, example_inputs: tuple | None = None) -> IR:
         "inputs": specs,
         "lift_report": lifter.report,
     }
+    if traced.is_causal_lm:  # what the KV-cache runtime will refuse, by module path
+        left_as_aten = [f.module for f in uncacheable(gm, specs) if f.kind == "attention"]
+        info["unlifted_attention"] = list(dict.fromkeys(lifter.unlifted_attention + left_as_aten))
+        info["unlifted_embeddings"] = lifter.unlifted_embeddings
     ir = IR(gm, info)
     info["layers"] = layer_spans(gm)
     return ir

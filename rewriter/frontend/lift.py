@@ -3,9 +3,11 @@
 Each lifter owns one kind of module (found through the module scope every node carries)
 and checks that the region it would replace has the shape it expects: the ops inside, the
 number of inputs and outputs, the child modules. A region that does not match is left as
-ATen (it still runs) and the reason goes to the lift report. The mask and position
-preamble Hugging Face builds from the sequence length is replaced by an explicit
-``positions`` input; whatever only fed it is dead and removed.
+ATen (it still runs) and the reason goes to the lift report; attention and embeddings
+left so are also listed (``unlifted_attention``, ``unlifted_embeddings``), because the
+KV-cache runtime cannot run them. The mask and position preamble Hugging Face builds from
+the sequence length is replaced by an explicit ``positions`` input where the frontend
+knows what it means (``frontend/positions.py``); whatever only fed it is dead and removed.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from torch import fx, nn
 
 from .. import ops
 from ..ir.core import add_weight
+from .positions import position_offset
 from .regions import Region, data_ancestors, erase_region, region, scope_of
 from .trace import Traced
 
@@ -40,6 +43,8 @@ class Lifter:
         self.root = traced.root
         self.prefix = traced.scope_prefix
         self.report: list[str] = []
+        self.unlifted_attention: list[str] = []  # module paths
+        self.unlifted_embeddings: list[str] = []  # indexed by neither token ids nor positions
         self.cos = self.sin = None
         self.positions = None
         self.input_ids = None
@@ -65,7 +70,8 @@ class Lifter:
             self.lift_position_embeddings()
         for scope, cls in self.scopes():
             if cls.endswith("Attention") and not isinstance(self.module(scope), nn.MultiheadAttention):
-                self.lift_attention(scope)
+                if self.lift_attention(scope) is None:
+                    self.unlifted_attention.append(scope)
         self.graph.eliminate_dead_code()
         return self.rehome_weights()
 
@@ -189,14 +195,38 @@ class Lifter:
         erase_region(self.graph, reg)
 
     def lift_position_embeddings(self) -> None:
-        """Learned position embeddings (GPT-2's ``wpe``) read the explicit positions."""
-        for n in self.graph.nodes:
-            if n.target == rw.embedding.default and self.input_ids not in data_ancestors(n.args[0]) \
-                    and n.args[0] is not self.input_ids:
-                n.args = (self.positions, n.args[1])
-                n.meta.pop("val", None)  # it read [1, S] position ids; now [B, S] positions
+        """Embeddings indexed by ``arange(S) + c`` read ``positions + c`` (GPT-2's ``wpe``:
+        c = 0; OPT's learned positions: c = 2). Any other index not made from the token
+        ids (BERT's token types) is left as traced: ``positions`` would not mean it."""
+        for n in list(self.graph.find_nodes(op="call_function", target=rw.embedding.default)):
+            index = n.args[0]
+            if index is self.input_ids or self.input_ids in data_ancestors(index):
+                continue
+            offset = position_offset(index, self.is_seq_len)
+            rank = _rank(index)
+            if offset is None or rank is None or rank > 2:
+                scope = scope_of(n, self.prefix)[0]
+                self.unlifted_embeddings.append(scope)
+                self.skip(scope, "embedding index is neither the token ids nor arange(S) + c")
+                continue
+            positions = self.positions
+            if offset:
+                with self.graph.inserting_before(n):
+                    positions = self.graph.call_function(aten.add.Tensor, (positions, offset))
+                positions.meta["nn_module_stack"] = n.meta.get("nn_module_stack")
+                positions.meta["pass"] = "lift"
+            n.args = (positions, n.args[1])
+            n.meta.pop("val", None)  # it read [1, S] position ids; now [B, S] positions
 
-    def lift_attention(self, scope: str) -> None:
+    def is_seq_len(self, a) -> bool:
+        """Whether ``a`` is the sequence length of the token ids (a symbolic size)."""
+        val = a.meta.get("val") if isinstance(a, fx.Node) else None
+        seq = self.input_ids.meta["val"].shape[1]
+        return isinstance(val, torch.SymInt) and isinstance(seq, torch.SymInt) \
+            and val.node.expr == seq.node.expr
+
+    def lift_attention(self, scope: str) -> fx.Node | None:
+        """``rw.attention`` in place of the module's region (None when left as ATen)."""
         mod = self.module(scope)
         reg = region(self.graph, scope, self.prefix, exact=True)
         children = {name for name, _ in mod.named_children()} if mod is not None else set()
@@ -215,7 +245,7 @@ class Lifter:
         for extra in reg.inputs:
             if extra not in known and not _is_mask(extra):
                 return self.skip(scope, f"attention reads an unexpected input {extra.name}")
-        self.replace(reg, rw.attention, self.attention_args(scope, mod, sdpa[0], qkv, uses_rope))
+        return self.replace(reg, rw.attention, self.attention_args(scope, mod, sdpa[0], qkv, uses_rope))
 
     def attention_args(self, scope, mod, sdpa, qkv, uses_rope) -> tuple:
         config = self.root.config
@@ -335,6 +365,11 @@ def _same_meta(a: fx.Node, b) -> bool:
     va, vb = a.meta.get("val"), getattr(b, "meta", {}).get("val")
     return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)
             and va.dtype == vb.dtype and va.device == vb.device)
+
+
+def _rank(node: fx.Node) -> int | None:
+    val = node.meta.get("val")
+    return val.dim() if isinstance(val, torch.Tensor) else None
 
 
 def _getitem_index(node: fx.Node) -> int:
