@@ -9,7 +9,7 @@ from rewriter.runtime.sampling import next_token, warp
 from rewriter.runtime.settings import GenerationSettings
 
 
-def Sampling(do_sample, temperature=1.0, top_k=50, top_p=1.0):
+def sampling(do_sample, temperature=1.0, top_k=50, top_p=1.0) -> GenerationSettings:
     return GenerationSettings(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
 
 
@@ -29,7 +29,7 @@ def hf_warp(logits, temperature, top_k, top_p):
     (1.0, 0, 0.05)])
 def test_warping_matches_hugging_face(temperature, top_k, top_p):
     logits = torch.randn(6, 97) * 3  # fresh each run
-    ours = warp(logits, Sampling(True, temperature, top_k, top_p))
+    ours = warp(logits, sampling(True, temperature, top_k, top_p))
     theirs = hf_warp(logits, temperature, top_k, top_p)
     assert torch.equal(ours.isinf(), theirs.isinf())
     torch.testing.assert_close(ours.softmax(-1), theirs.softmax(-1))
@@ -37,7 +37,7 @@ def test_warping_matches_hugging_face(temperature, top_k, top_p):
 
 def test_sampled_frequencies_follow_the_warped_distribution():
     logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0]])
-    s = Sampling(True, temperature=0.8, top_k=6, top_p=0.9)
+    s = sampling(True, temperature=0.8, top_k=6, top_p=0.9)
     probs = warp(logits, s).softmax(-1)[0]  # the target distribution
     n = 40_000
     tokens = next_token(logits.expand(n, -1), s, torch.Generator().manual_seed(0))
@@ -49,7 +49,7 @@ def test_sampled_frequencies_follow_the_warped_distribution():
 
 def test_greedy_ignores_sampling_arguments():
     logits = torch.randn(3, 11)
-    assert torch.equal(next_token(logits, Sampling(False, 0.5, 2, 0.5), None), logits.argmax(-1))
+    assert torch.equal(next_token(logits, sampling(False, 0.5, 2, 0.5), None), logits.argmax(-1))
 
 
 def test_seeded_generation_is_reproducible(varied_cache):
