@@ -111,9 +111,9 @@ class Engine:
         device = self._device()
         batch = prepare(input_ids, attention_mask, settings.pad_token_id, device)
         need = self._check(batch.ids, settings.max_new_tokens)
+        prefill, decode = self._lowered()  # before the cache: an IR it refuses gets none
         cache = self._cache_for(batch.ids.shape[0], need)
         cache.busy = True  # held from now (a stream not yet started too) until its loop ends
-        prefill, decode = self._lowered()
         cuda = device.type == "cuda"
         static = self.static_decode if self.static_decode is not None else cuda
         return batch, decode_loop(prefill, decode, cache, batch, settings,

@@ -74,6 +74,7 @@ def refused(opt, *names):
         assert "without a cache" in msg  # says what still works
         for name in names:
             assert name in msg, f"{name} not named in: {msg}"
+        assert opt._cache is None  # refused before a KV cache was allocated
     return msg
 
 
