@@ -71,12 +71,21 @@ def _check_manifest_model(ir: IR, manifest: dict, dtype, where) -> None:
     ours = {"family": ir.info["family"], "config": ir.info["config"], "layers": len(ir.layers),
             "parameters": ir.num_params(),
             "dtype": str(dtype).removeprefix("torch.") if dtype is not None else None}
+    if model.get("config") != ours.pop("config"):
+        raise ArtifactError(f"{where.manifest}: model config differs from the config in "
+                            f"{where.ir} ({_first_difference(model.get('config'), ir.info['config'])})")
     for key, value in ours.items():
         if model.get(key) != value or type(model.get(key)) is not type(value):
-            theirs = "its config" if key == "config" else repr(model.get(key))[:80]
-            mine = "the config in ir.json" if key == "config" else repr(value)
-            raise ArtifactError(f"{where.manifest}: model {key} is {theirs}, but "
-                                f"{where.ir} and {where.weights.name} give {mine}")
+            raise ArtifactError(f"{where.manifest}: model {key} is {model.get(key)!r:.80}, but "
+                                f"{where.ir} and {where.weights.name} give {value!r}")
+
+
+def _first_difference(theirs, ours) -> str:
+    if not isinstance(theirs, dict):
+        return f"it is {type(theirs).__name__}"
+    key = next(k for k in sorted(set(theirs) | set(ours), key=str)
+               if theirs.get(k, KeyError) != ours.get(k, KeyError))
+    return f"{key}: {theirs.get(key, 'absent')!r:.60} in the manifest, {ours.get(key, 'absent')!r:.60} in ir.json"
 
 
 def _check_passes(ir: IR, manifest: dict, where) -> None:
