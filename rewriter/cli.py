@@ -154,7 +154,7 @@ def cmd_run(args) -> int:
     if ids is None:
         if tok is None:
             raise ValueError(f"{args.model} has no tokenizer; give --ids instead of --prompt")
-        ids = tok.encode(args.prompt).ids
+        ids = tok.encode(_utf8("--prompt", args.prompt)).ids
     if args.no_stream:
         out = engine.generate([ids], progress=_bars(), **kw)[0, len(ids):].tolist()
         print(_text(tok, ids) + _text(tok, out))
@@ -227,9 +227,20 @@ def _parse_ids(text: str) -> list[int]:
     return [int(p) for p in parts]
 
 
+def _utf8(flag: str, text: str) -> str:
+    """``text`` if it is valid UTF-8 (argv bytes that are not arrive as lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{flag} is not valid UTF-8 text (at character {e.start})") from None
+    return text
+
+
 def _check_writable(flag: str, path: str) -> None:
     """Fail now, before tracing, if ``path`` cannot be created: its nearest existing
     ancestor must be a directory we may write in, and ``path`` itself no regular file."""
+    if not path.strip():
+        raise ValueError(f"{flag} must name a directory, got {path!r}")
     target = Path(path).absolute()
     if target.is_file() or target.is_symlink() and not target.exists():
         raise ValueError(f"{flag} {path}: exists and is not a directory")

@@ -96,6 +96,7 @@ BAD = [
     # optimize: where it writes
     ("optimize {ckpt} --out {file}/o", "is a file, not a directory"),
     ("optimize {ckpt} --out {file}", "exists and is not a directory"),
+    ("optimize {ckpt} --out ''", "--out must name a directory, got ''"),
     ("optimize {ckpt} --out {tmp}/o --dump {file}/d", "--dump"),
     # optimize: passes and arguments
     ("optimize {ckpt} --pass layer_skip:speedup=1.5,speedup=2 --out {tmp}/o", "'speedup' is given twice"),
@@ -132,6 +133,7 @@ BAD = [
     ("run {artifact} --ids 1,2 --max-new-tokens 100 --no-stream", "exceeds the KV cache"),
     ("run {artifact} --ids ' '", "--ids must be comma-separated integers"),
     ("run {artifact} --ids 1 --prompt hi", "not allowed with argument"),
+    ("run {artifact} --prompt \udcff", "--prompt is not valid UTF-8 text"),
     ("run {artifact}", "one of the arguments --prompt --ids is required"),
     # run: models
     ("run {tmp}/missing --ids 1", "no such artifact or checkpoint directory"),
