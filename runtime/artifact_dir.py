@@ -167,8 +167,9 @@ def _claim(path: Path, fd: int) -> Optional[str]:
     """Check the locked directory may be saved into; the version directory it points to."""
     kind = safe_files.entry_type(POINTER, fd)
     if kind not in (None, "file"):
-        raise ArtifactError(f"{path / POINTER}: is a {'symbolic link' if kind == 'link' else kind}, "
-                            f"not a file; not saving here")
+        what = {"link": "a symbolic link", "dir": "a directory"}.get(kind, "not a regular file")
+        raise ArtifactError(f"{path / POINTER}: is {what}, not the artifact's pointer file; "
+                            f"not saving here")
     names = os.listdir(fd)
     if marker_version(POINTER, fd) is not None:
         return _pointed_version(fd)
