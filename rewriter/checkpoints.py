@@ -7,8 +7,10 @@ safetensors weights are read, and they must match the config exactly: every bad 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Sequence, Union
 
@@ -41,21 +43,18 @@ def load_hf_model(path: PathLike, dtype=None):
     read (a pickled ``pytorch_model.bin`` runs code when loaded)."""
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
     d = checkpoint_dir(path)
-    _read_config(d)
-    _check_safetensors(d)
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # its load report repeats what the error below says
-    try:
-        model, info = AutoModelForCausalLM.from_pretrained(
-            d, local_files_only=True, dtype=dtype, use_safetensors=True,
-            output_loading_info=True, ignore_mismatched_sizes=True)
-    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
-        # TypeError too: transformers builds the model from config.json's values as given
-        raise CheckpointError(f"{d}: cannot load the checkpoint ({_first_line(e)})") from e
-    finally:
-        hf_logging.set_verbosity(verbosity)
+    with _quiet():  # what transformers would log or warn about, the errors below say
+        _check_config(d)
+        _check_safetensors(d)
+        try:
+            model, info = AutoModelForCausalLM.from_pretrained(
+                d, local_files_only=True, dtype=dtype, use_safetensors=True,
+                output_loading_info=True, ignore_mismatched_sizes=True)
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as e:
+            # TypeError, RuntimeError: the model is built from config.json's values as given
+            # (a negative vocab_size fails inside torch)
+            raise CheckpointError(f"{d}: cannot load the checkpoint ({_first_line(e)})") from e
     _check_loading_info(d, info)
     return model.eval()
 
@@ -75,20 +74,41 @@ def load_tokenizer(path: PathLike):
 PICKLED = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 
 
-def _read_config(d: Path) -> dict:
-    """``config.json`` as a dict naming a model type ``transformers`` knows."""
-    from transformers import CONFIG_MAPPING
+@contextlib.contextmanager
+def _quiet():
+    """transformers' log (its load report, config remarks) and warnings silenced: the
+    checks here turn what matters into errors, and the CLI's stderr is one line."""
+    from transformers.utils import logging as hf_logging
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def _check_config(d: Path) -> None:
+    """``config.json`` as a ``transformers`` config: JSON, an object, a model type
+    ``transformers`` knows, and values its config class accepts."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import CONFIG_MAPPING, AutoConfig
     f = d / "config.json"
     try:
-        config = json.loads(f.read_text(encoding="utf-8"))
+        raw = json.loads(f.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{f}: not valid JSON ({e})") from e
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{f}: must hold a JSON object, got {type(config).__name__}")
-    kind = config.get("model_type")
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{f}: must hold a JSON object, got {type(raw).__name__}")
+    kind = raw.get("model_type")
     if not isinstance(kind, str) or kind not in CONFIG_MAPPING:
         raise CheckpointError(f"{f}: model_type {kind!r} is not a model type transformers knows")
-    return config
+    try:
+        AutoConfig.from_pretrained(d, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, StrictDataclassError) as e:
+        # AttributeError: a "dtype" that names no torch dtype is looked up with getattr
+        raise CheckpointError(f"{f}: not a valid {kind} config ({' '.join(str(e).split())})") from e
 
 
 def _check_safetensors(d: Path) -> None:

@@ -74,9 +74,10 @@ class GenerationSettings:
         """These settings with eos and pad resolved from the model ``config`` (a
         ``config.json`` dict) and every token id checked against its ``vocab_size``."""
         vocab = config.get("vocab_size")
-        eos = self.eos_token_id
+        eos, eos_name = self.eos_token_id, "eos_token_id"
         if eos is None:
-            eos = token_ids("eos_token_id (from the model config)", config.get("eos_token_id"))
+            eos_name = "eos_token_id (from the model config)"
+            eos = token_ids(eos_name, config.get("eos_token_id"))
         pad = self.pad_token_id
         if pad is None:
             pad = config.get("pad_token_id")
@@ -86,7 +87,7 @@ class GenerationSettings:
         if vocab is not None:
             for i in eos:
                 if i >= vocab:
-                    raise ValueError(f"eos_token_id {i} is outside the vocabulary [0, {vocab})")
+                    raise ValueError(f"{eos_name} {i} is outside the vocabulary [0, {vocab})")
         return replace(self, eos_token_id=eos, pad_token_id=pad)
 
     def generator(self, device) -> Optional[torch.Generator]:

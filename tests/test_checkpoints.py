@@ -149,6 +149,30 @@ def test_a_broken_config_json_is_refused_by_name(copy, text, reason):
     refused(copy, f"{f}: {reason}")
 
 
+@pytest.mark.parametrize("change,reason", [
+    (dict(num_hidden_layers="2"), "expected int, got str"),
+    (dict(max_position_embeddings=float("nan")), "expected int, got float (value: nan)"),
+    (dict(eos_token_id=True), "'eos_token_id' with value True"),
+    (dict(num_attention_heads=5), "not a multiple of the number of attention heads"),
+    (dict(dtype="float77"), "float77"),
+])
+def test_config_values_transformers_refuses_are_named(copy, change, reason):
+    edit_config(copy, **change)
+    refused(copy, f"{copy / 'config.json'}: not a valid llama config", reason)
+
+
+def test_a_config_whose_model_cannot_be_built_is_refused(copy):
+    edit_config(copy, vocab_size=-5)
+    refused(copy, f"{copy}: cannot load the checkpoint", "negative dimension")
+
+
+def test_an_eos_id_in_the_config_outside_the_vocabulary_is_named_at_generate(copy):
+    edit_config(copy, eos_token_id=9999)
+    opt = rewriter.from_pretrained(copy)
+    with pytest.raises(ValueError, match=r"eos_token_id \(from the model config\) 9999 is outside"):
+        opt.generate([[1, 2]], max_new_tokens=2)
+
+
 def test_a_config_of_a_model_that_is_not_a_causal_lm_is_refused(copy):
     (copy / "config.json").write_text(json.dumps({"model_type": "vit"}))
     refused(copy, f"{copy}: cannot load the checkpoint")

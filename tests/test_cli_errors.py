@@ -63,6 +63,8 @@ def paths(tmp_path_factory):
     broken("bad_tokenizer", lambda d: (d / "tokenizer.json").write_text("{not json"))
     broken("bad_config", lambda d: (d / "config.json").write_text("{not json"))
     broken("unknown_type", config(model_type="no-such-model"))
+    broken("bad_heads", config(num_attention_heads=5))
+    broken("negative_vocab", config(vocab_size=-5))
     p["artifact"] = root / "artifact"
     assert main(["optimize", str(good), "--out", str(p["artifact"])]) == 0
     p["corrupt_artifact"] = root / "corrupt_artifact"
@@ -93,6 +95,8 @@ BAD = [
     ("optimize {bad_tokenizer} --out {tmp}/o", "tokenizer.json: not a valid tokenizer file"),
     ("optimize {bad_config} --out {tmp}/o", "config.json: not valid JSON"),
     ("optimize {unknown_type} --out {tmp}/o", "model_type 'no-such-model'"),
+    ("optimize {bad_heads} --out {tmp}/o", "config.json: not a valid llama config"),
+    ("optimize {negative_vocab} --out {tmp}/o", "negative dimension"),
     # optimize: where it writes
     ("optimize {ckpt} --out {file}/o", "is a file, not a directory"),
     ("optimize {ckpt} --out {file}", "exists and is not a directory"),
@@ -220,6 +224,7 @@ def test_a_closed_stdout_ends_quietly(paths, command):
 def test_real_stderr_is_one_line(paths):
     """No log line from transformers, no warning, no progress bar around the error."""
     for argv in (["optimize", paths["more_layers"], "--out", paths["ckpt"].parent / "x"],
+                 ["run", paths["negative_vocab"], "--ids", "1"],  # transformers warns here
                  ["run", paths["ckpt"], "--ids", "1", "--top-k", "nan"]):
         r = cli(*argv)
         assert r.returncode == 2 and r.stdout == ""
