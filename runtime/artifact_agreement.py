@@ -39,8 +39,8 @@ def _check_dtypes(ir: IR, where) -> torch.dtype | None:
     floats = {name: t for name, t in weights.items() if t.is_floating_point()}
     for name, t in weights.items():
         if not t.is_floating_point() and t.dtype not in (torch.int64, torch.int32, torch.bool):
-            raise ArtifactError(f"{where.weights}: weight {name!r} is {t.dtype}, which no op "
-                                f"of {where.ir} reads")
+            raise ArtifactError(f"{where.weights}: weight {name!r} is {t.dtype}, a dtype no op "
+                                f"of {where.ir} takes")
     if not floats:
         return None
     dtype = max(floats.values(), key=torch.Tensor.numel).dtype

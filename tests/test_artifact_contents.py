@@ -348,11 +348,14 @@ def test_a_position_table_shorter_than_the_context_is_refused(tmp_path):
     ("model.layers.0.mlp.down_proj.weight", torch.float16),
     ("model.norm.weight", torch.bfloat16),
     ("model.embed_tokens.weight", torch.float64),
+    ("model.norm.weight", torch.int8),
+    ("lm_head.weight", torch.complex64),
 ])
 def test_weights_of_mixed_dtypes_are_refused(art, weight, dtype):
     edit_weights(art, lambda t: t.__setitem__(weight, t[weight].to(dtype)))
     refused(art, "weights.safetensors", rf"is {dtype} but the model is torch\.float32|"
-                                        rf"rw\.linear: x is torch\.\w+ but weight is torch\.\w+")
+                                        rf"rw\.linear: x is torch\.\w+ but weight is torch\.\w+|"
+                                        rf"is {dtype}, a dtype no op of .*ir\.json takes")
 
 
 def test_rope_frequencies_may_stay_float32_in_a_bf16_model(art):
@@ -402,6 +405,8 @@ def _deep(depth):
     (lambda d: node(d, "rms_norm").__setitem__("kwargs", {"\n eps": 1e-6}), r"keyed by identifiers"),
     # IndexError: an output with no value; a getitem past the end
     (lambda d: d["graph"][-1].__setitem__("args", []), r"output node takes one value"),
+    (lambda d: d["graph"][-1]["args"].append({"node": "linear"}), r"output node takes one value"),
+    (lambda d: d["graph"].insert(-1, node(d, "positions")), r"placeholders must come before"),
     (lambda d: node(d, "cos_1")["args"].__setitem__(1, 7), r"node cos_1: shapes do not propagate"),
     (lambda d: node(d, "cos_1")["args"].__setitem__(1, -2**63), r"node cos_1: shapes do not propagate"),
     # AttributeError / TypeError: a field of the wrong type

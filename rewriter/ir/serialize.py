@@ -5,11 +5,18 @@ A node is ``{"name", "op", "target", "args", "kwargs", "meta"}``. Targets are na
 ``torch.ops.aten``, accepted only if it is an ATen operator overload) or
 ``operator.<fn>`` from a short allow-list. ATen ops must be functional (no mutation) and
 tagged core or pointwise, or be one of ``EXTRA_ATEN`` (so no file-reading op such as
-``aten.from_file``). Anything else is refused by name, so loading an IR can only ever build
-a graph of known operators. Node names must be Python identifiers and weight paths dotted
-identifiers: torch.fx writes both into the Python source it generates for the graph, so an
-unchecked name would be code. Arguments are JSON values, node references
-``{"node": name}``, and tagged ``tuple``/``dtype``/``device``/``slice`` values.
+``aten.from_file``), and their output must be a function of their inputs: no
+uninitialised memory (``aten.empty*``), no random numbers, no side effects. Anything else
+is refused by name, so loading an IR can only ever build a graph of known operators.
+
+torch.fx writes node names, keyword names and weight paths into the Python source it
+generates and runs, so ``graph_from_data`` checks every field of every node before fx
+sees it: names are ASCII identifiers that shadow nothing the generated code uses
+(``self``, ``torch``, builtins), keyword names are identifiers, weight paths are dotted
+identifiers that name no attribute a module already has; one output, last, with one
+value; arguments nest at most ``MAX_DEPTH`` deep; rw ops' attributes pass the rules in
+``rewriter.ops``. Arguments are JSON values, node references ``{"node": name}``, and
+tagged ``tuple``/``dict``/``dtype``/``device``/``slice`` values.
 """
 from __future__ import annotations
 
@@ -169,8 +176,6 @@ def is_identifier(name) -> bool:
     return isinstance(name, str) and _IDENTIFIER.fullmatch(name) is not None \
         and not keyword.iskeyword(name)
 
-
-_is_identifier = is_identifier
 
 
 def check_weight_path(path, node: str = "weights") -> None:
