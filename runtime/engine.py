@@ -128,6 +128,13 @@ class Engine:
         if positions is None:
             b, s = input_ids.shape
             positions = torch.arange(s, device=input_ids.device).expand(b, s)
+        elif (not isinstance(positions, Tensor) or positions.shape != input_ids.shape
+              or positions.dtype not in (torch.int64, torch.int32)
+              or (positions.numel() and int(positions.min()) < 0)):
+            shown = (f"{positions.dtype} {list(positions.shape)}" if isinstance(positions, Tensor)
+                     else type(positions).__name__)
+            raise ValueError(f"positions must be a non-negative integer tensor shaped like "
+                             f"input_ids {list(input_ids.shape)}, got {shown}")
         with torch.no_grad():
             return self.ir.gm(input_ids, positions)
 

@@ -153,6 +153,13 @@ def test_bad_attention_masks_are_refused_by_name(opt, mask, message):
         opt.generate(IDS, attention_mask=mask, max_new_tokens=2)
 
 
+@pytest.mark.parametrize("positions", [
+    torch.tensor([[0.0, 1.0, 2.0]]), torch.tensor([[0, 1]]), torch.tensor([[0, -1, 2]]), [[0, 1, 2]]])
+def test_bad_positions_for_the_reference_call_are_refused_by_name(opt, positions):
+    with pytest.raises(ValueError, match="positions must be a non-negative integer tensor"):
+        opt(torch.tensor([[1, 2, 3]]), positions)
+
+
 def test_a_mask_with_list_prompts_is_refused_not_ignored(opt):
     with pytest.raises(ValueError, match="attention_mask goes with a .* tensor"):
         opt.generate([[1, 2, 3]], attention_mask=torch.tensor([[0, 1, 1]]), max_new_tokens=2)
