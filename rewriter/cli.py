@@ -70,8 +70,10 @@ def _os_error_text(e: OSError) -> str:
 def _closed_stdout() -> int:
     """The reader of stdout went away (``| head``): stop quietly, as ``cat`` does. Later
     writes (the interpreter's own flush at exit) go to devnull, not into a traceback."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is no file (main() called with it replaced)
+        pass
     return 2
 
 

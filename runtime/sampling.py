@@ -34,7 +34,8 @@ def warp(logits: Tensor, s: GenerationSettings) -> Tensor:
     return logits
 
 
-def next_token(logits: Tensor, s: GenerationSettings, generator: Optional[torch.Generator]) -> Tensor:
+def next_token(logits: Tensor, s: GenerationSettings,
+               generator: Optional[torch.Generator]) -> Tensor:
     """The chosen token of every row, ``[B]`` int64, from last-position logits ``[B, V]``."""
     if not s.do_sample:
         return logits.argmax(-1)

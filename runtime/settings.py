@@ -1,7 +1,7 @@
 """``GenerationSettings``: every generation parameter, checked in one place.
 
     s = GenerationSettings(max_new_tokens=64, do_sample=True, temperature=0.8, top_k=50)
-    s = s.for_model(engine.config)   # eos/pad filled from the config, ids checked against its vocabulary
+    s = s.for_model(engine.config)  # eos/pad from the config, ids checked against its vocabulary
 
 ``Engine.generate`` and ``Engine.stream`` build one from their keyword arguments and hand
 that one object to the decode loop and the sampler; strategies built on the loop take it
