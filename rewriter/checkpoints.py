@@ -167,8 +167,9 @@ def from_pretrained(path: PathLike, passes: Sequence = (), **optimize_kwargs):
     """``optimize`` the checkpoint in ``path`` (a directory, or ``"default"``) with
     ``passes``; the result carries the checkpoint's tokenizer, if it has one."""
     from .optimized import optimize
+    tokenizer = load_tokenizer(path)  # a broken file fails before the trace, not after
     opt = optimize(load_hf_model(path), passes, **optimize_kwargs)
-    opt.tokenizer = load_tokenizer(path)
+    opt.tokenizer = tokenizer
     return opt
 
 
