@@ -32,8 +32,10 @@ _IDENTITY = {aten.alias.default, aten.dropout.default, aten.clone.default}
 _TO = {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default}
 _RMS_OPS = {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.pow.Tensor_Scalar,
             aten.mean.dim, aten.add.Tensor, aten.add.Scalar, aten.rsqrt.default, aten.mul.Tensor}
-_ATTN_CHILDREN = ({"q_proj", "k_proj", "v_proj", "o_proj"},
-                  {"c_attn", "c_proj", "attn_dropout", "resid_dropout"})
+_ATTN_CHILDREN = ({"q_proj", "k_proj", "v_proj", "o_proj"},  # Llama, Qwen2, Mistral
+                  {"q_proj", "k_proj", "v_proj", "dense"},  # Phi
+                  {"c_attn", "c_proj", "attn_dropout", "resid_dropout"},  # GPT-2
+                  {"query_key_value", "dense"})  # GPT-NeoX
 
 
 class Lifter:
@@ -287,22 +289,44 @@ class Lifter:
         return self.split_fused_qkv(scope, mod, reg)
 
     def split_fused_qkv(self, scope: str, mod: nn.Module, reg: Region):
-        """GPT-2's ``c_attn`` computes q, k, v in one GEMM: split it into three linears."""
-        fused = [n for n in reg.inputs if n.target == rw.linear.default
-                 and scope_of(n, self.prefix)[0] == f"{scope}.c_attn"]
-        size = getattr(mod, "split_size", None)
-        if len(fused) != 1 or size is None:
+        """One GEMM computes q, k and v: split it into three linears. GPT-2's ``c_attn``
+        lays its output out as ``[all q | all k | all v]``; GPT-NeoX's ``query_key_value``
+        per head, ``[q_h | k_h | v_h]`` for each head ``h`` (it views the output as
+        ``[B, S, H, 3 * D]`` and chunks the last dimension in three)."""
+        fused = [n for n in reg.inputs if n.target == rw.linear.default and scope_of(n, self.prefix)[0]
+                 in (f"{scope}.c_attn", f"{scope}.query_key_value")]
+        if len(fused) != 1:
             return None
         (node,) = fused
+        rows = self.qkv_rows(scope, mod, reg, node)
+        if rows is None:
+            return None
         x, weight, bias = node.args
         w, b = self.tensor(weight), self.tensor(bias) if bias is not None else None
         out = []
-        for i, name in enumerate(("q_proj", "k_proj", "v_proj")):
-            rows = slice(i * size, (i + 1) * size)
-            wi = self.weight(f"{scope}.{name}.weight", w[rows].contiguous())  # [H, H]
-            bi = self.weight(f"{scope}.{name}.bias", b[rows].contiguous()) if b is not None else None
+        for name, r in zip(("q_proj", "k_proj", "v_proj"), rows):
+            wi = self.weight(f"{scope}.{name}.weight", w[r].contiguous())  # [H*D, hidden]
+            bi = self.weight(f"{scope}.{name}.bias", b[r].contiguous()) if b is not None else None
             out.append(self.insert_before(node, rw.linear, (x, wi, bi), node))
         return tuple(out)
+
+    def qkv_rows(self, scope: str, mod: nn.Module, reg: Region, fused: fx.Node):
+        """Row indices of q, k and v in the fused weight, or None if the layout is unknown."""
+        out_features = self.tensor(fused.args[1]).shape[0]
+        if scope_of(fused, self.prefix)[0].endswith(".c_attn"):
+            size = getattr(mod, "split_size", None)
+            if size is None or 3 * size != out_features:
+                return None
+            return tuple(torch.arange(3 * size).view(3, size))  # [all q | all k | all v]
+        heads = self.root.config.num_attention_heads
+        head_dim = out_features // (3 * heads)
+        per_head = [n for n in reg.nodes if n.target in (aten.view.default, aten.reshape.default)
+                    and n.args[0] is fused and n.args[1][-1] == 3 * head_dim]
+        chunks = [n for n in reg.nodes if n.target == aten.chunk.default and n.args[1:] == (3, -1)]
+        if 3 * heads * head_dim != out_features or len(per_head) != 1 or len(chunks) != 1:
+            return None
+        index = torch.arange(out_features).view(heads, 3, head_dim)  # [H, (q, k, v), D]
+        return tuple(index[:, i].reshape(-1) for i in range(3))
 
     # -- helpers ------------------------------------------------------------------------
     def layer_index(self, scope: str) -> int:

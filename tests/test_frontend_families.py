@@ -1,0 +1,154 @@
+"""GPT-NeoX and Phi are lifted like the other families and proven the same way: the IR's
+logits equal Hugging Face's, and greedy ``generate`` over the KV cache gives Hugging Face's
+tokens (several prompts, a padded batch, LayerSkip, the fusion passes).
+
+What is new in them: GPT-NeoX fuses q, k, v into one ``query_key_value`` GEMM laid out per
+head (``[q_h | k_h | v_h]`` for each head), both rotate only part of each head
+(``rotary_pct``, ``partial_rotary_factor``: ``rw.rope`` rotates the first ``cos.shape[-1]``
+features), and both run attention and MLP in parallel from the layer input (GPT-NeoX's
+``use_parallel_residual``, Phi always), which still leaves one residual value in and one
+out of every layer.
+"""
+import copy
+
+import pytest
+import torch
+import transformers as T
+
+import rewriter
+from rewriter.passes import FuseQKV, FuseRoPE, LayerSkip
+
+from conftest import SHAPES, assert_close_rel, hf_logits
+from conftest import hf_greedy as _hf_greedy
+
+NEW = 20
+FAMILIES = {
+    "neox-parallel-3l": (T.GPTNeoXForCausalLM, T.GPTNeoXConfig, dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, max_position_embeddings=128, rotary_pct=0.25,
+        initializer_range=0.3)),
+    "neox-sequential-2l": (T.GPTNeoXForCausalLM, T.GPTNeoXConfig, dict(
+        vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=128, rotary_pct=0.5,
+        use_parallel_residual=False, attention_bias=False)),
+    "phi-3l": (T.PhiForCausalLM, T.PhiConfig, dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, max_position_embeddings=128, partial_rotary_factor=0.5)),
+    "phi-gqa-2l": (T.PhiForCausalLM, T.PhiConfig, dict(
+        vocab_size=100, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        partial_rotary_factor=0.4)),
+}
+
+
+def make(name, **overrides):
+    cls, config_cls, kwargs = FAMILIES[name]
+    torch.manual_seed(0)
+    # initializer_range 0.2 (or more): weights large enough that greedy continuations vary
+    return cls(config_cls(**{"initializer_range": 0.2, **kwargs, **overrides})).eval()
+
+
+@pytest.fixture(scope="module")
+def lifted():
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            model = make(name)
+            cache[name] = (model, rewriter.optimize(model))
+        return cache[name]
+    return get
+
+
+def hf_greedy(model, ids, new_tokens):
+    """HF greedy tokens; the explicit mask keeps HF from reading token 0 (its pad id
+    here) inside a prompt as padding."""
+    return _hf_greedy(model, ids, new_tokens, attention_mask=torch.ones_like(ids))
+
+
+def prompt(length, seed, vocab):
+    return torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def without_layers(model, skip):
+    """The Hugging Face model with ``skip`` layers deleted."""
+    m = copy.deepcopy(model)
+    body = m.gpt_neox if hasattr(m, "gpt_neox") else m.model
+    kept = [layer for i, layer in enumerate(body.layers) if i not in skip]
+    body.layers = torch.nn.ModuleList(kept)
+    for i, layer in enumerate(kept):
+        for mod in layer.modules():
+            if hasattr(mod, "layer_idx"):
+                mod.layer_idx = i
+    m.config.num_hidden_layers = len(kept)
+    return m
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_every_layer_is_lifted(lifted, name):
+    model, opt = lifted(name)
+    layers = model.config.num_hidden_layers
+    counts = opt.ir.op_counts()
+    assert counts["rw.attention"] == layers and counts["rw.rope"] == 2 * layers
+    assert not any(op.startswith("aten.") and op != "aten.add" for op in counts), counts
+    assert opt.ir.info["lift_report"] == []
+    assert opt.ir.info["unlifted_attention"] == [] and opt.ir.info["unlifted_embeddings"] == []
+    assert [s["index"] for s in opt.ir.layers] == list(range(layers))
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_logits_equal_hugging_face(lifted, name):
+    model, opt = lifted(name)
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    for b, s in SHAPES:
+        ids = torch.randint(0, vocab, (b, s), generator=gen)
+        assert_close_rel(opt(ids), hf_logits(model, ids))
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_explicit_positions_mean_hf_position_ids(lifted, name):
+    model, opt = lifted(name)
+    ids, pos = prompt(6, 2, model.config.vocab_size).expand(2, 6), torch.arange(3, 9).expand(2, 6)
+    with torch.no_grad():
+        ref = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    assert_close_rel(opt(ids, positions=pos), ref)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_greedy_equals_hugging_face(lifted, name):
+    model, opt = lifted(name)
+    for length, seed in ((9, 1), (4, 2), (15, 3)):
+        ids = prompt(length, seed, model.config.vocab_size)
+        ours = opt.generate(ids, max_new_tokens=NEW, eos_token_id=[])
+        assert len(set(ours[0, length:].tolist())) > 4, "degenerate continuation proves little"
+        assert torch.equal(ours, hf_greedy(model, ids, NEW)), f"prompt of {length}"
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_padded_batch_rows_equal_hugging_face_rows_alone(lifted, name):
+    model, opt = lifted(name)
+    rows = [prompt(n, n, model.config.vocab_size)[0].tolist() for n in (3, 11, 7)]
+    out = opt.generate(rows, max_new_tokens=NEW, eos_token_id=[])  # left-padded to 11
+    for b, row in enumerate(rows):
+        alone = hf_greedy(model, torch.tensor([row]), NEW)[0, len(row):]
+        assert torch.equal(out[b, 11:], alone), f"row {b} ({len(row)} tokens)"
+
+
+@pytest.mark.parametrize("name", ["neox-parallel-3l", "phi-3l"])
+def test_layer_skip_generates_like_the_layer_deleted_model(name):
+    model = make(name)
+    opt = rewriter.optimize(model, passes=[LayerSkip(layers=[1])])
+    ids = prompt(7, 1, model.config.vocab_size)
+    theirs = hf_greedy(without_layers(model, {1}), ids, NEW)
+    assert torch.equal(opt.generate(ids, max_new_tokens=NEW, eos_token_id=[]), theirs)
+
+
+@pytest.mark.parametrize("name", ["neox-parallel-3l", "phi-gqa-2l"])
+def test_fused_qkv_and_rope_generate_the_same_tokens(name):
+    model = make(name)
+    opt = rewriter.optimize(model, passes=[FuseQKV(), FuseRoPE()])
+    assert opt.ir.op_counts().get("rw.rope") is None  # rotation moved into attention
+    ids = prompt(9, 1, model.config.vocab_size)
+    assert torch.equal(opt.generate(ids, max_new_tokens=NEW, eos_token_id=[]),
+                       hf_greedy(model, ids, NEW))
