@@ -44,6 +44,16 @@ IR_KEYS = {"graph", "weights", "info"}
 def ir_from_data(ir_data, weights: dict[str, torch.Tensor], manifest: dict, where: Paths) -> IR:
     """The IR that ``ir_data`` (parsed ``ir.json``) describes over ``weights`` (the
     weights file's tensors by stored name), checked against ``manifest``."""
+    try:
+        return _ir_from_data(ir_data, weights, manifest, where)
+    except ArtifactError:
+        raise
+    except Exception as e:  # a safety net behind the checks: none known to reach it
+        raise ArtifactError(f"{where.ir}: cannot be read ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''})") from e
+
+
+def _ir_from_data(ir_data, weights: dict, manifest: dict, where: Paths) -> IR:
     if not isinstance(ir_data, dict) or set(ir_data) != IR_KEYS:
         keys = sorted(ir_data) if isinstance(ir_data, dict) else type(ir_data).__name__
         raise ArtifactError(f"{where.ir}: must hold exactly {sorted(IR_KEYS)}, got {keys}")

@@ -433,3 +433,10 @@ def test_json_nested_past_the_parsers_limit_is_refused(art, text):
     artifact_files(art)["ir.json"].write_text(text)
     reseal(art)
     refused(art, "ir.json", r".")
+
+
+def test_an_unforeseen_failure_is_still_an_artifact_error_naming_the_file(art, monkeypatch):
+    """The checks above leave nothing known to the safety net behind them; this shows it."""
+    import rewriter.runtime.artifact_ir as artifact_ir
+    monkeypatch.setattr(artifact_ir, "layer_spans", lambda gm: {}["boom"])
+    refused(art, "ir.json", r"cannot be read \(KeyError: 'boom'\)")
