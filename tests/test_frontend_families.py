@@ -1,13 +1,14 @@
-"""GPT-NeoX and Phi are lifted like the other families and proven the same way: the IR's
-logits equal Hugging Face's, and greedy ``generate`` over the KV cache gives Hugging Face's
-tokens (several prompts, a padded batch, LayerSkip, the fusion passes).
+"""GPT-NeoX, Phi and OPT are lifted like the other families and proven the same way: the
+IR's logits equal Hugging Face's, and greedy ``generate`` over the KV cache gives Hugging
+Face's tokens (several prompts, a padded batch, LayerSkip, the fusion passes).
 
 What is new in them: GPT-NeoX fuses q, k, v into one ``query_key_value`` GEMM laid out per
-head (``[q_h | k_h | v_h]`` for each head), both rotate only part of each head
+head (``[q_h | k_h | v_h]`` for each head); GPT-NeoX and Phi rotate only part of each head
 (``rotary_pct``, ``partial_rotary_factor``: ``rw.rope`` rotates the first ``cos.shape[-1]``
-features), and both run attention and MLP in parallel from the layer input (GPT-NeoX's
+features) and run attention and MLP in parallel from the layer input (GPT-NeoX's
 ``use_parallel_residual``, Phi always), which still leaves one residual value in and one
-out of every layer.
+out of every layer; OPT scales q before attention (folded into the attention scale) and
+looks its learned positions up at ``position + 2``.
 """
 import copy
 
@@ -16,6 +17,7 @@ import torch
 import transformers as T
 
 import rewriter
+from rewriter.ir.cacheable import uncacheable
 from rewriter.passes import FuseQKV, FuseRoPE, LayerSkip
 
 from conftest import SHAPES, assert_close_rel, hf_logits
@@ -38,13 +40,20 @@ FAMILIES = {
         vocab_size=100, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
         partial_rotary_factor=0.4)),
+    "opt-2l": (T.OPTForCausalLM, T.OPTConfig, dict(
+        vocab_size=128, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=128, word_embed_proj_dim=64)),
+    "opt-proj-postnorm-3l": (T.OPTForCausalLM, T.OPTConfig, dict(  # OPT-350m's shape
+        vocab_size=128, hidden_size=64, ffn_dim=96, num_hidden_layers=3,
+        num_attention_heads=4, max_position_embeddings=128, word_embed_proj_dim=32,
+        do_layer_norm_before=False, initializer_range=0.05)),
 }
 
 
 def make(name, **overrides):
     cls, config_cls, kwargs = FAMILIES[name]
     torch.manual_seed(0)
-    # initializer_range 0.2 (or more): weights large enough that greedy continuations vary
+    # initializer_range 0.2 (unless a config says otherwise): greedy continuations vary
     return cls(config_cls(**{"initializer_range": 0.2, **kwargs, **overrides})).eval()
 
 
@@ -74,6 +83,7 @@ def without_layers(model, skip):
     """The Hugging Face model with ``skip`` layers deleted."""
     m = copy.deepcopy(model)
     body = m.gpt_neox if hasattr(m, "gpt_neox") else m.model
+    body = body.decoder if hasattr(body, "decoder") else body  # OPT
     kept = [layer for i, layer in enumerate(body.layers) if i not in skip]
     body.layers = torch.nn.ModuleList(kept)
     for i, layer in enumerate(kept):
@@ -89,8 +99,9 @@ def test_every_layer_is_lifted(lifted, name):
     model, opt = lifted(name)
     layers = model.config.num_hidden_layers
     counts = opt.ir.op_counts()
-    assert counts["rw.attention"] == layers and counts["rw.rope"] == 2 * layers
-    assert not any(op.startswith("aten.") and op != "aten.add" for op in counts), counts
+    assert counts["rw.attention"] == layers
+    assert counts.get("rw.rope") == (None if name.startswith("opt") else 2 * layers)
+    assert "aten.scaled_dot_product_attention" not in counts and uncacheable(opt.ir.gm) == []
     assert opt.ir.info["lift_report"] == []
     assert opt.ir.info["unlifted_attention"] == [] and opt.ir.info["unlifted_embeddings"] == []
     assert [s["index"] for s in opt.ir.layers] == list(range(layers))
@@ -135,7 +146,18 @@ def test_padded_batch_rows_equal_hugging_face_rows_alone(lifted, name):
         assert torch.equal(out[b, 11:], alone), f"row {b} ({len(row)} tokens)"
 
 
-@pytest.mark.parametrize("name", ["neox-parallel-3l", "phi-3l"])
+def test_opt_learned_positions_are_read_with_their_offset(lifted):
+    """OPT's ``OPTLearnedPositionalEmbedding`` looks up ``position + 2``: the IR reads
+    ``positions + 2`` (explicit positions then mean HF ``position_ids``, tested above)."""
+    _, opt = lifted("opt-2l")
+    (emb,) = [n for n in opt.ir.ops() if n.target == torch.ops.rw.embedding.default
+              and n.args[1].target == "model.decoder.embed_positions.weight"]
+    index = emb.args[0]
+    assert index.target == torch.ops.aten.add.Tensor
+    assert index.args == (opt.ir.node("positions"), 2)
+
+
+@pytest.mark.parametrize("name", ["neox-parallel-3l", "phi-3l", "opt-proj-postnorm-3l"])
 def test_layer_skip_generates_like_the_layer_deleted_model(name):
     model = make(name)
     opt = rewriter.optimize(model, passes=[LayerSkip(layers=[1])])

@@ -22,18 +22,14 @@ from conftest import SHAPES, assert_close_rel, hf_greedy, hf_logits, make_model
 aten, rw = torch.ops.aten, torch.ops.rw
 
 # Tiny seeded configs of families (or variants) whose attention the frontend does not lift.
-# GPT-NeoX and plain Phi are lifted (tests/test_frontend_families.py); Phi with a LayerNorm
-# on q and k is not.
+# GPT-NeoX, OPT and plain Phi are lifted (tests/test_frontend_families.py); Phi with a
+# LayerNorm on q and k is not.
 UNLIFTED = {
     "phi-qk-layernorm": (T.PhiForCausalLM, T.PhiConfig, dict(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, max_position_embeddings=128, partial_rotary_factor=0.5,
         qk_layernorm=True),
         ["model.layers.0.self_attn", "model.layers.1.self_attn"]),
-    "opt": (T.OPTForCausalLM, T.OPTConfig, dict(
-        vocab_size=128, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=128, word_embed_proj_dim=64),
-        ["model.decoder.layers.0.self_attn", "model.decoder.layers.1.self_attn"]),
     "bert": (T.BertLMHeadModel, T.BertConfig, dict(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, max_position_embeddings=128, is_decoder=True),
@@ -93,20 +89,6 @@ def test_unlifted_family_is_refused_by_generate_naming_its_attention(unlifted, f
     refused(opt, *modules)
     assert opt.ir.info["unlifted_attention"] == modules
     assert opt(ids_of(1, 5)).shape == (1, 5, 128)  # the refusal leaves logits working
-
-
-def test_opt_learned_positions_are_read_with_their_offset(unlifted):
-    """OPT's ``OPTLearnedPositionalEmbedding`` looks up ``position + 2``: the IR reads
-    ``positions + 2``, so explicit positions mean what HF ``position_ids`` mean."""
-    model, opt = unlifted("opt")
-    (emb,) = [n for n in opt.ir.ops() if n.target == rw.embedding.default
-              and n.args[1].target == "model.decoder.embed_positions.weight"]
-    index = emb.args[0]
-    assert index.target == aten.add.Tensor and index.args == (opt.ir.node("positions"), 2)
-    ids, pos = ids_of(2, 6), torch.arange(3, 9).expand(2, 6)
-    with torch.no_grad():
-        ref = model(input_ids=ids, position_ids=pos, use_cache=False).logits
-    assert_close_rel(opt(ids, positions=pos), ref)
 
 
 def test_bert_token_types_are_not_read_as_positions(unlifted):
@@ -276,3 +258,21 @@ def test_position_embedding_with_a_constant_offset_generates_like_hugging_face()
     assert len(set(ours[0, 9:].tolist())) > 4
     assert torch.equal(ours, hf_greedy(model, ids, 16))
     assert opt.ir.info["unlifted_embeddings"] == []
+
+
+def test_attention_with_arithmetic_the_lifter_does_not_know_is_left_as_aten(monkeypatch):
+    """Llama whose RoPE also scales k: rw.attention would drop that multiplication, so the
+    lifter leaves the attention as ATen (right logits) and generate is refused."""
+    llama = T.models.llama.modeling_llama
+    rotate = llama.apply_rotary_pos_emb
+
+    def rotate_and_scale_k(q, k, cos, sin, *args, **kwargs):
+        q, k = rotate(q, k, cos, sin, *args, **kwargs)
+        return q, k * 1.5
+    monkeypatch.setattr(llama, "apply_rotary_pos_emb", rotate_and_scale_k)
+    model = make_model("llama-gqa-3l")
+    opt = rewriter.optimize(model)
+    layers = [f"model.layers.{i}.self_attn" for i in range(3)]
+    assert_close_rel(opt(ids_of(2, 7)), hf_logits(model, ids_of(2, 7)))
+    refused(opt, *layers)
+    assert "arithmetic" in opt.ir.info["lift_report"][0]

@@ -34,6 +34,7 @@ _RMS_OPS = {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.pow
             aten.mean.dim, aten.add.Tensor, aten.add.Scalar, aten.rsqrt.default, aten.mul.Tensor}
 _ATTN_CHILDREN = ({"q_proj", "k_proj", "v_proj", "o_proj"},  # Llama, Qwen2, Mistral
                   {"q_proj", "k_proj", "v_proj", "dense"},  # Phi
+                  {"q_proj", "k_proj", "v_proj", "out_proj"},  # OPT
                   {"c_attn", "c_proj", "attn_dropout", "resid_dropout"},  # GPT-2
                   {"query_key_value", "dense"})  # GPT-NeoX
 
@@ -247,14 +248,20 @@ class Lifter:
         for extra in reg.inputs:
             if extra not in known and not _is_mask(extra):
                 return self.skip(scope, f"attention reads an unexpected input {extra.name}")
-        return self.replace(reg, rw.attention, self.attention_args(scope, mod, sdpa[0], qkv, uses_rope))
+        q_scale = _query_scaling(reg, qkv[0])
+        why = _unexpected_math(reg, uses_rope, q_scale is not None)
+        if why:
+            return self.skip(scope, why)
+        args = self.attention_args(scope, mod, sdpa[0], qkv, uses_rope, q_scale or 1.0)
+        return self.replace(reg, rw.attention, args)
 
-    def attention_args(self, scope, mod, sdpa, qkv, uses_rope) -> tuple:
+    def attention_args(self, scope, mod, sdpa, qkv, uses_rope, q_scale: float) -> tuple:
         config = self.root.config
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(mod, "head_dim", None) or config.hidden_size // heads
-        scale = sdpa.kwargs.get("scale") or ops.default_scale(head_dim)
+        # OPT scales q before SDPA (whose own scale is then 1): one scale for both.
+        scale = (sdpa.kwargs.get("scale") or ops.default_scale(head_dim)) * q_scale
         q, k, v = qkv
         if uses_rope:
             q, k = (self.insert_before(sdpa, rw.rope, (x, self.cos, self.sin, head_dim), x)
@@ -389,6 +396,41 @@ def _same_meta(a: fx.Node, b) -> bool:
     va, vb = a.meta.get("val"), getattr(b, "meta", {}).get("val")
     return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)
             and va.dtype == vb.dtype and va.device == vb.device)
+
+
+# The arithmetic an attention region may hold besides layout ops and SDPA: RoPE's
+# x * cos + rotate_half(x) * sin on q and k (rotate_half negates), and OPT's q scaling.
+_ROPE_MATH = {aten.mul.Tensor: 4, aten.add.Tensor: 2, aten.neg.default: 2}
+_LAYOUT = {aten.view.default, aten.reshape.default, aten.transpose.int, aten.contiguous.default,
+           aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor,
+           aten.cat.default, aten.unsqueeze.default, aten.expand.default, operator.getitem,
+           aten.scaled_dot_product_attention.default}
+
+
+def _query_scaling(reg: Region, q: fx.Node) -> float | None:
+    """``c`` when the region computes ``q * c`` (a constant) and uses q only so."""
+    users = [u for u in q.users if u in reg.nodes]
+    if len(users) == 1 and users[0].target == aten.mul.Tensor and users[0].args[0] is q \
+            and isinstance(users[0].args[1], float):
+        return users[0].args[1]
+    return None
+
+
+def _unexpected_math(reg: Region, uses_rope: bool, q_scaled: bool) -> str | None:
+    """Why the region computes more than attention (a reason), or None: the lifter drops
+    every op of the region, so any arithmetic it does not account for would be lost."""
+    expected = {op: (n if uses_rope else 0) for op, n in _ROPE_MATH.items()}
+    expected[aten.mul.Tensor] += int(q_scaled)
+    found = {op: 0 for op in expected}
+    for n in reg.nodes:
+        if n.target in found:
+            found[n.target] += 1
+        elif n.target not in _LAYOUT:
+            return f"attention computes {n.name} ({n.target}), which rw.attention would drop"
+    if found != expected:
+        counts = ", ".join(f"{k.__name__}: {v}" for k, v in found.items())
+        return f"attention region's arithmetic ({counts}) is not RoPE's"
+    return None
 
 
 def _rank(node: fx.Node) -> int | None:
