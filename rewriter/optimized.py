@@ -13,6 +13,7 @@ from .ir.core import IR
 from .ir.dump import Dumper
 from .ir.verify import verify
 from .pass_manager import Pass, run_pipeline
+from .runtime.chat import split_tokenizer
 from .runtime.engine import Engine, check_token_ids  # noqa: F401 (re-exported)
 
 BACKENDS = ("torch", "triton")
@@ -46,12 +47,15 @@ class OptimizedModel(Engine):
 
 def optimize(model: nn.Module, passes: Sequence[Pass] = (), backend: str = "torch",
              check: bool = True, dump: str | os.PathLike | None = None,
-             example_inputs: tuple | None = None, progress: bool = False) -> OptimizedModel:
+             example_inputs: tuple | None = None, progress: bool = False,
+             tokenizer=None) -> OptimizedModel:
     """Trace ``model``, lift it into the canonical IR, and run ``passes`` in order.
 
     ``check`` verifies the IR after every pass; ``dump`` (or ``$REWRITER_DUMP``) writes the
     IR after every pass into a directory. ``example_inputs`` is needed only for modules that
     are not Hugging Face causal LMs. ``progress`` shows a progress bar (trace, then each pass).
+    ``tokenizer`` (a fast Hugging Face tokenizer or a ``tokenizers.Tokenizer``) is kept with
+    the result, its chat template too, and saved with it.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
@@ -62,6 +66,7 @@ def optimize(model: nn.Module, passes: Sequence[Pass] = (), backend: str = "torc
         if reason is not None:
             raise ValueError(reason)
     passes = list(passes)
+    split_tokenizer(tokenizer)  # a tokenizer of the wrong kind fails now, before the trace
     bar = _progress(progress, 1 + len(passes))
     ir = build_ir(model, example_inputs)
     if check:
@@ -76,7 +81,7 @@ def optimize(model: nn.Module, passes: Sequence[Pass] = (), backend: str = "torc
         history = run_pipeline(ir, passes, check=check, on_step=on_step)
     finally:
         bar.close()
-    opt = OptimizedModel(ir, passes, history, backend, snapshots)
+    opt = OptimizedModel(ir, passes, history, backend, snapshots, tokenizer)
     dump = dump or os.environ.get("REWRITER_DUMP")
     if dump:
         opt.dump(dump)

@@ -8,6 +8,7 @@
         ir.json                the IR as data (``rewriter.ir.serialize``) and the IR's info
         weights.safetensors    every weight once (tied weights are stored once and aliased)
         tokenizer.json         the tokenizer, when there is one
+        tokenizer_config.json  beside it: the chat template and the special tokens' text
         kernels/*.py           generated Triton kernels (Triton backend), for reading and,
                                with ``load(..., trust_code=True)``, for running as stored
 
@@ -47,7 +48,8 @@ import torch
 from rewriter import safe_files
 from rewriter.errors import ArtifactError
 from rewriter.runtime.artifact_dir import (
-    FORMAT, IR_FILE, KERNELS_DIR, MANIFEST, POINTER, TOKENIZER_FILE, VERSION_DIR, WEIGHTS_FILE,
+    FORMAT, IR_FILE, KERNELS_DIR, MANIFEST, POINTER, TEXT_FILE, TOKENIZER_FILE, VERSION_DIR,
+    WEIGHTS_FILE,
     Target, is_artifact)
 
 FORMAT_VERSION = 2
@@ -110,6 +112,7 @@ def _serialize(engine) -> dict[str, bytes]:
     tokenizer = _tokenizer_json(engine.tokenizer)
     if tokenizer is not None:
         files[TOKENIZER_FILE] = tokenizer.encode()
+        files[TEXT_FILE] = _json_bytes(engine.text.to_json())
     for name, source in sorted(engine.kernel_sources().items()):
         if "/" not in name:  # templates/ are the package's own modules, not generated code
             if not safe_files.is_plain_name(name) or name.startswith("."):
@@ -241,6 +244,9 @@ def load(directory, trust_code: bool = False, backend: Optional[str] = None):
             raise ArtifactError(f"{d / MANIFEST}: tokenizer must be the listed {TOKENIZER_FILE}, "
                                 f"got {manifest['tokenizer']!r}")
         tokenizer = _read_tokenizer(d / TOKENIZER_FILE)
+    text = _read_text_config(d / TEXT_FILE) if TEXT_FILE in manifest["files"] else None
+    if text is not None and tokenizer is None:
+        raise ArtifactError(f"{d / MANIFEST}: lists {TEXT_FILE} but no tokenizer")
     backend = backend or manifest["backend"]
     stored_kernels = {n.split("/", 1)[1].removesuffix(".py"): _read_text(d / n)
                       for n in manifest["files"] if n.startswith(KERNELS_DIR + "/")}
@@ -251,7 +257,7 @@ def load(directory, trust_code: bool = False, backend: Optional[str] = None):
             raise ValueError(f"{d}: saved for {reason}; load(..., backend='torch') runs it anyway")
     elif backend != "torch":
         raise ArtifactError(f"{d / MANIFEST}: unknown backend {backend!r}")
-    engine = Engine(ir, tokenizer, manifest["passes"], backend)
+    engine = Engine(ir, tokenizer, manifest["passes"], backend, text)
     if trust_code:
         engine.trusted_kernels = stored_kernels
     return engine
@@ -442,6 +448,16 @@ def _read_tokenizer(path: Path):
         return Tokenizer.from_file(str(path))
     except Exception as e:
         raise ArtifactError(f"{path}: unreadable tokenizer ({e})") from e
+
+
+def _read_text_config(path: Path):
+    """The chat template and special tokens (``runtime.chat.TextConfig``); the template is
+    data: it is rendered in Jinja's sandbox, never run as Python."""
+    from .chat import TextConfig
+    try:
+        return TextConfig.from_json(_read_json(path), str(path))
+    except ValueError as e:
+        raise ArtifactError(str(e)) from e
 
 
 # ---------------------------------------------------------------------------- helpers

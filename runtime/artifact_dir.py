@@ -28,10 +28,10 @@ from rewriter.errors import ArtifactError
 
 FORMAT = "rewriter-artifact"
 POINTER, MANIFEST = "artifact.json", "manifest.json"
-IR_FILE, WEIGHTS_FILE, TOKENIZER_FILE, KERNELS_DIR = (
-    "ir.json", "weights.safetensors", "tokenizer.json", "kernels")
+IR_FILE, WEIGHTS_FILE, TOKENIZER_FILE, TEXT_FILE, KERNELS_DIR = (
+    "ir.json", "weights.safetensors", "tokenizer.json", "tokenizer_config.json", "kernels")
 VERSION_DIR = re.compile(r"v-[0-9a-f]{16}")
-FILE_NAMES = {MANIFEST, IR_FILE, WEIGHTS_FILE, TOKENIZER_FILE, KERNELS_DIR}
+FILE_NAMES = {MANIFEST, IR_FILE, WEIGHTS_FILE, TOKENIZER_FILE, TEXT_FILE, KERNELS_DIR}
 # Hidden siblings the format-1 save left behind: tempfile.mkdtemp's 8 characters, or a pid.
 _OLD_SIBLING = r"\.{name}\.(saving-[a-z0-9_]{{8}}|old-[0-9]+)"
 

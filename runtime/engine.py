@@ -4,6 +4,7 @@
     engine.generate(input_ids, max_new_tokens=64, do_sample=True, temperature=0.8,
                     top_k=50, top_p=0.95, seed=0)
     for token in engine.stream(input_ids, max_new_tokens=64): ...          # token: [B]
+    engine.chat("What is the capital of France?", max_new_tokens=64)        # -> answer text
     engine.save("artifacts/model")
 
 ``rewriter.optimize`` returns one (an ``OptimizedModel``), and ``rewriter.load`` gives one
@@ -20,6 +21,7 @@ from torch import Tensor
 
 from rewriter.ir.core import IR
 
+from .chat import Messages, TextConfig, chat_prompt, split_tokenizer
 from .generate import Batch, decode_loop, prepare
 from .kv_cache import KVCache, attention_specs
 from .lower import lower
@@ -32,9 +34,11 @@ class Engine:
     """Runs a causal-LM IR with a static KV cache; ``ir`` stays inspectable."""
 
     def __init__(self, ir: IR, tokenizer=None, passes: Optional[list[dict]] = None,
-                 backend: str = "torch"):
+                 backend: str = "torch", text: Optional[TextConfig] = None):
         self.ir = ir
-        self.tokenizer = tokenizer  # a ``tokenizers.Tokenizer`` (or None)
+        self.tokenizer = tokenizer  # any supported form; kept as a ``tokenizers.Tokenizer``
+        if text is not None:  # an artifact's stored chat template and special tokens
+            self.text = text
         self.pass_specs = passes or []
         self.backend = backend
         self._programs = None
@@ -50,6 +54,16 @@ class Engine:
         self.static_decode: Optional[bool] = None
 
     # ------------------------------------------------------------------ properties
+    @property
+    def tokenizer(self):
+        """The ``tokenizers.Tokenizer`` (or None); ``text`` holds the chat template and the
+        special tokens that a fast Hugging Face tokenizer set here brought along."""
+        return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer) -> None:
+        self._tokenizer, self.text = split_tokenizer(tokenizer)
+
     @property
     def config(self) -> dict:
         return self.ir.info.get("config", {})
@@ -103,6 +117,19 @@ class Engine:
         settings = GenerationSettings(max_new_tokens, do_sample, temperature, top_k, top_p,
                                       seed, eos_token_id, pad_token_id)
         return self._start(input_ids, attention_mask, settings)[1]
+
+    def chat(self, messages: Messages, max_new_tokens: int = 256, **generation) -> str:
+        """The model's answer, as text, to ``messages`` (a string is one user message; or a
+        list of ``{"role", "content"}`` dicts) laid out by its chat template. Generation
+        stops at the model's end-of-sequence token; ``generation`` takes ``generate``'s
+        sampling arguments."""
+        ids = chat_prompt(self.tokenizer, self.text, messages)
+        out = self.generate([ids], max_new_tokens=max_new_tokens, **generation)[0, len(ids):]
+        eos = generation.get("eos_token_id")
+        eos = set(self.eos_token_ids if eos is None else [eos] if isinstance(eos, int) else eos)
+        ended = [i for i, t in enumerate(out.tolist()) if t in eos]
+        return self.tokenizer.decode(out[:ended[0] if ended else len(out)].tolist(),
+                                     skip_special_tokens=True)
 
     def _start(self, input_ids, attention_mask,
                settings: GenerationSettings) -> tuple[Batch, Iterator[Tensor]]:

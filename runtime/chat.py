@@ -1,0 +1,99 @@
+"""The text side of an engine: its tokenizer, chat template and special tokens.
+
+A model's chat template is a Jinja template (Hugging Face's convention): it turns a list of
+``{"role", "content"}`` messages into the prompt text the model was trained on. It is
+rendered here through ``transformers``, whose renderer runs templates in Jinja's immutable
+sandbox, so a template read from an artifact or a GGUF file is data, not code.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+from rewriter.errors import RewriterError
+
+Messages = Union[str, Sequence[dict]]
+SPECIAL = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+@dataclass
+class TextConfig:
+    """What a tokenizer file does not hold: the chat template and the special tokens'
+    text (templates refer to ``bos_token``/``eos_token``)."""
+    chat_template: Optional[str] = None
+    special_tokens: dict = field(default_factory=dict)  # name in SPECIAL -> token text
+
+    def to_json(self) -> dict:
+        return {"chat_template": self.chat_template, **self.special_tokens}
+
+    @classmethod
+    def from_json(cls, data, where: str) -> "TextConfig":
+        """From ``to_json``'s form; anything else raises ``ValueError`` naming ``where``."""
+        if not isinstance(data, dict) or set(data) - {"chat_template", *SPECIAL}:
+            raise ValueError(f"{where}: expected an object with chat_template and "
+                             f"{', '.join(SPECIAL)} only")
+        for key, value in data.items():
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{where}: {key} must be a string or null, got "
+                                 f"{type(value).__name__}")
+        special = {k: data[k] for k in SPECIAL if data.get(k) is not None}
+        return cls(data.get("chat_template"), special)
+
+
+def split_tokenizer(tokenizer):
+    """``(tokenizers.Tokenizer or None, TextConfig)`` from a fast Hugging Face tokenizer,
+    a ``tokenizers.Tokenizer``, or None."""
+    if tokenizer is None:
+        return None, TextConfig()
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    if not hasattr(backend, "to_str") or not hasattr(backend, "encode"):
+        raise TypeError(f"tokenizer must be a tokenizers.Tokenizer or a fast Hugging Face "
+                        f"tokenizer, got {type(tokenizer).__name__}")
+    template = getattr(tokenizer, "chat_template", None)
+    if template is not None and not isinstance(template, str):
+        template = None  # a dict of named templates: the default one is not chosen for the user
+    special = {}
+    for name in SPECIAL:
+        value = getattr(tokenizer, name, None) if backend is not tokenizer else None
+        if isinstance(value, str):
+            special[name] = value
+    return backend, TextConfig(template, special)
+
+
+def chat_prompt(tokenizer, text: TextConfig, messages: Messages,
+                add_generation_prompt: bool = True) -> list[int]:
+    """The token ids of ``messages`` laid out by the chat template (a string is one user
+    message), encoded as Hugging Face's ``apply_chat_template`` encodes them."""
+    if tokenizer is None:
+        raise RewriterError("this model has no tokenizer, so it cannot chat")
+    if text.chat_template is None:
+        raise RewriterError("this model's tokenizer has no chat template; give it a plain "
+                            "prompt instead")
+    rendered = render(text, _messages(messages), add_generation_prompt)
+    return tokenizer.encode(rendered, add_special_tokens=False).ids
+
+
+def render(text: TextConfig, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    from transformers.utils.chat_template_utils import render_jinja_template
+    try:
+        rendered, _ = render_jinja_template(conversations=[messages], chat_template=text.chat_template,
+                                            add_generation_prompt=add_generation_prompt,
+                                            **text.special_tokens)
+    except Exception as e:  # jinja raises TemplateError and friends for a broken template
+        raise RewriterError(f"the chat template failed to render: {type(e).__name__}: {e}") from e
+    return rendered[0]
+
+
+def _messages(messages: Messages) -> list[dict]:
+    if isinstance(messages, str):
+        return [{"role": "user", "content": messages}]
+    out = []
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)):
+            raise ValueError(f"messages[{i}] must be a dict with string 'role' and 'content', "
+                             f"got {m!r:.80}")
+        out.append({"role": m["role"], "content": m["content"]})
+    if not out:
+        raise ValueError("messages is empty")
+    return out

