@@ -9,8 +9,8 @@
 Every failure the user can cause (a bad argument, a missing or broken file, an unwritable
 ``--out``, a bad sampling parameter) prints one line, ``rewriter: error: ...``, on stderr
 and exits with status 2; ``run`` prints nothing of a generation before its inputs are
-checked. A closed stdout (``rewriter run ... | head -c1``) ends the command quietly with
-status 2. A traceback means a bug in rewriter.
+checked. A closed stdout (``rewriter run ... | head -c1``) ends the command with that one
+line and status 2. A traceback means a bug in rewriter.
 """
 from __future__ import annotations
 
@@ -76,8 +76,10 @@ def _os_error_text(e: OSError) -> str:
 
 
 def _closed_stdout() -> int:
-    """The reader of stdout went away (``| head``): stop quietly, as ``cat`` does. Later
-    writes (the interpreter's own flush at exit) go to devnull, not into a traceback."""
+    """The reader of stdout went away (``| head``): stop, with the one error line on
+    stderr that every failure gets (the output is incomplete, and a script should know).
+    Later writes (the interpreter's own flush at exit) go to devnull, not into a traceback."""
+    _fail("stdout was closed before the output was complete (broken pipe)")
     try:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     except (OSError, ValueError):  # stdout is no file (main() called with it replaced)

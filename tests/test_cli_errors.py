@@ -209,8 +209,8 @@ def cli(*argv, stdout=subprocess.PIPE):
 
 
 @pytest.mark.parametrize("command", ["run", "ir"])
-def test_a_closed_stdout_ends_quietly(paths, command):
-    """``rewriter run ... | head -c1``: the reader has gone; no traceback, no message."""
+def test_a_closed_stdout_is_one_error_line(paths, command):
+    """``rewriter run ... | head -c1``: the reader has gone; one line says so, no traceback."""
     read, write = os.pipe()
     os.close(read)  # the reader is gone before the first byte
     try:
@@ -218,7 +218,8 @@ def test_a_closed_stdout_ends_quietly(paths, command):
         r = cli(*argv, stdout=write)
     finally:
         os.close(write)
-    assert r.returncode == 2 and r.stderr == ""
+    assert r.returncode == 2
+    assert r.stderr == "rewriter: error: stdout was closed before the output was complete (broken pipe)\n"
 
 
 def test_real_stderr_is_one_line(paths):
