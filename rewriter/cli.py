@@ -93,7 +93,8 @@ def parser() -> argparse.ArgumentParser:
 
     o = sub.add_parser("optimize", help="trace a checkpoint, run passes, save an artifact",
                        description="Trace a checkpoint (a Hugging Face directory, a GGUF file, "
-                                   "'smollm2' or 'default'), run passes in order, save an artifact.")
+                                   "'smollm2' or 'default'), run passes in order, save an artifact.",
+                       epilog=_passes_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     o.add_argument("model", help=MODEL_HELP)
     o.add_argument("--pass", dest="passes", action="append", default=[], metavar="NAME[:K=V,...]",
                    help="a pass and its parameters, e.g. layer_skip:speedup=1.5 or "
@@ -226,6 +227,22 @@ def cmd_info(args) -> int:
 
 
 # ---------------------------------------------------------------------------- helpers
+
+def _passes_help() -> str:
+    """Every pass by CLI name, with its parameters and the first line of its docstring."""
+    import inspect
+    from .passes import PASSES
+    lines = ["passes (--pass NAME or NAME:KEY=VALUE,...; values are JSON, e.g. layers=[2,3]):"]
+    for name, cls in sorted(PASSES.items()):
+        params = [f"{p.name}={p.default!r}" if p.default is not inspect.Parameter.empty else p.name
+                  for p in list(inspect.signature(cls.__init__).parameters.values())[1:]]
+        own = cls.__dict__.get("__doc__")  # not the base class's
+        doc = inspect.cleandoc(own or inspect.getmodule(cls).__doc__ or "").split("\n")[0]
+        lines.append(f"  {name}" + (f":{','.join(params)}" if params else ""))
+        if doc:
+            lines.append(f"      {doc}")
+    return "\n".join(lines)
+
 
 def _engine(path: str, trust_code: bool, backend: Optional[str], dtype: Optional[str] = None):
     """An artifact, or else a checkpoint (or 'default', 'smollm2') optimized with no passes."""
