@@ -61,7 +61,7 @@ def test_run_with_the_default_model_and_a_text_prompt(capsys):
     (["optimize", "default", "--pass", "layer_drop", "--out", "X"], "unknown pass 'layer_drop'"),
     (["optimize", "default", "--pass", "layer_skip:speedup=0.5", "--out", "X"], "speedup must be >= 1"),
     (["optimize", "default", "--pass", "layer_skip:layers=[9]", "--out", "X"], "layer 9 is out of range"),
-    (["run", "no/such/dir", "--ids", "1"], "no such artifact or checkpoint directory"),
+    (["run", "no/such/dir", "--ids", "1"], "no such artifact or checkpoint"),
     (["info", "no/such/dir"], "no such artifact directory"),
 ])
 def test_bad_input_is_one_line_and_status_2(argv, message, capsys, tmp_path, monkeypatch):

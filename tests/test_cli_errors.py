@@ -140,7 +140,7 @@ BAD = [
     ("run {artifact} --prompt \udcff", "--prompt is not valid UTF-8 text"),
     ("run {artifact}", "one of the arguments --prompt --ids is required"),
     # run: models
-    ("run {tmp}/missing --ids 1", "no such artifact or checkpoint directory"),
+    ("run {tmp}/missing --ids 1", "no such artifact or checkpoint"),
     ("run {file} --ids 1", "not a directory"),
     ("run {pickled} --ids 1", "pickled weights are refused"),
     ("run {truncated} --ids 1", "not a valid safetensors file"),
