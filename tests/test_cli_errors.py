@@ -138,7 +138,7 @@ BAD = [
     ("run {artifact} --ids ' '", "--ids must be comma-separated integers"),
     ("run {artifact} --ids 1 --prompt hi", "not allowed with argument"),
     ("run {artifact} --prompt \udcff", "--prompt is not valid UTF-8 text"),
-    ("run {artifact}", "one of the arguments --prompt --ids is required"),
+    ("run {artifact}", "one of the arguments --prompt --chat --ids is required"),
     # run: models
     ("run {tmp}/missing --ids 1", "no such artifact or checkpoint"),
     ("run {file} --ids 1", "not a directory"),
