@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..ir.cacheable import uncacheable
+from rewriter.ir.cacheable import uncacheable
+
 from ..ir.core import IR
 from ..ir.shapes import lm_input_specs, propagate_shapes, specs_from_placeholders
 from ..ir.layers import layer_spans

@@ -17,9 +17,11 @@ from functools import reduce
 import torch
 from torch import fx, nn
 
+from rewriter.frontend.attention_region import query_scaling, unexpected_math
+from rewriter.frontend.positions import position_offset
+
 from .. import ops
 from ..ir.core import add_weight
-from .positions import position_offset
 from .regions import Region, data_ancestors, erase_region, region, scope_of
 from .trace import Traced
 
@@ -248,8 +250,8 @@ class Lifter:
         for extra in reg.inputs:
             if extra not in known and not _is_mask(extra):
                 return self.skip(scope, f"attention reads an unexpected input {extra.name}")
-        q_scale = _query_scaling(reg, qkv[0])
-        why = _unexpected_math(reg, uses_rope, q_scale is not None)
+        q_scale = query_scaling(reg, qkv[0])
+        why = unexpected_math(reg, uses_rope, q_scale is not None)
         if why:
             return self.skip(scope, why)
         args = self.attention_args(scope, mod, sdpa[0], qkv, uses_rope, q_scale or 1.0)
@@ -396,41 +398,6 @@ def _same_meta(a: fx.Node, b) -> bool:
     va, vb = a.meta.get("val"), getattr(b, "meta", {}).get("val")
     return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)
             and va.dtype == vb.dtype and va.device == vb.device)
-
-
-# The arithmetic an attention region may hold besides layout ops and SDPA: RoPE's
-# x * cos + rotate_half(x) * sin on q and k (rotate_half negates), and OPT's q scaling.
-_ROPE_MATH = {aten.mul.Tensor: 4, aten.add.Tensor: 2, aten.neg.default: 2}
-_LAYOUT = {aten.view.default, aten.reshape.default, aten.transpose.int, aten.contiguous.default,
-           aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor,
-           aten.cat.default, aten.unsqueeze.default, aten.expand.default, operator.getitem,
-           aten.scaled_dot_product_attention.default}
-
-
-def _query_scaling(reg: Region, q: fx.Node) -> float | None:
-    """``c`` when the region computes ``q * c`` (a constant) and uses q only so."""
-    users = [u for u in q.users if u in reg.nodes]
-    if len(users) == 1 and users[0].target == aten.mul.Tensor and users[0].args[0] is q \
-            and isinstance(users[0].args[1], float):
-        return users[0].args[1]
-    return None
-
-
-def _unexpected_math(reg: Region, uses_rope: bool, q_scaled: bool) -> str | None:
-    """Why the region computes more than attention (a reason), or None: the lifter drops
-    every op of the region, so any arithmetic it does not account for would be lost."""
-    expected = {op: (n if uses_rope else 0) for op, n in _ROPE_MATH.items()}
-    expected[aten.mul.Tensor] += int(q_scaled)
-    found = {op: 0 for op in expected}
-    for n in reg.nodes:
-        if n.target in found:
-            found[n.target] += 1
-        elif n.target not in _LAYOUT:
-            return f"attention computes {n.name} ({n.target}), which rw.attention would drop"
-    if found != expected:
-        counts = ", ".join(f"{k.__name__}: {v}" for k, v in found.items())
-        return f"attention region's arithmetic ({counts}) is not RoPE's"
-    return None
 
 
 def _rank(node: fx.Node) -> int | None:

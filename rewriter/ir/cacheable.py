@@ -26,8 +26,8 @@ import sympy
 import torch
 from torch import fx
 
-from ..errors import RewriterError
-from .shapes import lm_input_specs, propagate_shapes
+from rewriter.errors import RewriterError
+from rewriter.ir.shapes import lm_input_specs, propagate_shapes
 
 aten = torch.ops.aten
 
