@@ -174,3 +174,13 @@ def test_fused_qkv_and_rope_generate_the_same_tokens(name):
     ids = prompt(9, 1, model.config.vocab_size)
     assert torch.equal(opt.generate(ids, max_new_tokens=NEW, eos_token_id=[]),
                        hf_greedy(model, ids, NEW))
+
+
+@pytest.mark.parametrize("name", ["neox-parallel-3l", "phi-gqa-2l", "opt-proj-postnorm-3l"])
+def test_triton_backend_generates_the_same_tokens(name):
+    """Partial rotary, biases and LayerNorm through the Triton kernels (interpreted on a CPU)."""
+    model = make(name)
+    opt = rewriter.optimize(model, passes=[FuseQKV(), FuseRoPE()], backend="triton")
+    ids = prompt(5, 1, model.config.vocab_size)
+    assert torch.equal(opt.generate(ids, max_new_tokens=6, eos_token_id=[]),
+                       hf_greedy(model, ids, 6))
