@@ -221,3 +221,24 @@ def passkey_sample(tokenizer, context_tokens: int, depth: float, rng: random.Ran
             break
         n, (prompt, off, used) = n + 1, cand
     return PasskeySample(prompt, key, depth, used, context_tokens, filler, off)
+
+
+# --------------------------------------------------------------------------- English prose
+
+def prose_paragraphs() -> List[str]:
+    """English prose that every CPython ships: the paragraphs of the language reference
+    in ``pydoc_data/topics.py`` (the text ``help()`` shows), without its indented code and
+    grammar blocks and its heading underlines. Deterministic, sorted by topic name."""
+    from pydoc_data.topics import topics
+    out = []
+    for name in sorted(topics):
+        for para in re.split(r"\n\s*\n", topics[name]):
+            lines = para.split("\n")
+            if not lines[0] or lines[0][0].isspace():
+                continue  # an indented block: code, grammar or a table
+            if all(re.fullmatch(r"[*=\-^~]+", ln.strip() or "*") for ln in lines[1:2]) and len(lines) <= 2:
+                continue  # a heading and its underline
+            text = " ".join(ln.strip() for ln in lines)
+            if len(text.split()) >= 12:  # sentences, not labels
+                out.append(text)
+    return out

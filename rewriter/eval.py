@@ -4,35 +4,56 @@
     rows = evaluate({"unoptimized": base, "LayerSkip(1.5)": skip}, tokenizer)
     print(format_table(rows))
 
-Every pipeline sees the same inputs: held-out chunks of the corpus (``rewriter.corpus``,
-the split the default model never trained on), the same greedy prompts, the same pass-key
-prompts. Quality: perplexity (and its ratio to the reference), greedy agreement with the
-reference's continuation and the mean position of the first divergence, pass-key accuracy
-per context length. Cost: model forward passes and decoder-layer evaluations per generated
-token (counted by the runtime), KV-cache bytes per token, and wall time per token.
+Every pipeline sees the same inputs. Quality: perplexity on held-out code (the CPython
+standard library files the default model never trained on, ``rewriter.corpus``) and on
+English prose (the language reference's paragraphs that ship with CPython,
+``corpus.prose_paragraphs``), computed through the KV-cache runtime: each chunk's first
+half is prefilled and its second half scored one decode step per token, so a cache
+policy's effect shows; its ratio to the reference. Greedy agreement with the reference's
+continuation of the same prompts (chat questions through the chat template when the
+tokenizer has one, held-out code otherwise): the fraction of positions equal, the mean
+position of the first divergence, the fraction of prompts answered exactly alike.
+Pass-key accuracy per context length. Cost: model forward passes and decoder-layer
+evaluations per generated token (counted by the runtime), KV-cache bytes per token, and
+wall time per token at batch 1 (the median of several runs after a warm-up, with the
+spread).
 """
 from __future__ import annotations
 
 import math
 import random
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 
 import torch
 
+CHAT_PROMPTS = (
+    "What is the capital of France?",
+    "Write a Python function that returns the square of a number.",
+    "Name three primary colors.",
+    "Explain in one sentence what a compiler does.",
+    "How many legs does a spider have?",
+    "Give me a synonym for happy.",
+    "What is 12 times 12?",
+    "Translate 'good morning' into Spanish.",
+)
+
 
 @dataclass
 class EvalSettings:
-    ppl_chunks: int = 16          # held-out chunks for perplexity
-    ppl_length: int = 512         # tokens per chunk
-    prompts: int = 8              # greedy prompts (held-out code)
-    prompt_length: int = 64
+    ppl_chunks: int = 16          # held-out chunks per corpus for perplexity
+    ppl_length: int = 512         # tokens per chunk: the first half prefilled, the second scored
+    corpora: tuple = ("code", "prose")
+    prompts: int = 8              # greedy prompts (chat questions, or held-out code)
+    prompt_length: int = 64       # tokens per code prompt
     new_tokens: int = 32          # greedy continuation per prompt
     passkey_lengths: tuple = (256, 512, 1024)
     passkey_depths: tuple = (0.1, 0.3, 0.5, 0.7, 0.9)
     passkey_trials: int = 2       # per length and depth (alternating sentence / code filler)
     timing_tokens: int = 64       # tokens generated at batch 1 for the wall-time column
+    timing_runs: int = 3          # timed runs after one warm-up: median and spread
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -40,12 +61,18 @@ class EvalSettings:
 # ---------------------------------------------------------------------------- inputs
 
 @lru_cache(maxsize=4)
-def _heldout_ids(tokenizer_json: str) -> torch.Tensor:
+def _heldout_ids(tokenizer_json: str, corpus: str = "code") -> torch.Tensor:
     from tokenizers import Tokenizer
-    from .corpus import load_corpus
+    from .corpus import load_corpus, prose_paragraphs
     tok = Tokenizer.from_str(tokenizer_json)
+    if corpus == "code":
+        texts = [text for _, text in load_corpus("heldout")]
+    elif corpus == "prose":
+        texts = ["\n\n".join(prose_paragraphs())]
+    else:
+        raise ValueError(f"unknown corpus {corpus!r}; available: code, prose")
     ids = []
-    for _, text in load_corpus("heldout"):
+    for text in texts:
         ids += tok.encode(text).ids[1:] if _adds_bos(tok) else tok.encode(text).ids
     return torch.tensor(ids)
 
@@ -59,10 +86,11 @@ def _backend(tokenizer):
     return getattr(tokenizer, "backend_tokenizer", tokenizer)
 
 
-def heldout_chunks(tokenizer, n: int, length: int) -> torch.Tensor:
-    """``[n, length]``: evenly spaced held-out chunks, each starting with BOS."""
+def heldout_chunks(tokenizer, n: int, length: int, corpus: str = "code") -> torch.Tensor:
+    """``[n, length]``: evenly spaced chunks of a held-out corpus (``code`` or ``prose``),
+    each starting with BOS when the tokenizer adds one."""
     tok = _backend(tokenizer)
-    stream = _heldout_ids(tok.to_str())
+    stream = _heldout_ids(tok.to_str(), corpus)
     bos = tok.encode("").ids[:1] or []
     body = length - len(bos)
     starts = torch.linspace(0, len(stream) - body - 1, n).long().tolist()
@@ -73,30 +101,39 @@ def heldout_chunks(tokenizer, n: int, length: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------- quality
 
 def perplexity(engine, chunks: torch.Tensor, batch: int = 4) -> float:
-    """exp(mean next-token NLL) over ``chunks`` ``[N, T]`` (all positions but the first)."""
+    """exp(mean next-token NLL) of the second half of each chunk ``[N, T]`` given all before
+    it, through the KV-cache runtime (``Engine.score``: prefill the first half, then one
+    decode step per scored token)."""
     total, count = 0.0, 0
+    prefix = chunks.shape[1] // 2
     for i in range(0, len(chunks), batch):
-        ids = chunks[i:i + batch]
-        logits = engine(ids).float()  # [b, T, V]
-        nll = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(),
-                                                reduction="sum")
-        total, count = total + nll.item(), count + ids[:, 1:].numel()
+        logp = engine.score(chunks[i:i + batch], prefix)  # [b, T - prefix]
+        total, count = total - logp.sum().item(), count + logp.numel()
     return math.exp(total / count)
 
 
-def greedy_continuations(engine, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """``[N, new_tokens]`` greedy continuations (no EOS stop)."""
-    return engine.generate(prompts, max_new_tokens=new_tokens, eos_token_id=[])[:, prompts.shape[1]:]
+def chat_prompts(tokenizer, text, n: int) -> list[list[int]]:
+    """The first ``n`` of ``CHAT_PROMPTS`` laid out by the chat template, as token ids."""
+    from .runtime.chat import chat_prompt
+    return [chat_prompt(_backend(tokenizer), text, q) for q in CHAT_PROMPTS[:n]]
+
+
+def greedy_continuations(engine, prompts, new_tokens: int) -> torch.Tensor:
+    """``[N, new_tokens]`` greedy continuations (no EOS stop) of a ``[N, S]`` tensor or a
+    list of id lists (left-padded together)."""
+    width = prompts.shape[1] if isinstance(prompts, torch.Tensor) else max(map(len, prompts))
+    return engine.generate(prompts, max_new_tokens=new_tokens, eos_token_id=[])[:, width:]
 
 
 def agreement(tokens: torch.Tensor, reference: torch.Tensor) -> dict:
-    """Fraction of positions equal to the reference, and mean first divergence position
-    (= the length when a row never diverges)."""
+    """Fraction of positions equal to the reference, mean first divergence position (= the
+    length when a row never diverges) and the fraction of rows equal throughout."""
     same = tokens == reference  # [N, T]
     diverged = ~same
     first = torch.where(diverged.any(1), diverged.float().argmax(1),
                         torch.full((len(same),), same.shape[1])).float()
-    return {"agreement": same.float().mean().item(), "first_divergence": first.mean().item()}
+    return {"agreement": same.float().mean().item(), "first_divergence": first.mean().item(),
+            "exact_match": same.all(1).float().mean().item()}
 
 
 def passkey_accuracy(engine, tokenizer, lengths, depths, trials: int, seed: int = 0) -> dict:
@@ -129,19 +166,24 @@ def _code_lines():
 
 # ---------------------------------------------------------------------------- cost
 
-def cost(engine, prompt: torch.Tensor, new_tokens: int) -> dict:
+def cost(engine, prompt, new_tokens: int, runs: int = 3) -> dict:
     """Forward passes and layer evaluations per generated token (from the runtime's
-    counters), KV-cache bytes per token, and wall milliseconds per token at batch 1."""
-    engine.generate(prompt[:1], max_new_tokens=4, eos_token_id=[])  # warm-up
+    counters), KV-cache bytes per token, and wall milliseconds per token at batch 1: the
+    median of ``runs`` timed generations after a warm-up, and their min and max."""
+    prompt = prompt[:1] if isinstance(prompt, torch.Tensor) else [list(prompt[0])]
+    engine.generate(prompt, max_new_tokens=4, eos_token_id=[])  # warm-up
     engine.stats.clear()
-    start = time.perf_counter()
-    engine.generate(prompt[:1], max_new_tokens=new_tokens, eos_token_id=[])
-    seconds = time.perf_counter() - start
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        engine.generate(prompt, max_new_tokens=new_tokens, eos_token_id=[])
+        times.append(1e3 * (time.perf_counter() - start) / new_tokens)
     s = engine.stats
     return {"forward_per_token": s["forward_passes"] / s["tokens"],
             "layers_per_token": s["layer_evals"] / s["tokens"],
             "kv_bytes_per_token": engine.kv_bytes_per_token(),
-            "ms_per_token": 1e3 * seconds / s["tokens"]}
+            "ms_per_token": statistics.median(times), "ms_per_token_min": min(times),
+            "ms_per_token_max": max(times)}
 
 
 # ---------------------------------------------------------------------------- all together
@@ -151,37 +193,68 @@ def evaluate(pipelines: dict, tokenizer, settings: EvalSettings = EvalSettings()
     """One row per pipeline (name -> engine); ``reference`` (default: the first) is the
     unoptimized model every ratio and agreement is measured against."""
     reference = reference or next(iter(pipelines))
-    chunks = heldout_chunks(tokenizer, settings.ppl_chunks, settings.ppl_length)
-    prompts = heldout_chunks(tokenizer, settings.prompts + 1, settings.prompt_length)[1:]
-    ref_tokens = greedy_continuations(pipelines[reference], prompts, settings.new_tokens)
-    ref_ppl = perplexity(pipelines[reference], chunks)
+    ref = pipelines[reference]
+    chunks = {c: heldout_chunks(tokenizer, settings.ppl_chunks, settings.ppl_length, c)
+              for c in settings.corpora}
+    prompts = greedy_prompts(ref, tokenizer, settings)
+    ref_tokens = greedy_continuations(ref, prompts, settings.new_tokens)
+    ref_ppl = {c: perplexity(ref, ids) for c, ids in chunks.items()}
     rows = []
     for name, engine in pipelines.items():
-        ppl = ref_ppl if name == reference else perplexity(engine, chunks)
+        ppl = ref_ppl if name == reference else {c: perplexity(engine, ids) for c, ids in chunks.items()}
         tokens = greedy_continuations(engine, prompts, settings.new_tokens)
-        row = {"pipeline": name, "layers": len(engine.ir.layers),
-               "params": engine.ir.num_params(), "perplexity": ppl, "ppl_ratio": ppl / ref_ppl,
-               **agreement(tokens, ref_tokens),
-               "passkey": passkey_accuracy(engine, tokenizer, settings.passkey_lengths,
-                                           settings.passkey_depths, settings.passkey_trials,
-                                           settings.seed),
-               **cost(engine, prompts, settings.timing_tokens)}
-        rows.append(row)
+        rows.append({"pipeline": name, "layers": len(engine.ir.layers),
+                     "params": engine.ir.num_params(), "perplexity": ppl,
+                     "ppl_ratio": {c: ppl[c] / ref_ppl[c] for c in ppl},
+                     **agreement(tokens, ref_tokens),
+                     "passkey": passkey_accuracy(engine, tokenizer, settings.passkey_lengths,
+                                                 settings.passkey_depths, settings.passkey_trials,
+                                                 settings.seed),
+                     **cost(engine, prompts, settings.timing_tokens, settings.timing_runs)})
     return rows
 
 
-def format_table(rows: list[dict]) -> str:
+def greedy_prompts(engine, tokenizer, settings: EvalSettings):
+    """Chat questions through the chat template when the engine has one (an instruct
+    model answers them), else held-out code chunks."""
+    if engine.text.chat_template is not None:
+        return chat_prompts(tokenizer, engine.text, settings.prompts)
+    return heldout_chunks(tokenizer, settings.prompts + 1, settings.prompt_length)[1:]
+
+
+LEGEND = """\
+ppl <corpus>     perplexity of held-out text, through the KV-cache runtime (lower is better)
+ratio            that perplexity / the unoptimized model's (1.000 = no loss; higher is worse)
+greedy agree     fraction of greedy tokens equal to the unoptimized model's (higher is better)
+1st diverge      mean position of the first differing greedy token (higher is better)
+exact            fraction of prompts answered exactly as the unoptimized model does
+passkey@N        pass-key retrieval accuracy with an N-token context (higher is better)
+fwd/tok          model forward passes per generated token (lower is cheaper)
+layers/tok       decoder layers evaluated per generated token (lower is cheaper)
+KV B/tok         KV-cache bytes per token of one sequence (lower is cheaper)
+ms/tok           CPU milliseconds per generated token, batch 1: median [min-max] of the runs"""
+
+
+def format_table(rows: list[dict], legend: bool = True) -> str:
     from tabulate import tabulate
     lengths = sorted({k for r in rows for k in r["passkey"]})
-    head = ["pipeline", "layers", "ppl", "ppl ratio", "greedy agree", "1st diverge"]
-    head += [f"passkey@{n}" for n in lengths]
-    head += ["fwd/tok", "layers/tok", "KV B/tok", "ms/tok (CPU)"]
-    body = [[r["pipeline"], r["layers"], f"{r['perplexity']:.1f}", f"{r['ppl_ratio']:.3f}",
-             f"{r['agreement']:.3f}", f"{r['first_divergence']:.1f}",
-             *[f"{r['passkey'].get(n, float('nan')):.2f}" for n in lengths],
-             f"{r['forward_per_token']:.2f}", f"{r['layers_per_token']:.1f}",
-             r["kv_bytes_per_token"], f"{r['ms_per_token']:.2f}"] for r in rows]
-    return tabulate(body, headers=head)
+    corpora = list(rows[0]["perplexity"]) if rows else []
+    head = ["pipeline", "layers"]
+    for c in corpora:
+        head += [f"ppl {c}", "ratio"]
+    head += ["greedy agree", "1st diverge", "exact", *[f"passkey@{n}" for n in lengths],
+             "fwd/tok", "layers/tok", "KV B/tok", "ms/tok"]
+    body = []
+    for r in rows:
+        ppl = [x for c in corpora for x in (f"{r['perplexity'][c]:.2f}", f"{r['ppl_ratio'][c]:.3f}")]
+        body.append([r["pipeline"], r["layers"], *ppl, f"{r['agreement']:.3f}",
+                     f"{r['first_divergence']:.1f}", f"{r['exact_match']:.2f}",
+                     *[f"{r['passkey'].get(n, float('nan')):.2f}" for n in lengths],
+                     f"{r['forward_per_token']:.2f}", f"{r['layers_per_token']:.1f}",
+                     r["kv_bytes_per_token"],
+                     f"{r['ms_per_token']:.1f} [{r['ms_per_token_min']:.1f}-{r['ms_per_token_max']:.1f}]"])
+    table = tabulate(body, headers=head)
+    return table + ("\n\n" + LEGEND if legend else "")
 
 
 def settings_dict(settings: EvalSettings) -> dict:

@@ -22,7 +22,7 @@ from torch import Tensor
 from rewriter.ir.core import IR
 
 from .chat import Messages, TextConfig, chat_prompt, split_tokenizer
-from .generate import Batch, decode_loop, prepare
+from .generate import Batch, decode_loop, prepare, score_loop
 from .kv_cache import KVCache, attention_specs
 from .lower import lower
 from .settings import GenerationSettings, token_ids
@@ -130,6 +130,23 @@ class Engine:
         ended = [i for i, t in enumerate(out.tolist()) if t in eos]
         return self.tokenizer.decode(out[:ended[0] if ended else len(out)].tolist(),
                                      skip_special_tokens=True)
+
+    def score(self, input_ids: Tensor, prefix: int) -> Tensor:
+        """Log-probabilities ``[B, S - prefix]`` of the tokens after the first ``prefix`` of
+        each row of ``input_ids`` ``[B, S]`` (no padding), each given all tokens before it,
+        through the KV-cache runtime (prefill, then one decode step per token): perplexity
+        as the runtime, caches and their policies included, computes it."""
+        check_token_ids(input_ids, self.config.get("vocab_size"))
+        b, s = input_ids.shape
+        if isinstance(prefix, bool) or not isinstance(prefix, int) or not 1 <= prefix < s:
+            raise ValueError(f"prefix must be an int in [1, {s - 1}] for {s}-token rows, got {prefix!r}")
+        self._check(input_ids, 0)
+        prefill, decode = self._lowered()
+        cache = self._cache_for(b, s)
+        ids = input_ids.to(device=self._device(), dtype=torch.int64)
+        tokens = s - prefix
+        self.stats.update(forward_passes=tokens, layer_evals=tokens * len(cache.specs))
+        return score_loop(prefill, decode, cache, ids, prefix)
 
     def _start(self, input_ids, attention_mask,
                settings: GenerationSettings) -> tuple[Batch, Iterator[Tensor]]:

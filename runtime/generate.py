@@ -217,3 +217,23 @@ class StaticDecoder:
             self.logits = _run(self.program, step, self.tokens, self.positions)
         self.graph.replay()
         return self.logits
+
+
+def score_loop(prefill: fx.GraphModule, decode: fx.GraphModule, cache: KVCache,
+               ids: Tensor, prefix: int) -> Tensor:
+    """Log-probability of each token of ``ids[:, prefix:]`` given all before it, ``[B,
+    S - prefix]``, through the KV-cache runtime: prefill over the first ``prefix`` tokens,
+    then one decode step per token fed the true token (teacher forcing). So what a cache
+    policy changes at decode (a window, a token selection) shows in the score."""
+    b, s = ids.shape
+    positions = torch.arange(s, device=ids.device).expand(b, s)  # [B, S]
+    cache.busy = True
+    try:
+        logits = _run(prefill, Step(cache, 0, prefix, None), ids[:, :prefix], positions[:, :prefix])
+        scores = [logits[:, -1].float().log_softmax(-1).gather(-1, ids[:, prefix, None])]
+        for t in range(prefix, s - 1):
+            logits = _run(decode, Step(cache, t, 1, None), ids[:, t:t + 1], positions[:, t:t + 1])
+            scores.append(logits[:, -1].float().log_softmax(-1).gather(-1, ids[:, t + 1, None]))
+    finally:
+        cache.busy = False
+    return torch.cat(scores, dim=1)  # [B, S - prefix]

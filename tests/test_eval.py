@@ -26,7 +26,8 @@ def test_identical_pipeline_agrees_fully(default):
     rows = evaluate({"unoptimized": base, "again": rewriter.optimize(model)}, tok, SMALL)
     again = rows[1]
     assert again["agreement"] == 1.0 and again["first_divergence"] == SMALL.new_tokens
-    assert again["ppl_ratio"] == pytest.approx(1.0, abs=1e-6)
+    assert again["ppl_ratio"] == pytest.approx({"code": 1.0, "prose": 1.0}, abs=1e-6)
+    assert again["exact_match"] == 1.0
     assert again["passkey"] == rows[0]["passkey"]
     assert "again" in format_table(rows)
 
@@ -35,7 +36,7 @@ def test_skipping_the_middle_layers_scores_worse(default):
     model, tok, base = default
     gutted = rewriter.optimize(model, passes=[LayerSkip(layers=[1, 2, 3, 4, 5, 6])])
     ref, row = evaluate({"unoptimized": base, "gutted": gutted}, tok, SMALL)
-    assert row["ppl_ratio"] > 1.5
+    assert row["ppl_ratio"]["code"] > 1.5 and row["ppl_ratio"]["prose"] > 1.2
     assert row["agreement"] < 0.5 and row["first_divergence"] < SMALL.new_tokens
     assert row["layers_per_token"] == 2 and ref["layers_per_token"] == 8
     assert row["kv_bytes_per_token"] * 4 == ref["kv_bytes_per_token"]
@@ -54,4 +55,26 @@ def test_cost_counters_match_hand_counts():
 def test_agreement_and_first_divergence_by_hand():
     ref = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
     out = torch.tensor([[1, 2, 9, 4], [5, 6, 7, 8]])
-    assert agreement(out, ref) == {"agreement": 7 / 8, "first_divergence": (2 + 4) / 2}
+    assert agreement(out, ref) == {"agreement": 7 / 8, "first_divergence": (2 + 4) / 2,
+                                   "exact_match": 0.5}
+
+
+def test_perplexity_through_the_runtime_equals_the_irs_own(default):
+    """The runtime scores (prefill + a decode step per token) what the IR's reference
+    call computes over the whole chunk, position for position."""
+    from rewriter.eval import heldout_chunks, perplexity
+    model, tok, base = default
+    chunks = heldout_chunks(tok, 2, 64, "prose")
+    logp = base(chunks).float().log_softmax(-1)[:, 31:-1].gather(-1, chunks[:, 32:, None])
+    assert perplexity(base, chunks) == pytest.approx(float(torch.exp(-logp.mean())), rel=1e-4)
+
+
+def test_a_chat_tokenizer_gets_chat_prompts():
+    from rewriter.eval import CHAT_PROMPTS, greedy_prompts
+    from rewriter.runtime.chat import TextConfig
+    model, tok = rewriter.default_model()
+    opt = rewriter.optimize(model, tokenizer=tok)
+    assert isinstance(greedy_prompts(opt, tok, SMALL), torch.Tensor)  # no template: code
+    opt.text = TextConfig("{% for m in messages %}Q: {{ m['content'] }}\nA:{% endfor %}")
+    prompts = greedy_prompts(opt, tok, SMALL)
+    assert tok.decode(prompts[0]) == f"Q: {CHAT_PROMPTS[0]}\nA:"
