@@ -73,6 +73,7 @@ def _ir_from_data(ir_data, weights: dict, manifest: dict, where: Paths) -> IR:
     ir = IR(gm, info)
     _check_inputs(ir, where)
     _propagate(ir, where)
+    _check_sizes(ir, where)
     try:
         verify(ir)
     except VerificationError as e:
@@ -127,6 +128,45 @@ def _propagate(ir: IR, where: Paths) -> None:
         where_in = f"node {node.group(1)}: " if node else ""
         raise ArtifactError(f"{where.ir}: {where_in}shapes do not propagate over "
                             f"{where.weights.name}: {text.splitlines()[0] if text else type(e).__name__}") from e
+
+
+# A node may hold at most this many times the elements of the largest weight, at one token
+# of one sequence (B = S = 1): a model's activations are far smaller than its weights, and a
+# few bytes of ir.json must not make generate allocate terabytes (aten.full, repeat, expand).
+SIZE_FACTOR = 16
+
+
+def _check_sizes(ir: IR, where: Paths) -> None:
+    import sympy
+    largest = max((t.numel() for t in ir.weights().values()), default=1)
+    limit = SIZE_FACTOR * max(largest, 1024)
+    for n in ir.graph.nodes:
+        for shape in _shapes(n.meta.get("shape")):
+            try:
+                numel = int(sympy.prod([_at_one_token(d) for d in shape]))
+            except (TypeError, ValueError):  # a size in other symbols: data-dependent
+                raise ArtifactError(f"{where.ir}: node {n.name}: its size {_short(shape)} "
+                                    f"depends on more than batch and sequence") from None
+            if numel > limit:
+                raise ArtifactError(f"{where.ir}: node {n.name}: {numel} elements at one token "
+                                    f"(shape {_short(shape)}), more than {SIZE_FACTOR}x the "
+                                    f"largest weight: refused, it would exhaust memory")
+
+
+def _at_one_token(size):
+    """A size expression with batch and sequence (the symbols B and S) set to 1."""
+    return size.subs({s: 1 for s in size.free_symbols if s.name in ("B", "S")})
+
+
+def _shapes(shape) -> list:
+    """The tensor shapes in a node's ``meta["shape"]``: a tuple of sizes, a tuple of such
+    (several outputs), or a single size expression (a sym_size node: no tensor)."""
+    import sympy
+    if not isinstance(shape, (tuple, list)):
+        return []
+    if all(isinstance(d, sympy.Basic) for d in shape):
+        return [shape]
+    return [s for part in shape for s in _shapes(part)]
 
 
 def _few(names: list, limit: int = 3) -> str:

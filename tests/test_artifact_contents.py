@@ -440,3 +440,56 @@ def test_an_unforeseen_failure_is_still_an_artifact_error_naming_the_file(art, m
     import rewriter.runtime.artifact_ir as artifact_ir
     monkeypatch.setattr(artifact_ir, "layer_spans", lambda gm: {}["boom"])
     refused(art, "ir.json", r"cannot be read \(KeyError: 'boom'\)")
+
+
+# ------------------------------------------------------------------ memory and devices
+
+def _before_output(data, new_node):
+    """Insert ``new_node`` before the output and make the logits depend on it
+    (``logits + sum(new_node)``), so it is not dead code."""
+    out = data["graph"][-1]
+    logits = out["args"][0]
+    data["graph"][-1:-1] = [
+        new_node,
+        {"name": "total", "op": "call_function", "target": "aten.sum.dim_IntList",
+         "args": [{"node": new_node["name"]}, [], True]},
+        {"name": "mixed", "op": "call_function", "target": "aten.add.Tensor",
+         "args": [logits, {"node": "total"}]}]
+    out["args"] = [{"node": "mixed"}]
+
+
+@pytest.mark.parametrize("new, problem", [
+    ({"name": "huge", "op": "call_function", "target": "aten.full.default",
+      "args": [[65536, 32768], 1.0]}, "would exhaust memory"),
+    ({"name": "huge", "op": "call_function", "target": "aten.full.default",
+      "args": [[1 << 20, 1 << 20], 1.0]}, "would exhaust memory"),
+    ({"name": "huge", "op": "call_function", "target": "aten.repeat.default",
+      "args": [{"node": "embedding"}, [65536, 1, 1]]}, "would exhaust memory"),
+    ({"name": "huge", "op": "call_function", "target": "aten.expand.default",
+      "args": [{"node": "embedding"}, [4096, 4096, -1, -1, -1]]}, "would exhaust memory"),
+])
+def test_a_few_bytes_of_ir_json_cannot_allocate_gigabytes(art, new, problem):
+    edit(art, "ir.json", lambda d: _before_output(d, new))
+    refused(art, "ir.json", problem)
+
+
+@pytest.mark.parametrize("target, args", [
+    ("aten.as_strided.default", [{"node": "embedding"}, [64], [1], 100000]),
+    ("aten.nonzero.default", [{"node": "embedding"}]),
+    ("aten._local_scalar_dense.default", [{"node": "embedding"}]),
+])
+def test_raw_memory_views_and_data_dependent_ops_are_refused(art, target, args):
+    edit(art, "ir.json", lambda d: _before_output(d, {"name": "odd", "op": "call_function",
+                                                      "target": target, "args": args}))
+    refused(art, "ir.json", "unknown op")
+
+
+@pytest.mark.parametrize("device, problem", [("meta", "malformed"), ("cuda:5", "no CUDA device"),
+                                             ("cuda", "no CUDA device")])
+def test_tensors_placed_where_they_cannot_run_are_refused(art, device, problem):
+    if device.startswith("cuda") and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    new = {"name": "moved", "op": "call_function", "target": "aten._to_copy.default",
+           "args": [{"node": "embedding"}], "kwargs": {"device": {"device": device}}}
+    edit(art, "ir.json", lambda d: _before_output(d, new))
+    refused(art, "ir.json", problem)

@@ -45,7 +45,10 @@ _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # ATen ops whose result is not a function of their inputs: uninitialised memory or random
 # numbers (the tags miss some, e.g. ``empty.memory_format`` is plain core).
 NOT_FUNCTIONS = re.compile(r"empty|rand|bernoulli|normal|uniform|multinomial|dropout|poisson"
-                           r"|exponential|geometric|cauchy|seed")
+                           r"|exponential|geometric|cauchy|seed"
+                           # raw memory views (an offset past the storage reads out of
+                           # bounds), data-dependent sizes, a tensor's value on the host
+                           r"|as_strided|nonzero|_local_scalar_dense|^item$")
 EXTRA_ATEN = {"t", "linear", "matmul", "softmax", "log_softmax", "contiguous", "reshape",
               "unsqueeze", "squeeze", "transpose", "flatten", "chunk", "split"}
 _RW = {op: name for name, op in OPS.items()}
@@ -318,8 +321,11 @@ def _decode(a, env: dict, node: str, depth: int):
         if value is not None and type(value).__name__ == tag:
             return value
     if tag == "device" and isinstance(v, str) and _DEVICE.fullmatch(v):
+        if v.startswith("cuda") and not torch.cuda.is_available():
+            raise IRDataError(f"node {node}: places a tensor on {v}, and this machine has no "
+                              f"CUDA device")
         return torch.device(v)
     raise IRDataError(f"node {node}: malformed {_short(tag)} argument {_short(v)}")
 
 
-_DEVICE = re.compile(r"(cpu|cuda|meta)(:[0-9]{1,3})?")
+_DEVICE = re.compile(r"(cpu|cuda)(:[0-9]{1,3})?")  # not meta: it holds no values
