@@ -184,3 +184,33 @@ def test_triton_backend_generates_the_same_tokens(name):
     ids = prompt(5, 1, model.config.vocab_size)
     assert torch.equal(opt.generate(ids, max_new_tokens=6, eos_token_id=[]),
                        hf_greedy(model, ids, 6))
+
+
+# A ``sliding_window`` key that the model's attention never reads (the Llama and
+# GPT-NeoX; Phi and OPT built the same way) must not window the lifted attention. Hugging
+# Face's own ``generate`` with its cache disagrees with its forward here (its DynamicCache
+# reads the stray key and drops old tokens), so the reference is HF without a cache.
+STRAY_WINDOW = {
+    "llama": (T.LlamaForCausalLM, T.LlamaConfig, dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)),
+    "neox": FAMILIES["neox-parallel-3l"],
+    "phi": FAMILIES["phi-3l"],
+    "opt": FAMILIES["opt-2l"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(STRAY_WINDOW))
+def test_a_stray_sliding_window_in_the_config_changes_nothing(name):
+    cls, config_cls, kwargs = STRAY_WINDOW[name]
+    torch.manual_seed(0)
+    model = cls(config_cls(**{"initializer_range": 0.2, **kwargs, "sliding_window": 4})).eval()
+    opt = rewriter.optimize(model)
+    windows = [n.args[9] for n in opt.ir.gm.graph.nodes if n.target == torch.ops.rw.attention.default]
+    assert windows and windows == [None] * len(windows)
+    ids = prompt(20, 3, model.config.vocab_size)  # 20 tokens: five times the stray window
+    assert_close_rel(opt(ids), hf_logits(model, ids))
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
+                              do_sample=False, eos_token_id=None, pad_token_id=0, use_cache=False)
+    assert torch.equal(opt.generate(ids, max_new_tokens=16, eos_token_id=[]), want)

@@ -19,6 +19,7 @@ from torch import fx, nn
 
 from rewriter.frontend.attention_region import query_scaling, unexpected_math
 from rewriter.frontend.positions import position_offset
+from rewriter.frontend.window import attention_window
 
 from .. import ops
 from ..ir.core import add_weight
@@ -380,18 +381,6 @@ def find_layer_container(root: nn.Module) -> str | None:
         if len(classes) == 1 and has_attn and (best is None or len(mod) > best[1]):
             best = (path, len(mod))
     return best[0] if best else None
-
-
-def attention_window(mod: nn.Module, config, layer: int) -> int | None:
-    """Sliding window of one layer's attention, or None for full attention."""
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and 0 <= layer < len(layer_types):
-        if layer_types[layer] != "sliding_attention":
-            return None
-    if getattr(mod, "sliding_window", None):
-        return int(mod.sliding_window)
-    window = getattr(config, "sliding_window", None)
-    return int(window) if window else None
 
 
 def _same_meta(a: fx.Node, b) -> bool:
