@@ -276,3 +276,42 @@ def test_attention_with_arithmetic_the_lifter_does_not_know_is_left_as_aten(monk
     assert_close_rel(opt(ids_of(2, 7)), hf_logits(model, ids_of(2, 7)))
     refused(opt, *layers)
     assert "arithmetic" in opt.ir.info["lift_report"][0]
+
+
+# ------------------------------------------------------------------ what cannot be traced
+
+DYNAMIC_ROPE = [  # the Llama, then the same class of rotary in other forms
+    (T.LlamaForCausalLM, T.LlamaConfig, {"rope_type": "dynamic", "factor": 2.0}),
+    (T.LlamaForCausalLM, T.LlamaConfig, {"type": "dynamic", "factor": 4.0}),
+    (T.Qwen2ForCausalLM, T.Qwen2Config, {"rope_type": "dynamic", "factor": 2.0}),
+]
+LLAMA_SIZE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+@pytest.mark.parametrize("cls,config_cls,rope", DYNAMIC_ROPE)
+def test_a_dynamic_rotary_embedding_is_refused_by_its_type_in_one_line(tmp_path, cls, config_cls, rope):
+    import subprocess, sys
+    torch.manual_seed(0)
+    cls(config_cls(**LLAMA_SIZE, rope_scaling=rope)).save_pretrained(tmp_path / "ck")
+    run = subprocess.run([sys.executable, "-m", "rewriter", "run", str(tmp_path / "ck"),
+                          "--ids", "1,2,3"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and run.stdout == ""
+    assert len(run.stderr.splitlines()) == 1, run.stderr
+    assert "rope_type 'dynamic'" in run.stderr and "Traceback" not in run.stderr
+
+
+class DataDependent(torch.nn.Module):
+    def forward(self, x):
+        n = int((x > 0).sum())
+        return x[:, :n] if n > 1 else x
+
+
+def test_a_failing_export_prints_nothing_and_restores_the_loggers(capfd):
+    import logging
+    name = "torch.fx.experimental.symbolic_shapes"
+    before = logging.getLogger(name).level
+    with pytest.raises(rewriter.TraceError, match="cannot trace DataDependent"):
+        rewriter.optimize(DataDependent(), example_inputs=(torch.randn(2, 8),))
+    assert capfd.readouterr().err == ""  # was a warning and the partial graph, 18 lines
+    assert logging.getLogger(name).level == before

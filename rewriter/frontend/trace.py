@@ -8,6 +8,10 @@ where the code allows (``Dim.AUTO``).
 """
 from __future__ import annotations
 
+import io
+import logging
+import sys
+from contextlib import contextmanager, redirect_stderr
 from dataclasses import dataclass, field
 
 import torch
@@ -16,7 +20,12 @@ from torch import fx, nn
 from ..errors import TraceError
 from ..ir.shapes import EXAMPLE_BATCH, EXAMPLE_SEQ
 
-
+# A failing export prints its partial graph (a hundred lines and more) through these
+# loggers and straight to sys.stderr before raising: the user gets the one-line TraceError.
+_NOISY_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch.export")
+# Rotary embeddings whose tables HF recomputes from the sequence length at run time: the
+# trace would freeze one length's table (or fail on a data-dependent guard).
+_UNLIFTABLE_ROPE = ("dynamic",)
 
 class CausalLMLogits(nn.Module):
     """``input_ids [B, S] -> logits [B, S, V]`` over a Hugging Face causal LM."""
@@ -61,6 +70,7 @@ def trace(model: nn.Module, example_inputs: tuple | None = None) -> Traced:
 
 
 def _trace_causal_lm(model: nn.Module) -> Traced:
+    _check_rope(model)
     vocab = model.config.vocab_size
     max_len = getattr(model.config, "max_position_embeddings", None) or 4096
     ids = torch.randint(0, vocab, (EXAMPLE_BATCH, EXAMPLE_SEQ),
@@ -74,7 +84,7 @@ def _trace_causal_lm(model: nn.Module) -> Traced:
 def _export(module: nn.Module, args: tuple, dynamic_shapes) -> fx.GraphModule:
     name = type(module.model if isinstance(module, CausalLMLogits) else module).__name__
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _quiet_export():
             ep = torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as e:  # export raises many types; the user needs the first line of one
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -82,6 +92,46 @@ def _export(module: nn.Module, args: tuple, dynamic_shapes) -> fx.GraphModule:
     gm = ep.module()
     _drop_export_guards(gm)
     return gm
+
+
+def _check_rope(model: nn.Module) -> None:
+    """Refuse, before tracing, a rotary embedding the lifter cannot lift, by its type."""
+    config = model.config
+    for key in ("rope_scaling", "rope_parameters"):
+        for rope_type in _rope_types(getattr(config, key, None)):
+            if any(bad in rope_type for bad in _UNLIFTABLE_ROPE):
+                raise TraceError(
+                    f"cannot trace {type(model).__name__}: its {key} has rope_type "
+                    f"{rope_type!r}, which recomputes the rotary table from the sequence "
+                    f"length; rewriter lifts static rotary embeddings only")
+
+
+def _rope_types(params) -> list[str]:
+    """Every ``rope_type`` (or legacy ``type``) in a rope dict, or a dict of them per
+    layer type (Gemma 3)."""
+    if not isinstance(params, dict):
+        return []
+    found = [str(params[k]) for k in ("rope_type", "type") if k in params]
+    return found + [t for v in params.values() for t in _rope_types(v)]
+
+
+@contextmanager
+def _quiet_export():
+    """The export loggers at ERROR while tracing, their levels restored after; what export
+    writes to stderr is held back, and passed on only if the export succeeds (a warning
+    the user should see) rather than raises (the partial graph it prints then)."""
+    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
+    saved = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    held = io.StringIO()
+    try:
+        with redirect_stderr(held):
+            yield
+        sys.stderr.write(held.getvalue())
+    finally:
+        for lg, level in zip(loggers, saved):
+            lg.setLevel(level)
 
 
 def _drop_export_guards(gm: fx.GraphModule) -> None:
