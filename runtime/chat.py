@@ -2,8 +2,13 @@
 
 A model's chat template is a Jinja template (Hugging Face's convention): it turns a list of
 ``{"role", "content"}`` messages into the prompt text the model was trained on. It is
-rendered here through ``transformers``, whose renderer runs templates in Jinja's immutable
-sandbox, so a template read from an artifact or a GGUF file is data, not code.
+rendered in Jinja's immutable sandbox, set up as Hugging Face sets it up (``trim_blocks``,
+``lstrip_blocks``, ``raise_exception``, ``tojson``, ``strftime_now``), so a template read
+from an artifact or a GGUF file is data, not code: attribute tricks raise a security
+error. Beyond Hugging Face's sandbox, ``*`` and ``**`` may not build strings, lists or
+numbers past ``MAX_SIZE`` (``'a' * 10**10`` allocated gigabytes), and a template is at most
+``MAX_TEMPLATE`` characters. Loops are bounded by Jinja's own ``range`` limit only: a
+hostile template can still spend CPU time.
 """
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ from rewriter.errors import RewriterError
 
 Messages = Union[str, Sequence[dict]]
 SPECIAL = ("bos_token", "eos_token", "pad_token", "unk_token")
+MAX_TEMPLATE = 1 << 16  # characters; real templates are a few KB
+MAX_SIZE = 1 << 20      # elements (characters, items) or digits one * or ** may produce
 
 
 @dataclass
@@ -74,14 +81,61 @@ def chat_prompt(tokenizer, text: TextConfig, messages: Messages,
 
 
 def render(text: TextConfig, messages: list[dict], add_generation_prompt: bool = True) -> str:
-    from transformers.utils.chat_template_utils import render_jinja_template
+    if len(text.chat_template) > MAX_TEMPLATE:
+        raise RewriterError(f"the chat template is {len(text.chat_template)} characters, more "
+                            f"than the {MAX_TEMPLATE} allowed")
     try:
-        rendered, _ = render_jinja_template(conversations=[messages], chat_template=text.chat_template,
-                                            add_generation_prompt=add_generation_prompt,
-                                            **text.special_tokens)
-    except Exception as e:  # jinja raises TemplateError and friends for a broken template
+        template = _environment().from_string(text.chat_template)
+        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                               **text.special_tokens)
+    except Exception as e:  # jinja raises TemplateError, SecurityError and friends
         raise RewriterError(f"the chat template failed to render: {type(e).__name__}: {e}") from e
-    return rendered[0]
+
+
+def _environment():
+    import json
+    from datetime import datetime
+
+    from jinja2.exceptions import SecurityError, TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Sandbox(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**"})
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "**" and _is_number(right) and abs(right) > 4096 and _is_number(left) \
+                    and abs(left) > 1:
+                raise SecurityError(f"{left!r:.20} ** {right!r:.20} is too large")
+            sequence = isinstance(left, _SEQUENCES) or isinstance(right, _SEQUENCES)
+            if operator == "*" and sequence and _size(left) * _size(right) > MAX_SIZE:
+                raise SecurityError(f"a product of {_size(left)} x {_size(right)} elements is "
+                                    f"more than the {MAX_SIZE} allowed")
+            return super().call_binop(context, operator, left, right)
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+    env.globals.update(raise_exception=raise_exception,
+                       strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    return env
+
+
+_SEQUENCES = (str, bytes, list, tuple)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _size(x) -> int:
+    """How many elements ``x`` contributes to a product: its length, or the number itself."""
+    if isinstance(x, (str, bytes, list, tuple)):
+        return max(1, len(x))
+    if isinstance(x, int) and not isinstance(x, bool):
+        return max(1, abs(x))
+    return 1
 
 
 def _messages(messages: Messages) -> list[dict]:

@@ -3,6 +3,7 @@ Face directories, artifacts, ``Engine.chat`` and ``rewriter run --chat``."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -132,3 +133,31 @@ def test_a_template_is_rendered_in_a_sandbox_not_run(opt, tmp_path):
     engine = rewriter.load(tmp_path / "art")
     with pytest.raises(RewriterError, match="chat template failed to render"):
         engine.chat("hi")
+
+
+@pytest.mark.parametrize("evil", [
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "{{ cycler.__init__.__globals__ }}",
+    "{{ self._TemplateReference__context }}",
+    "{{ ('a' * 1000000000)|length }}",
+    "{{ ['a'] * 100000000 }}",
+    "{{ 2 ** 100000000 }}",
+    "{{ 'x' }}" * 20000,
+])
+def test_hostile_templates_fail_to_render_by_name(opt, evil):
+    """Attribute escapes raise Jinja's SecurityError or render as nothing (an unsafe
+    attribute is undefined); products and powers that would take gigabytes or hours are
+    refused before they are computed; so is a huge template."""
+    from rewriter.runtime.chat import TextConfig, render
+    try:
+        out = render(TextConfig(evil), [{"role": "user", "content": "hi"}])
+    except RewriterError as e:
+        assert re.search("SecurityError|too large|more than", str(e)), e
+    else:
+        assert out == "", out
+
+
+def test_ordinary_arithmetic_in_templates_still_works():
+    from rewriter.runtime.chat import TextConfig, render
+    text = "{{ 'ab' * 3 }} {{ 1000 * 2000 }} {{ 2 ** 10 }} {{ messages|length }}"
+    assert render(TextConfig(text), [{"role": "user", "content": "hi"}]) == "ababab 2000000 1024 1"
