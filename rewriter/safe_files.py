@@ -83,14 +83,24 @@ def replace_file(name: str, data: bytes, dir_fd: int, mode: int = 0o666,
                  before_rename: Optional[Callable[[], None]] = None) -> None:
     """Put ``data`` at ``name`` atomically: written to a new temporary file in the same
     directory, then renamed onto ``name`` (which replaces a symlink, never follows it).
-    ``before_rename`` runs between the two (a test hook)."""
+    ``before_rename`` runs between the two (a test hook). Once renamed, ``name`` holds
+    ``data`` even if this call then raises (a ``KeyboardInterrupt``): callers that must
+    know whether the rename happened read ``name`` back."""
     tmp = temp_name(name)
     create_file(tmp, data, dir_fd, mode)
     try:
         if before_rename is not None:
             before_rename()
-        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
+        _unlink_quietly(tmp, dir_fd)
+        raise
+    # The rename is the commit: nothing after it may undo it. An error from os.replace
+    # means no rename; an interrupt landing after the rename (still inside this call)
+    # finds no temporary file. A temporary file an interrupt leaves before the rename is
+    # named like one (TEMP_NAME), for the caller's next clean-up.
+    try:
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except OSError:
         _unlink_quietly(tmp, dir_fd)
         raise
 

@@ -23,13 +23,16 @@ Guarantees of ``save(engine, DIR)``:
 - A new save goes into a new version directory; the pointer is replaced atomically (a
   rename) only when that is complete, and the old version is deleted after. Killed at
   any moment, DIR loads as the old artifact or the new one, never neither. A failure
-  that raises removes what the save wrote. The next save deletes what a kill left.
+  that raises before the rename removes what the save wrote; one that lands after it
+  (an interrupt) keeps the new artifact. The next save deletes what a kill left.
+- ``~`` in DIR is the user's home directory.
 - Two saves to one DIR at once are serialised by a lock (``flock`` on DIR).
 
 ``load`` reads the pointer, checks the manifest against the pointer's checksum (an edited
 manifest is reported as such), checks the manifest's fields, then every file's size and
-sha256, before reading any of them. Every failure is an ``ArtifactError`` naming the file
-and the reason. Format 1 (a flat directory, written by rewriter before format 2) is
+sha256, before reading any of them. The manifest may list only the format's files (those
+above; a kernel by a module name, ``kernels/<identifier>.py``). Every failure is an
+``ArtifactError`` naming the file and the reason. Format 1 (a flat directory, written by rewriter before format 2) is
 recognised so that a save may replace it, but not loaded: save it again.
 '''
 from __future__ import annotations
@@ -48,8 +51,8 @@ import torch
 from rewriter import safe_files
 from rewriter.errors import ArtifactError
 from rewriter.runtime.artifact_dir import (
-    FORMAT, IR_FILE, KERNELS_DIR, MANIFEST, POINTER, TEXT_FILE, TOKENIZER_FILE, VERSION_DIR,
-    WEIGHTS_FILE,
+    FORMAT, IR_FILE, KERNEL_NAME, KERNELS_DIR, MANIFEST, POINTER, TEXT_FILE, TOKENIZER_FILE,
+    TOP_FILES, VERSION_DIR, WEIGHTS_FILE,
     Target, is_artifact)
 
 FORMAT_VERSION = 2
@@ -65,7 +68,7 @@ SAVE_STEP_HOOKS: list[Callable[[str], None]] = []
 
 def save(engine, directory, progress: bool = False) -> Path:
     """Write ``engine`` as the artifact at ``directory`` (see the module docstring)."""
-    final = Path(directory)
+    final = Path(directory).expanduser()  # "~/models/x" is the user's, not ./~/models/x
     bar = _bar(progress, 3)
     try:
         files = _serialize(engine)  # everything in memory first: errors here change no file
@@ -115,7 +118,7 @@ def _serialize(engine) -> dict[str, bytes]:
         files[TEXT_FILE] = _json_bytes(engine.text.to_json())
     for name, source in sorted(engine.kernel_sources().items()):
         if "/" not in name:  # templates/ are the package's own modules, not generated code
-            if not safe_files.is_plain_name(name) or name.startswith("."):
+            if not KERNEL_NAME.fullmatch(name):  # what load accepts: a module name
                 raise ArtifactError(f"cannot store a kernel named {name!r}")
             files[f"{KERNELS_DIR}/{name}"] = source.encode()
     entries = {name: {"bytes": len(data), "sha256": _sha256_bytes(data)}
@@ -157,6 +160,9 @@ def _finish(target: Target, version: str, manifest: bytes) -> None:
         safe_files.replace_file(POINTER, _json_bytes(pointer), target.fd,
                                 before_rename=lambda: _step("wrote the new pointer"))
     except BaseException as e:
+        if target.points_to(version):  # raised after the rename, the commit: keep it
+            target.close()  # the old version is a leftover now, for the next save
+            _reraise(e, target.path)
         try:
             safe_files.remove_tree(version, target.fd)
         finally:
@@ -229,7 +235,7 @@ def load(directory, trust_code: bool = False, backend: Optional[str] = None):
     overrides the one it was saved with (e.g. ``"torch"`` for a Triton artifact on a CPU)."""
     from .artifact_ir import Paths, ir_from_data
     from .engine import Engine
-    d, manifest = _checked_manifest(Path(directory))  # d: the version directory
+    d, manifest = _checked_manifest(Path(directory).expanduser())  # d: the version directory
     for name, entry in manifest["files"].items():
         _check_file(d, name, entry)
     for name in (IR_FILE, WEIGHTS_FILE):
@@ -254,7 +260,7 @@ def load(directory, trust_code: bool = False, backend: Optional[str] = None):
         from .triton_backend import available
         reason = available(next(iter(weights.values())).device if weights else torch.device("cpu"))
         if reason is not None:
-            raise ValueError(f"{d}: saved for {reason}; load(..., backend='torch') runs it anyway")
+            raise ArtifactError(f"{d}: saved for {reason}; load(..., backend='torch') runs it anyway")
     elif backend != "torch":
         raise ArtifactError(f"{d / MANIFEST}: unknown backend {backend!r}")
     engine = Engine(ir, tokenizer, manifest["passes"], backend, text)
@@ -266,7 +272,7 @@ def load(directory, trust_code: bool = False, backend: Optional[str] = None):
 def read_manifest(directory) -> dict:
     """The manifest of an artifact, checked against the pointer's checksum and for its
     fields; each listed file is checked to exist with its recorded size (not hashed)."""
-    d, manifest = _checked_manifest(Path(directory))
+    d, manifest = _checked_manifest(Path(directory).expanduser())
     for name, entry in manifest["files"].items():
         _check_file(d, name, entry, hash=False)
     return manifest
@@ -370,9 +376,12 @@ def _check_fields(path: Path, m: dict) -> None:
 
 def _check_file(d: Path, name: str, entry: dict, hash: bool = True) -> None:
     parts = name.split("/")
-    plain = all(safe_files.is_plain_name(p) for p in parts)
-    if not plain or name == MANIFEST or (len(parts) == 2 and parts[0] != KERNELS_DIR) or len(parts) > 2:
-        raise ArtifactError(f"{d / MANIFEST}: bad file name {name!r:.80}")
+    top = len(parts) == 1 and name in TOP_FILES - {MANIFEST}
+    kernel = len(parts) == 2 and parts[0] == KERNELS_DIR and KERNEL_NAME.fullmatch(parts[1])
+    if not (top or kernel):  # only the format's files: no evil.sh, no kernels/x
+        raise ArtifactError(f"{d / MANIFEST}: lists {name!r:.80}, which is not a file of the "
+                            f"format ({', '.join(sorted(TOP_FILES - {MANIFEST}))}, "
+                            f"{KERNELS_DIR}/<module>.py)")
     path = d / name
     if len(parts) == 2 and _kind(d / parts[0]) not in (None, "dir"):
         raise ArtifactError(f"{d / parts[0]}: not a directory (a link or a file)")

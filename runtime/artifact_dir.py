@@ -10,8 +10,11 @@ version (or, format 1, when a flat ``manifest.json`` carries the marker and vers
 A save may write into a directory that does not exist, an empty one, an artifact, or one
 that holds nothing but the leftovers of interrupted saves; it refuses anything else
 before changing anything. Inside a claimed directory a save deletes only entries whose
-names and contents are those this module creates: version directories the pointer does
-not name, the pointer's temporary files, and a format-1 artifact's listed files.
+names and shapes are those this module creates: version directories (the pointer's old
+one included) holding only regular files of the format's names and a real ``kernels``
+directory of regular ``*.py`` modules, the pointer's temporary files, and a format-1
+artifact's listed files when they are regular files (kernels inside a real ``kernels``
+directory, opened without following a link). A link is never followed, nor deleted.
 """
 from __future__ import annotations
 
@@ -32,6 +35,8 @@ IR_FILE, WEIGHTS_FILE, TOKENIZER_FILE, TEXT_FILE, KERNELS_DIR = (
     "ir.json", "weights.safetensors", "tokenizer.json", "tokenizer_config.json", "kernels")
 VERSION_DIR = re.compile(r"v-[0-9a-f]{16}")
 FILE_NAMES = {MANIFEST, IR_FILE, WEIGHTS_FILE, TOKENIZER_FILE, TEXT_FILE, KERNELS_DIR}
+TOP_FILES = FILE_NAMES - {KERNELS_DIR}  # the regular files at a version directory's top
+KERNEL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\.py")  # a kernel: an importable module
 # Hidden siblings the format-1 save left behind: tempfile.mkdtemp's 8 characters, or a pid.
 _OLD_SIBLING = r"\.{name}\.(saving-[a-z0-9_]{{8}}|old-[0-9]+)"
 
@@ -89,6 +94,10 @@ class Target:
             elif _is_pointer_temp(name, self.fd):
                 os.unlink(name, dir_fd=self.fd)
         _remove_old_siblings(self.path)
+
+    def points_to(self, version: str) -> bool:
+        """Whether the pointer names ``version`` (the rename that commits a save is done)."""
+        return marker_version(POINTER, self.fd) is not None and _pointed_version(self.fd) == version
 
     def remove_old(self, keep: str) -> None:
         """After the pointer names ``keep``: delete the previous version and format-1 files."""
@@ -199,12 +208,36 @@ def _is_our_version_dir(name: str, fd: int) -> bool:
 
 
 def _holds_only_artifact_files(name: str, fd: int) -> bool:
+    """Whether directory ``name`` holds only what a save writes into a version directory:
+    regular files with the format's names (or their temporary names), and a real
+    ``kernels`` directory of regular ``*.py`` modules. Names alone are not enough: a user's
+    ``kernels/thesis.tex`` or ``ir.json/data`` must never be taken for a leftover."""
+    return _holds_only(name, fd, _is_version_entry)
+
+
+def _is_version_entry(name: str, fd: int) -> bool:
+    if name == KERNELS_DIR:
+        return (safe_files.entry_type(name, fd) == "dir"
+                and _holds_only(name, fd, _is_kernel_entry))
+    ours = name in TOP_FILES or _temp_of(name) in TOP_FILES
+    return ours and safe_files.entry_type(name, fd) == "file"
+
+
+def _is_kernel_entry(name: str, fd: int) -> bool:
+    ours = KERNEL_NAME.fullmatch(name) or KERNEL_NAME.fullmatch(_temp_of(name) or "")
+    return bool(ours) and safe_files.entry_type(name, fd) == "file"
+
+
+def _holds_only(name: str, fd: int, is_ours) -> bool:
+    """Whether every entry of directory ``name`` (a link is refused) passes ``is_ours``."""
     try:
         sub = safe_files.open_dir(name, fd)
     except OSError:
         return False
     try:
-        return all(n in FILE_NAMES or _temp_of(n) in FILE_NAMES for n in os.listdir(sub))
+        return all(is_ours(n, sub) for n in os.listdir(sub))
+    except OSError:
+        return False
     finally:
         os.close(sub)
 
@@ -220,24 +253,41 @@ def _temp_of(name: str) -> Optional[str]:
 
 def _remove_format1(fd: int) -> None:
     """Delete a format-1 artifact's files: those its manifest lists, then the manifest
-    (last, so that an interrupted clean-up is finished by the next save)."""
+    (last, so that an interrupted clean-up is finished by the next save). Only regular
+    files are deleted, and kernels only inside a real ``kernels`` directory opened without
+    following a link: a manifest listing ``kernels/id_rsa`` beside ``kernels -> ~/.ssh``
+    must not reach ~/.ssh."""
     if marker_version(MANIFEST, fd) != 1:
         return
     try:
         files = json.loads(safe_files.read_file(MANIFEST, fd)).get("files")
     except (OSError, ValueError, RecursionError):
         return
+    kernels = []
     for name in files if isinstance(files, dict) else ():
         parts = name.split("/") if isinstance(name, str) else []
-        top = len(parts) == 1 and parts[0] in FILE_NAMES - {MANIFEST, KERNELS_DIR}
-        kernel = len(parts) == 2 and parts[0] == KERNELS_DIR and safe_files.is_plain_name(parts[1])
-        if top or kernel:
-            _unlink_quietly(name, fd)
+        if len(parts) == 1 and parts[0] in TOP_FILES - {MANIFEST}:
+            _unlink_file(parts[0], fd)
+        elif len(parts) == 2 and parts[0] == KERNELS_DIR and KERNEL_NAME.fullmatch(parts[1]):
+            kernels.append(parts[1])
+    _remove_kernels(kernels, fd)
+    _unlink_file(MANIFEST, fd)
+
+
+def _remove_kernels(names: list[str], fd: int) -> None:
+    try:
+        kfd = safe_files.open_dir(KERNELS_DIR, fd)
+    except OSError:
+        return  # absent, a link (not followed) or a file: not ours
+    try:
+        for name in names:
+            _unlink_file(name, kfd)
+    finally:
+        os.close(kfd)
     try:
         os.rmdir(KERNELS_DIR, dir_fd=fd)
     except OSError:
-        pass  # absent, or holds something that is not ours
-    _unlink_quietly(MANIFEST, fd)
+        pass  # holds something that is not ours
 
 
 def _remove_old_siblings(path: Path) -> None:
@@ -260,8 +310,11 @@ def _remove_old_siblings(path: Path) -> None:
         os.close(pfd)
 
 
-def _unlink_quietly(name: str, fd: int) -> None:
+def _unlink_file(name: str, fd: int) -> None:
+    """Delete ``name`` in ``fd`` if it is a regular file (a link or a directory is the
+    user's, not a file a save wrote). ``name`` is one component: no link is followed."""
     try:
-        os.unlink(name, dir_fd=fd)  # removes a link itself, never its target
+        if safe_files.entry_type(name, fd) == "file":
+            os.unlink(name, dir_fd=fd)
     except OSError:
-        pass  # gone already, a directory, or not ours to remove: left for the user
+        pass  # gone already, or not ours to remove: left for the user

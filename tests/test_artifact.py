@@ -1,7 +1,9 @@
 """Artifacts: save/load round trips exactly, every corruption is an ArtifactError naming the
 file and the reason, saves are atomic, and loading runs no stored code."""
 import json
+import os
 import pickle
+import re
 import shutil
 
 import pytest
@@ -10,7 +12,7 @@ import torch
 import rewriter
 from rewriter import ArtifactError
 from rewriter.passes import LayerSkip
-from rewriter.runtime.artifact import read_manifest
+from rewriter.runtime.artifact import is_artifact, read_manifest
 
 from artifact_tools import artifact_files, reseal
 from conftest import make_model, varied_init
@@ -388,3 +390,42 @@ def test_a_version_directory_that_is_a_symlink_is_refused(copy, tmp_path):
     v.symlink_to(tmp_path / "elsewhere")
     with pytest.raises(ArtifactError, match=rf"{v.name}: missing or not a directory"):
         rewriter.load(copy)
+
+
+# ---------------------------------------------------------------- only the format's own files
+
+@pytest.mark.parametrize("name", [
+    "evil.sh",             # the issue's: a top-level file outside the format, present, hashed
+    "kernels/x",           # the issue's: a kernel that is not a .py module
+    "kernels/setup.sh",
+    "kernels/my-kernel.py",  # .py, but not a module name
+    "kernels.py",
+])
+def test_a_listed_file_outside_the_format_is_refused(copy, name):
+    v = artifact_files(copy)["manifest.json"].parent
+    (v / name).parent.mkdir(exist_ok=True)
+    (v / name).write_text("#!/bin/sh\nrm -rf ~\n")
+    rewrite_manifest(copy, lambda m: m["files"].__setitem__(name, {"bytes": 0, "sha256": "0" * 64}))
+    for read in (rewriter.load, read_manifest):
+        with pytest.raises(ArtifactError, match=rf"manifest\.json: .*{re.escape(name)!s}"):
+            read(copy)
+
+
+def test_a_triton_artifact_where_triton_cannot_run_is_an_artifact_error(copy, monkeypatch):
+    rewrite_manifest(copy, lambda m: m.__setitem__("backend", "triton"))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ArtifactError, match=r"load\(\.\.\., backend='torch'\) runs it anyway"):
+        rewriter.load(copy)
+    assert rewriter.load(copy, backend="torch").backend == "torch"  # the hint works
+
+
+def test_a_path_under_the_home_directory_is_expanded(saved, tmp_path, monkeypatch):
+    (tmp_path / "home").mkdir()
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path / "cwd")
+    saved[0].save("~/models/x")
+    assert os.listdir(tmp_path / "cwd") == []  # no literal ./~/models/x
+    assert is_artifact(tmp_path / "home" / "models" / "x")
+    assert str(rewriter.load("~/models/x").ir) == str(saved[0].ir)
+    assert read_manifest("~/models/x")["backend"] == "torch"

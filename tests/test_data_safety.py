@@ -124,11 +124,42 @@ def not_artifacts(d: Path) -> dict:
     cases["user_files_in_a_version_name"] = d / "user_files_in_a_version_name"
     (cases["user_files_in_a_version_name"] / "v-0123456789abcdef").mkdir(parents=True)
     (cases["user_files_in_a_version_name"] / "v-0123456789abcdef" / "thesis.tex").write_text("mine")
+    for case in LOOKALIKES:
+        lookalike(d / f"lookalike_{case}" / "v-0123456789abcdef", case, mine=d / "mine")
+        cases[f"lookalike_{case}"] = d / f"lookalike_{case}"
     return cases
 
 
+# What a user may keep under a version directory's or an old sibling's name: the names
+# are the format's, the shapes are not (a save writes regular files, and .py kernels).
+LOOKALIKES = {
+    "kernels_thesis": "kernels/thesis.tex",  # the issue's
+    "ir_json_directory": "ir.json/data",     # the issue's
+    "kernels_subdirectory": "kernels/lib/util.py",
+    "weights_link": "weights.safetensors",   # a link to the user's file
+    "kernels_link": "kernels",               # a link to the user's directory of .py files
+}
+
+
+def lookalike(d: Path, case: str, mine: Path) -> None:
+    """Make ``d`` hold the format's names in shapes a save never writes; its links point
+    into ``mine`` (the user's directory, outside ``d``)."""
+    rel = LOOKALIKES[case]
+    mine.mkdir(parents=True, exist_ok=True)
+    (mine / "notes.txt").write_text("mine")
+    (mine / "util.py").write_text("x = 1")
+    (d / rel).parent.mkdir(parents=True, exist_ok=True)
+    if case == "weights_link":
+        (d / rel).symlink_to(mine / "notes.txt")
+    elif case == "kernels_link":
+        (d / rel).symlink_to(mine)
+    else:
+        (d / rel).write_text("mine")
+
+
 @pytest.mark.parametrize("case", ["web_app", "marker_without_version", "foreign_pointer_name",
-                                  "pointer_not_json", "user_files_in_a_version_name"])
+                                  "pointer_not_json", "user_files_in_a_version_name",
+                                  *(f"lookalike_{c}" for c in LOOKALIKES)])
 def test_save_refuses_a_directory_that_is_not_an_artifact(old, tmp_path, case):
     path = not_artifacts(tmp_path)[case]
     before = tree(tmp_path)
@@ -363,6 +394,34 @@ def test_an_error_at_each_step_leaves_no_trace_before_the_swap(old, new, tmp_pat
         assert_one_clean_artifact(path, new)
 
 
+@pytest.mark.parametrize("error", [KeyboardInterrupt, OSError])
+@pytest.mark.parametrize("first", [True, False], ids=["first_save", "overwrite"])
+def test_an_error_just_after_the_pointer_rename_keeps_the_new_artifact(old, new, tmp_path,
+                                                                      monkeypatch, error, first):
+    """The rename is the commit: an interrupt landing after it (still inside the call that
+    renamed) must not delete the version the pointer now names."""
+    path = tmp_path / "a"
+    if not first:
+        old.save(path)
+    (tmp_path / "notes.txt").write_text("beside the artifact")
+    outside = tree(tmp_path, skip=path)
+    rename = os.replace
+
+    def rename_then_raise(src, dst, *args, **kwargs):
+        rename(src, dst, *args, **kwargs)
+        if dst == "artifact.json":
+            raise error("injected after the rename")
+    monkeypatch.setattr(os, "replace", rename_then_raise)
+    with pytest.raises(KeyboardInterrupt if error is KeyboardInterrupt else ArtifactError,
+                       match="injected after the rename"):
+        new.save(path)
+    monkeypatch.undo()
+    assert holds(path, new) and tree(tmp_path, skip=path) == outside
+    new.save(path)  # the next save deletes what was left (the old version)
+    assert_one_clean_artifact(path, new)
+    assert tree(tmp_path, skip=path) == outside
+
+
 # ---------------------------------------------------------------- leftovers of interrupted saves
 
 def test_the_old_layouts_hidden_temporary_directories_are_deleted(old, new, tmp_path):
@@ -403,6 +462,28 @@ def test_what_only_looks_like_a_leftover_is_kept(old, new, tmp_path):
     before = tree(tmp_path)
     new.save(path)
     after = tree(tmp_path)
+    assert {k: after.get(k) for k in kept} == {k: before[k] for k in kept} and holds(path, new)
+
+
+@pytest.mark.parametrize("where", ["leftover_version", "old_sibling", "current_version"])
+@pytest.mark.parametrize("case", list(LOOKALIKES))
+def test_a_version_lookalike_is_kept_wherever_a_save_cleans_up(old, new, tmp_path, where, case):
+    """Leftover clean-up, the old-layout siblings' clean-up and the deletion of the version
+    the pointer named before all keep a directory that a save would not have written."""
+    path = tmp_path / "a"
+    old.save(path)
+    current = path / json.loads((path / "artifact.json").read_text())["version_dir"]
+    d = {"leftover_version": path / "v-0123456789abcdef", "old_sibling": tmp_path / ".a.saving-k2j4_9xz",
+         "current_version": current}[where]
+    rel = LOOKALIKES[case]
+    if (d / rel.split("/")[0]).exists():  # the current version's own ir.json or weights
+        (d / rel.split("/")[0]).unlink()
+    lookalike(d, case, mine=tmp_path / "mine")
+    before = tree(tmp_path)
+    new.save(path)
+    after = tree(tmp_path)
+    kept = [k for k in before if k.startswith(f"{d.relative_to(tmp_path).as_posix()}/")
+            or k.startswith("mine")]
     assert {k: after.get(k) for k in kept} == {k: before[k] for k in kept} and holds(path, new)
 
 
@@ -459,6 +540,34 @@ def test_a_format1_artifact_is_replaced_and_refused_at_load(old, new, tmp_path):
     new.save(path)
     assert sorted(os.listdir(path)) == ["README.md", "artifact.json"] + version_dirs(path)
     assert holds(path, new)
+
+
+def format1_manifest(path: Path, files: list[str]) -> Path:
+    """A format-1 artifact's marker listing ``files`` (which may not be there)."""
+    path.mkdir()
+    (path / "manifest.json").write_text(json.dumps(
+        {"format": "rewriter-artifact", "format_version": 1, "files": {f: {} for f in files}}))
+    return path
+
+
+@pytest.mark.parametrize("case", ["ssh_keys", "kernel_sources", "ir_json_link"])
+def test_replacing_a_format1_artifact_never_deletes_through_a_link(old, tmp_path, case):
+    """The issue's input: ``kernels`` a link to ~/.ssh, the manifest listing the keys as
+    kernels; a save deleted them. Only regular files inside DIR itself are removed."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    names = {"ssh_keys": ["authorized_keys", "id_rsa"], "kernel_sources": ["a.py", "b.py"],
+             "ir_json_link": ["ir.json"]}[case]
+    for name in names:
+        (mine / name).write_text(f"the user's {name}")
+    listed = names if case == "ir_json_link" else [f"kernels/{n}" for n in names]
+    path = format1_manifest(tmp_path / "a", listed)
+    link = path / ("ir.json" if case == "ir_json_link" else "kernels")
+    link.symlink_to(mine / "ir.json" if case == "ir_json_link" else mine)
+    outside = tree(tmp_path, skip=path)
+    old.save(path)
+    assert tree(tmp_path, skip=path) == outside
+    assert link.is_symlink() and holds(path, old)  # the link, not ours to delete, is kept
 
 
 # ---------------------------------------------------------------- dumps
