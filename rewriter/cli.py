@@ -265,8 +265,12 @@ def _parse_ids(text: str) -> list[int]:
     """``--ids 1,2,3`` as ints (range checks are the engine's, against the vocabulary)."""
     parts = [x.strip() for x in text.split(",")]
     if not all(re.fullmatch(r"-?[0-9]+", p) for p in parts):
-        raise ValueError(f"--ids must be comma-separated integers, got {text!r}")
-    return [int(p) for p in parts]
+        raise ValueError(f"--ids must be comma-separated integers, got {text!r:.80}")
+    ids = [int(p) for p in parts]
+    if any(not 0 <= i < 2 ** 63 for i in ids):
+        bad = next(i for i in ids if not 0 <= i < 2 ** 63)
+        raise ValueError(f"--ids: token id {bad} is not a non-negative 64-bit integer")
+    return ids
 
 
 def _utf8(flag: str, text: str) -> str:

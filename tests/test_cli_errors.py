@@ -140,6 +140,8 @@ BAD = [
     ("run {artifact} --prompt \udcff", "--prompt is not valid UTF-8 text"),
     ("run {artifact}", "one of the arguments --prompt --chat --ids is required"),
     # run: models
+    ("run {artifact} --ids 99999999999999999999999", "--ids: token id 99999999999999999999999"),
+    ("run {artifact} --ids -3", "--ids: token id -3"),
     ("run {tmp}/missing --ids 1", "no such artifact or checkpoint"),
     ("run {file} --ids 1", "not a directory"),
     ("run {pickled} --ids 1", "pickled weights are refused"),
