@@ -132,7 +132,7 @@ BAD = [
     ("run {ckpt} --ids 1.5", "--ids must be comma-separated integers"),
     ("run {ckpt} --ids=-1,2", "--ids: token id -1 is not a non-negative"),
     ("run {artifact} --ids 1,64", "outside the vocabulary [0, 64): row 0 has 64"),
-    ("run {artifact} --ids 1,99999999999999999999999", "input_ids[0][1] must be <"),
+    ("run {artifact} --ids 1,99999999999999999999999", "--ids: token id 99999999999999999999999 is not"),
     ("run {artifact} --ids 1,2 --max-new-tokens 100", "exceeds the KV cache of 64 tokens"),
     ("run {artifact} --ids 1,2 --max-new-tokens 100 --no-stream", "exceeds the KV cache"),
     ("run {artifact} --ids ' '", "--ids must be comma-separated integers"),
