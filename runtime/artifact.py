@@ -331,7 +331,9 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def _is_int(x) -> bool:
-    return type(x) is int and x >= 0
+    """A count or size: a non-negative int that fits 64 bits (``rewriter info`` divides
+    it; 10**400 overflowed a float there)."""
+    return type(x) is int and 0 <= x < 2 ** 63
 
 
 def _is_opt_str(x) -> bool:

@@ -356,6 +356,9 @@ def set_key(m, path, value):
     (["versions"], ["2.13"], "'versions' must be"),
     (["created"], 0, "'created' must be"),
     (["format_version"], "2", "format version '2' is not supported"),
+    (["model", "parameters"], 10 ** 400, "'model' must be"),
+    (["model", "layers"], -1, "'model' must be"),
+    (["files", "ir.json", "bytes"], 2 ** 64, "'files' must be"),
 ])
 def test_a_manifest_field_of_the_wrong_type_is_named(copy, path, value, match):
     manifest = artifact_files(copy)["manifest.json"]
@@ -365,6 +368,8 @@ def test_a_manifest_field_of_the_wrong_type_is_named(copy, path, value, match):
     reseal(copy, entries=False)
     with pytest.raises(ArtifactError, match=r"manifest\.json: " + match):
         rewriter.load(copy)
+    from rewriter.cli import main
+    assert main(["info", str(copy)]) == 2  # rewriter info reads the same checked manifest
 
 
 @pytest.mark.parametrize("key", ["files", "passes", "model", "backend", "tokenizer"])
