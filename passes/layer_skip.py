@@ -14,6 +14,7 @@ from typing import Sequence
 from ..errors import PassError
 from ..ir.core import IR
 from ..pass_manager import Pass
+from ..runtime.settings import is_int
 
 
 class LayerSkip(Pass):
@@ -80,9 +81,9 @@ def kept_positions(num_layers: int, speedup: float) -> set[int]:
 
 
 def _as_index(i) -> int:
-    if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+    if not is_int(i) or i < 0:  # numpy integers too, as generate takes them
         raise ValueError(f"LayerSkip: layers must hold non-negative integers, got {i!r}")
-    return i
+    return int(i)
 
 
 def _ranges(present: list[int]) -> str:

@@ -25,7 +25,7 @@ from .chat import Messages, TextConfig, chat_prompt, split_tokenizer
 from .generate import Batch, decode_loop, prepare, score_loop
 from .kv_cache import KVCache, attention_specs
 from .lower import lower
-from .settings import GenerationSettings, token_ids
+from .settings import GenerationSettings, is_int, token_ids
 
 Prompts = Union[Tensor, Sequence[Sequence[int]]]
 
@@ -125,8 +125,8 @@ class Engine:
         sampling arguments."""
         ids = chat_prompt(self.tokenizer, self.text, messages)
         out = self.generate([ids], max_new_tokens=max_new_tokens, **generation)[0, len(ids):]
-        eos = generation.get("eos_token_id")
-        eos = set(self.eos_token_ids if eos is None else [eos] if isinstance(eos, int) else eos)
+        eos = set(GenerationSettings(eos_token_id=generation.get("eos_token_id"))
+                  .for_model(self.config).eos_token_id)
         ended = [i for i, t in enumerate(out.tolist()) if t in eos]
         return self.tokenizer.decode(out[:ended[0] if ended else len(out)].tolist(),
                                      skip_special_tokens=True)
@@ -138,8 +138,9 @@ class Engine:
         as the runtime, caches and their policies included, computes it."""
         check_token_ids(input_ids, self.config.get("vocab_size"))
         b, s = input_ids.shape
-        if isinstance(prefix, bool) or not isinstance(prefix, int) or not 1 <= prefix < s:
+        if not is_int(prefix) or not 1 <= prefix < s:
             raise ValueError(f"prefix must be an int in [1, {s - 1}] for {s}-token rows, got {prefix!r}")
+        prefix = int(prefix)
         self._check(input_ids, 0)
         prefill, decode = self._lowered()
         cache = self._cache_for(b, s)
@@ -172,15 +173,30 @@ class Engine:
         if positions is None:
             b, s = input_ids.shape
             positions = torch.arange(s, device=input_ids.device).expand(b, s)
-        elif (not isinstance(positions, Tensor) or positions.shape != input_ids.shape
-              or positions.dtype not in (torch.int64, torch.int32)
-              or (positions.numel() and int(positions.min()) < 0)):
+        else:
+            self._check_positions(input_ids, positions)
+        with torch.no_grad():
+            return self.ir.gm(input_ids, positions)
+
+    def _check_positions(self, input_ids: Tensor, positions) -> None:
+        """Explicit positions: integers in ``[0, max_len)`` shaped like ``input_ids``, for
+        an IR that reads them (one whose frontend found no position to wire would ignore
+        them in silence)."""
+        if (not isinstance(positions, Tensor) or positions.shape != input_ids.shape
+                or positions.dtype not in (torch.int64, torch.int32)
+                or (positions.numel() and int(positions.min()) < 0)):
             shown = (f"{positions.dtype} {list(positions.shape)}" if isinstance(positions, Tensor)
                      else type(positions).__name__)
             raise ValueError(f"positions must be a non-negative integer tensor shaped like "
                              f"input_ids {list(input_ids.shape)}, got {shown}")
-        with torch.no_grad():
-            return self.ir.gm(input_ids, positions)
+        if positions.numel() and int(positions.max()) >= self.max_len:
+            raise ValueError(f"positions must be < {self.max_len} (the model's context length), "
+                             f"got {int(positions.max())}")
+        placeholder = next((n for n in self.ir.gm.graph.find_nodes(op="placeholder")
+                            if n.target == "positions"), None)
+        if placeholder is None or not placeholder.users:
+            raise ValueError("positions were given, but this model reads none (the frontend "
+                             "wired no position embedding or rotary table to them)")
 
     def kernel_sources(self, templates: bool = False) -> dict[str, str]:
         """File name -> Triton source of every generated kernel (and, with ``templates``,

@@ -15,24 +15,35 @@ What is refused, with a ``ValueError`` that names the parameter:
   trust than "floats that happen to be whole");
 - a real parameter that is not a finite ``int``/``float`` (NaN, inf, bools, strings);
 - out-of-range values: ``max_new_tokens >= 1``, ``top_k >= 0`` or None (0 and None: no
-  limit, as in Hugging Face), ``temperature > 0`` and ``top_p`` in (0, 1] when sampling
+  limit, as in Hugging Face), ``temperature >= 1e-4`` (a smaller one overflows the
+  scaled logits: greedy decoding is its limit) and ``top_p`` in (0, 1] when sampling
   (greedy decoding ignores them, as Hugging Face does, but they must still be numbers),
-  eos ids in ``[0, vocab_size)`` once the model is known (``pad_token_id`` may be any int:
-  it only marks output positions).
+  eos ids in ``[0, vocab_size)`` once the model is known
+  (``pad_token_id`` may be any int64: it only marks output positions), ``seed`` what
+  ``torch.Generator.manual_seed`` takes (64 bits, signed or not).
+
+Numpy integers and floats are accepted as their Python values, and stored as those.
 """
 from __future__ import annotations
 
 import math
 import numbers
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Optional, Sequence, Union
 
+import numpy
 import torch
 
 TokenIds = Union[None, int, Sequence[int]]
 
 # torch.Generator.manual_seed takes any value that fits 64 bits, signed or not.
 _SEED_RANGE = (-(2 ** 63), 2 ** 64)
+# Output ids are an int64 tensor: pad_token_id must fit one.
+_INT64_RANGE = (-(2 ** 63), 2 ** 63)
+# Sampling divides float32 logits by the temperature: below this, logits of a few hundred
+# already overflow to inf and the probabilities become NaN.
+MIN_TEMPERATURE = 1e-4
 
 
 @dataclass(frozen=True)
@@ -51,24 +62,32 @@ class GenerationSettings:
     pad_token_id: Optional[int] = None
 
     def __post_init__(self):
-        whole("max_new_tokens", self.max_new_tokens, minimum=1)
-        if not isinstance(self.do_sample, bool):
+        # Every field is stored as the plain Python value it was checked as: a numpy or
+        # other Integral scalar never reaches torch (manual_seed refuses numpy's).
+        put = partial(object.__setattr__, self)
+        put("max_new_tokens", whole("max_new_tokens", self.max_new_tokens, minimum=1))
+        if not isinstance(self.do_sample, (bool, numpy.bool_)):
             raise ValueError(f"do_sample must be True or False, got {self.do_sample!r}")
-        real("temperature", self.temperature)
-        real("top_p", self.top_p)
+        put("do_sample", bool(self.do_sample))
+        put("temperature", real("temperature", self.temperature))
+        put("top_p", real("top_p", self.top_p))
         if self.top_k is not None:
-            whole("top_k", self.top_k, minimum=0)
+            put("top_k", whole("top_k", self.top_k, minimum=0))
         if self.seed is not None:
-            whole("seed", self.seed, minimum=_SEED_RANGE[0], below=_SEED_RANGE[1])
+            put("seed", whole("seed", self.seed, minimum=_SEED_RANGE[0], below=_SEED_RANGE[1]))
         if self.do_sample:
             if not self.temperature > 0:
                 raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature}")
+            if self.temperature < MIN_TEMPERATURE:
+                raise ValueError(f"temperature must be >= {MIN_TEMPERATURE} when sampling (smaller "
+                                 f"ones overflow the scaled logits; do_sample=False is the greedy "
+                                 f"limit), got {self.temperature}")
             if not 0.0 < self.top_p <= 1.0:
                 raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.eos_token_id is not None:
-            object.__setattr__(self, "eos_token_id", token_ids("eos_token_id", self.eos_token_id))
+            put("eos_token_id", token_ids("eos_token_id", self.eos_token_id))
         if self.pad_token_id is not None:
-            whole("pad_token_id", self.pad_token_id)
+            put("pad_token_id", pad_id("pad_token_id", self.pad_token_id))
 
     def for_model(self, config: dict) -> "GenerationSettings":
         """These settings with eos and pad resolved from the model ``config`` (a
@@ -82,7 +101,7 @@ class GenerationSettings:
         if pad is None:
             pad = config.get("pad_token_id")
             if pad is not None:
-                whole("pad_token_id (from the model config)", pad)
+                pad = pad_id("pad_token_id (from the model config)", pad)
         pad = pad if pad is not None else (eos[0] if eos else 0)
         if vocab is not None:
             for i in eos:
@@ -111,6 +130,11 @@ def whole(name: str, value, minimum: Optional[int] = None, below: Optional[int] 
     if below is not None and value >= below:
         raise ValueError(f"{name} must be < {below}, got {value}")
     return int(value)
+
+
+def pad_id(name: str, value) -> int:
+    """``pad_token_id``: any int64 (it only marks output positions, -1 included)."""
+    return whole(name, value, minimum=_INT64_RANGE[0], below=_INT64_RANGE[1])
 
 
 def real(name: str, value) -> float:

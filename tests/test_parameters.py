@@ -3,8 +3,11 @@ integer is meant and strings are refused, never truncated, never read as "no lim
 
 Generation parameters go through one ``GenerationSettings``; prompts through ``prepare``;
 pass parameters through ``from_spec`` and each pass's ``__init__``."""
+import numpy as np
 import pytest
 import torch
+
+import transformers as T
 
 import rewriter
 from conftest import make_model
@@ -63,6 +66,17 @@ BAD_SETTINGS = [
     (dict(SAMPLING, top_p=-0.1), r"top_p must be in \(0, 1\]"),
     (dict(do_sample="yes"), "do_sample must be True or False"),
     (dict(do_sample=1), "do_sample must be True or False"),
+    # pad ids fill an int64 tensor: the issue's 2**63 and 2**70 were raw torch errors
+    (dict(pad_token_id=2 ** 63), "pad_token_id must be < 9223372036854775808"),
+    (dict(pad_token_id=2 ** 70), "pad_token_id must be < 9223372036854775808"),
+    (dict(pad_token_id=-(2 ** 63) - 1), "pad_token_id must be >= -9223372036854775808"),
+    (dict(pad_token_id=np.uint64(2 ** 64 - 1)), "pad_token_id must be < "),
+    (dict(SAMPLING, seed=-(2 ** 63) - 1), "seed must be >= "),
+    (dict(SAMPLING, seed=np.float64(3)), "seed must be an integer"),
+    # temperatures that overflow the scaled logits (the issue's 1e-300: NaN probabilities)
+    (dict(SAMPLING, temperature=1e-300), r"temperature must be >= 0.0001 when sampling"),
+    (dict(SAMPLING, temperature=5e-324), r"temperature must be >= 0.0001 when sampling"),
+    (dict(SAMPLING, temperature=np.float32(1e-30)), r"temperature must be >= 0.0001"),
 ]
 
 
@@ -235,3 +249,88 @@ def test_layer_skip_still_refuses_to_run_after_a_repeated_add_rms_norm_fusion():
         rewriter.optimize(make_model("llama-gqa-3l"),
                           passes=[FuseAddRMSNorm(), FuseAddRMSNorm(), LayerSkip(layers=[1])])
 
+
+
+# ------------------------------------------------------------------ numpy scalars
+
+def test_numpy_scalars_are_taken_as_their_python_values_and_stored_so(opt):
+    """The issue's: a numpy seed reached ``manual_seed`` (TypeError after the checks)."""
+    numpy_kw = dict(max_new_tokens=np.int64(4), do_sample=np.bool_(True), temperature=np.float32(0.5),
+                    top_k=np.int32(20), top_p=np.float64(0.9), seed=np.uint64(2 ** 64 - 1),
+                    eos_token_id=[np.int16(3)], pad_token_id=np.int64(-1))
+    plain_kw = dict(max_new_tokens=4, do_sample=True, temperature=0.5, top_k=20, top_p=0.9,
+                    seed=2 ** 64 - 1, eos_token_id=[3], pad_token_id=-1)
+    s = GenerationSettings(**numpy_kw)
+    assert s == GenerationSettings(**plain_kw)
+    assert all(type(getattr(s, k)) in (int, float, bool) for k in plain_kw if k != "eos_token_id")
+    assert torch.equal(opt.generate([[1, 2, 3]], **numpy_kw), opt.generate([[1, 2, 3]], **plain_kw))
+
+
+@pytest.mark.parametrize("index", [np.int64(1), np.int32(1), np.uint8(1)])
+def test_layer_skip_takes_numpy_layer_indices(index):
+    assert repr(LayerSkip(layers=[index, 2])) == "LayerSkip(layers=[1, 2])"
+
+
+@pytest.mark.parametrize("prefix", [np.int64(2), np.int32(2), np.uint16(2)])
+def test_score_takes_a_numpy_prefix(opt, prefix):
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    assert torch.equal(opt.score(ids, prefix), opt.score(ids, 2))
+
+
+@pytest.mark.parametrize("eos", [np.int64, np.int32, np.uint16])
+def test_chat_takes_a_numpy_eos_id(eos):
+    """The issue's: chat generated, then raised TypeError resolving a numpy eos by hand."""
+    from rewriter.checkpoints import DEFAULT_MODEL_DIR
+    from transformers import PreTrainedTokenizerFast
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(DEFAULT_MODEL_DIR / "tokenizer.json"),
+                                  chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(T.LlamaConfig(
+        vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)).eval()
+    chat_opt = rewriter.optimize(model, tokenizer=tok)
+    first = int(chat_opt.generate([tok.encode("hello")], max_new_tokens=3, eos_token_id=[])[0, -1])
+    answer = chat_opt.chat("hello", max_new_tokens=3, eos_token_id=eos(first))
+    assert answer == chat_opt.chat("hello", max_new_tokens=3, eos_token_id=first)
+
+
+# ------------------------------------------------------------------ explicit positions
+
+def test_positions_beyond_the_context_are_refused_by_name(opt):
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match=r"positions must be < 128 \(the model's context length\), got 1000000"):
+        opt(ids, torch.tensor([[0, 1, 10 ** 6]]))  # the issue's (RoPE: no IndexError, still past the context)
+    assert opt(ids, torch.tensor([[125, 126, 127]])).shape == (1, 3, VOCAB)
+
+
+@pytest.mark.parametrize("family,position", [
+    ("gpt2", 100),  # the issue's: GPT-2 n_positions=64, IndexError
+    ("gpt2", 64),
+    ("opt", 64),  # OPT reads position + 2: row 66 of a 66-row table
+])
+def test_positions_past_a_learned_position_table_are_refused_by_name(family, position):
+    torch.manual_seed(0)
+    model = (T.GPT2LMHeadModel(T.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64))
+             if family == "gpt2" else
+             T.OPTForCausalLM(T.OPTConfig(vocab_size=128, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                                          num_attention_heads=4, max_position_embeddings=64,
+                                          word_embed_proj_dim=64))).eval()
+    small = rewriter.optimize(model)
+    with pytest.raises(ValueError, match=f"positions must be < 64 .* got {position}"):
+        small(torch.tensor([[1, 2]]), torch.tensor([[0, position]]))
+    assert small(torch.tensor([[1, 2]]), torch.tensor([[62, 63]])).shape == (1, 2, 128)
+
+
+@pytest.mark.parametrize("positions", [torch.tensor([[0, 1, 2]]), torch.tensor([[5, 6, 7]]),
+                                       torch.tensor([[0, 0, 0]], dtype=torch.int32)])
+def test_positions_for_a_model_that_reads_none_are_refused_not_ignored(positions):
+    """A BERT-like decoder: its position ids are made inside the model, and the frontend
+    wires ``positions`` to nothing; explicit positions would be ignored in silence."""
+    torch.manual_seed(0)
+    bert = T.BertLMHeadModel(T.BertConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                          num_hidden_layers=2, num_attention_heads=4,
+                                          max_position_embeddings=128, is_decoder=True)).eval()
+    opt = rewriter.optimize(bert)
+    with pytest.raises(ValueError, match="positions were given, but this model reads none"):
+        opt(torch.tensor([[1, 2, 3]]), positions)
+    assert opt(torch.tensor([[1, 2, 3]])).shape == (1, 3, 128)
