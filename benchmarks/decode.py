@@ -1,6 +1,7 @@
 """Decode speed: ``generate`` of the torch-backend runtime against Hugging Face ``generate``.
 
-    python benchmarks/decode.py [--model default] [--prompt 128] [--new 128] [--batch 1 8]
+    python benchmarks/decode.py [--model default|smollm2|PATH] [--dtype float32 bfloat16]
+                                [--prompt 128] [--new 128] [--batch 1 8] [--compiled]
                                 [--json benchmarks/results/decode.json]
     python benchmarks/decode.py --device cuda --model llama-1b --batch 1   # issue 4's GPU run
 
@@ -11,8 +12,14 @@ TinyLlama-shaped config (1.1B parameters, bf16) with random weights.
 
 Both generate greedily, the same number of tokens (no early stop), from the same held-out
 prompts, in the same process. Each figure is the median of ``--repeat`` timed runs after a
-warm-up. Target (issue 3): at least 1.5x Hugging Face's tokens/s at batch 1 on the CPU.
-Also: time to ``rewriter.load`` an artifact against time to ``optimize`` from scratch.
+warm-up, with the min and max. On the CPU also: Hugging Face with a static cache whose
+decode step ``torch.compile`` compiles (``--compiled``: about a minute of compiling per
+configuration), llama.cpp on the GGUF file's own quantized weights when the
+``llama-cpp-python`` package is installed (skipped otherwise), and the floor: the model's
+own weight-streaming matrix products alone at batch 1, timed on its shapes in this run
+(``floor_ms``). Targets (issue 11, SmolLM2, batch 1): at least 2x Hugging Face
+``generate`` and at least 60% of the floor, greedy tokens unchanged. Also: time to
+``rewriter.load`` an artifact against time to ``optimize`` from scratch.
 """
 from __future__ import annotations
 
@@ -31,15 +38,26 @@ import rewriter
 from rewriter.checkpoints import llama_1b, load_hf_model, load_tokenizer
 
 
-def prompts(path: str, batch: int, length: int) -> torch.Tensor:
+def load(name: str, dtype: torch.dtype, device: str):
+    """(model, tokenizers.Tokenizer or None, GGUF path or None) for a benchmark model."""
+    from rewriter import gguf
+    if name == "llama-1b":
+        return llama_1b(device=device, dtype=dtype), None, None
+    if gguf.is_gguf(name):
+        path = gguf.resolve(name)
+        tok = gguf.load_gguf_tokenizer(name).backend_tokenizer
+        return gguf.load_gguf_model(name, dtype).to(device), tok, str(path)
+    return load_hf_model(name, dtype).to(device), load_tokenizer(name), None
+
+
+def prompts(tok, batch: int, length: int) -> torch.Tensor:
     """``batch`` held-out code chunks of ``length`` tokens (random ids without a tokenizer)."""
-    tok = load_tokenizer(path) if path != "llama-1b" else None
     if tok is None:
         return torch.randint(1, 1000, (batch, length), generator=torch.Generator().manual_seed(0))
     from rewriter.corpus import load_corpus
     ids = []
     for _, text in load_corpus("heldout"):
-        ids += tok.encode(text).ids[1:]  # no BOS in the middle of the stream
+        ids += tok.encode(text, add_special_tokens=False).ids
         if len(ids) >= batch * length * 4:
             break
     stride = len(ids) // batch
@@ -47,7 +65,14 @@ def prompts(path: str, batch: int, length: int) -> torch.Tensor:
 
 
 def timed(fn, repeat: int) -> tuple[float, torch.Tensor]:
-    out = fn()  # warm-up (allocates the cache, fills allocator pools, compiles)
+    out, times = timed_all(fn, repeat)
+    return statistics.median(times), out
+
+
+def timed_all(fn, repeat: int) -> tuple[torch.Tensor, list[float]]:
+    """Every timed run's seconds after one warm-up (allocates the cache, fills allocator
+    pools, compiles)."""
+    out = fn()
     times = []
     for _ in range(repeat):
         sync()
@@ -55,7 +80,46 @@ def timed(fn, repeat: int) -> tuple[float, torch.Tensor]:
         out = fn()
         sync()
         times.append(time.perf_counter() - t)
-    return statistics.median(times), out
+    return out, times
+
+
+def floor_ms(model, repeat: int = 20) -> float:
+    """Milliseconds of one batch-1 token's weight-streaming matrix products alone: every
+    linear layer and the LM head, each shape timed in the faster of the two layouts
+    (``x @ W^T`` or ``x @ W_t`` with a transposed copy), times how often it occurs."""
+    from collections import Counter
+    shapes = Counter(tuple(m.weight.shape) + (m.weight.dtype,) for m in model.modules()
+                     if isinstance(m, torch.nn.Linear))
+    total = 0.0
+    for (out_f, in_f, dtype), count in shapes.items():
+        w = torch.randn(out_f, in_f, dtype=dtype)
+        wt = w.t().contiguous()
+        x = torch.randn(1, in_f, dtype=dtype)
+        best = min(statistics.median(timed_all(lambda: torch.nn.functional.linear(x, w), repeat)[1]),
+                   statistics.median(timed_all(lambda: x @ wt, repeat)[1]))
+        total += count * best
+    return 1e3 * total
+
+
+def llama_cpp_tok_s(path: str, ids: torch.Tensor, new: int, repeat: int):
+    """llama.cpp's greedy decode speed on the GGUF file's own weights, or None when the
+    ``llama-cpp-python`` package is not installed."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    llm = Llama(model_path=path, n_ctx=ids.shape[1] + new + 8, n_threads=torch.get_num_threads(),
+                verbose=False)
+    tokens = ids[0].tolist()
+
+    def run():
+        llm.reset()
+        llm.eval(tokens)
+        for _ in range(new):
+            token = llm.sample(temp=0.0)
+            llm.eval([token])
+    _, times = timed_all(run, repeat)
+    return new / statistics.median(times)
 
 
 def sync():
@@ -93,9 +157,54 @@ def gpu_rows(model, ids, args) -> list[dict]:
     return rows
 
 
+def measure(model, opt, ids, args, floor, gguf_path) -> dict:
+    """One configuration: ours, Hugging Face (dynamic cache; static + compiled), llama.cpp,
+    the floor; tokens/s as median and [min, max] of the timed runs."""
+    b, new = ids.shape[0], args.new
+    rate = lambda times: {"median": b * new / statistics.median(times),  # noqa: E731
+                          "min": b * new / max(times), "max": b * new / min(times)}
+    ours, t = timed_all(lambda: opt.generate(ids, max_new_tokens=new, eos_token_id=[]), args.repeat)
+    run = {"rewriter_tok_s": rate(t)}
+    hf_kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                 do_sample=False)
+    with torch.inference_mode():
+        hf, t = timed_all(lambda: model.generate(ids, **hf_kw), args.repeat)
+    run.update(hf_tok_s=rate(t), same_tokens=bool(torch.equal(ours, hf)))
+    run["speedup"] = run["rewriter_tok_s"]["median"] / run["hf_tok_s"]["median"]
+    if args.compiled and args.device == "cpu":
+        from transformers.generation.configuration_utils import CompileConfig
+        start = time.perf_counter()
+        with torch.inference_mode():
+            compiled, t = timed_all(lambda: model.generate(
+                ids, **hf_kw, cache_implementation="static",
+                compile_config=CompileConfig(fullgraph=False)), args.repeat)
+        run.update(hf_compiled_tok_s=rate(t), hf_compiled_same_tokens=bool(torch.equal(ours, compiled)),
+                   hf_compile_and_runs_s=time.perf_counter() - start)
+    if gguf_path is not None:
+        run["llama_cpp_tok_s"] = llama_cpp_tok_s(gguf_path, ids, new, args.repeat)
+    if floor is not None:
+        run.update(floor_ms=floor, floor_tok_s=1e3 / floor,
+                   of_floor=run["rewriter_tok_s"]["median"] / (1e3 / floor))
+    if args.device == "cuda":
+        run["gpu"] = gpu_rows(model, ids, args)
+    return run
+
+
+def table_row(run: dict) -> list:
+    fmt = lambda r: f"{r['median']:.1f} [{r['min']:.1f}-{r['max']:.1f}]" if r else "-"  # noqa: E731
+    return [run["dtype"], run["batch"], fmt(run["hf_tok_s"]), fmt(run.get("hf_compiled_tok_s")),
+            f"{run['llama_cpp_tok_s']:.1f}" if run.get("llama_cpp_tok_s") else "-",
+            fmt(run["rewriter_tok_s"]), f"{run['speedup']:.2f}x",
+            f"{run['floor_tok_s']:.1f}" if run.get("floor_tok_s") else "-",
+            f"{100 * run['of_floor']:.0f}%" if run.get("of_floor") else "-", run["same_tokens"]]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="default", help="checkpoint directory or 'default'")
+    ap.add_argument("--model", default="default", help="checkpoint directory, .gguf, 'smollm2' or 'default'")
+    ap.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
+    ap.add_argument("--compiled", action="store_true",
+                    help="also Hugging Face with a static cache compiled by torch.compile (slow)")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
@@ -107,31 +216,33 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    if args.model == "llama-1b":
-        model = llama_1b(device=args.device,
-                         dtype=torch.bfloat16 if args.device == "cuda" else torch.float32)
-    else:
-        model = load_hf_model(args.model).to(args.device)
-    opt = rewriter.optimize(model)
-    rows, results = [], {"machine": platform.processor() or platform.machine(),
-                         "threads": torch.get_num_threads(), "torch": torch.__version__,
-                         "model": args.model, "parameters": opt.ir.num_params(),
-                         "prompt": args.prompt, "new_tokens": args.new, "runs": []}
-    for b in args.batch:
-        ids = prompts(args.model, b, args.prompt).to(args.device)
-        ours_s, ours = timed(lambda: opt.generate(ids, max_new_tokens=args.new, eos_token_id=[]),
-                             args.repeat)
-        with torch.inference_mode():
-            hf_s, hf = timed(lambda: model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new,
-                min_new_tokens=args.new, do_sample=False), args.repeat)
-        run = {"batch": b, "rewriter_tok_s": b * args.new / ours_s, "hf_tok_s": b * args.new / hf_s,
-               "speedup": hf_s / ours_s, "same_tokens": bool(torch.equal(ours, hf))}
-        if args.device == "cuda":
-            run["gpu"] = gpu_rows(model, ids, args)
-        results["runs"].append(run)
-        rows.append([b, f"{run['hf_tok_s']:.0f}", f"{run['rewriter_tok_s']:.0f}",
-                     f"{run['speedup']:.2f}x", run["same_tokens"]])
+    results = {"machine": platform.processor() or platform.machine(),
+               "threads": torch.get_num_threads(), "torch": torch.__version__,
+               "model": args.model, "prompt": args.prompt, "new_tokens": args.new,
+               "date": time.strftime("%Y-%m-%d"), "runs": []}
+    rows = []
+    for dtype_name in args.dtype:
+        dtype = getattr(torch, dtype_name)
+        if args.model == "llama-1b" and args.device == "cuda":
+            dtype = torch.bfloat16
+        model, tok, gguf_path = load(args.model, dtype, args.device)
+        opt = rewriter.optimize(model)
+        results["parameters"] = opt.ir.num_params()
+        floor = floor_ms(model) if args.device == "cpu" else None
+        for b in args.batch:
+            run = measure(model, opt, prompts(tok, b, args.prompt).to(args.device), args,
+                          floor if b == 1 else None, gguf_path if b == 1 else None)
+            run.update(batch=b, dtype=dtype_name)
+            results["runs"].append(run)
+            rows.append(table_row(run))
+    print(f"model {args.model}: {results['parameters'] / 1e6:.2f}M params, prompt {args.prompt}, "
+          f"{args.new} new tokens, {torch.get_num_threads()} threads, {results['machine']}\n")
+    print(tabulate(rows, headers=["dtype", "batch", "HF generate tok/s", "HF static+compile tok/s",
+                                  "llama.cpp tok/s", "rewriter tok/s", "vs HF", "floor tok/s",
+                                  "% of floor", "same greedy tokens"]))
+    for run in results["runs"]:
+        for row in run.get("gpu", []):
+            print(f"batch {run['batch']}: {row['name']}: {row['tok_s']:.0f} tok/s")
 
     t = time.perf_counter()
     fresh = rewriter.optimize(model)
@@ -143,13 +254,6 @@ def main():
         load_s = time.perf_counter() - t
     results.update(optimize_s=optimize_s, load_s=load_s)
 
-    print(f"model {args.model}: {opt.ir.num_params() / 1e6:.2f}M params, prompt {args.prompt}, "
-          f"{args.new} new tokens, {torch.get_num_threads()} threads\n")
-    print(tabulate(rows, headers=["batch", "HF generate tok/s", "rewriter tok/s", "speedup",
-                                  "same greedy tokens"]))
-    for run in results["runs"]:
-        for row in run.get("gpu", []):
-            print(f"batch {run['batch']}: {row['name']}: {row['tok_s']:.0f} tok/s")
     if args.device == "cuda":
         results["device"] = torch.cuda.get_device_name()
     print(f"\nrewriter.load of the artifact: {load_s:.2f} s; optimize from the checkpoint: "
