@@ -1,6 +1,7 @@
-"""Quality kept against cost saved, for pass pipelines on the default model.
+"""Quality kept against cost saved, for pass pipelines on SmolLM2 or the default model.
 
-    python benchmarks/quality.py [--model default] [--quick] [--json benchmarks/results/quality.json]
+    python benchmarks/quality.py [--model smollm2|default|PATH] [--pipelines unoptimized ...]
+                                 [--quick] [--json benchmarks/results/quality.json]
 
 Rows: pipelines; columns: perplexity (and ratio to the unoptimized model), greedy agreement
 with the unoptimized model and mean first-divergence position, pass-key accuracy per
@@ -18,12 +19,13 @@ from pathlib import Path
 import torch
 
 import rewriter
-from rewriter.checkpoints import load_hf_model, load_tokenizer
 from rewriter.eval import EvalSettings, evaluate, format_table, settings_dict
-from rewriter.passes import LayerSkip
+from rewriter.passes import FuseAddRMSNorm, FuseQKV, FuseRoPE, FuseSwiGLU, LayerSkip
 
 PIPELINES = {
     "unoptimized": [],
+    "fusions": [FuseQKV(), FuseSwiGLU(), FuseAddRMSNorm(), FuseRoPE()],
+    "LayerSkip(speedup=1.1)": [LayerSkip(speedup=1.1)],
     "LayerSkip(speedup=1.33)": [LayerSkip(speedup=1.33)],
     "LayerSkip(speedup=1.6)": [LayerSkip(speedup=1.6)],
     "LayerSkip(speedup=2.0)": [LayerSkip(speedup=2.0)],
@@ -32,16 +34,26 @@ PIPELINES = {
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="default", help="checkpoint directory or 'default'")
+    ap.add_argument("--model", default="smollm2", help="'smollm2', 'default' or a checkpoint path")
+    ap.add_argument("--pipelines", nargs="+", default=list(PIPELINES), choices=list(PIPELINES))
     ap.add_argument("--quick", action="store_true", help="fewer samples (a smoke run)")
     ap.add_argument("--json", default="benchmarks/results/quality.json")
     args = ap.parse_args()
 
-    model, tok = load_hf_model(args.model), load_tokenizer(args.model)
-    if tok is None:
-        raise SystemExit(f"{args.model}: the harness needs the checkpoint's tokenizer.json")
-    settings = EvalSettings(ppl_chunks=4, prompts=4, passkey_trials=1) if args.quick else EvalSettings()
-    engines = {name: rewriter.optimize(model, passes=passes) for name, passes in PIPELINES.items()}
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    from quickstart import load
+    model, tok = load(args.model)
+    long_context = args.model != "default"  # SmolLM2: 8192 tokens; the default model: 1024
+    settings = EvalSettings(
+        passkey_lengths=(1024, 2048, 4096, 8192) if long_context else (256, 512, 1024),
+        passkey_depths=(0.1, 0.5, 0.9) if long_context else EvalSettings.passkey_depths,
+        passkey_trials=1 if long_context else 2)
+    if args.quick:
+        settings = EvalSettings(ppl_chunks=4, ppl_length=256, prompts=4,
+                                passkey_lengths=settings.passkey_lengths[:1], passkey_trials=1)
+    engines = {name: rewriter.optimize(model, passes=PIPELINES[name], tokenizer=tok)
+               for name in args.pipelines}
     start = time.perf_counter()
     rows = evaluate(engines, tok, settings)
     print(f"model {args.model}, {torch.get_num_threads()} CPU threads, "

