@@ -98,18 +98,24 @@ def quiet():
         gguf_reader.tqdm = reader_bar
 
 
+def _json_object(f: Path) -> dict:
+    """The JSON object in ``f``, or a ``CheckpointError`` naming it."""
+    try:
+        data = json.loads(f.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{f}: not valid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{f}: must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
 def _check_config(d: Path) -> None:
     """``config.json`` as a ``transformers`` config: JSON, an object, a model type
     ``transformers`` knows, and values its config class accepts."""
     from huggingface_hub.errors import StrictDataclassError
     from transformers import CONFIG_MAPPING, AutoConfig
     f = d / "config.json"
-    try:
-        raw = json.loads(f.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{f}: not valid JSON ({e})") from e
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{f}: must hold a JSON object, got {type(raw).__name__}")
+    raw = _json_object(f)
     kind = raw.get("model_type")
     if not isinstance(kind, str) or kind not in CONFIG_MAPPING:
         raise CheckpointError(f"{f}: model_type {kind!r} is not a model type transformers knows")
@@ -200,14 +206,7 @@ def load_text_config(path: PathLike):
     from .runtime.chat import SPECIAL, TextConfig
     d = checkpoint_dir(path)
     f = d / "tokenizer_config.json"
-    config = {}
-    if f.is_file():
-        try:
-            config = json.loads(f.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{f}: not valid JSON ({e})") from e
-        if not isinstance(config, dict):
-            raise CheckpointError(f"{f}: must hold a JSON object, got {type(config).__name__}")
+    config = _json_object(f) if f.is_file() else {}
     template = config.get("chat_template")
     if (d / "chat_template.jinja").is_file():
         template = (d / "chat_template.jinja").read_text(encoding="utf-8")
