@@ -161,3 +161,16 @@ def test_ordinary_arithmetic_in_templates_still_works():
     from rewriter.runtime.chat import TextConfig, render
     text = "{{ 'ab' * 3 }} {{ 1000 * 2000 }} {{ 2 ** 10 }} {{ messages|length }}"
     assert render(TextConfig(text), [{"role": "user", "content": "hi"}]) == "ababab 2000000 1024 1"
+
+
+@pytest.mark.parametrize("text, problem", [("{not json", "not valid JSON"), ("[1, 2]", "JSON object"),
+                                           ('{"chat_template": 5}', "chat_template must be a string")])
+def test_a_broken_tokenizer_config_in_a_checkpoint_is_named(model, hf_tokenizer, tmp_path, text, problem):
+    from rewriter.errors import CheckpointError
+    model.save_pretrained(tmp_path / "ckpt")
+    hf_tokenizer.save_pretrained(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "chat_template.jinja").unlink(missing_ok=True)
+    (tmp_path / "ckpt" / "tokenizer_config.json").write_text(text)
+    with pytest.raises(CheckpointError, match=problem) as e:
+        rewriter.from_pretrained(tmp_path / "ckpt")
+    assert "tokenizer_config.json" in str(e.value)
