@@ -86,18 +86,23 @@ def assert_close_rel(actual, expected, rel=1e-5):
     assert err <= rel, f"relative error {err:.3g} > {rel}"
 
 
-@pytest.fixture(scope="session")
-def optimized_cache():
-    """Trace each config once per session: ``get(name)`` -> (hf model, OptimizedModel)."""
+def optimize_once(make):
+    """``get(name)`` -> (hf model, OptimizedModel), each ``make(name)`` built and traced once."""
     import rewriter
     cache = {}
 
     def get(name):
         if name not in cache:
-            model = make_model(name)
+            model = make(name)
             cache[name] = (model, rewriter.optimize(model))
         return cache[name]
     return get
+
+
+@pytest.fixture(scope="session")
+def optimized_cache():
+    """Trace each config once per session: ``get(name)`` -> (hf model, OptimizedModel)."""
+    return optimize_once(make_model)
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ import rewriter
 from rewriter.ir.cacheable import uncacheable
 from rewriter.passes import FuseQKV, FuseRoPE, LayerSkip
 
-from conftest import SHAPES, assert_close_rel, hf_logits
+from conftest import SHAPES, assert_close_rel, hf_logits, optimize_once
 from conftest import hf_greedy as _hf_greedy
 
 NEW = 20
@@ -59,14 +59,7 @@ def make(name, **overrides):
 
 @pytest.fixture(scope="module")
 def lifted():
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            model = make(name)
-            cache[name] = (model, rewriter.optimize(model))
-        return cache[name]
-    return get
+    return optimize_once(make)
 
 
 def hf_greedy(model, ids, new_tokens):

@@ -17,7 +17,7 @@ from rewriter.errors import RewriterError
 from rewriter.ir.cacheable import uncacheable
 
 from artifact_tools import artifact_files, reseal
-from conftest import SHAPES, assert_close_rel, hf_greedy, hf_logits, make_model
+from conftest import SHAPES, assert_close_rel, hf_greedy, hf_logits, make_model, optimize_once
 
 aten, rw = torch.ops.aten, torch.ops.rw
 
@@ -45,14 +45,7 @@ def tiny(family: str) -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def unlifted():
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            model = tiny(family)
-            cache[family] = (model, rewriter.optimize(model))
-        return cache[family]
-    return get
+    return optimize_once(tiny)
 
 
 def ids_of(b, s, seed=1, vocab=100):
