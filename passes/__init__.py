@@ -12,12 +12,13 @@ from .fuse_add_rms_norm import FuseAddRMSNorm
 from .fuse_qkv import FuseQKV
 from .fuse_rope import FuseRoPE
 from .fuse_swiglu import FuseSwiGLU
+from .int4_weights import Int4Weights
 from .layer_skip import LayerSkip
 
 PASSES = {"layer_skip": LayerSkip, "fuse_qkv": FuseQKV, "fuse_swiglu": FuseSwiGLU,
-          "fuse_add_rms_norm": FuseAddRMSNorm, "fuse_rope": FuseRoPE}
+          "fuse_add_rms_norm": FuseAddRMSNorm, "fuse_rope": FuseRoPE, "int4_weights": Int4Weights}
 
-__all__ = ["LayerSkip", "FuseQKV", "FuseSwiGLU", "FuseAddRMSNorm", "FuseRoPE", "PASSES",
+__all__ = ["LayerSkip", "FuseQKV", "FuseSwiGLU", "FuseAddRMSNorm", "FuseRoPE", "Int4Weights", "PASSES",
            "from_spec"]
 
 

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from rewriter.int4 import dequantize
+
 OPS: dict[str, torch._ops.OpOverload] = {}
 # The same ops as plain Python functions: the runtime calls these directly, because a
 # custom-op dispatch costs ~16 us per call, which at decode time is more than the math.
@@ -95,6 +97,35 @@ def _linear_fake(x, w, b=None):
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """``x @ weight.T + bias``; ``weight`` is ``[out, in]`` as in ``nn.Linear``."""
     return F.linear(x, weight, bias)
+
+
+def _linear_int4_fake(x, codes, scales, mins, bias=None, group_size=32):
+    _need(codes.dim() == 2 and codes.dtype == torch.uint8, "linear_int4",
+          f"codes must be uint8 [out, in / 2], got {codes.dtype} {_dims(codes)}")
+    out, width = codes.shape[0], 2 * codes.shape[1]
+    _need(x.dim() >= 1 and x.shape[-1] == width, "linear_int4",
+          f"codes {_dims(codes)} hold {width} in-features, x {_dims(x)} has {x.shape[-1]}")
+    _need(group_size > 0 and width % group_size == 0, "linear_int4",
+          f"in-features {width} are not a whole number of groups of {group_size}")
+    for name, t in (("scales", scales), ("mins", mins)):
+        _need(t.shape == (out, width // group_size) and t.dtype == x.dtype, "linear_int4",
+              f"{name} must be {x.dtype} [{out}, {width // group_size}], got {t.dtype} {_dims(t)}")
+    _need(bias is None or (bias.dim() == 1 and bias.shape[0] == out), "linear_int4",
+          f"bias {_dims(bias)} does not fit {out} out-features")
+    return x.new_empty((*x.shape[:-1], out))
+
+
+@_register(fake=_linear_int4_fake)
+def linear_int4(x: Tensor, codes: Tensor, scales: Tensor, mins: Tensor,
+                bias: Optional[Tensor] = None, group_size: int = 32) -> Tensor:
+    """``linear`` whose weight is stored in 4 bits (``Int4Weights``).
+
+    ``W[o, i] = code[o, i] * scales[o, i // g] + mins[o, i // g]`` with ``g = group_size``
+    and ``code`` in 0..15; ``codes`` ``[out, in / 2]`` holds two per byte, column ``2j``
+    in the low nibble and ``2j + 1`` in the high one (the layout of ``rewriter.int4``).
+    """
+    weight = dequantize(codes, scales, mins, group_size)  # float32 [out, in], as kernels do
+    return F.linear(x, weight.to(x.dtype), bias)
 
 
 def _rms_norm_fake(x, w, eps):
@@ -322,6 +353,7 @@ ATTRIBUTES: dict[str, dict[str, callable]] = {
     "gelu": {"approximate": _one_of("none", "tanh")},
     "rotary": {"scaling": _finite_positive},
     "rope": {"head_dim": _int(1)},
+    "linear_int4": {"group_size": _int(2)},
     "attention": {"layer": _int(0), "num_heads": _int(1), "num_kv_heads": _int(1),
                   "head_dim": _int(1), "scale": _finite_positive, "causal": _bool,
                   "window": _optional(_int(1))},
@@ -366,6 +398,9 @@ def check_arguments(name: str, args: tuple, kwargs: dict, is_tensor=None) -> dic
     if name == "attention" and bound["num_heads"] % bound["num_kv_heads"]:
         raise ValueError(f"rw.attention: num_heads={bound['num_heads']} is not a multiple of "
                          f"num_kv_heads={bound['num_kv_heads']}")
+    if name == "linear_int4" and bound["group_size"] % 2:
+        raise ValueError(f"rw.linear_int4: group_size={bound['group_size']} must be even "
+                         "(two codes a byte)")
     if name == "attention" and (bound["cos"] is None) != (bound["sin"] is None):
         raise ValueError("rw.attention: cos and sin come together (both or neither)")
     return bound

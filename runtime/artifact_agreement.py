@@ -38,7 +38,7 @@ def _check_dtypes(ir: IR, where) -> torch.dtype | None:
     weights = ir.weights()
     floats = {name: t for name, t in weights.items() if t.is_floating_point()}
     for name, t in weights.items():
-        if not t.is_floating_point() and t.dtype not in (torch.int64, torch.int32, torch.bool):
+        if not t.is_floating_point() and t.dtype not in (torch.int64, torch.int32, torch.uint8, torch.bool):
             raise ArtifactError(f"{where.weights}: weight {name!r} is {t.dtype}, a dtype no op "
                                 f"of {where.ir} takes")
     if not floats:

@@ -14,7 +14,7 @@ import math
 from rewriter.ops import MAX_INT
 
 REQUIRED = ("family", "causal_lm", "config", "inputs", "lift_report", "layers", "passes")
-OPTIONAL = ("fusions", "skipped_layers", "unlifted_attention", "unlifted_embeddings")
+OPTIONAL = ("fusions", "skipped_layers", "unlifted_attention", "unlifted_embeddings", "int4")
 DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16",
           "float32", "float64")
 MAX_CONFIG_DEPTH = 32  # Hugging Face configs nest 3 or 4 deep (text_config, rope_parameters)
@@ -106,6 +106,14 @@ def _why(check, what: str):
     return lambda v: None if check(v) else what
 
 
+def _int4_record(v) -> bool:
+    keys = ("linears", "group_size", "max_abs_error", "max_abs_weight")
+    return (isinstance(v, dict) and set(v) == set(keys) and _is_int(v["linears"], 1)
+            and _is_int(v["group_size"], 2) and all(
+                isinstance(v[k], (int, float)) and not isinstance(v[k], bool)
+                and math.isfinite(v[k]) and v[k] >= 0 for k in keys[2:]))
+
+
 _CHECKS = {
     "family": _why(lambda v: isinstance(v, str) and v != "", "a non-empty string"),
     "causal_lm": _why(lambda v: isinstance(v, bool), "true or false"),
@@ -120,6 +128,7 @@ _CHECKS = {
     "passes": _why(_list_of(_pass_spec), "a list of {name, params} pass specs"),
     "unlifted_attention": _why(_list_of(lambda s: isinstance(s, str)), "a list of module paths"),
     "unlifted_embeddings": _why(_list_of(lambda s: isinstance(s, str)), "a list of module paths"),
+    "int4": _why(_int4_record, "an object {linears, group_size, max_abs_error, max_abs_weight}"),
 }
 
 

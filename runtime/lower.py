@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import operator
 
+import torch
 from torch import fx
 
 from rewriter.errors import RewriterError
 from rewriter.ir.cacheable import check_cacheable
 from rewriter.ir.core import IR
-from rewriter.ops import OPS
+from rewriter.int4 import dequantize
+from rewriter.ops import OPS, op_arguments
 
 from .attention import cached_attention
-from .kernels import KERNELS, linear_t
+from .kernels import KERNELS, int4_cpu_ok, int4_cpu_tables, linear_int4_cpu, linear_t
 from .kv_cache import attention_params, attention_specs
 
 _SHORT = {op: name for name, op in OPS.items()}
@@ -50,6 +52,7 @@ def lower(ir: IR, last_only: bool, backend: str = "torch",
     step = graph.placeholder("step")
     slot = 0
     order, generated = list(ir.graph.nodes), []
+    cast = _table_caster(graph, env)
     if backend == "triton":  # pointwise groups no template covers become generated kernels
         from rewriter.codegen.partition import pointwise_groups, schedule
         order = schedule(ir.gm, pointwise_groups(ir.gm))
@@ -76,19 +79,46 @@ def lower(ir: IR, last_only: bool, backend: str = "torch",
             new.kwargs = {k: params[k] for k in ("num_heads", "num_kv_heads", "head_dim",
                                                  "scale", "window")}
             if node.kwargs.get("cos") is not None:  # FuseRoPE: rotate inside attention
-                new.kwargs = {**new.kwargs, "cos": env[node.kwargs["cos"]],
-                              "sin": env[node.kwargs["sin"]]}
+                cos, sin = node.kwargs["cos"], node.kwargs["sin"]
+                if backend == "torch":  # the Triton kernels read float32 tables
+                    cos, sin = cast(cos, node.args[0]), cast(sin, node.args[0])
+                else:
+                    cos, sin = env[cos], env[sin]
+                new.kwargs = {**new.kwargs, "cos": cos, "sin": sin}
             slot += 1
         elif name is not None:
             new.target = table[name]
+            if name == "rope" and backend == "torch":
+                new.args = (new.args[0], cast(node.args[1], node.args[0]),
+                            cast(node.args[2], node.args[0]), *new.args[3:])
         env[node] = new
     graph.eliminate_dead_code()
+    extra = transposed if transposed is not None else {}
+    _lower_int4(ir, graph, table["linear_int4"], extra)
     if transposed is not None and backend == "torch":
         _transpose_linear_weights(ir, graph, transposed)
     graph.eliminate_dead_code()
-    program = fx.GraphModule(_flatten_weights(ir, graph, transposed or {}), graph)
+    program = fx.GraphModule(_flatten_weights(ir, graph, extra), graph)
     program.generated_kernels = generated  # for dumps and artifacts
     return program
+
+
+def _table_caster(graph: fx.Graph, env: dict):
+    """``cast(table, x)``: the lowered cos/sin ``table`` in ``x``'s dtype, converted once
+    per step instead of by every rope of every layer (the reference rope converts it to
+    ``x``'s dtype first, so the values are the same)."""
+    done: dict = {}
+
+    def cast(table: fx.Node, x: fx.Node) -> fx.Node:
+        want = x.meta["val"].dtype if "val" in x.meta else None
+        have = table.meta["val"].dtype if "val" in table.meta else None
+        if want is None or want == have:
+            return env[table]
+        if (table, want) not in done:
+            with graph.inserting_after(env[table]):
+                done[table, want] = graph.call_method("to", (env[table], want))
+        return done[table, want]
+    return cast
 
 
 def _generated_call(graph: fx.Graph, group: list, env: dict, index: int, sources: dict):
@@ -108,17 +138,46 @@ def _generated_call(graph: fx.Graph, group: list, env: dict, index: int, sources
 
 
 def _transpose_linear_weights(ir: IR, graph: fx.Graph, transposed: dict) -> None:
-    """``linear(x, W, b)`` -> ``linear_t(x, W^T, b)`` for 2-d CPU weights (see ``linear_t``)."""
+    """``linear(x, W, b)`` -> ``linear_t(x, W^T, b)`` for 2-d float32 CPU weights (see
+    ``linear_t``)."""
     for node in list(graph.find_nodes(op="call_function", target=KERNELS["linear"])):
         w = node.args[1]
-        if w.op != "get_attr" or ir.weight(w.target).dim() != 2 or ir.weight(w.target).is_cuda:
+        if w.op != "get_attr":
             continue
+        weight = transposed[w.target] if w.target in transposed else ir.weight(w.target)
+        if weight.dim() != 2 or weight.is_cuda or weight.dtype != torch.float32:
+            continue  # bfloat16 streams faster untransposed (measured: docs/benchmarks.md)
         name = w.target + ".__transposed"
         if name not in transposed:
-            transposed[name] = ir.weight(w.target).t().contiguous()  # [in, out]
+            transposed[name] = weight.t().contiguous()  # [in, out]
         with graph.inserting_before(node):
             node.args = (node.args[0], graph.get_attr(name), *node.args[2:])
         node.target = linear_t
+
+
+def _lower_int4(ir: IR, graph: fx.Graph, target, extra: dict) -> None:
+    """``rw.linear_int4`` -> the CPU int4 kernel where it applies (bfloat16, CPU), else a
+    dense ``linear`` over the weight dequantized once here: the same values, no saving.
+    The derived tables go into ``extra`` (shared by a model's programs)."""
+    for node in list(graph.find_nodes(op="call_function", target=target)):
+        args = op_arguments("linear_int4", tuple(node.args), dict(node.kwargs))
+        names = [args[k].target for k in ("codes", "scales", "mins")]
+        codes, scales, mins = (ir.weight(n) for n in names)
+        group = args["group_size"]
+        fast = int4_cpu_ok(codes, scales, group)
+        derived = [names[0] + ".__int4_packed", names[0] + ".__int4_scale_zeros"] if fast \
+            else [names[0] + ".__dequantized"]
+        if derived[0] not in extra:
+            tables = int4_cpu_tables(codes, scales, mins) if fast else \
+                (dequantize(codes, scales, mins, group).to(scales.dtype),)
+            extra.update(zip(derived, tables))
+        with graph.inserting_before(node):
+            reads = tuple(graph.get_attr(n) for n in derived)
+        if fast:
+            node.target, node.args = linear_int4_cpu, (args["x"], *reads, group, args["bias"])
+        else:
+            node.target, node.args = KERNELS["linear"], (args["x"], *reads, args["bias"])
+        node.kwargs = {}
 
 
 def _flatten_weights(ir: IR, graph: fx.Graph, extra: dict) -> dict:

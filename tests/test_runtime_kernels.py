@@ -24,6 +24,19 @@ def test_rope(heads, head_dim, rot):
     assert torch.equal(KERNELS["rope"](x, cos, sin, head_dim), REFERENCE["rope"](x, cos, sin, head_dim))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1, 96), (3, 7, 96), (5, 96)])
+def test_linear_on_a_flattened_input(shape, dtype):
+    x, w, b = torch.randn(shape, dtype=dtype), torch.randn(40, 96, dtype=dtype), torch.randn(40, dtype=dtype)
+    for bias in (None, b):
+        got, want = KERNELS["linear"](x, w, bias), REFERENCE["linear"](x, w, bias)
+        assert got.shape == want.shape
+        if dtype == torch.float32:
+            assert torch.equal(got, want)
+        else:  # bfloat16 3-d inputs take another ATen path: the same up to rounding
+            torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_with_a_transposed_weight(bias):
     x, w = torch.randn(3, 5, 96), torch.randn(40, 96)

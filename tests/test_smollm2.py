@@ -71,3 +71,18 @@ def test_artifact_round_trip_and_the_chat_cli(opt, tmp_path, capsys):
     assert main(["run", str(tmp_path / "smollm2"), "--chat", QUESTIONS[0],
                  "--max-new-tokens", "16"]) == 0
     assert capsys.readouterr().out == answer + "\n"
+
+
+def test_int4_weights_are_the_q4_1_files_own(opt, hf):
+    from rewriter.passes import Int4Weights
+    model, _ = hf
+    q = rewriter.optimize(model, passes=[Int4Weights()], tokenizer=opt.tokenizer)
+    q.text = opt.text
+    # every layer's 7 matrices were Q4_1: their codes come back exactly, in float32
+    assert q.ir.info["int4"]["linears"] == 7 * 30 and q.ir.info["int4"]["max_abs_error"] == 0.0
+    assert q.chat(QUESTIONS[0], max_new_tokens=16) == opt.chat(QUESTIONS[0], max_new_tokens=16)
+    # bfloat16 on the CPU int4 kernel: lossy (measured in docs/benchmarks.md); still answers
+    fast = rewriter.optimize(model.to(torch.bfloat16), passes=[Int4Weights()], tokenizer=opt.tokenizer)
+    fast.text = opt.text
+    model.float()
+    assert "Paris" in fast.chat(QUESTIONS[0], max_new_tokens=16)
