@@ -2,6 +2,7 @@
 
     python benchmarks/decode.py [--model default|smollm2|PATH] [--dtype float32 bfloat16]
                                 [--prompt 128] [--new 128] [--batch 1 8] [--compiled]
+                                [--passes fuse_qkv ... int4_weights]
                                 [--json benchmarks/results/decode.json]
     python benchmarks/decode.py --device cuda --model llama-1b --batch 1   # issue 4's GPU run
 
@@ -155,7 +156,40 @@ def gpu_rows(model, ids, args) -> list[dict]:
     return rows
 
 
-def measure(model, opt, ids, args, floor, gguf_path) -> dict:
+def int4_floor_ms(model, passes, repeat: int = 10) -> float | None:
+    """``floor_ms`` for a pipeline with ``Int4Weights``: its int4 products on the CPU
+    kernel (the LM head dense unless ``lm_head=True``), as one chain; None without one."""
+    from rewriter.int4 import quantize
+    from rewriter.passes import Int4Weights
+    from rewriter.runtime.kernels import int4_cpu_ok, int4_cpu_tables, linear_int4_cpu
+    p = next((p for p in passes if isinstance(p, Int4Weights)), None)
+    if p is None:
+        return None
+    head = model.get_output_embeddings()
+    calls = []
+    for m in model.modules():
+        if not isinstance(m, torch.nn.Linear):
+            continue
+        w = m.weight.detach()
+        x = torch.randn(1, w.shape[1], dtype=w.dtype)
+        tables = quantize(w, p.group_size)
+        if (m is not head or p.lm_head) and int4_cpu_ok(tables[0], tables[1], p.group_size):
+            packed, sz = int4_cpu_tables(*tables)
+            calls.append(lambda x=x, packed=packed, sz=sz: linear_int4_cpu(x, packed, sz, p.group_size))
+        else:
+            calls.append(lambda x=x, w=w: torch.nn.functional.linear(x, w))
+    return 1e3 * statistics.median(timed_all(lambda: [c() for c in calls], repeat)[1])
+
+
+def first_divergence(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Mean over rows of the first generated position where ``a`` and ``b`` differ
+    (the length when they agree throughout)."""
+    differ = (a != b).int()
+    first = torch.where(differ.any(1), differ.argmax(1), torch.tensor(a.shape[1]))
+    return first.float().mean().item()
+
+
+def measure(model, opt, ids, args, floor, gguf_path, piped=None, pipe_floor=None) -> dict:
     """One configuration: ours, Hugging Face (dynamic cache; static + compiled), llama.cpp,
     the floor; tokens/s as median and [min, max] of the timed runs."""
     b, new = ids.shape[0], args.new
@@ -169,6 +203,15 @@ def measure(model, opt, ids, args, floor, gguf_path) -> dict:
         hf, t = timed_all(lambda: model.generate(ids, **hf_kw), args.repeat)
     run.update(hf_tok_s=rate(t), same_tokens=bool(torch.equal(ours, hf)))
     run["speedup"] = run["rewriter_tok_s"]["median"] / run["hf_tok_s"]["median"]
+    if piped is not None:
+        out, t = timed_all(lambda: piped.generate(ids, max_new_tokens=new, eos_token_id=[]),
+                           args.repeat)
+        run.update(passes_tok_s=rate(t), passes_same_tokens=bool(torch.equal(out, hf)),
+                   passes_first_divergence=first_divergence(out[:, ids.shape[1]:], hf[:, ids.shape[1]:]),
+                   passes_speedup=rate(t)["median"] / run["hf_tok_s"]["median"])
+        if pipe_floor is not None:
+            run.update(passes_floor_ms=pipe_floor,
+                       passes_of_floor=run["passes_tok_s"]["median"] / (1e3 / pipe_floor))
     if args.compiled and args.device == "cpu":
         from transformers.generation.configuration_utils import CompileConfig
         config = CompileConfig(fullgraph=False)
@@ -198,6 +241,15 @@ def table_row(run: dict) -> list:
             f"{100 * run['of_floor']:.0f}%" if run.get("of_floor") else "-", run["same_tokens"]]
 
 
+def passes_row(run: dict) -> list:
+    r = run["passes_tok_s"]
+    return [run["dtype"], run["batch"], f"{r['median']:.1f} [{r['min']:.1f}-{r['max']:.1f}]",
+            f"{run['passes_speedup']:.2f}x",
+            f"{1e3 / run['passes_floor_ms']:.1f}" if run.get("passes_floor_ms") else "-",
+            f"{100 * run['passes_of_floor']:.0f}%" if run.get("passes_of_floor") else "-",
+            run["passes_same_tokens"], f"{run['passes_first_divergence']:.0f}"]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default", help="checkpoint directory, .gguf, 'smollm2' or 'default'")
@@ -210,16 +262,20 @@ def main():
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--passes", nargs="*", default=None,
+                    help="also time rewriter with these passes (specs: fuse_qkv int4_weights ...)")
     ap.add_argument("--json", default="benchmarks/results/decode.json")
     args = ap.parse_args()
+    from rewriter.passes import from_spec
+    pipeline = [from_spec(s) for s in args.passes] if args.passes is not None else None
     if args.threads:
         torch.set_num_threads(args.threads)
 
     results = {"machine": platform.processor() or platform.machine(),
                "threads": torch.get_num_threads(), "torch": torch.__version__,
                "model": args.model, "prompt": args.prompt, "new_tokens": args.new,
-               "date": time.strftime("%Y-%m-%d"), "runs": []}
-    rows = []
+               "date": time.strftime("%Y-%m-%d"), "passes": args.passes, "runs": []}
+    rows, piped_rows = [], []
     for dtype_name in args.dtype:
         dtype = getattr(torch, dtype_name)
         if args.model == "llama-1b" and args.device == "cuda":
@@ -227,18 +283,31 @@ def main():
         model, tok, gguf_path = load(args.model, dtype, args.device)
         opt = rewriter.optimize(model)
         results["parameters"] = opt.ir.num_params()
+        piped = rewriter.optimize(model, pipeline) if pipeline is not None else None
         floor = floor_ms(model) if args.device == "cpu" else None
+        pipe_floor = None
+        if pipeline is not None and args.device == "cpu":
+            pipe_floor = int4_floor_ms(model, pipeline) or floor
         for b in args.batch:
+            one = b == 1
             run = measure(model, opt, prompts(tok, b, args.prompt).to(args.device), args,
-                          floor if b == 1 else None, gguf_path if b == 1 else None)
+                          floor if one else None, gguf_path if one else None, piped,
+                          pipe_floor if one else None)
             run.update(batch=b, dtype=dtype_name)
             results["runs"].append(run)
             rows.append(table_row(run))
+            if piped is not None:
+                piped_rows.append(passes_row(run))
     print(f"model {args.model}: {results['parameters'] / 1e6:.2f}M params, prompt {args.prompt}, "
           f"{args.new} new tokens, {torch.get_num_threads()} threads, {results['machine']}\n")
     print(tabulate(rows, headers=["dtype", "batch", "HF generate tok/s", "HF static+compile tok/s",
                                   "llama.cpp tok/s", "rewriter tok/s", "vs HF", "floor tok/s",
                                   "% of floor", "same greedy tokens"]))
+    if piped_rows:
+        print(f"\nrewriter with passes {' '.join(args.passes)} (the same Hugging Face runs as above):\n")
+        print(tabulate(piped_rows, headers=["dtype", "batch", "rewriter+passes tok/s", "vs HF",
+                                            "its floor tok/s", "% of its floor",
+                                            "same greedy tokens as HF", "first divergence"]))
     for run in results["runs"]:
         for row in run.get("gpu", []):
             print(f"batch {run['batch']}: {row['name']}: {row['tok_s']:.0f} tok/s")

@@ -1,6 +1,7 @@
 """Where a decode step's time goes: torch.profiler over batch-1 decode steps of the runtime.
 
     python benchmarks/profile_decode.py [--model smollm2] [--passes fuse_qkv ...] [--tokens 64]
+                                        [--dtype float32|bfloat16]
                                         [--json benchmarks/results/profile_decode.json]
 
 Prints the ATen ops by self CPU time (summed over the profiled tokens, divided per token),
@@ -24,7 +25,7 @@ import rewriter
 from rewriter.passes import from_spec
 
 GROUPS = {  # first match wins
-    "matrix products": ("addmm", "mm", "matmul", "linear", "bmm"),
+    "matrix products": ("addmm", "mm", "matmul", "linear", "bmm", "_weight_int4pack_mm"),
     "attention": ("scaled_dot_product", "_flash", "_efficient_attention", "softmax"),
     "norms": ("rms_norm", "layer_norm", "rsqrt", "pow", "mean"),
     "RoPE": ("cat", "neg", "chunk", "slice"),
@@ -47,12 +48,14 @@ def main():
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--passes", nargs="*", default=[], help="pass specs, e.g. fuse_qkv")
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--json", default="benchmarks/results/profile_decode.json")
     args = ap.parse_args()
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
     from quickstart import load
     model, tok = load(args.model)
+    model = model.to(getattr(torch, args.dtype))
     opt = rewriter.optimize(model, [from_spec(s) for s in args.passes], tokenizer=tok)
     ids = [opt.tokenizer.encode("Once upon a time, in a small village by the sea,").ids]
     opt.generate(ids, max_new_tokens=8, eos_token_id=[])  # warm-up: lowering, allocations
@@ -73,7 +76,7 @@ def main():
             sorted(groups.items(), key=lambda kv: -kv[1])]
     rows.append(["(not in ATen ops: Python, fx dispatch, sampling)",
                  f"{wall_ms - total_ops:.2f}", f"{100 * (wall_ms - total_ops) / wall_ms:.0f}%"])
-    print(f"{args.model}, passes {args.passes or 'none'}, batch 1, {args.tokens} tokens, "
+    print(f"{args.model}, {args.dtype}, passes {args.passes or 'none'}, batch 1, {args.tokens} tokens, "
           f"{torch.get_num_threads()} threads: {wall_ms:.2f} ms per token (unprofiled run)\n")
     print(tabulate(rows, headers=["group", "ms / token", "share"]))
     top = sorted(ops, key=lambda o: -o[2])[:15]
@@ -81,7 +84,7 @@ def main():
                           headers=["ATen op", "calls / token", "self ms / token"]))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({
-        "model": args.model, "passes": args.passes, "tokens": args.tokens,
+        "model": args.model, "dtype": args.dtype, "passes": args.passes, "tokens": args.tokens,
         "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
         "wall_ms_per_token": wall_ms, "groups_ms_per_token": dict(groups),
         "top_ops": [{"op": k, "calls_per_token": c, "self_ms_per_token": ms} for k, c, ms in top]},

