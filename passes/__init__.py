@@ -14,11 +14,13 @@ from .fuse_rope import FuseRoPE
 from .fuse_swiglu import FuseSwiGLU
 from .int4_weights import Int4Weights
 from .layer_skip import LayerSkip
+from .self_speculative import SelfSpeculative
 
 PASSES = {"layer_skip": LayerSkip, "fuse_qkv": FuseQKV, "fuse_swiglu": FuseSwiGLU,
-          "fuse_add_rms_norm": FuseAddRMSNorm, "fuse_rope": FuseRoPE, "int4_weights": Int4Weights}
+          "fuse_add_rms_norm": FuseAddRMSNorm, "fuse_rope": FuseRoPE, "int4_weights": Int4Weights,
+          "self_speculative": SelfSpeculative}
 
-__all__ = ["LayerSkip", "FuseQKV", "FuseSwiGLU", "FuseAddRMSNorm", "FuseRoPE", "Int4Weights", "PASSES",
+__all__ = ["LayerSkip", "FuseQKV", "FuseSwiGLU", "FuseAddRMSNorm", "FuseRoPE", "Int4Weights", "SelfSpeculative", "PASSES",
            "from_spec"]
 
 

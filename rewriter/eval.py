@@ -180,7 +180,9 @@ def cost(engine, prompt, new_tokens: int, runs: int = 3) -> dict:
         times.append(1e3 * (time.perf_counter() - start) / new_tokens)
     s = engine.stats
     return {"forward_per_token": s["forward_passes"] / s["tokens"],
-            "layers_per_token": s["layer_evals"] / s["tokens"],
+            "layers_per_token": (s["layer_evals"] + s["draft_layer_evals"]) / s["tokens"],
+            # self-speculative decoding: drafts accepted per verification of one row
+            "accepted_per_round": s["accepted"] / s["row_rounds"] if s["row_rounds"] else None,
             "kv_bytes_per_token": engine.kv_bytes_per_token(),
             "ms_per_token": statistics.median(times), "ms_per_token_min": min(times),
             "ms_per_token_max": max(times)}
@@ -229,8 +231,9 @@ greedy agree     fraction of greedy tokens equal to the unoptimized model's (hig
 1st diverge      mean position of the first differing greedy token (higher is better)
 exact            fraction of prompts answered exactly as the unoptimized model does
 passkey@N        pass-key retrieval accuracy with an N-token context (higher is better)
-fwd/tok          model forward passes per generated token (lower is cheaper)
-layers/tok       decoder layers evaluated per generated token (lower is cheaper)
+fwd/tok          full-model forward passes per generated token (lower is cheaper)
+layers/tok       decoder layers evaluated per generated token, drafts included (lower is cheaper)
+acc/round        self-speculative: drafted tokens accepted per verification (higher is better)
 KV B/tok         KV-cache bytes per token of one sequence (lower is cheaper)
 ms/tok           CPU milliseconds per generated token, batch 1: median [min-max] of the runs"""
 
@@ -243,7 +246,7 @@ def format_table(rows: list[dict], legend: bool = True) -> str:
     for c in corpora:
         head += [f"ppl {c}", "ratio"]
     head += ["greedy agree", "1st diverge", "exact", *[f"passkey@{n}" for n in lengths],
-             "fwd/tok", "layers/tok", "KV B/tok", "ms/tok"]
+             "fwd/tok", "layers/tok", "acc/round", "KV B/tok", "ms/tok"]
     body = []
     for r in rows:
         ppl = [x for c in corpora for x in (f"{r['perplexity'][c]:.2f}", f"{r['ppl_ratio'][c]:.3f}")]
@@ -251,6 +254,7 @@ def format_table(rows: list[dict], legend: bool = True) -> str:
                      f"{r['first_divergence']:.1f}", f"{r['exact_match']:.2f}",
                      *[f"{r['passkey'].get(n, float('nan')):.2f}" for n in lengths],
                      f"{r['forward_per_token']:.2f}", f"{r['layers_per_token']:.1f}",
+                     "-" if r.get("accepted_per_round") is None else f"{r['accepted_per_round']:.2f}",
                      r["kv_bytes_per_token"],
                      f"{r['ms_per_token']:.1f} [{r['ms_per_token_min']:.1f}-{r['ms_per_token_max']:.1f}]"])
     table = tabulate(body, headers=head)

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import math
 
+from rewriter.decoding import check_record
 from rewriter.ops import MAX_INT
 
 REQUIRED = ("family", "causal_lm", "config", "inputs", "lift_report", "layers", "passes")
-OPTIONAL = ("fusions", "skipped_layers", "unlifted_attention", "unlifted_embeddings", "int4")
+OPTIONAL = ("fusions", "skipped_layers", "unlifted_attention", "unlifted_embeddings", "int4",
+            "decoding")
 DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16",
           "float32", "float64")
 MAX_CONFIG_DEPTH = 32  # Hugging Face configs nest 3 or 4 deep (text_config, rope_parameters)
@@ -128,6 +130,7 @@ _CHECKS = {
     "passes": _why(_list_of(_pass_spec), "a list of {name, params} pass specs"),
     "unlifted_attention": _why(_list_of(lambda s: isinstance(s, str)), "a list of module paths"),
     "unlifted_embeddings": _why(_list_of(lambda s: isinstance(s, str)), "a list of module paths"),
+    "decoding": lambda v: check_record(v),
     "int4": _why(_int4_record, "an object {linears, group_size, max_abs_error, max_abs_weight}"),
 }
 

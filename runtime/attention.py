@@ -14,17 +14,29 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .kernels import KERNELS
 from .kv_cache import KVCache
 
 
 class Step:
-    """One forward call of the runtime: where it writes in the cache, and its masks."""
+    """One forward call of the runtime: where each row writes in the cache, and its masks.
+
+    ``start`` is the first cache position the step's ``length`` tokens are written at: an
+    int when every row writes at the same place (prefill, plain decode), or a ``[B]``
+    device tensor when rows have their own lengths (speculative decoding, after rows
+    accepted different numbers of tokens). Keys ``[0, end)`` are read; ``end`` defaults to
+    ``start + length`` and must be given (an upper bound over rows) with a tensor ``start``.
+    Rolling a row back is starting its next step earlier: what lies past a row's start is
+    masked until it is written again, so rejected tokens are never copied or cleared.
+    """
 
     static = False
 
-    def __init__(self, cache: KVCache, start: int, length: int, pad: Optional[Tensor]):
+    def __init__(self, cache: KVCache, start, length: int, pad: Optional[Tensor],
+                 end: Optional[int] = None):
         self.cache, self.start, self.length, self.pad = cache, start, length, pad
-        self.end = start + length
+        self.per_row = isinstance(start, Tensor)
+        self.end = end if end is not None else start + length
         self._values: dict = {}
 
     def once(self, key, make):
@@ -35,41 +47,43 @@ class Step:
         return self._values[key]
 
     def mask(self, window: Optional[int]) -> Optional[Tensor]:
-        """Boolean ``[B, 1, S, end]`` (True = may attend), or None when all keys are visible."""
+        """Boolean ``[B or 1, 1, S, end]`` (True = may attend), or None when all keys are visible."""
         return self.once(("mask", window), lambda: self._build_mask(window))
 
     def _build_mask(self, window: Optional[int]) -> Optional[Tensor]:
         limited = window is not None and self.end > window
-        if self.length == 1 and self.pad is None and not limited:
+        if self.length == 1 and self.pad is None and not limited and not self.per_row:
             return None  # one new token that sees the whole cache: SDPA's fastest path
-        device = self.cache.k[0].device
-        qi = torch.arange(self.start, self.end, device=device)[:, None]  # [S, 1]
-        kj = torch.arange(self.end, device=device)[None, :]  # [1, end]
-        mask = kj <= qi
+        device = self.cache.device
+        offsets = torch.arange(self.length, device=device)
+        if self.per_row:
+            qi = (self.start[:, None] + offsets)[:, None, :, None]  # [B, 1, S, 1]
+        else:
+            qi = (self.start + offsets)[None, None, :, None]  # [1, 1, S, 1]
+        kj = torch.arange(self.end, device=device)  # [end]
+        mask = kj <= qi  # [B or 1, 1, S, end]
         if window is not None:
             mask = mask & (qi - kj < window)
-        mask = mask[None, None]  # [1, 1, S, end]
         if self.pad is not None:
-            real_key = kj[None, None] >= self.pad[:, None, None, None]  # [B, 1, 1, end]
+            real_key = kj >= self.pad[:, None, None, None]  # [B, 1, 1, end]
             # A padding query sees itself only: every softmax row then has a finite
             # maximum, so padding never turns into NaN in the cache.
-            mask = mask & (real_key | (kj == qi)[None, None])  # [B, 1, S, end]
+            mask = mask & (real_key | (kj == qi))  # [B, 1, S, end]
         return mask
 
 
-def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, slot: int, num_heads: int,
+def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, cache_id: int, num_heads: int,
                      num_kv_heads: int, head_dim: int, scale: float, window: Optional[int],
                      cos: Optional[Tensor] = None, sin: Optional[Tensor] = None) -> Tensor:
-    """``rw.attention`` with K/V written into cache slot ``slot`` first.
+    """``rw.attention`` with K/V written into cache ``cache_id`` first.
 
     q ``[B, S, Hq*D]``, k/v ``[B, S, Hkv*D]`` -> ``[B, S, Hq*D]``; with ``cos``/``sin``
     (``FuseRoPE``) q and k are rotated here first.
     """
     if cos is not None:
-        from .kernels import KERNELS
         q, k = KERNELS["rope"](q, cos, sin, head_dim), KERNELS["rope"](k, cos, sin, head_dim)
     b, s, _ = q.shape
-    k_cache, v_cache = step.cache.k[slot], step.cache.v[slot]
+    k_cache, v_cache = step.cache.k[cache_id], step.cache.v[cache_id]
     write_kv(step, k_cache, v_cache, k.view(b, s, num_kv_heads, head_dim).transpose(1, 2),
              v.view(b, s, num_kv_heads, head_dim).transpose(1, 2))  # [B, Hkv, S, D]
     qh = q.view(b, s, num_heads, head_dim).transpose(1, 2)  # [B, Hq, S, D]
@@ -108,11 +122,23 @@ class StaticStep(Step):
 
 def write_kv(step: Step, k_cache: Optional[Tensor], v_cache: Tensor, k: Optional[Tensor],
              v: Tensor) -> None:
-    """Store the step's K and V ``[B, Hkv, S, D]`` at its cache positions (K skipped when
-    ``k`` is None: a kernel wrote it already, as ``FuseRoPE`` does)."""
+    """Store the step's K and V ``[B, Hkv, S, D]`` at each row's cache positions (K skipped
+    when ``k`` is None: a kernel wrote it already, as ``FuseRoPE`` does)."""
     pairs = [(v_cache, v)] if k is None else [(k_cache, k), (v_cache, v)]
+    if step.per_row:
+        rows, cols = step.once("rows", lambda: _row_positions(step))
     for cache, new in pairs:
         if step.static:
             cache.index_copy_(2, step.pos, new)
+        elif step.per_row:  # row b's token j at start[b] + j
+            cache[rows, :, cols] = new.transpose(1, 2)  # [B, S, Hkv, D]
         else:
             cache[:, :, step.start:step.end] = new
+
+
+def _row_positions(step: Step) -> tuple[Tensor, Tensor]:
+    """Index tensors ``[B, 1]`` (row) and ``[B, S]`` (cache position) of a per-row step."""
+    b = step.start.shape[0]
+    rows = torch.arange(b, device=step.start.device)[:, None]  # [B, 1]
+    cols = step.start[:, None] + torch.arange(step.length, device=step.start.device)  # [B, S]
+    return rows, cols

@@ -22,10 +22,13 @@ from torch import Tensor
 from rewriter.ir.core import IR
 
 from .chat import Messages, TextConfig, chat_prompt, split_tokenizer
+from rewriter.decoding import strategy_of
+
 from .generate import Batch, decode_loop, prepare, score_loop
-from .kv_cache import KVCache, attention_specs
-from .lower import lower
+from .kv_cache import KVCache, cache_table
+from .programs import build_programs
 from .settings import GenerationSettings, is_int, token_ids
+from .speculative import speculative_loop
 
 Prompts = Union[Tensor, Sequence[Sequence[int]]]
 
@@ -80,10 +83,9 @@ class Engine:
                               self.config.get("eos_token_id")))
 
     def kv_bytes_per_token(self) -> int:
-        """KV-cache bytes per token of one sequence (all cache slots, K and V)."""
+        """KV-cache bytes per token of one sequence (all caches, K and V)."""
         dtype = self._dtype()
-        return sum(2 * s.num_kv_heads * s.head_dim * dtype.itemsize
-                   for s in attention_specs(self.ir.gm))
+        return sum(s.bytes_per_token(dtype) for s in cache_table(self.ir.gm).values())
 
     # ------------------------------------------------------------------ generation
     def generate(self, input_ids: Prompts, max_new_tokens: int = 20,
@@ -142,12 +144,12 @@ class Engine:
             raise ValueError(f"prefix must be an int in [1, {s - 1}] for {s}-token rows, got {prefix!r}")
         prefix = int(prefix)
         self._check(input_ids, 0)
-        prefill, decode = self._lowered()
+        programs = self._lowered()
         cache = self._cache_for(b, s)
         ids = input_ids.to(device=self._device(), dtype=torch.int64)
         tokens = s - prefix
-        self.stats.update(forward_passes=tokens, layer_evals=tokens * len(cache.specs))
-        return score_loop(prefill, decode, cache, ids, prefix)
+        self.stats.update(forward_passes=tokens, layer_evals=tokens * len(cache.table))
+        return score_loop(programs["prefill"], programs["decode"], cache, ids, prefix)
 
     def _start(self, input_ids, attention_mask,
                settings: GenerationSettings) -> tuple[Batch, Iterator[Tensor]]:
@@ -156,14 +158,18 @@ class Engine:
         device = self._device()
         batch = prepare(input_ids, attention_mask, settings.pad_token_id, device)
         need = self._check(batch.ids, settings.max_new_tokens)
-        prefill, decode = self._lowered()  # before the cache: an IR it refuses gets none
-        cache = self._cache_for(batch.ids.shape[0], need)
+        programs = self._lowered()  # before the cache: an IR it refuses gets none
+        strategy = strategy_of(self.ir.info)
+        cache = self._cache_for(batch.ids.shape[0], need + strategy.cache_slack())
         cache.busy = True  # held from now (a stream not yet started too) until its loop ends
+        generator = settings.generator(device)
+        if strategy.name == "self_speculative":
+            return batch, speculative_loop(programs, cache, batch, settings, generator,
+                                           self.stats, strategy)
         cuda = device.type == "cuda"
         static = self.static_decode if self.static_decode is not None else cuda
-        return batch, decode_loop(prefill, decode, cache, batch, settings,
-                                  settings.generator(device), self.stats, static=static,
-                                  cuda_graph=static and cuda)
+        return batch, decode_loop(programs["prefill"], programs["decode"], cache, batch, settings,
+                                  generator, self.stats, static=static, cuda_graph=static and cuda)
 
     def __call__(self, input_ids: Tensor, positions: Optional[Tensor] = None) -> Tensor:
         """Logits ``[B, S, vocab]`` of the whole IR, no cache (the reference semantics)."""
@@ -203,7 +209,7 @@ class Engine:
         of the template modules) the Triton backend runs for this IR."""
         if self.backend != "triton":
             return {}
-        out = {f"{k.name}.py": k.source for program in self._lowered()
+        out = {f"{k.name}.py": k.source for program in self._lowered().values()
                for k in program.generated_kernels}
         if templates:
             from rewriter.codegen import TEMPLATES
@@ -227,12 +233,16 @@ class Engine:
                              f"{self.max_len} tokens (the model's context length)")
         return need
 
-    def _lowered(self):
+    def _lowered(self) -> dict:
+        """The named step programs (``runtime.programs``), lowered once."""
         if self._programs is None:
-            transposed: dict = {}  # one transposed copy per weight, for both programs
-            self._programs = (lower(self.ir, True, self.backend, transposed, self.trusted_kernels),
-                              lower(self.ir, False, self.backend, transposed, self.trusted_kernels))
+            self._programs = build_programs(self.ir, self.backend, self.trusted_kernels)
         return self._programs
+
+    def programs(self) -> dict[str, str]:
+        """Name -> the Python code of each step program the runtime runs (``prefill``,
+        ``decode``, and the decoding strategy's own, e.g. ``draft``)."""
+        return {name: program.code for name, program in self._lowered().items()}
 
     def _cache_for(self, batch: int, need: int) -> KVCache:
         """A cache of at least ``need`` tokens, reused across calls while it fits.
@@ -243,7 +253,7 @@ class Engine:
         if self._cache is None or not self._cache.fits(batch, need, dtype, device):
             self._cache = None  # free the old one before allocating
             length = min(self.max_len, -(-need // 256) * 256)
-            self._cache = KVCache(attention_specs(self.ir.gm), batch, length, dtype, device)
+            self._cache = KVCache(cache_table(self.ir.gm), batch, length, dtype, device)
         return self._cache
 
     def _first_weight(self) -> Tensor:

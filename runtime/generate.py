@@ -135,7 +135,7 @@ def decode_loop(prefill: fx.GraphModule, decode: fx.GraphModule, cache: KVCache,
     """
     max_new_tokens, eos, pad_token_id = (settings.max_new_tokens, settings.eos_token_id,
                                          settings.pad_token_id)
-    layers = len(cache.specs)
+    layers = len(cache.table)
     cache.busy = True  # until this generator ends or is dropped: no other call may reuse it
     try:  # (the engine marks it busy already when it hands the cache out)
         b, s = batch.ids.shape

@@ -1,24 +1,33 @@
-"""The static KV cache: one preallocated K and V tensor per attention op.
+"""The KV cache as data: a table derived from the IR, and the tensors it allocates.
 
-Slots are numbered by the order of the ``rw.attention`` ops in the graph, not by their
-``layer`` attribute: after ``LayerSkip`` the layers are ``0, 1, 4, 7`` but the cache
-holds four slots. Each slot is ``[batch, kv_heads, max_len, head_dim]`` and is written in
-place at the cache positions of every step (gpt-fast's ``k_cache[:, :, pos] = k``).
+Every ``rw.attention`` names its cache by its ``layer`` attribute, a stable id: passes that
+remove layers (``LayerSkip``) or programs that skip them (a self-speculative draft) leave
+the other layers' ids as they were, so every program of a model addresses the same caches.
+``cache_table(gm)`` is the single description of those caches (heads, head size, window)
+that lowering, the allocator, ``kv_bytes_per_token``, artifacts and dumps read.
+
+Each cache is ``[batch, kv_heads, max_len, head_dim]`` for K and for V, written in place at
+each row's positions (``runtime.attention.write_kv``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
 from torch import fx
 
+from rewriter.errors import RewriterError
+from rewriter.ops import ATTRIBUTES, OPS, op_arguments
+
+# The attention op's non-tensor arguments, read from its schema (``rewriter.ops``).
+ATTENTION_PARAMS = tuple(ATTRIBUTES["attention"])
+
 
 @dataclass(frozen=True)
-class AttentionSpec:
-    """What the runtime needs to know of one attention op."""
-    slot: int
-    layer: int
+class CacheSpec:
+    """One attention op's cache: ``id`` is its ``layer`` attribute."""
+    id: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -26,51 +35,63 @@ class AttentionSpec:
     causal: bool
     window: Optional[int]
 
-
-ATTENTION_PARAMS = ("layer", "num_heads", "num_kv_heads", "head_dim", "scale", "causal", "window")
-
-
-def attention_specs(gm: fx.GraphModule) -> list[AttentionSpec]:
-    """One spec per ``rw.attention`` node, in graph order (= cache slot)."""
-    from rewriter.ops import OPS
-    specs = []
-    for n in gm.graph.find_nodes(op="call_function", target=OPS["attention"]):
-        specs.append(AttentionSpec(len(specs), **attention_params(n)))
-    return specs
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * dtype.itemsize  # K and V
 
 
 def attention_params(node: fx.Node) -> dict:
-    """The op's non-tensor arguments by name, defaults filled in."""
-    names = ("q", "k", "v") + ATTENTION_PARAMS
-    params = dict(zip(names, node.args))
-    params.update(node.kwargs)
-    params.setdefault("causal", True)
-    params.setdefault("window", None)
-    return {k: params[k] for k in ATTENTION_PARAMS}
+    """The attention op's non-tensor arguments by name, defaults filled in."""
+    bound = op_arguments("attention", tuple(node.args), dict(node.kwargs))
+    return {k: bound[k] for k in ATTENTION_PARAMS}
+
+
+def cache_table(gm: fx.GraphModule) -> dict[int, CacheSpec]:
+    """``{id: CacheSpec}`` for every ``rw.attention`` of ``gm``, in graph order."""
+    table: dict[int, CacheSpec] = {}
+    for n in gm.graph.find_nodes(op="call_function", target=OPS["attention"]):
+        p = attention_params(n)
+        if p["layer"] in table:
+            raise RewriterError(f"{n.name}: two attention ops name cache {p['layer']} (their "
+                                f"layer attribute); each layer's attention needs its own")
+        table[p["layer"]] = CacheSpec(id=p["layer"], **{k: p[k] for k in ATTENTION_PARAMS
+                                                         if k != "layer"})
+    return table
+
+
+def describe(table: dict[int, CacheSpec], dtype: torch.dtype) -> dict:
+    """The table as JSON-able data (dumps, ``rewriter info``)."""
+    return {"dtype": str(dtype).removeprefix("torch."),
+            "bytes_per_token": sum(s.bytes_per_token(dtype) for s in table.values()),
+            "caches": [asdict(s) for s in table.values()]}
 
 
 class KVCache:
-    """K and V for every attention slot, ``[B, Hkv, max_len, D]`` each."""
+    """K and V for every cache of ``table``, ``{id: [B, Hkv, max_len, D]}`` each."""
 
-    def __init__(self, specs: list[AttentionSpec], batch: int, max_len: int,
+    def __init__(self, table: dict[int, CacheSpec], batch: int, max_len: int,
                  dtype: torch.dtype, device: torch.device):
-        self.specs, self.batch, self.max_len = specs, batch, max_len
+        self.table, self.batch, self.max_len = table, batch, max_len
         # zeros, not empty: a padded row's masked slots must hold finite values, because
         # masked attention weights are exactly 0 and 0 * NaN would still be NaN.
         shape = lambda s: (batch, s.num_kv_heads, max_len, s.head_dim)  # noqa: E731
-        self.k = [torch.zeros(shape(s), dtype=dtype, device=device) for s in specs]
-        self.v = [torch.zeros(shape(s), dtype=dtype, device=device) for s in specs]
+        self.k = {i: torch.zeros(shape(s), dtype=dtype, device=device) for i, s in table.items()}
+        self.v = {i: torch.zeros(shape(s), dtype=dtype, device=device) for i, s in table.items()}
         self.busy = False  # a generation in progress (e.g. a paused stream) holds it
 
     def fits(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> bool:
-        k = self.k[0] if self.k else None
+        k = next(iter(self.k.values()), None)
         return (not self.busy and self.batch == batch and self.max_len >= max_len
                 and (k is None or (k.dtype == dtype and k.device == device)))
 
     @property
+    def device(self) -> torch.device:
+        k = next(iter(self.k.values()), None)
+        return k.device if k is not None else torch.device("cpu")
+
+    @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for t in [*self.k.values(), *self.v.values()])
 
     def bytes_per_token(self) -> int:
-        """Cache bytes one token of one sequence occupies, over all slots."""
+        """Cache bytes one token of one sequence occupies, over all caches."""
         return self.nbytes // max(1, self.batch * self.max_len)

@@ -2,7 +2,7 @@
 
 The program is an ``fx.GraphModule`` over the same weights, with
 - every ``rw`` op replaced by its plain-function kernel (no custom-op dispatch),
-- every ``rw.attention`` replaced by ``cached_attention`` on its cache slot (an IR that
+- every ``rw.attention`` replaced by ``cached_attention`` on its cache (an IR that
   computes across positions anywhere else is refused: ``rewriter.ir.cacheable``),
 - an extra first input, ``step`` (cache, write position, masks),
 - weights under flat names (``self.w12``, not ``self.model.layers[1]...``): nested
@@ -25,7 +25,7 @@ from rewriter.ops import OPS, op_arguments
 
 from .attention import cached_attention
 from .kernels import KERNELS, int4_cpu_ok, int4_cpu_tables, linear_int4_cpu, linear_t
-from .kv_cache import attention_params, attention_specs
+from .kv_cache import attention_params
 
 _SHORT = {op: name for name, op in OPS.items()}
 
@@ -41,16 +41,14 @@ def lower(ir: IR, last_only: bool, backend: str = "torch",
     table, attention = KERNELS, cached_attention
     if backend == "triton":
         from . import triton_backend
-        table, attention = triton_backend.kernels(), triton_backend.cached_attention
+        table, attention = triton_backend.kernels()
     if not ir.is_causal_lm:
         raise RewriterError("the KV-cache runtime runs causal language models only; "
                             "call the optimized module directly instead")
     check_cacheable(ir)  # attention it could not cache would give wrong tokens, silently
-    specs = attention_specs(ir.gm)
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     step = graph.placeholder("step")
-    slot = 0
     order, generated = list(ir.graph.nodes), []
     cast = _table_caster(graph, env)
     if backend == "triton":  # pointwise groups no template covers become generated kernels
@@ -70,12 +68,12 @@ def lower(ir: IR, last_only: bool, backend: str = "torch",
         new = graph.node_copy(node, lambda n: env[n])
         name = _SHORT.get(node.target) if node.op == "call_function" else None
         if name == "attention":
-            if not specs[slot].causal:
+            params = attention_params(node)
+            if not params["causal"]:
                 raise RewriterError(f"{node.name}: the runtime needs causal attention")
             new.target = attention
             q, k, v = (env[a] for a in node.args[:3])
-            params = attention_params(node)
-            new.args = (step, q, k, v, slot)
+            new.args = (step, q, k, v, params["layer"])  # the cache id (runtime.kv_cache)
             new.kwargs = {k: params[k] for k in ("num_heads", "num_kv_heads", "head_dim",
                                                  "scale", "window")}
             if node.kwargs.get("cos") is not None:  # FuseRoPE: rotate inside attention
@@ -85,7 +83,6 @@ def lower(ir: IR, last_only: bool, backend: str = "torch",
                 else:
                     cos, sin = env[cos], env[sin]
                 new.kwargs = {**new.kwargs, "cos": cos, "sin": sin}
-            slot += 1
         elif name is not None:
             new.target = table[name]
             if name == "rope" and backend == "torch":

@@ -111,9 +111,9 @@ def test_bfloat16_programs_use_the_cpu_kernel_and_float32_ones_a_dense_copy():
     model = make_model("llama-gqa-3l", initializer_range=0.2)
     for dtype, kernel in ((torch.float32, "linear_t"), (torch.bfloat16, "linear_int4_cpu")):
         opt = rewriter.optimize(model.to(dtype), passes=[Int4Weights()])
-        _, decode = opt._lowered()
-        assert kernel in decode.code and "linear_int4(" not in decode.code
-    assert "linear_int4_cpu" in opt._lowered()[0].code  # prefill too
+        code = opt.programs()
+        assert kernel in code["decode"] and "linear_int4(" not in code["decode"]
+    assert "linear_int4_cpu" in code["prefill"]
     # bfloat16: the kernel's tokens against the reference op's (rounding may differ late)
     fast, slow = opt.generate(IDS, **GENERATE), reference_greedy(opt, IDS, 12)
     assert (fast == slow).float().mean() > 0.9

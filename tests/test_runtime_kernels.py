@@ -50,7 +50,8 @@ def test_prefill_and_decode_programs_share_one_transposed_copy():
     import rewriter
     from conftest import make_model
     opt = rewriter.optimize(make_model("llama-gqa-3l"))
-    prefill, decode = opt._lowered()
+    programs = opt._lowered()
+    prefill, decode = programs["prefill"], programs["decode"]
     transposed = lambda gm: {t.data_ptr() for t in gm.buffers() if t.dim() == 2 and t.shape == (64, 96)}  # noqa: E731
     # gate and up projections [96, 64] are read as [64, 96] copies (2 x 3 layers), one per weight
     assert opt.ir.weight("model.layers.0.mlp.up_proj.weight").shape == (96, 64)

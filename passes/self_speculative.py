@@ -1,0 +1,80 @@
+"""``SelfSpeculative``: lossless decoding that drafts with the model's own layers skipped.
+
+    SelfSpeculative(skip_layers=[...], skip_attention=[...], skip_mlp=[...], max_draft=4,
+                    threshold=0.5)
+    SelfSpeculative(speedup=1.6)   # the draft keeps round(L / 1.6) layers, spread as LayerSkip's
+
+The graph is left as it is (the full model verifies); the pass records the strategy in
+``ir.info["decoding"]`` (``rewriter.decoding``), the runtime lowers the ``draft`` program
+from it (``rewriter.ir.skip``) and decodes with ``runtime.speculative``. Attention and MLP
+sub-layers are skippable separately. The output is exactly the model's: plain greedy
+decoding's tokens, or its sampling distribution.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+from rewriter.decoding import MAX_DRAFT, Strategy
+from rewriter.errors import PassError
+from rewriter.ir.core import IR
+from rewriter.ir.skip import check_skip_set
+from rewriter.pass_manager import Pass
+from rewriter.passes.layer_skip import kept_positions
+
+
+class SelfSpeculative(Pass):
+    def __init__(self, skip_layers: Optional[Sequence[int]] = None,
+                 skip_attention: Optional[Sequence[int]] = None,
+                 skip_mlp: Optional[Sequence[int]] = None, speedup: Optional[float] = None,
+                 max_draft: int = 4, threshold: float = 0.5):
+        named = any(v is not None for v in (skip_layers, skip_attention, skip_mlp))
+        if named == (speedup is not None):
+            raise ValueError("SelfSpeculative takes a skip set (skip_layers / skip_attention / "
+                             "skip_mlp) or speedup=s, exactly one of them")
+        self.skip_layers = _indices("skip_layers", skip_layers)
+        self.skip_attention = _indices("skip_attention", skip_attention)
+        self.skip_mlp = _indices("skip_mlp", skip_mlp)
+        if speedup is not None and (isinstance(speedup, bool) or not isinstance(speedup, (int, float))
+                                    or not math.isfinite(speedup) or speedup <= 1.0):
+            raise ValueError(f"SelfSpeculative: speedup must be a finite number > 1, got {speedup!r}")
+        if type(max_draft) is not int or not 1 <= max_draft <= MAX_DRAFT:
+            raise ValueError(f"SelfSpeculative: max_draft must be an int in [1, {MAX_DRAFT}], "
+                             f"got {max_draft!r}")
+        if (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
+                or not 0.0 <= threshold < 1.0):
+            raise ValueError(f"SelfSpeculative: threshold must be a number in [0, 1), got {threshold!r}")
+        self.speedup = float(speedup) if speedup is not None else None
+        self.max_draft, self.threshold = max_draft, float(threshold)
+
+    def run(self, ir: IR) -> IR:
+        if not ir.is_causal_lm or not ir.layers:
+            raise PassError(f"{self!r} needs a causal LM with decoder layers")
+        if ir.info.get("decoding") is not None:
+            raise PassError(f"{self!r}: the IR already has a decoding strategy "
+                            f"({ir.info['decoding']['strategy']})")
+        layers = self.skip_layers
+        if self.speedup is not None:
+            present = sorted(s["index"] for s in ir.layers)
+            keep = kept_positions(len(present), self.speedup)
+            layers = [idx for pos, idx in enumerate(present) if pos not in keep]
+            if not layers:
+                raise PassError(f"{self!r} keeps every one of the {len(present)} layers; "
+                                f"a larger speedup skips some")
+        check_skip_set(ir, layers, self.skip_attention, self.skip_mlp)
+        strategy = Strategy("self_speculative", tuple(layers), tuple(self.skip_attention),
+                            tuple(self.skip_mlp), self.max_draft, self.threshold)
+        ir.info["decoding"] = strategy.record()
+        return ir
+
+
+def _indices(name: str, value) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise ValueError(f"SelfSpeculative: {name} must be a list of layer indices, got {value!r}")
+    if not all(type(i) is int and i >= 0 for i in value):
+        raise ValueError(f"SelfSpeculative: {name} must hold non-negative ints, got {value!r}")
+    if len(set(value)) != len(value):
+        raise ValueError(f"SelfSpeculative: {name} names a layer twice: {value!r}")
+    return sorted(value)

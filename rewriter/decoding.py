@@ -1,0 +1,73 @@
+"""The decoding strategy an IR asks for, recorded by a pass in ``ir.info["decoding"]``.
+
+With no record the runtime decodes one token per step. ``SelfSpeculative`` records::
+
+    {"strategy": "self_speculative", "skip_layers": [..], "skip_attention": [..],
+     "skip_mlp": [..], "max_draft": 4, "threshold": 0.5}
+
+and the runtime then lowers a ``draft`` program (the same IR with those layers and
+sub-layers bypassed: ``rewriter.ir.skip``) beside ``prefill`` and ``decode``, and generates
+with ``runtime.speculative``. Artifacts keep the record, so a loaded model decodes the same
+way. ``check_record`` is what the artifact loader and the pass both apply.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+STRATEGIES = ("plain", "self_speculative")
+MAX_DRAFT = 16  # verifying more tokens than this costs more than it can save on any machine
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str = "plain"
+    skip_layers: tuple[int, ...] = field(default=())
+    skip_attention: tuple[int, ...] = field(default=())
+    skip_mlp: tuple[int, ...] = field(default=())
+    max_draft: int = 0
+    threshold: float = 0.0
+
+    def cache_slack(self) -> int:
+        """Cache positions a generation may need past prompt + new tokens: a row that is
+        done keeps being drafted for and verified (its results dropped) at most one round
+        past its end, and the last round may overshoot by one draft."""
+        return 2 * (self.max_draft + 1) if self.name == "self_speculative" else 0
+
+    def record(self) -> dict:
+        return {"strategy": self.name, "skip_layers": list(self.skip_layers),
+                "skip_attention": list(self.skip_attention), "skip_mlp": list(self.skip_mlp),
+                "max_draft": self.max_draft, "threshold": self.threshold}
+
+
+def strategy_of(info: dict) -> Strategy:
+    """The strategy ``info`` records (checked when it was recorded or loaded)."""
+    r = info.get("decoding")
+    if r is None:
+        return Strategy()
+    return Strategy(r["strategy"], tuple(r["skip_layers"]), tuple(r["skip_attention"]),
+                    tuple(r["skip_mlp"]), r["max_draft"], float(r["threshold"]))
+
+
+def check_record(r) -> str | None:
+    """Why ``r`` is not a decoding record, or None."""
+    keys = {"strategy", "skip_layers", "skip_attention", "skip_mlp", "max_draft", "threshold"}
+    if not isinstance(r, dict) or set(r) != keys:
+        return f"an object with exactly the keys {sorted(keys)}"
+    if r["strategy"] not in STRATEGIES:
+        return f"strategy one of {STRATEGIES}"
+    for k in ("skip_layers", "skip_attention", "skip_mlp"):
+        v = r[k]
+        if not isinstance(v, list) or not all(_is_int(i) and i >= 0 for i in v) or v != sorted(set(v)):
+            return f"{k}: a sorted list of distinct layer indices"
+    if not _is_int(r["max_draft"]) or not 1 <= r["max_draft"] <= MAX_DRAFT:
+        return f"max_draft: an integer in [1, {MAX_DRAFT}]"
+    t = r["threshold"]
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t < 1.0:
+        return "threshold: a number in [0, 1)"
+    if not (r["skip_layers"] or r["skip_attention"] or r["skip_mlp"]):
+        return "a skip set that skips something"
+    return None
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)

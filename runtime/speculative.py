@@ -1,0 +1,175 @@
+"""Self-speculative decoding: draft with layers skipped, verify with all, lossless.
+
+A round, for every row at once (each row at its own cache length ``length[b]``):
+
+1. **draft** up to ``k`` tokens with the ``draft`` program (the model with its skip set
+   bypassed), one token a step, from the row's last token (chosen, not yet in the cache).
+   Drafting stops early once every row's draft confidence (the drafted token's probability)
+   is below ``threshold``.
+2. **verify**: the ``decode`` program over ``[last, d1 .. dk]`` (k + 1 tokens, each row at
+   its own positions) gives the full model's next-token logits after every prefix.
+3. **accept** per row: greedy keeps the drafts up to the first one that differs from the
+   full model's argmax, then adds the full model's own token there, so the output is plain
+   greedy decoding's token for token. Sampling uses the speculative-sampling rule (accept
+   ``d`` with probability ``min(1, p(d) / q(d))``; at the first rejection sample from
+   ``max(0, p - q)`` normalised; after k acceptances sample from ``p``), so the output
+   follows the model's own (warped) distribution.
+4. **roll back** by length: the row's length grows by the accepted tokens + 1; what the
+   draft and the verification wrote past it is masked until overwritten. Nothing is copied.
+
+Tokens come out as plain decoding's do: one ``[B]`` column per position (rows that ran
+ahead wait in a queue), EOS and padding handled identically. ``stats`` counts rounds,
+drafted and accepted tokens, and the forward passes and layer evaluations of both models.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Iterator, Optional
+
+import torch
+from torch import Tensor
+
+from rewriter.decoding import Strategy
+
+from .attention import Step
+from .generate import Batch, _run
+from .kv_cache import KVCache
+from .sampling import next_token, warp
+from .settings import GenerationSettings
+
+
+def speculative_loop(programs: dict, cache: KVCache, batch: Batch, settings: GenerationSettings,
+                     generator: Optional[torch.Generator], stats: Counter,
+                     strategy: Strategy) -> Iterator[Tensor]:
+    """Yield the next token of every row, ``[B]``, like ``generate.decode_loop``."""
+    cache.busy = True
+    try:
+        yield from _Rounds(programs, cache, batch, settings, generator, stats, strategy).run()
+    finally:
+        cache.busy = False
+
+
+class _Rounds:
+    def __init__(self, programs, cache, batch, settings, generator, stats, strategy):
+        self.programs, self.cache, self.batch = programs, cache, batch
+        self.s, self.generator, self.stats, self.strategy = settings, generator, stats, strategy
+        self.full = len(cache.table)
+        skipped = len(strategy.skip_layers) + (len(strategy.skip_attention) + len(strategy.skip_mlp)) / 2
+        self.draft_layers = self.full - skipped
+        b = batch.ids.shape[0]
+        self.device = batch.ids.device
+        self.pad0 = batch.pad if batch.pad is not None else torch.zeros(b, dtype=torch.int64,
+                                                                        device=self.device)
+
+    def run(self) -> Iterator[Tensor]:
+        s, batch = self.s, self.batch
+        b, width = batch.ids.shape
+        eos_t = torch.tensor(list(s.eos_token_id), dtype=torch.int64, device=self.device)
+        finished = torch.zeros(b, dtype=torch.bool, device=self.device)
+        logits = _run(self.programs["prefill"], Step(self.cache, 0, width, batch.pad),
+                      batch.ids, batch.positions)
+        self.stats.update(forward_passes=1, layer_evals=self.full)
+        last = next_token(logits[:, -1], s, self.generator)  # [B], not yet in the cache
+        length = [width] * b  # cache positions each row holds
+        pending = [[t] for t in last.tolist()]  # made, not yet yielded
+        produced = [1] * b
+        yielded = 0
+        while True:
+            while all(pending):  # a whole column is ready
+                column = torch.tensor([p.pop(0) for p in pending], device=self.device)
+                token = column
+                if len(eos_t):
+                    token = column.masked_fill(finished, s.pad_token_id)
+                    finished |= torch.isin(token, eos_t)
+                self.stats["tokens"] += 1
+                yielded += 1
+                yield token
+                if yielded == s.max_new_tokens or (len(eos_t) and bool(finished.all())):
+                    return
+            # rows with every token they need are frozen (computed on, results dropped);
+            # an ended row still needs a token per column, which masking turns into padding
+            done = [produced[r] >= s.max_new_tokens for r in range(b)]
+            active = [r for r in range(b) if not done[r]]
+            need = s.max_new_tokens - min(produced[r] for r in active)
+            k = max(0, min(self.strategy.max_draft, self.cache.max_len - max(length) - 1, need - 1))
+            last, accepted = self.round(last, length, k, done)
+            for r in active:
+                pending[r] += accepted[r]
+                produced[r] += len(accepted[r])
+                length[r] += len(accepted[r])
+            self.stats.update(rounds=1, row_rounds=len(active),
+                              accepted=sum(len(accepted[r]) - 1 for r in active))
+
+    def start(self, length: list[int], offset: int):
+        """A step's start: an int when every row is at the same length, else ``[B]``."""
+        if len(set(length)) == 1:
+            return length[0] + offset
+        return torch.tensor(length, device=self.device) + offset
+
+    def round(self, last: Tensor, length: list[int], k: int, done: list[bool]):
+        """Draft, verify, accept: (each row's new last token ``[B]``, the tokens each row
+        accepted, the last one being the full model's)."""
+        drafts, q = self.draft(last, length, k)
+        n_draft = len(drafts)
+        tokens = torch.stack([last, *drafts], dim=1)  # [B, n + 1]
+        start = self.start(length, 0)
+        step = Step(self.cache, start, n_draft + 1, self.batch.pad, end=max(length) + n_draft + 1)
+        positions = (torch.tensor(length, device=self.device) - self.pad0)[:, None] \
+            + torch.arange(n_draft + 1, device=self.device)  # [B, n + 1]
+        logits = _run(self.programs["decode"], step, tokens, positions)  # [B, n + 1, V]
+        self.stats.update(forward_passes=1, layer_evals=self.full,
+                          drafted=n_draft * sum(not d for d in done))
+        n, bonus = self.accept(logits, tokens[:, 1:], q)
+        rows = []
+        for r, (count, extra) in enumerate(zip(n.tolist(), bonus.tolist())):
+            rows.append(tokens[r, 1:1 + count].tolist() + [extra])
+        keep = torch.tensor(done, device=self.device)
+        return torch.where(keep, last, bonus), rows
+
+    def draft(self, last: Tensor, length: list[int], k: int) -> tuple[list[Tensor], list[Tensor]]:
+        """Up to ``k`` draft tokens ``[B]`` each, and (sampling) their distributions ``[B, V]``."""
+        drafts, dists, token = [], [], last
+        for j in range(k):
+            step = Step(self.cache, self.start(length, j), 1, self.batch.pad, end=max(length) + j + 1)
+            positions = (torch.tensor(length, device=self.device) + j - self.pad0)[:, None]
+            logits = _run(self.programs["draft"], step, token[:, None], positions)[:, -1]  # [B, V]
+            self.stats.update(draft_passes=1, draft_layer_evals=self.draft_layers)
+            if self.s.do_sample:
+                q = warp(logits, self.s).softmax(-1)
+                token = torch.multinomial(q, 1, generator=self.generator).squeeze(-1)
+                dists.append(q)
+            else:
+                q = logits.float().softmax(-1)
+                token = logits.argmax(-1)
+            drafts.append(token)
+            confidence = q.gather(-1, token[:, None]).squeeze(-1)  # [B]
+            if j + 1 < k and bool((confidence < self.strategy.threshold).all()):
+                break
+        return drafts, dists
+
+    def accept(self, logits: Tensor, drafts: Tensor, q: list[Tensor]) -> tuple[Tensor, Tensor]:
+        """(accepted drafts per row ``[B]``, the token after them ``[B]``)."""
+        b, n1, _ = logits.shape
+        n_draft = n1 - 1
+        if not self.s.do_sample:
+            target = logits.argmax(-1)  # [B, n + 1]
+            match = (drafts == target[:, :n_draft]).long().cumprod(dim=1)  # [B, n]
+            n = match.sum(dim=1)
+            return n, target.gather(1, n[:, None]).squeeze(1)
+        p = warp(logits.reshape(b * n1, -1), self.s).softmax(-1).view(b, n1, -1)  # [B, n + 1, V]
+        if n_draft:
+            qd = torch.stack(q, dim=1)  # [B, n, V]
+            pick = drafts[..., None]
+            ratio = p[:, :n_draft].gather(-1, pick).squeeze(-1) / qd.gather(-1, pick).squeeze(-1)
+            u = torch.rand(b, n_draft, generator=self.generator, device=self.device)
+            n = (u < ratio).long().cumprod(dim=1).sum(dim=1)  # [B]
+            q_after = torch.cat([qd, torch.zeros_like(qd[:, :1])], dim=1)  # [B, n + 1, V]
+        else:
+            n = torch.zeros(b, dtype=torch.long, device=self.device)
+            q_after = torch.zeros_like(p)
+        at = n[:, None, None].expand(b, 1, p.shape[-1])
+        residual = (p.gather(1, at) - q_after.gather(1, at)).squeeze(1).clamp_min(0)  # [B, V]
+        total = residual.sum(-1, keepdim=True)
+        # p == q at a rejection has probability 0; guard the division anyway
+        residual = torch.where(total > 0, residual / total.clamp_min(1e-30), p.gather(1, at).squeeze(1))
+        return n, torch.multinomial(residual, 1, generator=self.generator).squeeze(-1)

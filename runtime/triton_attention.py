@@ -1,0 +1,46 @@
+"""``rw.attention`` on the Triton templates: the Triton backend's cached attention."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from rewriter.codegen.decode_attention import decode_attention
+from rewriter.codegen.prefill_attention import prefill_attention
+from rewriter.codegen.rope import rope_into_cache
+
+from .attention import Step, write_kv
+from .attention import cached_attention as torch_cached_attention
+
+
+def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, cache_id: int, num_heads: int,
+                     num_kv_heads: int, head_dim: int, scale: float, window: Optional[int],
+                     cos: Optional[Tensor] = None, sin: Optional[Tensor] = None) -> Tensor:
+    """``rw.attention`` over cache ``cache_id``: decode or prefill kernel by step length;
+    with ``cos``/``sin`` (``FuseRoPE``) K is rotated by the kernel that writes the cache
+    (V with it) and q by the attention kernel: no launch of its own for either. A step
+    whose rows start at different positions (speculative decoding) runs the torch path."""
+    if step.per_row:
+        return torch_cached_attention(step, q, k, v, cache_id, num_heads, num_kv_heads,
+                                      head_dim, scale, window, cos, sin)
+    b, s, _ = q.shape
+    k_cache, v_cache = step.cache.k[cache_id], step.cache.v[cache_id]
+    split = lambda x: x.view(b, s, num_kv_heads, head_dim).transpose(1, 2)  # noqa: E731  [B, Hkv, S, D]
+    if cos is not None:  # q is rotated inside the attention kernel
+        rope_into_cache(k, cos, sin, head_dim, k_cache, step.pos if step.static else step.start,
+                        v=v, v_cache=v_cache)  # K rotated and V, one launch
+    else:
+        write_kv(step, k_cache, v_cache, split(k), split(v))
+    start = step.pad if step.pad is not None else step.once("zeros", lambda: _zeros(b, q.device))
+    if s == 1:
+        end = step.once("end", lambda: step.pos + 1) if step.static else step.end
+        out = decode_attention(q.view(b, num_heads, head_dim), k_cache, v_cache, end, scale,
+                               start=start, window=window or 0, cos=cos, sin=sin)
+        return out.view(b, 1, num_heads * head_dim)
+    return prefill_attention(q, k_cache, v_cache, num_heads, scale, q_start=step.start,
+                             start=start, window=window or 0, cos=cos, sin=sin)
+
+
+def _zeros(b: int, device) -> Tensor:
+    return torch.zeros(b, dtype=torch.int64, device=device)

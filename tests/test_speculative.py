@@ -1,0 +1,211 @@
+"""Self-speculative decoding and the runtime seam under it: lossless greedy on every family,
+ragged batches, EOS mid-draft, the end of the cache, the sampling distribution, caches
+addressed by layer id, rollback by length, artifacts, bad parameters."""
+import pytest
+import torch
+
+import rewriter
+from rewriter.errors import PassError
+from rewriter.passes import FuseAddRMSNorm, FuseQKV, LayerSkip, SelfSpeculative, from_spec
+from rewriter.runtime.attention import Step
+from rewriter.runtime.kv_cache import KVCache, cache_table
+
+from conftest import CONFIGS, make_model, varied_init
+
+IDS = torch.tensor([[3, 17, 42, 5, 99, 8, 64], [1, 2, 3, 4, 5, 6, 7]])
+RAGGED = [[3, 17, 42, 5, 99, 8, 64, 11, 12], [1, 2, 3], [50, 51, 52, 53, 54]]
+KW = dict(max_new_tokens=24, eos_token_id=[])
+
+
+def pair(config: str, **spec):
+    """(plain, self-speculative) optimized models of one seeded model."""
+    model = make_model(config, initializer_range=varied_init(config))
+    spec = {"skip_layers": [1], "threshold": 0.0, **spec}
+    return rewriter.optimize(model), rewriter.optimize(model, passes=[SelfSpeculative(**spec)])
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_greedy_tokens_equal_plain_greedy_on_every_family(config):
+    plain, spec = pair(config, max_draft=3)
+    assert torch.equal(spec.generate(IDS, **KW), plain.generate(IDS, **KW))
+    assert spec.stats["rounds"] > 0 and spec.stats["forward_passes"] < spec.stats["tokens"] * 2
+
+
+@pytest.mark.parametrize("config", ["llama-gqa-3l", "mistral-window-3l", "gpt2-3l"])
+def test_ragged_batches_equal_each_row_alone(config):
+    plain, spec = pair(config)
+    together = spec.generate(RAGGED, **KW)
+    for i, row in enumerate(RAGGED):
+        alone = plain.generate([row], **KW)[0, len(row):]
+        assert torch.equal(together[i, -KW["max_new_tokens"]:], alone), i
+
+
+def test_sub_layers_are_skipped_separately():
+    plain, spec = pair("llama-gqa-3l", skip_layers=None, skip_attention=[1, 2], skip_mlp=[0])
+    code = spec.programs()
+    assert code["draft"].count("cached_attention") == 1 and code["decode"].count("cached_attention") == 3
+    assert torch.equal(spec.generate(RAGGED, **KW), plain.generate(RAGGED, **KW))
+
+
+def test_speedup_picks_layer_skips_spread_set_and_the_default_model_accepts_drafts():
+    plain = rewriter.from_pretrained("default")
+    spec = rewriter.from_pretrained("default", passes=[SelfSpeculative(speedup=1.6)])
+    assert spec.ir.info["decoding"]["skip_layers"] == [1, 3, 6]  # LayerSkip(speedup=1.6)'s
+    ids = [plain.tokenizer.encode("def main(").ids]
+    assert torch.equal(spec.generate(ids, max_new_tokens=48), plain.generate(ids, max_new_tokens=48))
+    s = spec.stats
+    assert s["accepted"] > 0 and s["forward_passes"] < s["tokens"]
+
+
+def test_eos_in_the_middle_of_a_draft_ends_the_row_as_plain_decoding_does():
+    plain, spec = pair("llama-gqa-3l", max_draft=4)
+    free = plain.generate(IDS, **KW)
+    eos = int(free[0, IDS.shape[1] + 5])  # a token row 0 makes mid-way
+    kw = dict(max_new_tokens=24, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(spec.generate(IDS, **kw), plain.generate(IDS, **kw))
+    streamed = torch.stack(list(spec.stream(IDS, **kw)), dim=1)
+    assert torch.equal(streamed, plain.generate(IDS, **kw)[:, IDS.shape[1]:])
+
+
+def test_drafts_that_reach_the_end_of_the_cache_are_cut_short():
+    plain, spec = pair("llama-gqa-3l", max_draft=6)  # context: 128 positions
+    ids = torch.arange(1, 101)[None] % 120
+    kw = dict(max_new_tokens=28, eos_token_id=[])  # 100 + 28 = the whole context
+    assert torch.equal(spec.generate(ids, **kw), plain.generate(ids, **kw))
+    assert spec._cache.max_len == 128
+
+
+def test_sampling_follows_the_models_distribution():
+    """Two-sample chi-square test on the second sampled token (the first the acceptance
+    rule decides), 3000 independent rows each way, a 48-token vocabulary."""
+    model = make_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)
+    plain = rewriter.optimize(model)
+    spec = rewriter.optimize(model, passes=[SelfSpeculative(skip_layers=[1, 2], threshold=0.0)])
+    ids = torch.tensor([[5, 9, 2]]).expand(3000, 3)
+    kw = dict(max_new_tokens=3, do_sample=True, top_k=0, eos_token_id=[])
+    a = plain.generate(ids, seed=1, **kw)[:, 4]
+    b = spec.generate(ids, seed=2, **kw)[:, 4]
+    assert spec.stats["accepted"] > 0 and spec.stats["row_rounds"] > spec.stats["accepted"]
+    ca, cb = torch.bincount(a, minlength=48).float(), torch.bincount(b, minlength=48).float()
+    seen = (ca + cb) > 0
+    ca, cb = ca[seen], cb[seen]
+    stat = (((ca - cb) ** 2) / (ca + cb)).sum().item()  # chi-square, equal sample sizes
+    dof = int(seen.sum()) - 1
+    assert stat < dof + 5 * (2 * dof) ** 0.5, (stat, dof)  # ~5 sigma: fails on a biased rule
+    greedy_rows = spec.generate(ids[:4], max_new_tokens=3, eos_token_id=[])
+    assert torch.equal(greedy_rows, plain.generate(ids[:4], max_new_tokens=3, eos_token_id=[]))
+
+
+def test_acceptance_rule_alone_is_unbiased():
+    """The rule on synthetic p and q: the first emitted token is distributed as p."""
+    from rewriter.runtime.speculative import _Rounds
+    from rewriter.runtime.settings import GenerationSettings
+    torch.manual_seed(0)
+    b, v = 40000, 6
+    p_logits = torch.randn(v) * 1.5
+    q = torch.softmax(torch.randn(v) * 1.5, -1)
+    logits = p_logits.expand(b, 2, v).clone()  # [B, 1 draft + 1, V]
+    drafts = torch.multinomial(q.expand(b, v), 1)  # [B, 1]
+    rounds = _Rounds.__new__(_Rounds)
+    rounds.s = GenerationSettings(do_sample=True, top_k=0)
+    rounds.generator, rounds.device = torch.Generator().manual_seed(0), torch.device("cpu")
+    n, bonus = rounds.accept(logits, drafts, [q.expand(b, v)])
+    first = torch.where(n > 0, drafts[:, 0], bonus)
+    freq = torch.bincount(first, minlength=v).float() / b
+    assert torch.allclose(freq, torch.softmax(p_logits, -1), atol=0.01)
+
+
+def test_a_draft_program_writes_exactly_the_caches_of_the_layers_it_runs():
+    _, spec = pair("llama-gqa-3l", skip_layers=[1], skip_attention=[2])
+    programs = spec._lowered()
+    table = cache_table(spec.ir.gm)
+    assert sorted(table) == [0, 1, 2]  # cache ids are layer indices
+    cache = KVCache(table, 1, 16, torch.float32, torch.device("cpu"))
+    with torch.inference_mode():
+        programs["draft"](Step(cache, 3, 1, None), torch.tensor([[7]]), torch.tensor([[3]]))
+    written = {i: bool(cache.k[i].abs().sum() > 0) for i in table}
+    assert written == {0: True, 1: False, 2: False}
+    assert cache.k[0][:, :, 3].abs().sum() > 0 and cache.k[0][:, :, :3].abs().sum() == 0
+
+
+def test_after_layer_skip_the_caches_keep_their_layer_ids():
+    opt = rewriter.optimize(make_model("llama-gqa-3l"), passes=[LayerSkip(layers=[1])])
+    assert sorted(cache_table(opt.ir.gm)) == [0, 2]
+    assert opt.kv_bytes_per_token() == 2 * 2 * (2 * 16) * 4  # 2 layers, K and V, 2 heads x 16, f32
+
+
+def test_rolling_back_is_setting_a_length():
+    """Logits after writing 4 tokens and rolling back to 1 equal those of a cache that
+    only ever held that 1, per row, with rows at different lengths."""
+    plain, _ = pair("llama-gqa-3l")
+    decode = plain._lowered()["decode"]
+    table = cache_table(plain.ir.gm)
+    prompt = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+
+    def run(cache, start, tokens, end):
+        s = tokens.shape[1]
+        positions = (start[:, None] if isinstance(start, torch.Tensor) else start) + torch.arange(s)
+        with torch.inference_mode():
+            return decode(Step(cache, start, s, None, end=end), tokens, positions.expand(2, s))
+
+    rolled, clean = (KVCache(table, 2, 16, torch.float32, torch.device("cpu")) for _ in range(2))
+    for cache in (rolled, clean):
+        run(cache, 0, prompt, 4)
+    for cache in (rolled, clean):  # one accepted token each (a 1-token step: same rounding)
+        run(cache, 4, torch.tensor([[1], [5]]), 5)
+    run(rolled, torch.tensor([5, 5]), torch.tensor([[2, 3, 4], [6, 7, 8]]), 8)  # then rejected
+    starts = torch.tensor([5, 5])  # both rows roll back to 5
+    a = run(rolled, starts, torch.tensor([[20, 21], [22, 23]]), 7)
+    b = run(clean, starts, torch.tensor([[20, 21], [22, 23]]), 7)
+    assert torch.equal(a, b)
+    assert not torch.equal(rolled.k[0][:, :, 7], clean.k[0][:, :, 7])  # stale, never copied
+
+
+def test_artifact_round_trip_keeps_the_strategy(tmp_path):
+    plain, spec = pair("qwen2-mqa-3l", skip_layers=[0], skip_mlp=[2], max_draft=2)
+    spec.save(tmp_path / "a")
+    loaded = rewriter.load(tmp_path / "a")
+    assert loaded.ir.info["decoding"] == spec.ir.info["decoding"]
+    assert set(loaded.programs()) == {"prefill", "decode", "draft"}
+    assert torch.equal(loaded.generate(RAGGED, **KW), plain.generate(RAGGED, **KW))
+
+
+def test_the_triton_backend_gives_the_same_tokens():
+    model = make_model("llama-gqa-3l", initializer_range=0.2, num_hidden_layers=2)
+    plain = rewriter.optimize(model)
+    spec = rewriter.optimize(model, passes=[SelfSpeculative(skip_layers=[1], threshold=0.0)],
+                             backend="triton")
+    kw = dict(max_new_tokens=6, eos_token_id=[])
+    assert torch.equal(spec.generate(RAGGED[:2], **kw), plain.generate(RAGGED[:2], **kw))
+
+
+def test_bad_parameters_and_skip_sets_are_refused():
+    for kwargs in ({}, {"skip_layers": [1], "speedup": 1.5}, {"skip_layers": "1"},
+                   {"skip_layers": [1, 1]}, {"skip_layers": [-1]}, {"skip_layers": [True]},
+                   {"speedup": 1.0}, {"speedup": float("nan")}, {"skip_layers": [1], "max_draft": 0},
+                   {"skip_layers": [1], "max_draft": 17}, {"skip_layers": [1], "threshold": 1.0},
+                   {"skip_layers": [1], "threshold": True}):
+        with pytest.raises(ValueError):
+            SelfSpeculative(**kwargs)
+    model = make_model("llama-gqa-3l")
+    for passes, match in (([SelfSpeculative(skip_layers=[3])], "layer 3 is not in the model"),
+                          ([SelfSpeculative(skip_layers=[0, 1, 2])], "skips every layer"),
+                          ([SelfSpeculative(skip_layers=[1], skip_mlp=[1])], "also has a sub-layer"),
+                          ([FuseAddRMSNorm(), SelfSpeculative(skip_layers=[1])], "before FuseAddRMSNorm"),
+                          ([SelfSpeculative(skip_layers=[1]), SelfSpeculative(skip_layers=[2])],
+                           "already has a decoding strategy")):
+        with pytest.raises(PassError, match=match):
+            rewriter.optimize(model, passes=passes)
+    assert from_spec("self_speculative:skip_layers=[1],max_draft=3").params()["max_draft"] == 3
+
+
+def test_parallel_blocks_refuse_sub_layer_skips_but_take_whole_layers():
+    import transformers as T
+    torch.manual_seed(0)
+    config = T.GPTNeoXConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                             num_attention_heads=4, max_position_embeddings=64, use_parallel_residual=True)
+    model = T.GPTNeoXForCausalLM(config).eval()
+    with pytest.raises(PassError, match="cannot be skipped alone"):
+        rewriter.optimize(model, passes=[SelfSpeculative(skip_attention=[1])])
+    spec = rewriter.optimize(model, passes=[FuseQKV(), SelfSpeculative(skip_layers=[1])])
+    assert torch.equal(spec.generate(IDS % 96, **KW), rewriter.optimize(model).generate(IDS % 96, **KW))
