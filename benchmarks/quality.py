@@ -21,7 +21,8 @@ import torch
 
 import rewriter
 from rewriter.eval import EvalSettings, evaluate, format_table, settings_dict
-from rewriter.passes import FuseAddRMSNorm, FuseQKV, FuseRoPE, FuseSwiGLU, Int4Weights, LayerSkip
+from rewriter.passes import (FuseAddRMSNorm, FuseQKV, FuseRoPE, FuseSwiGLU, Int4Weights, LayerSkip,
+                             SelfSpeculative)
 
 PIPELINES = {
     "unoptimized": [],
@@ -30,6 +31,7 @@ PIPELINES = {
     "LayerSkip(speedup=1.33)": [LayerSkip(speedup=1.33)],
     "LayerSkip(speedup=1.6)": [LayerSkip(speedup=1.6)],
     "LayerSkip(speedup=2.0)": [LayerSkip(speedup=2.0)],
+    "SelfSpeculative(speedup=1.25)": [SelfSpeculative(speedup=1.25)],
     "Int4Weights": [Int4Weights()],
     "fusions+Int4Weights": [FuseQKV(), FuseSwiGLU(), FuseAddRMSNorm(), FuseRoPE(), Int4Weights()],
     "fusions+Int4Weights(lm_head)": [FuseQKV(), FuseSwiGLU(), FuseAddRMSNorm(), FuseRoPE(),

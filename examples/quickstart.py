@@ -23,7 +23,8 @@ import torch
 
 import rewriter
 from rewriter.eval import EvalSettings, evaluate, format_table
-from rewriter.passes import FuseAddRMSNorm, FuseQKV, FuseRoPE, FuseSwiGLU, Int4Weights, LayerSkip
+from rewriter.passes import (FuseAddRMSNorm, FuseQKV, FuseRoPE, FuseSwiGLU, Int4Weights, LayerSkip,
+                             SelfSpeculative)
 
 QUESTION = "What is the capital of France? Answer in one sentence."
 FUSIONS = [FuseQKV(), FuseSwiGLU(), FuseAddRMSNorm(), FuseRoPE()]
@@ -31,6 +32,8 @@ PIPELINES = {  # name -> (passes, dtype)
     "unoptimized": ([], torch.float32),
     "fusions (lossless)": (FUSIONS, torch.float32),
     "LayerSkip(speedup=1.25)": ([LayerSkip(speedup=1.25)], torch.float32),
+    # the same skipped layers as a draft the full model verifies: the model's own tokens
+    "SelfSpeculative(speedup=1.25)": ([SelfSpeculative(speedup=1.25)], torch.float32),
     # 4-bit weights are SmolLM2's own Q4_1 ones; the CPU kernel multiplies them in bfloat16
     "fusions + Int4Weights, bf16": ([*FUSIONS, Int4Weights()], torch.bfloat16),
 }

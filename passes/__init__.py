@@ -8,13 +8,13 @@ from __future__ import annotations
 import inspect
 import json
 
-from .fuse_add_rms_norm import FuseAddRMSNorm
-from .fuse_qkv import FuseQKV
-from .fuse_rope import FuseRoPE
-from .fuse_swiglu import FuseSwiGLU
-from .int4_weights import Int4Weights
-from .layer_skip import LayerSkip
-from .self_speculative import SelfSpeculative
+from rewriter.passes.fuse_add_rms_norm import FuseAddRMSNorm
+from rewriter.passes.fuse_qkv import FuseQKV
+from rewriter.passes.fuse_rope import FuseRoPE
+from rewriter.passes.fuse_swiglu import FuseSwiGLU
+from rewriter.passes.int4_weights import Int4Weights
+from rewriter.passes.layer_skip import LayerSkip
+from rewriter.passes.self_speculative import SelfSpeculative
 
 PASSES = {"layer_skip": LayerSkip, "fuse_qkv": FuseQKV, "fuse_swiglu": FuseSwiGLU,
           "fuse_add_rms_norm": FuseAddRMSNorm, "fuse_rope": FuseRoPE, "int4_weights": Int4Weights,

@@ -19,8 +19,8 @@ import operator
 
 import torch
 
-from ..ir.core import IR
-from .fusion import FusionPass, call, mark
+from rewriter.ir.core import IR
+from rewriter.passes.fusion import FusionPass, call, mark
 
 
 class FuseAddRMSNorm(FusionPass):

@@ -14,8 +14,8 @@ import operator
 
 import torch
 
-from ..ir.core import IR
-from .fusion import (FusionPass, call, concat_weight, first_in_graph, is_op, linear_parts, mark,
+from rewriter.ir.core import IR
+from rewriter.passes.fusion import (FusionPass, call, concat_weight, first_in_graph, is_op, linear_parts, mark,
                      sibling_name)
 
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from ..ir.core import IR
-from .fusion import FusionPass, is_op
+from rewriter.ir.core import IR
+from rewriter.ops import op_arguments
+from rewriter.passes.fusion import FusionPass, is_op
 
 
 class FuseRoPE(FusionPass):
@@ -37,5 +38,4 @@ class FuseRoPE(FusionPass):
 
 
 def _head_dim(attn) -> int:
-    from ..runtime.kv_cache import attention_params
-    return attention_params(attn)["head_dim"]
+    return op_arguments("attention", tuple(attn.args), dict(attn.kwargs))["head_dim"]

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ..ir.core import IR
-from .fusion import (FusionPass, call, concat_weight, first_in_graph, is_op, linear_parts, mark,
+from rewriter.ir.core import IR
+from rewriter.passes.fusion import (FusionPass, call, concat_weight, first_in_graph, is_op, linear_parts, mark,
                      sibling_name)
 
 

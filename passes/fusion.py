@@ -7,9 +7,9 @@ from typing import Optional, Sequence
 import torch
 from torch import fx
 
-from ..ir.core import IR
-from ..ops import OPS
-from ..pass_manager import Pass
+from rewriter.ir.core import IR
+from rewriter.ops import OPS
+from rewriter.pass_manager import Pass
 
 
 class FusionPass(Pass):

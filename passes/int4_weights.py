@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import PassError
-from ..int4 import GROUP_SIZES, dequantize, quantize
-from ..ir.core import IR
-from ..pass_manager import Pass
-from .fusion import call, is_op, linear_parts, mark
+from rewriter.errors import PassError
+from rewriter.int4 import GROUP_SIZES, dequantize, quantize
+from rewriter.ir.core import IR
+from rewriter.pass_manager import Pass
+from rewriter.passes.fusion import call, is_op, linear_parts, mark
 
 
 class Int4Weights(Pass):
@@ -60,7 +60,11 @@ class Int4Weights(Pass):
 
 
 def _lm_head(ir: IR):
-    """The linear whose output is the graph's output (the logits), or None."""
+    """The LM head: the linear the frontend marked ``head``, else the one whose output is
+    the graph's output (the logits); None when there is neither."""
+    for n in ir.graph.find_nodes(op="call_function", target=torch.ops.rw.linear.default):
+        if n.meta.get("role") == "head":
+            return n
     out = next(iter(ir.graph.find_nodes(op="output"))).args[0]
     return out if is_op(out, "linear") else None
 

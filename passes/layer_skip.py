@@ -11,10 +11,10 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from ..errors import PassError
-from ..ir.core import IR
-from ..pass_manager import Pass
-from ..runtime.settings import is_int
+from rewriter.errors import PassError
+from rewriter.ir.core import IR
+from rewriter.pass_manager import Pass
+from rewriter.values import is_int
 
 
 class LayerSkip(Pass):

@@ -3,6 +3,7 @@
     SelfSpeculative(skip_layers=[...], skip_attention=[...], skip_mlp=[...], max_draft=4,
                     threshold=0.5)
     SelfSpeculative(speedup=1.6)   # the draft keeps round(L / 1.6) layers, spread as LayerSkip's
+    SelfSpeculative(calibrate=[[ids...], ...], budget=20)   # searched (rewriter.calibrate)
 
 The graph is left as it is (the full model verifies); the pass records the strategy in
 ``ir.info["decoding"]`` (``rewriter.decoding``), the runtime lowers the ``draft`` program
@@ -15,11 +16,12 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
-from rewriter.decoding import MAX_DRAFT, Strategy
+from rewriter.decoding import MAX_DRAFT, Strategy, check_record
 from rewriter.errors import PassError
 from rewriter.ir.core import IR
 from rewriter.ir.skip import check_skip_set
 from rewriter.pass_manager import Pass
+from rewriter.values import is_int
 from rewriter.passes.layer_skip import kept_positions
 
 
@@ -27,11 +29,25 @@ class SelfSpeculative(Pass):
     def __init__(self, skip_layers: Optional[Sequence[int]] = None,
                  skip_attention: Optional[Sequence[int]] = None,
                  skip_mlp: Optional[Sequence[int]] = None, speedup: Optional[float] = None,
+                 calibrate: Optional[Sequence[Sequence[int]]] = None, budget: Optional[int] = None,
                  max_draft: int = 4, threshold: float = 0.5):
         named = any(v is not None for v in (skip_layers, skip_attention, skip_mlp))
-        if named == (speedup is not None):
+        if named + (speedup is not None) + (calibrate is not None) != 1:
             raise ValueError("SelfSpeculative takes a skip set (skip_layers / skip_attention / "
-                             "skip_mlp) or speedup=s, exactly one of them")
+                             "skip_mlp), speedup=s or calibrate=prompts: exactly one of them")
+        if calibrate is not None and (isinstance(calibrate, (str, bytes)) or not isinstance(calibrate, (list, tuple))
+                                      or not calibrate or not all(
+                                          isinstance(p, (list, tuple)) and len(p) >= 2
+                                          and all(type(t) is int and t >= 0 for t in p) for p in calibrate)):
+            raise ValueError("SelfSpeculative: calibrate must be a list of token-id lists "
+                             "(at least 2 ids each)")
+        if budget is not None and (type(budget) is not int or budget < 1):
+            raise ValueError(f"SelfSpeculative: budget must be an int >= 1, got {budget!r}")
+        if budget is not None and calibrate is None:
+            raise ValueError("SelfSpeculative: budget goes with calibrate=prompts")
+        self.calibrate = [list(p) for p in calibrate] if calibrate is not None else None
+        self.budget = budget
+        self.report: Optional[dict] = None  # what calibration measured
         self.skip_layers = _indices("skip_layers", skip_layers)
         self.skip_attention = _indices("skip_attention", skip_attention)
         self.skip_mlp = _indices("skip_mlp", skip_mlp)
@@ -47,13 +63,28 @@ class SelfSpeculative(Pass):
         self.speedup = float(speedup) if speedup is not None else None
         self.max_draft, self.threshold = max_draft, float(threshold)
 
+    def __repr__(self) -> str:
+        shown = {k: v for k, v in self.params().items() if v not in (None, [])}
+        if self.calibrate is not None:
+            shown["calibrate"] = f"<{len(self.calibrate)} prompts>"
+        return f"SelfSpeculative({', '.join(f'{k}={v}' if k == 'calibrate' else f'{k}={v!r}' for k, v in shown.items())})"
+
     def run(self, ir: IR) -> IR:
         if not ir.is_causal_lm or not ir.layers:
             raise PassError(f"{self!r} needs a causal LM with decoder layers")
         if ir.info.get("decoding") is not None:
             raise PassError(f"{self!r}: the IR already has a decoding strategy "
                             f"({ir.info['decoding']['strategy']})")
-        layers = self.skip_layers
+        layers, attention, mlp, max_draft = (self.skip_layers, self.skip_attention, self.skip_mlp,
+                                             self.max_draft)
+        if self.calibrate is not None:
+            from rewriter.calibrate import search  # measures with the runtime's programs
+            self.report = search(ir, self.calibrate, self.max_draft, self.budget)
+            attention, mlp = self.report["skip_attention"], self.report["skip_mlp"]
+            max_draft = self.report["max_draft"]
+            if not attention and not mlp:
+                raise PassError(f"{self!r}: calibration found no skip set predicted to be faster "
+                                f"than plain decoding (verify cost {self.report['verify_cost']})")
         if self.speedup is not None:
             present = sorted(s["index"] for s in ir.layers)
             keep = kept_positions(len(present), self.speedup)
@@ -61,9 +92,12 @@ class SelfSpeculative(Pass):
             if not layers:
                 raise PassError(f"{self!r} keeps every one of the {len(present)} layers; "
                                 f"a larger speedup skips some")
-        check_skip_set(ir, layers, self.skip_attention, self.skip_mlp)
-        strategy = Strategy("self_speculative", tuple(layers), tuple(self.skip_attention),
-                            tuple(self.skip_mlp), self.max_draft, self.threshold)
+        check_skip_set(ir, layers, attention, mlp)
+        strategy = Strategy("self_speculative", tuple(layers), tuple(attention), tuple(mlp),
+                            max_draft, self.threshold)
+        why = check_record(strategy.record())  # what the artifact loader will check
+        if why:
+            raise PassError(f"{self!r}: the decoding record needs {why}")
         ir.info["decoding"] = strategy.record()
         return ir
 
@@ -73,8 +107,8 @@ def _indices(name: str, value) -> list[int]:
         return []
     if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
         raise ValueError(f"SelfSpeculative: {name} must be a list of layer indices, got {value!r}")
-    if not all(type(i) is int and i >= 0 for i in value):
+    if not all(is_int(i) and i >= 0 for i in value):  # numpy integers too, as LayerSkip takes
         raise ValueError(f"SelfSpeculative: {name} must hold non-negative ints, got {value!r}")
     if len(set(value)) != len(value):
         raise ValueError(f"SelfSpeculative: {name} names a layer twice: {value!r}")
-    return sorted(value)
+    return sorted(int(i) for i in value)

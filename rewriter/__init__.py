@@ -13,10 +13,10 @@ from .errors import ArtifactError, PassError, RewriterError, TraceError, Verific
 from .ir.core import IR
 from .optimized import OptimizedModel, optimize
 from .pass_manager import Pass
-from .runtime.artifact import load
+from .runtime.engine import load
 from .runtime.engine import Engine
 
-__version__ = "0.1.0"
+from .version import __version__
 __all__ = ["optimize", "OptimizedModel", "Engine", "load", "from_pretrained", "default_model",
            "IR", "Pass", "ops", "RewriterError", "TraceError", "PassError", "VerificationError",
            "ArtifactError", "__version__"]

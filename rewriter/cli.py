@@ -200,7 +200,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_ir(args) -> int:
-    from .runtime.artifact import load
+    from .runtime.engine import load
     print(load(args.model).ir)
     return 0
 
@@ -247,7 +247,8 @@ def _passes_help() -> str:
 def _engine(path: str, trust_code: bool, backend: Optional[str], dtype: Optional[str] = None):
     """An artifact, or else a checkpoint (or 'default', 'smollm2') optimized with no passes."""
     from .checkpoints import from_pretrained
-    from .runtime.artifact import is_artifact, load
+    from .runtime.artifact import is_artifact
+    from .runtime.engine import load
     if is_artifact(path):
         return load(path, trust_code=trust_code, backend=backend)
     if path not in NAMED_MODELS and not Path(path).exists():

@@ -24,3 +24,8 @@ class ArtifactError(RewriterError):
 class CheckpointError(RewriterError, ValueError):
     """A checkpoint directory cannot be loaded as it is: the message names the file (or
     the weights) and the reason. Also a ValueError, which these errors were before."""
+
+
+class UncacheableError(RewriterError):
+    """The KV-cache runtime cannot run this IR (attention it could not lift, or values that
+    mix positions): generation is refused; calling the model for logits still works."""

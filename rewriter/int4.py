@@ -23,8 +23,10 @@ def quantize(weight: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
     in the weight's dtype, computed in float32."""
     out, width = weight.shape
     w = weight.detach().to(torch.float32).view(out, width // group_size, group_size)  # [out, G, g]
-    low = w.amin(dim=-1, keepdim=True)
-    step = (w.amax(dim=-1, keepdim=True) - low) / 15
+    # the step and minimum as they will be stored (rounded to the weight's dtype), so the
+    # codes are chosen against the values that will read them back
+    low = w.amin(dim=-1, keepdim=True).to(weight.dtype).float()
+    step = ((w.amax(dim=-1, keepdim=True) - low) / 15).to(weight.dtype).float()
     safe = torch.where(step > 0, step, torch.ones_like(step))  # a constant group: every code 0
     code = torch.round((w - low) / safe).clamp_(0, 15).to(torch.uint8).view(out, width)
     codes = code[:, 0::2] | (code[:, 1::2] << 4)  # [out, in / 2]

@@ -32,11 +32,15 @@ class OptimizedModel(Engine):
         self._snapshots = snapshots or []
 
     def dump(self, directory: str | os.PathLike) -> None:
-        """Write the IR after every pass (text, DOT, op diff) into ``directory``; with the
-        Triton backend, also ``kernels/``: every generated kernel's source and the templates."""
+        """Write the IR after every pass (text, DOT, op diff) into ``directory``, the step
+        programs the runtime runs (``programs/<name>.py``), and with the Triton backend
+        ``kernels/``: every generated kernel's source and the templates."""
         dumper = Dumper(directory)
         for name, ir in self._snapshots:
             dumper.write(name, ir)
+        if self.ir.is_causal_lm and self._programs is not None:  # the code that runs
+            for name, code in self.programs().items():
+                dumper.write_text(f"programs/{name}.py", code.strip() + "\n")
         if self.backend == "triton" and self.ir.is_causal_lm:
             for name, source in self.kernel_sources(templates=True).items():
                 dumper.write_text(f"kernels/{name}", source)
@@ -82,6 +86,7 @@ def optimize(model: nn.Module, passes: Sequence[Pass] = (), backend: str = "torc
     finally:
         bar.close()
     opt = OptimizedModel(ir, passes, history, backend, snapshots, tokenizer)
+    opt.lower()  # errors surface here, not at the first generate
     dump = dump or os.environ.get("REWRITER_DUMP")
     if dump:
         opt.dump(dump)

@@ -28,12 +28,13 @@ Guarantees of ``save(engine, DIR)``:
 - ``~`` in DIR is the user's home directory.
 - Two saves to one DIR at once are serialised by a lock (``flock`` on DIR).
 
-``load`` reads the pointer, checks the manifest against the pointer's checksum (an edited
-manifest is reported as such), checks the manifest's fields, then every file's size and
-sha256, before reading any of them. The manifest may list only the format's files (those
-above; a kernel by a module name, ``kernels/<identifier>.py``). Every failure is an
-``ArtifactError`` naming the file and the reason. Format 1 (a flat directory, written by rewriter before format 2) is
-recognised so that a save may replace it, but not loaded: save it again.
+``read`` (under ``rewriter.load``) reads the pointer, checks the manifest against the
+pointer's checksum (an edited manifest is reported as such), checks the manifest's fields,
+then every file's size and sha256, before reading any of them. The manifest may list only
+the format's files (those above; a kernel by a module name, ``kernels/<identifier>.py``).
+Every failure is an ``ArtifactError`` naming the file and the reason. Format 1 (a flat
+directory, written by rewriter before format 2) is recognised so that a save may replace
+it, but not loaded: save it again.
 '''
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ import os
 import re
 import secrets
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -50,13 +52,14 @@ import torch
 
 from rewriter import safe_files
 from rewriter.errors import ArtifactError
+from rewriter.version import __version__
 from rewriter.runtime.artifact_dir import (
     FORMAT, IR_FILE, KERNEL_NAME, KERNELS_DIR, MANIFEST, POINTER, TEXT_FILE, TOKENIZER_FILE,
     TOP_FILES, VERSION_DIR, WEIGHTS_FILE,
     Target, is_artifact)
 
 FORMAT_VERSION = 2
-__all__ = ["save", "load", "read_manifest", "is_artifact", "FORMAT", "FORMAT_VERSION",
+__all__ = ["save", "read", "Stored", "read_manifest", "is_artifact", "FORMAT", "FORMAT_VERSION",
            "POINTER", "MANIFEST"]
 
 # Test hook: ``save`` calls each function here with the name of every step it finishes, so
@@ -188,13 +191,12 @@ def _step(name: str) -> None:
 
 
 def _manifest(engine, files: dict, has_tokenizer: bool) -> dict:
-    import rewriter
     weights = [t for t in engine.ir.weights().values() if t.is_floating_point()]
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "versions": {"rewriter": rewriter.__version__, "torch": torch.__version__,
+        "versions": {"rewriter": __version__, "torch": torch.__version__,
                      "triton": _version("triton"), "transformers": _version("transformers")},
         "model": {"family": engine.ir.info.get("family"), "config": engine.ir.info.get("config"),
                   "layers": len(engine.ir.layers), "parameters": engine.ir.num_params(),
@@ -230,11 +232,23 @@ def _unique_weights(weights: dict[str, torch.Tensor]) -> tuple[dict, dict]:
 
 # ---------------------------------------------------------------------------- load
 
-def load(directory, trust_code: bool = False, backend: Optional[str] = None):
-    """The ``Engine`` stored in ``directory``; every file is checked first. ``backend``
-    overrides the one it was saved with (e.g. ``"torch"`` for a Triton artifact on a CPU)."""
+@dataclass
+class Stored:
+    """What an artifact holds, checked: what ``runtime.engine.load`` builds an Engine from."""
+    directory: Path  # the version directory
+    ir: object  # rewriter.ir.core.IR
+    tokenizer: object
+    passes: list
+    backend: str
+    text: object  # runtime.chat.TextConfig or None
+    kernels: dict  # stored kernel sources: run only when the loader trusts them
+
+
+def read(directory, backend: Optional[str] = None) -> Stored:
+    """The checked contents of the artifact in ``directory``; every file is checked first.
+    ``backend`` overrides the one it was saved with (e.g. ``"torch"`` for a Triton artifact
+    on a CPU)."""
     from .artifact_ir import Paths, ir_from_data
-    from .engine import Engine
     d, manifest = _checked_manifest(Path(directory).expanduser())  # d: the version directory
     for name, entry in manifest["files"].items():
         _check_file(d, name, entry)
@@ -263,10 +277,7 @@ def load(directory, trust_code: bool = False, backend: Optional[str] = None):
             raise ArtifactError(f"{d}: saved for {reason}; load(..., backend='torch') runs it anyway")
     elif backend != "torch":
         raise ArtifactError(f"{d / MANIFEST}: unknown backend {backend!r}")
-    engine = Engine(ir, tokenizer, manifest["passes"], backend, text)
-    if trust_code:
-        engine.trusted_kernels = stored_kernels
-    return engine
+    return Stored(d, ir, tokenizer, manifest["passes"], backend, text, stored_kernels)
 
 
 def read_manifest(directory) -> dict:

@@ -21,8 +21,10 @@ from torch import Tensor
 
 from rewriter.ir.core import IR
 
+from . import artifact
 from .chat import Messages, TextConfig, chat_prompt, split_tokenizer
 from rewriter.decoding import strategy_of
+from rewriter.errors import ArtifactError, RewriterError, UncacheableError
 
 from .generate import Batch, decode_loop, prepare, score_loop
 from .kv_cache import KVCache, cache_table
@@ -220,8 +222,7 @@ class Engine:
     # ------------------------------------------------------------------ artifacts
     def save(self, directory: Union[str, os.PathLike], progress: bool = False) -> None:
         """Write an artifact directory that ``rewriter.load`` reads (atomically)."""
-        from .artifact import save
-        save(self, directory, progress=progress)
+        artifact.save(self, directory, progress=progress)
 
     # ------------------------------------------------------------------ internals
     def _check(self, ids: Tensor, max_new_tokens: int) -> int:
@@ -238,6 +239,16 @@ class Engine:
         if self._programs is None:
             self._programs = build_programs(self.ir, self.backend, self.trusted_kernels)
         return self._programs
+
+    def lower(self) -> None:
+        """Lower the step programs now, so that their errors surface here (``optimize`` and
+        ``load`` call it). An IR the cache cannot run still gives logits when called; its
+        ``generate`` raises the reason."""
+        if self.ir.is_causal_lm:
+            try:
+                self._lowered()
+            except UncacheableError:
+                pass
 
     def programs(self) -> dict[str, str]:
         """Name -> the Python code of each step program the runtime runs (``prefill``,
@@ -270,6 +281,23 @@ class Engine:
 
     def __repr__(self) -> str:
         return f"Engine({self.ir.summary()}, passes={[p['name'] for p in self.pass_specs]})"
+
+
+def load(directory, trust_code: bool = False, backend: Optional[str] = None) -> Engine:
+    """The ``Engine`` stored in an artifact directory (``runtime.artifact.read`` checks
+    every file first). Stored kernel sources run only with ``trust_code=True``; ``backend``
+    overrides the one it was saved with. The step programs are built here, so an IR they
+    cannot be built from is an ``ArtifactError`` now, not at the first ``generate``."""
+    stored = artifact.read(directory, backend)
+    engine = Engine(stored.ir, stored.tokenizer, stored.passes, stored.backend, stored.text)
+    if trust_code:
+        engine.trusted_kernels = stored.kernels
+    try:
+        engine.lower()
+    except RewriterError as e:
+        raise ArtifactError(f"{stored.directory / artifact.IR_FILE}: the step programs cannot "
+                            f"be built: {e}") from e
+    return engine
 
 
 def check_token_ids(ids: Tensor, vocab: Optional[int]) -> None:

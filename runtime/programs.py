@@ -15,7 +15,7 @@ from torch import fx
 
 from rewriter.decoding import strategy_of
 from rewriter.ir.core import IR
-from rewriter.ir.skip import skipped
+from rewriter.ir.skip import check_skip_set, skipped
 
 from .lower import lower
 
@@ -26,6 +26,8 @@ def build_programs(ir: IR, backend: str, kernel_sources: dict) -> dict[str, fx.G
                 "decode": lower(ir, False, backend, shared, kernel_sources)}
     s = strategy_of(ir.info)
     if s.name == "self_speculative":
+        # the record against this IR: a later pass, or an edited artifact, may not fit it
+        check_skip_set(ir, s.skip_layers, s.skip_attention, s.skip_mlp)
         draft = skipped(ir, s.skip_layers, s.skip_attention, s.skip_mlp)
         programs["draft"] = lower(draft, True, backend, shared, kernel_sources)
     return programs

@@ -35,6 +35,8 @@ from typing import Optional, Sequence, Union
 import numpy
 import torch
 
+from rewriter.values import is_int
+
 TokenIds = Union[None, int, Sequence[int]]
 
 # torch.Generator.manual_seed takes any value that fits 64 bits, signed or not.
@@ -114,11 +116,6 @@ class GenerationSettings:
         if not self.do_sample or self.seed is None:
             return None
         return torch.Generator(device).manual_seed(self.seed)
-
-
-def is_int(value) -> bool:
-    """An integer that is not a bool (numpy integers count; floats never do)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def whole(name: str, value, minimum: Optional[int] = None, below: Optional[int] = None) -> int:

@@ -91,8 +91,11 @@ class _Rounds:
             done = [produced[r] >= s.max_new_tokens for r in range(b)]
             active = [r for r in range(b) if not done[r]]
             need = s.max_new_tokens - min(produced[r] for r in active)
-            k = max(0, min(self.strategy.max_draft, self.cache.max_len - max(length) - 1, need - 1))
-            last, accepted = self.round(last, length, k, done)
+            room = self.cache.max_len - 1 - max(length[r] for r in active)
+            k = max(0, min(self.strategy.max_draft, room, need - 1))
+            # a done row is computed on at a start that keeps its k + 1 writes in the cache
+            at = [min(n, self.cache.max_len - k - 1) if done[r] else n for r, n in enumerate(length)]
+            last, accepted = self.round(last, at, k, done)
             for r in active:
                 pending[r] += accepted[r]
                 produced[r] += len(accepted[r])

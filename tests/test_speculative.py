@@ -28,7 +28,8 @@ def pair(config: str, **spec):
 def test_greedy_tokens_equal_plain_greedy_on_every_family(config):
     plain, spec = pair(config, max_draft=3)
     assert torch.equal(spec.generate(IDS, **KW), plain.generate(IDS, **KW))
-    assert spec.stats["rounds"] > 0 and spec.stats["forward_passes"] < spec.stats["tokens"] * 2
+    s = spec.stats  # drafts were accepted, and rejected: both paths ran
+    assert 0 < s["accepted"] < s["drafted"] and s["forward_passes"] < s["tokens"] * 2
 
 
 @pytest.mark.parametrize("config", ["llama-gqa-3l", "mistral-window-3l", "gpt2-3l"])
@@ -69,10 +70,12 @@ def test_eos_in_the_middle_of_a_draft_ends_the_row_as_plain_decoding_does():
 
 def test_drafts_that_reach_the_end_of_the_cache_are_cut_short():
     plain, spec = pair("llama-gqa-3l", max_draft=6)  # context: 128 positions
-    ids = torch.arange(1, 101)[None] % 120
+    ids = torch.stack([torch.arange(1, 101) % 120, torch.arange(100, 0, -1) % 97])  # 2 rows
     kw = dict(max_new_tokens=28, eos_token_id=[])  # 100 + 28 = the whole context
     assert torch.equal(spec.generate(ids, **kw), plain.generate(ids, **kw))
     assert spec._cache.max_len == 128
+    for r in range(2):  # and each row alone
+        assert torch.equal(spec.generate(ids[r:r + 1], **kw), plain.generate(ids[r:r + 1], **kw))
 
 
 def test_sampling_follows_the_models_distribution():
@@ -96,23 +99,30 @@ def test_sampling_follows_the_models_distribution():
     assert torch.equal(greedy_rows, plain.generate(ids[:4], max_new_tokens=3, eos_token_id=[]))
 
 
-def test_acceptance_rule_alone_is_unbiased():
-    """The rule on synthetic p and q: the first emitted token is distributed as p."""
+@pytest.mark.parametrize("n_draft", [1, 3])
+def test_acceptance_rule_alone_is_unbiased(n_draft):
+    """The rule on synthetic p and q, the same at every position: each emitted token (the
+    accepted drafts, then the residual or bonus sample) is distributed as p."""
     from rewriter.runtime.speculative import _Rounds
     from rewriter.runtime.settings import GenerationSettings
     torch.manual_seed(0)
     b, v = 40000, 6
     p_logits = torch.randn(v) * 1.5
     q = torch.softmax(torch.randn(v) * 1.5, -1)
-    logits = p_logits.expand(b, 2, v).clone()  # [B, 1 draft + 1, V]
-    drafts = torch.multinomial(q.expand(b, v), 1)  # [B, 1]
+    logits = p_logits.expand(b, n_draft + 1, v).clone()  # [B, n + 1, V]
+    drafts = torch.multinomial(q.expand(b, v), n_draft, replacement=True)  # [B, n]
     rounds = _Rounds.__new__(_Rounds)
     rounds.s = GenerationSettings(do_sample=True, top_k=0)
     rounds.generator, rounds.device = torch.Generator().manual_seed(0), torch.device("cpu")
-    n, bonus = rounds.accept(logits, drafts, [q.expand(b, v)])
-    first = torch.where(n > 0, drafts[:, 0], bonus)
-    freq = torch.bincount(first, minlength=v).float() / b
-    assert torch.allclose(freq, torch.softmax(p_logits, -1), atol=0.01)
+    n, bonus = rounds.accept(logits, drafts, [q.expand(b, v)] * n_draft)
+    p = torch.softmax(p_logits, -1)
+    assert 0 < n.float().mean() < n_draft  # some accepted, some rejected
+    for j in range(n_draft + 1):  # the token emitted at position j, where rows emit one
+        emitted = n >= j
+        token = torch.where(n > j, drafts[:, min(j, n_draft - 1)], bonus)[emitted]
+        freq = torch.bincount(token, minlength=v).float() / len(token)
+        sigma = (p * (1 - p) / len(token)).sqrt()  # binomial noise of each frequency
+        assert ((freq - p).abs() <= 5 * sigma + 1e-3).all(), (j, freq, p)
 
 
 def test_a_draft_program_writes_exactly_the_caches_of_the_layers_it_runs():
@@ -135,8 +145,8 @@ def test_after_layer_skip_the_caches_keep_their_layer_ids():
 
 
 def test_rolling_back_is_setting_a_length():
-    """Logits after writing 4 tokens and rolling back to 1 equal those of a cache that
-    only ever held that 1, per row, with rows at different lengths."""
+    """Logits after 3 rejected tokens were written and rolled back equal those of a cache
+    that never held them, through the per-row step path."""
     plain, _ = pair("llama-gqa-3l")
     decode = plain._lowered()["decode"]
     table = cache_table(plain.ir.gm)
@@ -159,6 +169,27 @@ def test_rolling_back_is_setting_a_length():
     b = run(clean, starts, torch.tensor([[20, 21], [22, 23]]), 7)
     assert torch.equal(a, b)
     assert not torch.equal(rolled.k[0][:, :, 7], clean.k[0][:, :, 7])  # stale, never copied
+
+
+def test_a_tampered_or_stale_decoding_record_is_refused(tmp_path):
+    import json
+    from artifact_tools import artifact_files, reseal
+    from rewriter.errors import ArtifactError
+    _, spec = pair("llama-gqa-3l")
+    spec.save(tmp_path / "a")
+    path = artifact_files(tmp_path / "a")["ir.json"]
+    for record, match in (({**spec.ir.info["decoding"], "skip_layers": [99]}, "layer 99"),
+                          ({**spec.ir.info["decoding"], "strategy": "plain"}, "self_speculative"),
+                          ({**spec.ir.info["decoding"], "max_draft": 99}, "max_draft")):
+        data = json.loads(path.read_text())
+        data["info"]["decoding"] = record
+        path.write_text(json.dumps(data))
+        reseal(tmp_path / "a")
+        with pytest.raises(ArtifactError, match=match):
+            rewriter.load(tmp_path / "a")
+    model = make_model("llama-gqa-3l")
+    with pytest.raises(PassError, match="layer 1 is not in the model"):  # a later pass removed it
+        rewriter.optimize(model, passes=[SelfSpeculative(skip_layers=[1]), LayerSkip(layers=[1])])
 
 
 def test_artifact_round_trip_keeps_the_strategy(tmp_path):
@@ -184,13 +215,17 @@ def test_bad_parameters_and_skip_sets_are_refused():
                    {"skip_layers": [1, 1]}, {"skip_layers": [-1]}, {"skip_layers": [True]},
                    {"speedup": 1.0}, {"speedup": float("nan")}, {"skip_layers": [1], "max_draft": 0},
                    {"skip_layers": [1], "max_draft": 17}, {"skip_layers": [1], "threshold": 1.0},
-                   {"skip_layers": [1], "threshold": True}):
+                   {"skip_layers": [1], "threshold": True}, {"skip_layers": [1], "budget": 3},
+                   {"calibrate": [[1]]}, {"calibrate": "text"}):
         with pytest.raises(ValueError):
             SelfSpeculative(**kwargs)
     model = make_model("llama-gqa-3l")
     for passes, match in (([SelfSpeculative(skip_layers=[3])], "layer 3 is not in the model"),
                           ([SelfSpeculative(skip_layers=[0, 1, 2])], "skips every layer"),
                           ([SelfSpeculative(skip_layers=[1], skip_mlp=[1])], "also has a sub-layer"),
+                          ([SelfSpeculative(skip_layers=[])], "skip set is empty"),
+                          ([SelfSpeculative(skip_layers=[0], skip_attention=[1, 2], skip_mlp=[1, 2])],
+                           "skips every layer"),
                           ([FuseAddRMSNorm(), SelfSpeculative(skip_layers=[1])], "before FuseAddRMSNorm"),
                           ([SelfSpeculative(skip_layers=[1]), SelfSpeculative(skip_layers=[2])],
                            "already has a decoding strategy")):

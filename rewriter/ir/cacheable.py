@@ -26,7 +26,7 @@ import sympy
 import torch
 from torch import fx
 
-from rewriter.errors import RewriterError
+from rewriter.errors import UncacheableError
 from rewriter.ir.shapes import lm_input_specs, propagate_shapes
 
 aten = torch.ops.aten
@@ -72,7 +72,7 @@ def uncacheable(gm: fx.GraphModule, input_specs: list[dict] | None = None) -> li
 
 
 def check_cacheable(ir) -> None:
-    """Raise ``RewriterError`` naming what the runtime cannot cache in ``ir``."""
+    """Raise ``UncacheableError`` naming what the runtime cannot cache in ``ir``."""
     parts = []
     unlifted = _names(ir.info.get("unlifted_attention"))
     embeddings = _names(ir.info.get("unlifted_embeddings"))
@@ -85,7 +85,7 @@ def check_cacheable(ir) -> None:
             parts.append(f"{_KIND_TEXT[kind]}: {_listing(names)}")
     if parts:
         family = ir.info.get("family") or "this model"
-        raise RewriterError(
+        raise UncacheableError(
             f"cannot generate with {family}: the KV-cache runtime caches only attention "
             f"lifted into rw.attention and needs everything else to work position by "
             f"position, so tokens after the first would be wrong; found {'; '.join(parts)}. "

@@ -75,7 +75,10 @@ def check_skip_set(ir: IR, layers, attention, mlp) -> None:
     both = set(layers) & (set(attention) | set(mlp))
     if both:
         raise PassError(f"layer {min(both)} is in skip_layers and also has a sub-layer skipped")
-    if len(set(layers)) == len(present):
+    whole = set(layers) | (set(attention) & set(mlp))
+    if not layers and not attention and not mlp:
+        raise PassError("the skip set is empty: the draft would be the model itself")
+    if len(whole) == len(present):
         raise PassError("the skip set skips every layer: the draft would not use the model")
     if ir.info.get("fusions", {}).get("FuseAddRMSNorm"):
         raise PassError("run it before FuseAddRMSNorm: a fused add + norm joins two layers, "

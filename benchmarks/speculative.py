@@ -1,0 +1,149 @@
+"""Self-speculative decoding against our own plain decode, in the same run.
+
+    python benchmarks/speculative.py [--model smollm2|default] [--dtype float32 bfloat16]
+                                     [--batch 1 4] [--new 64] [--max-draft 4] [--budget 24]
+                                     [--json benchmarks/results/speculative.json]
+
+For each dtype: the verify cost curve (the decode program over S tokens against one, batch
+1 and the largest batch), then for each skip set — LayerSkip's evenly spread one
+(``speedup=1.25``) and the one ``SelfSpeculative(calibrate=...)`` finds (its search time
+reported) — tokens/s against plain decode, mean accepted drafts per round, full-model and
+draft passes per token, the cost model's prediction, and whether the tokens equal plain
+greedy decoding's. Prompts: chat questions through the model's template (SmolLM2) and
+held-out code chunks; greedy, no early stop; medians of 3 runs after a warm-up.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tabulate import tabulate
+
+import rewriter
+from rewriter.calibrate import predicted_speedup, verify_cost
+from rewriter.corpus import load_corpus
+from rewriter.eval import CHAT_PROMPTS
+from rewriter.passes import SelfSpeculative
+from rewriter.passes.layer_skip import kept_positions
+from rewriter.runtime.chat import chat_prompt
+
+
+def code_prompts(tok, n: int, length: int) -> list[list[int]]:
+    ids: list[int] = []
+    for _, text in load_corpus("heldout"):
+        ids += tok.encode(text).ids
+        if len(ids) >= (n + 2) * length:
+            break
+    return [ids[i * length:(i + 1) * length] for i in range(n)]
+
+
+def timed(engine, prompts, new: int, runs: int = 3):
+    engine.generate(prompts, max_new_tokens=4, eos_token_id=[])
+    engine.stats.clear()
+    times, out = [], None
+    for _ in range(runs):
+        start = time.perf_counter()
+        out = engine.generate(prompts, max_new_tokens=new, eos_token_id=[])
+        times.append(time.perf_counter() - start)
+    return out, len(prompts) * new / statistics.median(times), dict(engine.stats)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--max-draft", type=int, default=4)
+    ap.add_argument("--budget", type=int, default=24, help="sub-layers the calibration tries")
+    ap.add_argument("--json", default="benchmarks/results/speculative.json")
+    args = ap.parse_args()
+    results = {"model": args.model, "machine": platform.processor() or platform.machine(),
+               "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
+               "new_tokens": args.new, "max_draft": args.max_draft, "runs": []}
+    rows, curves = [], []
+    for dtype in args.dtype:
+        model, tok = load(args.model)
+        model = model.to(getattr(torch, dtype))
+        plain = rewriter.optimize(model, tokenizer=tok)
+        tok = plain.tokenizer
+        calib = code_prompts(tok, 2, 256)
+        curve = verify_cost(plain.ir, 9)
+        curves.append([dtype, *(f"{c:.2f}" for c in curve[1:])])
+        layers = sorted(s["index"] for s in plain.ir.layers)
+        spread = [i for p, i in enumerate(layers) if p not in kept_positions(len(layers), 1.25)]
+        start = time.perf_counter()
+        calibrated = SelfSpeculative(calibrate=calib, budget=args.budget, max_draft=args.max_draft,
+                                     threshold=0.0)
+        try:
+            tuned = rewriter.optimize(model, passes=[calibrated], tokenizer=tok)
+        except rewriter.RewriterError as e:
+            tuned, note = None, str(e)
+        else:
+            note = ""
+        calib_s = time.perf_counter() - start
+        sets = {"spread (LayerSkip 1.25)": dict(skip_layers=spread)}
+        if tuned is not None:
+            sets["calibrated"] = dict(skip_attention=tuned.ir.info["decoding"]["skip_attention"],
+                                      skip_mlp=tuned.ir.info["decoding"]["skip_mlp"])
+        for name, skip in sets.items():
+            spec = rewriter.optimize(model, tokenizer=tok, passes=[
+                SelfSpeculative(**skip, max_draft=args.max_draft, threshold=0.0)])
+            pred = predicted_speedup(plain.ir, calib, skip.get("skip_layers", []),
+                                     skip.get("skip_attention", []), skip.get("skip_mlp", []),
+                                     args.max_draft)
+            for b in args.batch:
+                for kind, prompts in prompt_sets(plain, tok, b).items():
+                    ref, base_rate, _ = timed(plain, prompts, args.new)
+                    out, rate, st = timed(spec, prompts, args.new)
+                    run = {"dtype": dtype, "skip_set": name, "skip": skip, "batch": b, "prompts": kind,
+                           "plain_tok_s": base_rate, "spec_tok_s": rate, "speedup": rate / base_rate,
+                           "accepted_per_round": st["accepted"] / st["row_rounds"],
+                           "forward_per_token": st["forward_passes"] / st["tokens"],
+                           "draft_per_token": st["draft_passes"] / st["tokens"],
+                           "same_tokens": bool(torch.equal(out, ref)), "predicted": pred,
+                           "calibration_s": calib_s if name == "calibrated" else None,
+                           "calibration_note": note}
+                    results["runs"].append(run)
+                    rows.append([dtype, name, b, kind, f"{base_rate:.1f}", f"{rate:.1f}",
+                                 f"{rate / base_rate:.2f}x", f"{run['accepted_per_round']:.2f}",
+                                 f"{run['forward_per_token']:.2f}", f"{pred['agreement']:.2f}",
+                                 f"{pred['predicted_speedup']:.2f}x", run["same_tokens"]])
+        if note:
+            print(f"{dtype}: calibration ({calib_s:.0f} s): {note}")
+        elif tuned is not None:
+            print(f"{dtype}: calibration took {calib_s:.0f} s; chose {sets['calibrated']}")
+    print("\nverify cost: the decode program over S tokens / over 1, batch 1, after 64 tokens\n")
+    print(tabulate(curves, headers=["dtype", *(f"S={s}" for s in range(1, 10))]))
+    print(f"\n{args.model}, {args.new} new tokens, max_draft {args.max_draft}, "
+          f"{torch.get_num_threads()} threads\n")
+    print(tabulate(rows, headers=["dtype", "skip set", "batch", "prompts", "plain tok/s",
+                                  "speculative tok/s", "speed-up", "accepted/round", "full passes/tok",
+                                  "agreement (teacher-forced)", "predicted", "same tokens"]))
+    results["verify_cost"] = curves
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+
+
+def load(name: str):
+    """(model, tokenizer) as the quickstart loads them."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    from quickstart import load as load_model
+    return load_model(name)
+
+
+def prompt_sets(plain, tok, batch: int) -> dict:
+    sets = {"code": code_prompts(tok, batch, 128)}
+    if plain.text.chat_template is not None:
+        sets["chat"] = [chat_prompt(tok, plain.text, q) for q in CHAT_PROMPTS[:batch]]
+    return sets
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""Choosing ``SelfSpeculative``'s skip set with a cost model measured on this machine.
+
+Speed-up of a draft that skips a set of sub-layers, drafting ``k`` tokens a round::
+
+    tokens per round   E = (1 - a^(k+1)) / (1 - a)      a: chance a draft token is accepted
+    cost of a round    C = k * c_draft + c_verify(k + 1) (in plain decode steps)
+    speed-up           E / C
+
+``a`` is measured teacher-forced: the draft's argmax against the full model's at every
+position of the calibration text, one forward each (no generation). ``c_draft`` is the
+share of the weight bytes the draft still reads (a batch-1 step on a CPU is bound by them;
+the LM head and embeddings always stay). ``c_verify(S)`` is timed: the runtime's decode
+program over ``S`` tokens against one, on this machine.
+
+The search ranks every attention and MLP sub-layer by the agreement the draft loses when
+it alone is skipped, per weight byte it saves, then scores every prefix of that ranking
+and keeps the best
+(``budget`` caps the prefix length). The evenly spread set of ``LayerSkip`` is scored
+by the same model, for comparison (``report["spread"]``).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from rewriter.ir.core import IR
+from rewriter.ir.skip import residual_adds, skipped
+
+
+def search(ir: IR, prompts: list[list[int]], max_draft: int, budget: int | None = None) -> dict:
+    """``{"skip_attention", "skip_mlp", "max_draft", "predicted_speedup", "agreement",
+    "verify_cost", "seconds", "spread"}`` for the IR's best skip set found."""
+    start = time.perf_counter()
+    ids = _batch(ir, prompts)
+    target = _argmax(ir, ids)
+    verify = verify_cost(ir, max_draft + 1)
+    sizes = _unit_bytes(ir)
+    total = sum(t.numel() * t.element_size() for t in ir.weights().values())
+    units = [u for u in sizes if _skippable(ir, u[1])]
+
+    def score(skip: set) -> tuple[float, float, int]:
+        agree = _agreement(ir, skip, ids, target)
+        c_draft = 1 - sum(sizes[u] for u in skip) / total
+        return (*best_k(agree, c_draft, verify, max_draft), agree)
+
+    alone = {u: _agreement(ir, {u}, ids, target) for u in units}
+    # cheapest first: agreement lost per weight byte saved
+    order = sorted(units, key=lambda u: (1 - alone[u]) / max(sizes[u], 1))[:budget]
+    chosen: set = set()
+    best = (1.0, 0, 1.0)
+    for n in range(1, len(order) + 1):  # every prefix of the ranking: the best one wins
+        trial = score(set(order[:n]))
+        if trial[0] > best[0]:
+            chosen, best = set(order[:n]), trial
+    report = {"skip_attention": sorted(i for kind, i in chosen if kind == "attention"),
+              "skip_mlp": sorted(i for kind, i in chosen if kind == "mlp"),
+              "max_draft": max(1, best[1]), "predicted_speedup": best[0], "agreement": best[2],
+              "verify_cost": verify, "seconds": time.perf_counter() - start}
+    return report
+
+
+def best_k(agree: float, c_draft: float, verify: list[float], max_draft: int) -> tuple[float, int]:
+    """(predicted speed-up, draft length) of the best ``k`` in ``1..max_draft``."""
+    best = (0.0, 1)
+    for k in range(1, max_draft + 1):
+        tokens = k + 1 if agree >= 1 else (1 - agree ** (k + 1)) / (1 - agree)
+        best = max(best, (tokens / (k * c_draft + verify[k + 1]), k))  # k drafts: k + 1 verified
+    return best
+
+
+def predicted_speedup(ir: IR, prompts, skip_layers, skip_attention, skip_mlp, max_draft) -> dict:
+    """The cost model's prediction for a given skip set (e.g. the evenly spread one)."""
+    ids = _batch(ir, prompts)
+    target = _argmax(ir, ids)
+    verify = verify_cost(ir, max_draft + 1)
+    sizes = _unit_bytes(ir)
+    total = sum(t.numel() * t.element_size() for t in ir.weights().values())
+    skip = {("attention", i) for i in [*skip_layers, *skip_attention]} | \
+        {("mlp", i) for i in [*skip_layers, *skip_mlp]}
+    agree = _agreement(ir, skip, ids, target)
+    speed, k = best_k(agree, 1 - sum(sizes.get(u, 0) for u in skip) / total, verify, max_draft)
+    tokens = (1 - agree ** (max_draft + 1)) / (1 - agree) if agree < 1 else max_draft + 1
+    return {"agreement": agree, "best_k": k, "predicted_speedup_best_k": speed,
+            "predicted_speedup": tokens / (max_draft * (1 - sum(sizes.get(u, 0) for u in skip) / total)
+                                           + verify[max_draft + 1])}
+
+
+def verify_cost(ir: IR, most: int, runs: int = 15) -> list[float]:
+    """``[0, 1, c(2), ..., c(most)]``: the decode program's time over S tokens at batch 1
+    after a 64-token prompt, divided by its time over one token (medians of ``runs``)."""
+    from rewriter.runtime.attention import Step
+    from rewriter.runtime.kv_cache import KVCache, cache_table
+    from rewriter.runtime.lower import lower
+    program = lower(ir, False, "torch", {})
+    weight = max((t for t in ir.weights().values() if t.is_floating_point()), key=torch.Tensor.numel)
+    cache = KVCache(cache_table(ir.gm), 1, 64 + most, weight.dtype, weight.device)
+    times: dict[int, list[float]] = {s: [] for s in range(1, most + 1)}
+    for r in range(runs + 1):  # interleaved, so drifts hit every length alike
+        for s in times:
+            ids = torch.zeros(1, s, dtype=torch.long, device=weight.device)
+            positions = torch.arange(64, 64 + s, device=weight.device)[None]
+            t = time.perf_counter()
+            with torch.inference_mode():
+                program(Step(cache, 64, s, None), ids, positions)
+            if r:  # the first round warms up
+                times[s].append(time.perf_counter() - t)
+    one = statistics.median(times[1])
+    return [0.0] + [statistics.median(times[s]) / one for s in times]
+
+
+def _batch(ir: IR, prompts) -> torch.Tensor:
+    if not prompts or not all(isinstance(p, (list, tuple)) and len(p) >= 2 for p in prompts):
+        raise ValueError("calibration prompts must be lists of at least 2 token ids")
+    vocab = ir.info.get("config", {}).get("vocab_size")
+    context = ir.info.get("config", {}).get("max_position_embeddings")
+    bad = [t for p in prompts for t in p if vocab is not None and not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"calibration prompts hold token id {bad[0]}, outside the vocabulary "
+                         f"[0, {vocab})")
+    width = min(len(p) for p in prompts)
+    if context is not None:
+        width = min(width, context)
+    return torch.tensor([list(p[:width]) for p in prompts])  # [B, S]: cut to the shortest
+
+
+def _argmax(ir: IR, ids: torch.Tensor) -> torch.Tensor:
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    with torch.inference_mode():
+        return ir.gm(ids, positions).argmax(-1)
+
+
+def _agreement(ir: IR, skip: set, ids: torch.Tensor, target: torch.Tensor) -> float:
+    attention = sorted(i for kind, i in skip if kind == "attention")
+    mlp = sorted(i for kind, i in skip if kind == "mlp")
+    draft = skipped(ir, (), attention, mlp)
+    return (_argmax(draft, ids) == target).float().mean().item()
+
+
+def _skippable(ir: IR, index: int) -> bool:
+    try:
+        residual_adds(ir, index)
+        return True
+    except Exception:
+        return False
+
+
+def _unit_bytes(ir: IR) -> dict:
+    """``{("attention" | "mlp", layer): weight bytes}`` from the nodes' layer and role marks."""
+    sizes: dict = {}
+    for n in ir.graph.find_nodes(op="get_attr"):
+        users = list(n.users)
+        if not users:
+            continue
+        layer, role = users[0].meta.get("layer"), users[0].meta.get("role")
+        if layer is None or role not in ("attn", "mlp"):
+            continue
+        kind = "attention" if role == "attn" else "mlp"
+        t = ir.weight(n.target)
+        sizes[kind, layer] = sizes.get((kind, layer), 0) + t.numel() * t.element_size()
+    return sizes
