@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
 from typing import Sequence
 
@@ -15,6 +16,7 @@ from .ir.verify import verify
 from .pass_manager import Pass, run_pipeline
 from .runtime.chat import split_tokenizer
 from .runtime.engine import Engine, check_token_ids  # noqa: F401 (re-exported)
+from .runtime.kv_cache import cache_table, describe
 
 BACKENDS = ("torch", "triton")
 
@@ -41,6 +43,8 @@ class OptimizedModel(Engine):
         if self.ir.is_causal_lm and self._programs is not None:  # the code that runs
             for name, code in self.programs().items():
                 dumper.write_text(f"programs/{name}.py", code.strip() + "\n")
+            table = describe(cache_table(self.ir.gm), self._dtype())
+            dumper.write_text("programs/caches.json", json.dumps(table, indent=1) + "\n")
         if self.backend == "triton" and self.ir.is_causal_lm:
             for name, source in self.kernel_sources(templates=True).items():
                 dumper.write_text(f"kernels/{name}", source)

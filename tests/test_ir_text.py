@@ -39,7 +39,13 @@ def test_dump_writes_text_dot_and_diff_for_every_pass(tmp_path):
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["00_lift.diff.txt", "00_lift.dot", "00_lift.txt",
                      "01_LayerSkip.diff.txt", "01_LayerSkip.dot", "01_LayerSkip.txt",
-                     "summary.json"]
+                     "programs", "summary.json"]
+    # the code the runtime runs, and the caches it allocates (by layer id: 1 was skipped)
+    assert sorted(p.name for p in (tmp_path / "programs").iterdir()) == \
+        ["caches.json", "decode.py", "prefill.py"]
+    assert "cached_attention" in (tmp_path / "programs" / "decode.py").read_text()
+    caches = json.loads((tmp_path / "programs" / "caches.json").read_text())
+    assert [c["id"] for c in caches["caches"]] == [0, 2] and caches["dtype"] == "float32"
     lift_text = (tmp_path / "00_lift.txt").read_text()
     skip_text = (tmp_path / "01_LayerSkip.txt").read_text()
     assert "# L1 attn" in lift_text and "# L1" not in skip_text  # dumps are per pass

@@ -84,3 +84,11 @@ def test_int4_weights_are_the_q4_1_files_own(opt, hf):
     # bfloat16 on the CPU int4 kernel: lossy (measured in docs/benchmarks.md); still answers
     fast = rewriter.from_pretrained("smollm2", dtype="bfloat16", passes=[Int4Weights()])
     assert "Paris" in fast.chat(QUESTIONS[0], max_new_tokens=16)
+
+
+def test_self_speculative_answers_equal_plain_greedy(opt):
+    from rewriter.passes import SelfSpeculative
+    spec = rewriter.from_pretrained("smollm2", passes=[SelfSpeculative(speedup=1.25)])
+    for q in QUESTIONS[:2]:
+        assert spec.chat(q, max_new_tokens=32) == opt.chat(q, max_new_tokens=32), q
+    assert spec.stats["rounds"] > 0 and spec.stats["accepted"] > 0
