@@ -47,6 +47,7 @@ class Engine:
         self.pass_specs = passes or []
         self.backend = backend
         self._programs = None
+        self._programs_key = None
         self._cache: Optional[KVCache] = None
         # Cost counters over every generate/stream call: forward_passes, layer_evals, tokens
         # (see ``decode_loop``); reset with ``stats.clear()``.
@@ -235,9 +236,13 @@ class Engine:
         return need
 
     def _lowered(self) -> dict:
-        """The named step programs (``runtime.programs``), lowered once."""
-        if self._programs is None:
+        """The named step programs (``runtime.programs``), lowered again only when the IR
+        changed since (``ir.refresh()``, or nodes added or removed by hand)."""
+        key = (getattr(self.ir, "version", 0), tuple(map(id, self.ir.graph.nodes)))
+        if self._programs is None or self._programs_key != key:
+            self._programs = None  # a failed lowering leaves none behind
             self._programs = build_programs(self.ir, self.backend, self.trusted_kernels)
+            self._programs_key = key
         return self._programs
 
     def lower(self) -> None:

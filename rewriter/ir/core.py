@@ -21,6 +21,7 @@ class IR:
     def __init__(self, gm: fx.GraphModule, info: dict):
         self.gm = gm
         self.info = info
+        self.version = 0  # bumped by refresh(): programs lowered from older versions are stale
 
     @property
     def graph(self) -> fx.Graph:
@@ -69,6 +70,7 @@ class IR:
 
     def refresh(self) -> None:
         """Re-derive shapes and layer spans after the graph changed."""
+        self.version += 1
         self.gm.recompile()
         propagate_shapes(self.gm, self.info["inputs"])
         self.info["layers"] = layer_spans(self.gm)
