@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-STRATEGIES = ("plain", "self_speculative")
 MAX_DRAFT = 16  # verifying more tokens than this costs more than it can save on any machine
 
 
