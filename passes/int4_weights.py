@@ -41,6 +41,8 @@ class Int4Weights(Pass):
         for node in list(ir.graph.find_nodes(op="call_function", target=torch.ops.rw.linear.default)):
             x, w, b = linear_parts(node)
             weight = ir.weight(w.target) if w.op == "get_attr" else None
+            if node.meta.get("role") == "draft_head":
+                continue  # the heads stay as trained; they are small next to the model
             if (weight is None or weight.dim() != 2 or not weight.is_floating_point()
                     or weight.shape[1] % self.group_size or (node is head and not self.lm_head)):
                 continue

@@ -242,3 +242,16 @@ def llama_1b(num_hidden_layers: int = 22, device="cpu", dtype=None, seed: int = 
                          num_hidden_layers=num_hidden_layers, num_attention_heads=32,
                          num_key_value_heads=4, max_position_embeddings=2048)
     return LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
+
+
+def load_model(path: PathLike, dtype=None):
+    """(Hugging Face model, tokenizer) of a checkpoint directory, a GGUF file, ``"default"``
+    or ``"smollm2"``: the unoptimized model, for tools that need it (training heads)."""
+    from . import gguf
+    dtype = gguf.check_dtype(dtype)
+    if str(path) == "default":
+        model, tokenizer = default_model()
+        return (model.to(dtype) if dtype is not None else model), tokenizer
+    if gguf.is_gguf(path):
+        return gguf.load_gguf_model(path, dtype), gguf.load_gguf_tokenizer(path)
+    return load_hf_model(path, dtype), load_tokenizer(path)

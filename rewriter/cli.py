@@ -143,10 +143,41 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("model", help="artifact directory")
     f.add_argument("--json", action="store_true", help="the manifest as JSON")
     f.set_defaults(func=cmd_info)
+
+    t = sub.add_parser("train-heads", help="train Medusa draft heads on a frozen model",
+                       description="Train Medusa draft heads by self-distillation (the model's "
+                                   "own greedy continuations of corpus prompts) and write a heads "
+                                   "file for MedusaHeads(weights=PATH). Resumes from OUT.work/.")
+    t.add_argument("model", help=MODEL_HELP)
+    t.add_argument("--out", required=True, help="heads file to write (.safetensors)")
+    t.add_argument("--num-heads", type=int, default=4)
+    t.add_argument("--prompts", type=int, default=512, help="training prompts")
+    t.add_argument("--new-tokens", type=int, default=96, help="greedy tokens per prompt")
+    t.add_argument("--epochs", type=int, default=2)
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--dtype", choices=DTYPES, default="bfloat16",
+                   help="the frozen model's dtype while training (bfloat16: fast on a CPU "
+                        "with AMX or AVX-512, and on GPUs)")
+    t.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    t.set_defaults(func=cmd_train_heads)
     return p
 
 
 # ---------------------------------------------------------------------------- commands
+def cmd_train_heads(args) -> int:
+    import torch
+    from .checkpoints import load_model
+    from .train_heads import train_heads
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = load_model(args.model, args.dtype)
+    report = train_heads(model.to(device), tokenizer, args.out, num_heads=args.num_heads,
+                         prompts=args.prompts, new_tokens=args.new_tokens, epochs=args.epochs,
+                         lr=args.lr, seed=args.seed, progress=_bars())
+    print(json.dumps(report, indent=1))
+    return 0
+
+
 
 def cmd_optimize(args) -> int:
     from .checkpoints import from_pretrained

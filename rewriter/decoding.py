@@ -7,8 +7,16 @@ With no record the runtime decodes one token per step. ``SelfSpeculative`` recor
 
 and the runtime then lowers a ``draft`` program (the same IR with those layers and
 sub-layers bypassed: ``rewriter.ir.skip``) beside ``prefill`` and ``decode``, and generates
-with ``runtime.speculative``. Artifacts keep the record, so a loaded model decodes the same
-way. ``check_record`` is what the artifact loader and the pass both apply.
+with ``runtime.speculative``. ``MedusaHeads`` records::
+
+    {"strategy": "medusa", "num_heads": 4, "tree": [[0], [1], [0, 0], ..],
+     "draft_vocab": 4096 or None, "acceptance": "exact" or "typical",
+     "posterior_threshold": 0.09, "posterior_alpha": 0.3}
+
+and the runtime lowers ``tree_prefill``, ``verify`` (logits and hidden states) and
+``heads`` and generates with ``runtime.tree_decoding``. Artifacts keep the record, so a
+loaded model decodes the same way. ``check_record`` is what the artifact loader and the
+passes apply.
 """
 from __future__ import annotations
 
@@ -25,14 +33,28 @@ class Strategy:
     skip_mlp: tuple[int, ...] = field(default=())
     max_draft: int = 0
     threshold: float = 0.0
+    # medusa
+    num_heads: int = 0
+    tree: tuple = ()  # paths of ranks (rewriter.tree)
+    draft_vocab: int | None = None
+    acceptance: str = "exact"
+    posterior_threshold: float = 0.09
+    posterior_alpha: float = 0.3
 
     def cache_slack(self) -> int:
         """Cache positions a generation may need past prompt + new tokens: a row that is
         done keeps being drafted for and verified (its results dropped) at most one round
         past its end, and the last round may overshoot by one draft."""
+        if self.name == "medusa":
+            return 2 * (len(self.tree) + 1)
         return 2 * (self.max_draft + 1) if self.name == "self_speculative" else 0
 
     def record(self) -> dict:
+        if self.name == "medusa":
+            return {"strategy": "medusa", "num_heads": self.num_heads,
+                    "tree": [list(p) for p in self.tree], "draft_vocab": self.draft_vocab,
+                    "acceptance": self.acceptance, "posterior_threshold": self.posterior_threshold,
+                    "posterior_alpha": self.posterior_alpha}
         return {"strategy": self.name, "skip_layers": list(self.skip_layers),
                 "skip_attention": list(self.skip_attention), "skip_mlp": list(self.skip_mlp),
                 "max_draft": self.max_draft, "threshold": self.threshold}
@@ -43,12 +65,19 @@ def strategy_of(info: dict) -> Strategy:
     r = info.get("decoding")
     if r is None:
         return Strategy()
+    if r["strategy"] == "medusa":
+        return Strategy("medusa", num_heads=r["num_heads"], tree=tuple(map(tuple, r["tree"])),
+                        draft_vocab=r["draft_vocab"], acceptance=r["acceptance"],
+                        posterior_threshold=float(r["posterior_threshold"]),
+                        posterior_alpha=float(r["posterior_alpha"]))
     return Strategy(r["strategy"], tuple(r["skip_layers"]), tuple(r["skip_attention"]),
                     tuple(r["skip_mlp"]), r["max_draft"], float(r["threshold"]))
 
 
 def check_record(r) -> str | None:
     """Why ``r`` is not a decoding record, or None."""
+    if isinstance(r, dict) and r.get("strategy") == "medusa":
+        return _check_medusa(r)
     keys = {"strategy", "skip_layers", "skip_attention", "skip_mlp", "max_draft", "threshold"}
     if not isinstance(r, dict) or set(r) != keys:
         return f"an object with exactly the keys {sorted(keys)}"
@@ -65,6 +94,35 @@ def check_record(r) -> str | None:
         return "threshold: a number in [0, 1)"
     if not (r["skip_layers"] or r["skip_attention"] or r["skip_mlp"]):
         return "a skip set that skips something"
+    return None
+
+
+MEDUSA_KEYS = {"strategy", "num_heads", "tree", "draft_vocab", "acceptance",
+               "posterior_threshold", "posterior_alpha"}
+
+
+def _check_medusa(r: dict) -> str | None:
+    from rewriter.heads import MAX_HEADS
+    from rewriter.tree import check_paths
+    if set(r) != MEDUSA_KEYS:
+        return f"an object with exactly the keys {sorted(MEDUSA_KEYS)}"
+    k = r["num_heads"]
+    if not _is_int(k) or not 1 <= k <= MAX_HEADS:
+        return f"num_heads: an integer in [1, {MAX_HEADS}]"
+    why = check_paths(r["tree"], k)
+    if why:
+        return f"tree: {why}"
+    if r["tree"] != sorted(r["tree"], key=lambda p: (len(p), p)):
+        return "tree: paths ordered by depth, then ranks"
+    v = r["draft_vocab"]
+    if v is not None and (not _is_int(v) or v < 10):
+        return "draft_vocab: null or an integer >= 10"
+    if r["acceptance"] not in ("exact", "typical"):
+        return "acceptance: 'exact' or 'typical'"
+    for key in ("posterior_threshold", "posterior_alpha"):
+        t = r[key]
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 < t <= 1.0:
+            return f"{key}: a number in (0, 1]"
     return None
 
 

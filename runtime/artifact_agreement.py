@@ -124,7 +124,14 @@ def _check_vocabulary(ir: IR, where) -> None:
             raise ArtifactError(f"{where.ir}: the config's context is {context} tokens, but the "
                                 f"position embedding {n.args[1].target!r} has {rows} rows")
     (out,) = ir.graph.find_nodes(op="output")
-    logits = out.args[0].meta.get("val") if isinstance(out.args[0], fx.Node) else None
+    value = out.args[0]
+    if isinstance(value, (tuple, list)):  # (logits, draft): only draft heads add an output
+        if len(value) != 2 or (ir.info.get("decoding") or {}).get("strategy") != "medusa":
+            raise ArtifactError(f"{where.ir}: the graph returns {len(value)} values; only a "
+                                f"model with draft heads (a medusa decoding record) returns "
+                                f"two, (logits, draft)")
+        value = value[0]
+    logits = value.meta.get("val") if isinstance(value, fx.Node) else None
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.shape[-1] != vocab:
         shape = list(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
         raise ArtifactError(f"{where.ir}: config vocab_size is {vocab}, but the graph's output "

@@ -16,7 +16,7 @@ from rewriter.ops import MAX_INT
 
 REQUIRED = ("family", "causal_lm", "config", "inputs", "lift_report", "layers", "passes")
 OPTIONAL = ("fusions", "skipped_layers", "unlifted_attention", "unlifted_embeddings", "int4",
-            "decoding")
+            "decoding", "medusa")
 DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16",
           "float32", "float64")
 MAX_CONFIG_DEPTH = 32  # Hugging Face configs nest 3 or 4 deep (text_config, rope_parameters)
@@ -131,6 +131,7 @@ _CHECKS = {
     "unlifted_attention": _why(_list_of(lambda s: isinstance(s, str)), "a list of module paths"),
     "unlifted_embeddings": _why(_list_of(lambda s: isinstance(s, str)), "a list of module paths"),
     "decoding": lambda v: check_record(v),
+    "medusa": _why(lambda v: isinstance(v, dict) and _config(v), "an object (how the heads were made)"),
     "int4": _why(_int4_record, "an object {linears, group_size, max_abs_error, max_abs_weight}"),
 }
 

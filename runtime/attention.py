@@ -28,13 +28,20 @@ class Step:
     ``start + length`` and must be given (an upper bound over rows) with a tensor ``start``.
     Rolling a row back is starting its next step earlier: what lies past a row's start is
     masked until it is written again, so rejected tokens are never copied or cleared.
+
+    ``tree`` (``[S, S]`` bool, True where token i may see token j) replaces the causal
+    order among the step's own tokens: a token tree verified at once (``rewriter.tree``),
+    each node seeing the prefix, its ancestors and itself; ``depth`` ``[S]`` gives each
+    node's distance from the root, which windows measure.
     """
 
     static = False
 
     def __init__(self, cache: KVCache, start, length: int, pad: Optional[Tensor],
-                 end: Optional[int] = None):
+                 end: Optional[int] = None, tree: Optional[Tensor] = None,
+                 depth: Optional[Tensor] = None):
         self.cache, self.start, self.length, self.pad = cache, start, length, pad
+        self.tree, self.depth = tree, depth
         self.per_row = isinstance(start, Tensor)
         self.end = end if end is not None else start + length
         self._values: dict = {}
@@ -51,6 +58,8 @@ class Step:
         return self.once(("mask", window), lambda: self._build_mask(window))
 
     def _build_mask(self, window: Optional[int]) -> Optional[Tensor]:
+        if self.tree is not None:
+            return self._tree_mask(window)
         limited = window is not None and self.end > window
         if self.length == 1 and self.pad is None and not limited and not self.per_row:
             return None  # one new token that sees the whole cache: SDPA's fastest path
@@ -69,6 +78,31 @@ class Step:
             # A padding query sees itself only: every softmax row then has a finite
             # maximum, so padding never turns into NaN in the cache.
             mask = mask & (real_key | (kj == qi))  # [B, 1, S, end]
+        return mask
+
+
+    def _tree_mask(self, window: Optional[int]) -> Tensor:
+        """``[B or 1, 1, S, end]``: keys before the row's start (within the window of the
+        node's own position, start + depth), and the node's ancestors in the tree."""
+        device = self.cache.device
+        s = self.length
+        start = self.start[:, None, None, None] if self.per_row else self.start  # [B, 1, 1, 1]
+        kj = torch.arange(self.end, device=device)  # [end]
+        mask = (kj < start).expand(-1 if self.per_row else 1, 1, s, self.end).clone()
+        if window is not None:
+            position = start + self.depth[None, None, :, None]  # [B or 1, 1, S, 1]
+            mask &= position - kj < window
+        tree = self.tree.to(device)
+        if window is not None:  # ancestors further than the window (a tiny window) too
+            tree = tree & (self.depth[:, None] - self.depth[None, :] < window)
+        if self.per_row:
+            cols = self.start[:, None] + torch.arange(s, device=device)  # [B, S]
+            rows = torch.arange(len(cols), device=device)[:, None]  # [B, 1]
+            mask[rows, 0, :, cols] = tree.t()  # [B, S keys, S queries]
+        else:
+            mask[..., self.start:self.start + s] = tree
+        if self.pad is not None:
+            mask = mask & (kj >= self.pad[:, None, None, None])  # [B, 1, S, end]
         return mask
 
 

@@ -31,6 +31,7 @@ from .kv_cache import KVCache, cache_table
 from .programs import build_programs
 from .settings import GenerationSettings, is_int, token_ids
 from .speculative import speculative_loop
+from .tree_decoding import tree_loop
 
 Prompts = Union[Tensor, Sequence[Sequence[int]]]
 
@@ -169,6 +170,10 @@ class Engine:
         if strategy.name == "self_speculative":
             return batch, speculative_loop(programs, cache, batch, settings, generator,
                                            self.stats, strategy)
+        if strategy.name == "medusa":
+            vocab = self.ir.weight("medusa.vocab") if strategy.draft_vocab is not None else None
+            return batch, tree_loop(programs, cache, batch, settings, generator, self.stats,
+                                    strategy, vocab)
         cuda = device.type == "cuda"
         static = self.static_decode if self.static_decode is not None else cuda
         return batch, decode_loop(programs["prefill"], programs["decode"], cache, batch, settings,
@@ -185,7 +190,8 @@ class Engine:
         else:
             self._check_positions(input_ids, positions)
         with torch.no_grad():
-            return self.ir.gm(input_ids, positions)
+            out = self.ir.gm(input_ids, positions)
+        return out[0] if isinstance(out, tuple) else out  # (logits, draft): draft heads
 
     def _check_positions(self, input_ids: Tensor, positions) -> None:
         """Explicit positions: integers in ``[0, max_len)`` shaped like ``input_ids``, for

@@ -31,8 +31,11 @@ _SHORT = {op: name for name, op in OPS.items()}
 
 
 def lower(ir: IR, last_only: bool, backend: str = "torch",
-          transposed: dict | None = None, kernel_sources: dict | None = None) -> fx.GraphModule:
-    """The step program ``(step, input_ids, positions) -> logits`` of a causal-LM IR;
+          transposed: dict | None = None, kernel_sources: dict | None = None,
+          hidden: bool = False) -> fx.GraphModule:
+    """The step program ``(step, input_ids, positions) -> logits`` of a causal-LM IR
+    (``-> (logits, h)`` with ``hidden``: ``h`` the LM head's input, for draft heads; an IR
+    that returns more than the logits, ``(logits, draft)``, gives its logits here);
     ``backend`` picks the kernels (``torch``: ``runtime.kernels``; ``triton``:
     ``runtime.triton_backend``). With ``transposed`` (a dict the caller keeps, shared by
     its programs), linears on CPU weights read ``[in, out]`` copies (``linear_t``).
@@ -59,10 +62,14 @@ def lower(ir: IR, last_only: bool, backend: str = "torch",
             generated.append(_generated_call(graph, node, env, len(generated), kernel_sources or {}))
             continue
         if node.op == "output":
-            (out,) = node.args
+            out = logits_node(ir)
             result = env[out]
             if last_only:
                 result = _last_position_logits(graph, out, env)
+            if hidden:
+                if _SHORT.get(out.target) != "linear":
+                    raise RewriterError("draft heads need the logits to come from a linear LM head")
+                result = (result, result.args[0])
             graph.output(result)
             continue
         new = graph.node_copy(node, lambda n: env[n])
@@ -98,6 +105,71 @@ def lower(ir: IR, last_only: bool, backend: str = "torch",
     program = fx.GraphModule(_flatten_weights(ir, graph, extra), graph)
     program.generated_kernels = generated  # for dumps and artifacts
     return program
+
+
+def logits_node(ir: IR) -> fx.Node:
+    """The node of the logits: the graph's output, or its first value (``(logits, draft)``)."""
+    (out,) = ir.graph.find_nodes(op="output")
+    value = out.args[0]
+    return value[0] if isinstance(value, (tuple, list)) else value
+
+
+def lower_heads(ir: IR, backend: str = "torch", transposed: dict | None = None) -> fx.GraphModule:
+    """The draft heads alone: ``(h [B, S, H]) -> draft logits [B, S, K, V]``, the nodes
+    between the LM head's input and the graph's second output."""
+    table = KERNELS
+    if backend == "triton":
+        from . import triton_backend
+        table = triton_backend.kernels()[0]
+    (out,) = ir.graph.find_nodes(op="output")
+    value = out.args[0]
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise RewriterError("this IR has no draft heads (its graph returns the logits only)")
+    h, draft = logits_node(ir).args[0], value[1]
+    need, todo = set(), [draft]
+    while todo:  # the heads' nodes: from the draft logits back to h
+        n = todo.pop()
+        if n in need or n is h:
+            continue
+        need.add(n)
+        todo += n.all_input_nodes
+    if any(n.op == "placeholder" for n in need):
+        raise RewriterError("the draft heads read more than the LM head's input")
+    graph = fx.Graph()
+    env = {h: graph.placeholder("h")}
+    for node in ir.graph.nodes:
+        if node in need:
+            new = graph.node_copy(node, lambda n: env[n])
+            name = _SHORT.get(node.target) if node.op == "call_function" else None
+            if name is not None:
+                new.target = table[name]
+            env[node] = new
+    graph.output(env[draft])
+    extra = transposed if transposed is not None else {}
+    _fold_constants(ir, graph, extra)
+    _lower_int4(ir, graph, table["linear_int4"], extra)
+    if transposed is not None and backend == "torch":
+        _transpose_linear_weights(ir, graph, transposed)
+    graph.eliminate_dead_code()
+    return fx.GraphModule(_flatten_weights(ir, graph, extra), graph)
+
+
+def _fold_constants(ir: IR, graph: fx.Graph, extra: dict) -> None:
+    """Compute once, here, every ATen node that reads weights only (a draft vocabulary's
+    rows of the LM head): the program then reads the result as a weight."""
+    for node in list(graph.nodes):
+        if (node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload)
+                or node.target.namespace != "aten" or not node.all_input_nodes
+                or any(a.op != "get_attr" for a in node.all_input_nodes)):
+            continue
+        name = f"{node.name}.__folded"
+        if name not in extra:
+            value = lambda a: (extra[a.target] if a.target in extra else ir.weight(a.target)) \
+                if isinstance(a, fx.Node) else a  # noqa: E731
+            extra[name] = node.target(*fx.node.map_aggregate(node.args, value)).detach()
+        with graph.inserting_before(node):
+            node.replace_all_uses_with(graph.get_attr(name))
+        graph.erase_node(node)
 
 
 def _table_caster(graph: fx.Graph, env: dict):

@@ -4,7 +4,10 @@
 - ``decode``: any number of tokens per row, logits at every position: one token in plain
   decoding, the last token and the draft (k + 1) when verifying;
 - ``draft`` (self-speculative): the IR with its skip set bypassed (``rewriter.ir.skip``),
-  last-position logits.
+  last-position logits;
+- ``tree_prefill``, ``verify`` and ``heads`` (draft heads): prefill and decode that also
+  return the LM head's input ``h``, and the heads alone on ``h`` (run on the accepted
+  position only, not on every node of the tree).
 
 They share the weights, and the derived copies of them (transposed, int4-packed) through
 one dict. ``Engine.programs()`` returns their code and ``dump()`` writes it.
@@ -17,7 +20,7 @@ from rewriter.decoding import strategy_of
 from rewriter.ir.core import IR
 from rewriter.ir.skip import check_skip_set, skipped
 
-from .lower import lower
+from .lower import lower, lower_heads
 
 
 def build_programs(ir: IR, backend: str, kernel_sources: dict) -> dict[str, fx.GraphModule]:
@@ -30,4 +33,41 @@ def build_programs(ir: IR, backend: str, kernel_sources: dict) -> dict[str, fx.G
         check_skip_set(ir, s.skip_layers, s.skip_attention, s.skip_mlp)
         draft = skipped(ir, s.skip_layers, s.skip_attention, s.skip_mlp)
         programs["draft"] = lower(draft, True, backend, shared, kernel_sources)
+    if s.name == "medusa":
+        check_heads(ir, s)
+        programs["tree_prefill"] = lower(ir, True, backend, shared, kernel_sources, hidden=True)
+        programs["verify"] = lower(ir, False, backend, shared, kernel_sources, hidden=True)
+        programs["heads"] = lower_heads(ir, backend, shared)
     return programs
+
+
+def check_heads(ir: IR, s) -> None:
+    """The draft heads the record describes are the ones in the graph: ``(logits, draft)``
+    with ``draft`` ``[B, S, num_heads, V or draft_vocab]``, and a draft vocabulary of
+    distinct ids inside the model's."""
+    import torch
+    from rewriter.errors import RewriterError
+    (out,) = ir.graph.find_nodes(op="output")
+    value = out.args[0]
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise RewriterError("the decoding record asks for draft heads, but the graph returns "
+                            "no draft logits beside the logits")
+    logits, draft = (v.meta.get("val") if isinstance(v, fx.Node) else None for v in value)
+    if logits is None or draft is None or draft.dim() != 4:
+        raise RewriterError("the draft logits must be [B, S, heads, vocabulary]")
+    vocab = logits.shape[-1]
+    width = s.draft_vocab if s.draft_vocab is not None else vocab
+    if draft.shape[2] != s.num_heads or draft.shape[3] != width:
+        raise RewriterError(f"the draft logits are {list(draft.shape)}, the decoding record "
+                            f"says {s.num_heads} heads over {width} tokens")
+    if max(p[-1] for p in s.tree) >= width:
+        raise RewriterError(f"the tree asks for ranks beyond the {width}-token draft vocabulary")
+    if s.draft_vocab is not None:
+        try:
+            ids = ir.weight("medusa.vocab")
+        except AttributeError:
+            raise RewriterError("a draft vocabulary needs its ids, the weight medusa.vocab") from None
+        if (ids.dtype != torch.int64 or ids.shape != (width,) or bool((ids < 0).any())
+                or bool((ids >= vocab).any()) or len(ids.unique()) != width):
+            raise RewriterError(f"medusa.vocab must hold {width} distinct int64 token ids in "
+                                f"[0, {vocab})")

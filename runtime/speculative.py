@@ -56,6 +56,7 @@ class _Rounds:
         self.full = len(cache.table)
         skipped = len(strategy.skip_layers) + (len(strategy.skip_attention) + len(strategy.skip_mlp)) / 2
         self.draft_layers = self.full - skipped
+        self.max_draft = strategy.max_draft  # drafted tokens a round verifies, at most
         b = batch.ids.shape[0]
         self.device = batch.ids.device
         self.pad0 = batch.pad if batch.pad is not None else torch.zeros(b, dtype=torch.int64,
@@ -66,10 +67,7 @@ class _Rounds:
         b, width = batch.ids.shape
         eos_t = torch.tensor(list(s.eos_token_id), dtype=torch.int64, device=self.device)
         finished = torch.zeros(b, dtype=torch.bool, device=self.device)
-        logits = _run(self.programs["prefill"], Step(self.cache, 0, width, batch.pad),
-                      batch.ids, batch.positions)
-        self.stats.update(forward_passes=1, layer_evals=self.full)
-        last = next_token(logits[:, -1], s, self.generator)  # [B], not yet in the cache
+        last = self.first()  # [B], not yet in the cache
         length = [width] * b  # cache positions each row holds
         pending = [[t] for t in last.tolist()]  # made, not yet yielded
         produced = [1] * b
@@ -92,7 +90,7 @@ class _Rounds:
             active = [r for r in range(b) if not done[r]]
             need = s.max_new_tokens - min(produced[r] for r in active)
             room = self.cache.max_len - 1 - max(length[r] for r in active)
-            k = max(0, min(self.strategy.max_draft, room, need - 1))
+            k = max(0, min(self.max_draft, room, need - 1))
             # a done row is computed on at a start that keeps its k + 1 writes in the cache
             at = [min(n, self.cache.max_len - k - 1) if done[r] else n for r, n in enumerate(length)]
             last, accepted = self.round(last, at, k, done)
@@ -102,6 +100,14 @@ class _Rounds:
                 length[r] += len(accepted[r])
             self.stats.update(rounds=1, row_rounds=len(active),
                               accepted=sum(len(accepted[r]) - 1 for r in active))
+
+    def first(self) -> Tensor:
+        """Prefill the prompts; the first new token of every row ``[B]``."""
+        batch = self.batch
+        logits = _run(self.programs["prefill"], Step(self.cache, 0, batch.ids.shape[1], batch.pad),
+                      batch.ids, batch.positions)
+        self.stats.update(forward_passes=1, layer_evals=self.full)
+        return next_token(logits[:, -1], self.s, self.generator)
 
     def start(self, length: list[int], offset: int):
         """A step's start: an int when every row is at the same length, else ``[B]``."""

@@ -20,8 +20,9 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, cache_id: int,
     """``rw.attention`` over cache ``cache_id``: decode or prefill kernel by step length;
     with ``cos``/``sin`` (``FuseRoPE``) K is rotated by the kernel that writes the cache
     (V with it) and q by the attention kernel: no launch of its own for either. A step
-    whose rows start at different positions (speculative decoding) runs the torch path."""
-    if step.per_row:
+    whose rows start at different positions (speculative decoding), or that verifies a
+    token tree, runs the torch path."""
+    if step.per_row or step.tree is not None:
         return torch_cached_attention(step, q, k, v, cache_id, num_heads, num_kv_heads,
                                       head_dim, scale, window, cos, sin)
     b, s, _ = q.shape

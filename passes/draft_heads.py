@@ -1,0 +1,190 @@
+"""``MedusaHeads``: draft heads on the last hidden state, verified as a token tree.
+
+    MedusaHeads(weights="smollm2")                       # the shipped trained heads
+    MedusaHeads(weights="heads.safetensors", draft_vocab=4096, tree="auto", max_nodes=32)
+    MedusaHeads(num_heads=3, tree=[[0], [1], [0, 0]])    # untrained (zero) heads: for tests
+
+The pass adds the heads to the graph as ordinary ops on the LM head's input ``h``::
+
+    r_k = h + silu(linear(h, medusa.w{k}, medusa.b{k}))        [B, S, H]   k = 0..K-1
+    draft = linear(cat([r_0[.., None, :], ..], -2), P)         [B, S, K, V or Vd]
+
+``P`` is the model's own LM head weight (shared: no copy), or with ``draft_vocab=N`` its
+rows for the ``N`` tokens the model produced most often on the training text
+(``index_select(lm_head, 0, medusa.vocab)`` ``[N, H]``, computed once at lowering;
+VocabTrim). The graph
+then returns ``(logits, draft)``. The decoding record (``rewriter.decoding``) holds the
+tree (``rewriter.tree``): given, or chosen from the heads' measured accuracies and the
+verify cost measured here (``tree="auto"``). The output is the model's: greedy tokens
+equal plain greedy decoding's, sampling follows its distribution; ``acceptance="typical"``
+(Medusa's typical acceptance) is the explicit lossy option.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from rewriter import heads as heads_file
+from rewriter.decoding import Strategy, check_record
+from rewriter.errors import PassError
+from rewriter.ir.core import IR
+from rewriter.pass_manager import Pass
+from rewriter.passes.fusion import call, is_op
+from rewriter.tree import MAX_NODES, chain, choose_tree, make_tree
+
+ROLE = "draft_head"
+
+
+class MedusaHeads(Pass):
+    def __init__(self, num_heads: Optional[int] = None, weights: Optional[str] = None,
+                 draft_vocab: Optional[int] = None, tree="auto", max_nodes: int = 32,
+                 acceptance: str = "exact", posterior_threshold: float = 0.09,
+                 posterior_alpha: float = 0.3):
+        if num_heads is not None and (type(num_heads) is not int
+                                      or not 1 <= num_heads <= heads_file.MAX_HEADS):
+            raise ValueError(f"MedusaHeads: num_heads must be an int in [1, "
+                             f"{heads_file.MAX_HEADS}], got {num_heads!r}")
+        if weights is None and num_heads is None:
+            raise ValueError("MedusaHeads: give weights=PATH (trained heads; 'default' and "
+                             "'smollm2' are shipped) or num_heads=K (untrained heads)")
+        if weights is not None and not isinstance(weights, str):
+            weights = str(weights)  # a Path
+        self.heads = heads_file.load(weights) if weights is not None else None
+        if self.heads is not None and num_heads not in (None, self.heads.num_heads):
+            raise ValueError(f"MedusaHeads: num_heads={num_heads}, but {weights} holds "
+                             f"{self.heads.num_heads} heads")
+        self.weights = weights
+        self.num_heads = num_heads if num_heads is not None else self.heads.num_heads
+        if draft_vocab is not None and (type(draft_vocab) is not int or draft_vocab < 10):
+            raise ValueError(f"MedusaHeads: draft_vocab must be an int >= 10, got {draft_vocab!r}")
+        if draft_vocab is not None and (self.heads is None or self.heads.counts is None):
+            raise ValueError("MedusaHeads: draft_vocab needs trained heads whose file counts "
+                             "the tokens the model produced (weights=PATH from train-heads)")
+        self.draft_vocab = draft_vocab
+        if tree != "auto":
+            tree = make_tree(tree, self.num_heads).record()  # ValueError names the problem
+        self.tree = tree
+        if type(max_nodes) is not int or not 1 <= max_nodes < MAX_NODES:
+            raise ValueError(f"MedusaHeads: max_nodes must be an int in [1, {MAX_NODES - 1}], "
+                             f"got {max_nodes!r}")
+        self.max_nodes = max_nodes
+        if acceptance not in ("exact", "typical"):
+            raise ValueError(f"MedusaHeads: acceptance must be 'exact' (lossless) or 'typical' "
+                             f"(lossy), got {acceptance!r}")
+        self.acceptance = acceptance
+        for name, v in (("posterior_threshold", posterior_threshold),
+                        ("posterior_alpha", posterior_alpha)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1 \
+                    or not math.isfinite(v):
+                raise ValueError(f"MedusaHeads: {name} must be a number in (0, 1], got {v!r}")
+        self.posterior_threshold, self.posterior_alpha = float(posterior_threshold), float(posterior_alpha)
+        self.report: Optional[dict] = None  # the tree choice: expected tokens, cost curve
+
+    def run(self, ir: IR) -> IR:
+        if not ir.is_causal_lm:
+            raise PassError(f"{self!r} needs a causal LM")
+        if ir.info.get("decoding") is not None:
+            raise PassError(f"{self!r}: the IR already has a decoding strategy "
+                            f"({ir.info['decoding']['strategy']}); a model decodes one way")
+        head = lm_head(ir)
+        weight = ir.weight(head.args[1].target)
+        if self.heads is not None:
+            try:
+                self.heads.fits(weight.detach(), str(self.weights))
+            except heads_file.HeadsFileError as e:
+                raise PassError(str(e)) from None
+        insert(ir, head, self._weights(weight), self._vocab(weight), self.name)
+        tree = self._tree(ir)
+        strategy = Strategy("medusa", num_heads=self.num_heads, tree=tree.paths,
+                            draft_vocab=self.draft_vocab, acceptance=self.acceptance,
+                            posterior_threshold=self.posterior_threshold,
+                            posterior_alpha=self.posterior_alpha)
+        why = check_record(strategy.record())
+        if why:
+            raise PassError(f"{self!r}: the decoding record needs {why}")
+        ir.info["decoding"] = strategy.record()
+        ir.info["medusa"] = {"weights": self.weights, "report": self.report,
+                             "trained": self.heads.trained if self.heads else None}
+        return ir
+
+    def _weights(self, lm: torch.Tensor):
+        k, h = self.num_heads, lm.shape[1]
+        if self.heads is None:
+            return torch.zeros(k, h, h, dtype=lm.dtype), torch.zeros(k, h, dtype=lm.dtype)
+        return self.heads.w.to(lm.dtype), self.heads.b.to(lm.dtype)
+
+    def _vocab(self, lm: torch.Tensor):
+        """The draft vocabulary's ids ``[N]`` (most produced first), or None."""
+        if self.draft_vocab is None:
+            return None
+        counts = self.heads.counts.to(torch.float64)
+        if counts.numel() != lm.shape[0]:
+            raise PassError(f"{self!r}: the heads file counts {counts.numel()} tokens, the "
+                            f"model has {lm.shape[0]}")
+        n = min(self.draft_vocab, lm.shape[0])
+        return counts.topk(n).indices.sort().values
+
+    def _tree(self, ir: IR):
+        if self.tree != "auto":
+            return make_tree(self.tree, self.num_heads)
+        accuracy = self.heads.accuracy if self.heads is not None else []
+        if not accuracy:  # untrained heads: nothing to choose from
+            return chain(self.num_heads)
+        from rewriter.calibrate import verify_cost  # measures the runtime's decode program
+        cost = verify_cost(ir, self.max_nodes + 1, runs=5)
+        tree, self.report = choose_tree(accuracy, cost, self.max_nodes)
+        self.report = {**self.report, "verify_cost": [round(c, 3) for c in cost[1:]]}
+        return tree
+
+
+def lm_head(ir: IR):
+    """The LM head: a plain ``rw.linear`` on a stored weight whose output is the logits."""
+    (out,) = ir.graph.find_nodes(op="output")
+    node = out.args[0]
+    if not is_op(node, "linear") or node.args[1].op != "get_attr" or \
+            (len(node.args) > 2 and node.args[2] is not None):
+        shown = node.target if hasattr(node, "target") else type(node).__name__
+        raise PassError(f"draft heads share the LM head, which must be a plain linear without "
+                        f"bias producing the logits (run them before Int4Weights(lm_head=True)); "
+                        f"the graph returns {shown}")
+    return node
+
+
+def insert(ir: IR, head, wb, vocab, pass_name: str) -> None:
+    """Add the heads after ``head`` and return ``(logits, draft)``."""
+    w, b = wb
+    g = ir.graph
+    x = head.args[0]
+    for k in range(w.shape[0]):
+        ir.add_weight(f"medusa.w{k}", w[k].clone())
+        ir.add_weight(f"medusa.b{k}", b[k].clone())
+    if vocab is not None:
+        ir.add_weight("medusa.vocab", vocab.to(torch.int64))
+    (out,) = g.find_nodes(op="output")
+    with g.inserting_before(out):
+        rows = []
+        for k in range(w.shape[0]):
+            wk, bk = g.get_attr(f"medusa.w{k}"), g.get_attr(f"medusa.b{k}")
+            a = _mark(call(ir, torch.ops.rw.linear.default, (x, wk, bk), f"medusa_{k}_linear"), k, pass_name)
+            s = _mark(call(ir, torch.ops.rw.silu.default, (a,), f"medusa_{k}_silu"), k, pass_name)
+            r = _mark(call(ir, torch.ops.aten.add.Tensor, (x, s), f"medusa_{k}"), k, pass_name)
+            rows.append(_mark(call(ir, torch.ops.aten.unsqueeze.default, (r, -2), f"medusa_{k}_row"),
+                              k, pass_name))
+        stacked = _mark(call(ir, torch.ops.aten.cat.default, (rows, -2), "medusa_rows"), None, pass_name)
+        proj = head.args[1]
+        if vocab is not None:  # the LM head's rows of the draft vocabulary (folded at lowering)
+            proj = _mark(call(ir, torch.ops.aten.index_select.default,
+                              (proj, 0, g.get_attr("medusa.vocab")), "medusa_vocab_rows"), None, pass_name)
+        draft = _mark(call(ir, torch.ops.rw.linear.default, (stacked, proj), "medusa_logits"),
+                      None, pass_name)
+    out.args = ((head, draft),)
+
+
+def _mark(node, k, pass_name: str):
+    node.meta["role"] = ROLE
+    node.meta["pass"] = pass_name
+    if k is not None:
+        node.meta["head"] = k
+    return node

@@ -1,0 +1,328 @@
+"""Train Medusa draft heads on a frozen model, by self-distillation.
+
+    from rewriter.train_heads import train_heads
+    report = train_heads(model, tokenizer, "heads.safetensors", num_heads=4)
+
+1. **Data.** Prompts (held-in standard-library code chunks; with a chat template also chat
+   questions made from the code's own docstrings) are continued greedily by the model
+   itself, through this project's runtime. Greedy targets are what lossless greedy
+   verification accepts: the text the model would write, not the corpus's.
+2. **Hidden states**, computed once with the model (its last hidden state, the LM head's
+   input) and cached in ``work_dir`` with the tokens: a resumed run reuses both.
+3. **Training**: only the heads' residual blocks learn; the LM head is shared and frozen.
+   Head ``k`` at position ``t`` (from the prompt's last token on) learns the token at
+   ``t + k + 2``, cross-entropy weighted ``0.8**k`` (Medusa's decay). AdamW, cosine decay,
+   seeded; a checkpoint in ``work_dir`` after every few hundred steps, from which an
+   interrupted run resumes.
+4. **Held-out rank accuracies** of each head (on continuations of held-out prompts), which
+   the pass uses to choose the verification tree, are written with the heads.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+from rewriter import heads as heads_file
+from rewriter.corpus import load_corpus
+
+RANKS = 10  # rank accuracies stored per head
+DECAY = 0.8
+
+
+def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int = 4,
+                prompts: int = 512, heldout_prompts: int = 48, prompt_tokens: int = 64,
+                new_tokens: int = 96, epochs: int = 2, lr: float = 1e-3, batch: int = 256,
+                seed: int = 0, work_dir: Optional[Union[str, os.PathLike]] = None,
+                generate_batch: int = 16, progress: bool = True, chat: bool = True) -> dict:
+    """Train heads for ``model`` (a Hugging Face causal LM, frozen) and write them to ``out``
+    (``rewriter.heads`` format); returns what was done and measured."""
+    for name, v, low in (("num_heads", num_heads, 1), ("prompts", prompts, 1),
+                         ("heldout_prompts", heldout_prompts, 1), ("prompt_tokens", prompt_tokens, 2),
+                         ("new_tokens", new_tokens, num_heads + 2), ("epochs", epochs, 1),
+                         ("batch", batch, 1), ("generate_batch", generate_batch, 1)):
+        if type(v) is not int or v < low:
+            raise ValueError(f"train_heads: {name} must be an int >= {low}, got {v!r}")
+    if num_heads > heads_file.MAX_HEADS:
+        raise ValueError(f"train_heads: num_heads must be at most {heads_file.MAX_HEADS}")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < 1:
+        raise ValueError(f"train_heads: lr must be a number in (0, 1), got {lr!r}")
+    out = Path(out)
+    work = Path(work_dir) if work_dir is not None else out.with_name(out.name + ".work")
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    settings = {"prompts": prompts, "heldout_prompts": heldout_prompts, "seed": seed,
+                "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "chat": chat}
+    lm_head = model.get_output_embeddings().weight.detach()
+    data = {}
+    for split, n in (("train", prompts), ("heldout", heldout_prompts)):
+        data[split] = _dataset(model, tokenizer, work, split, n, settings, generate_batch, progress)
+    w, b, trained = _train(data["train"], lm_head, num_heads, epochs, lr, batch, seed, work,
+                           settings, progress)
+    accuracy = rank_accuracy(data["heldout"], lm_head, w, b)
+    seconds = time.perf_counter() - started
+    report = {**trained, "seconds_total": round(seconds, 1), "settings": settings,
+              "train_tokens": int(data["train"]["tokens"].numel()),
+              "heldout_top1": [round(a[0], 4) for a in accuracy],
+              "heldout_top5": [round(sum(a[:5]), 4) for a in accuracy],
+              "device": str(lm_head.device)}
+    heads_file.Heads(w.to(torch.bfloat16), b.to(torch.bfloat16), lm_head.shape[0],
+                     heads_file.probe_of(lm_head), accuracy, report,
+                     produced(data["train"], lm_head.shape[0])).save(out)
+    return report
+
+
+# ---------------------------------------------------------------------------- data
+def _dataset(model, tokenizer, work: Path, split: str, n: int, settings: dict,
+             generate_batch: int, progress: bool) -> dict:
+    """``{"tokens" [N, L], "start" [N], "hidden" [N, L, H]}``, cached in ``work``."""
+    from safetensors.torch import load_file, save_file
+    f = work / f"{split}.safetensors"
+    key = json.dumps({**settings, "split": split}, sort_keys=True)
+    if f.is_file():
+        from safetensors import safe_open
+        with safe_open(str(f), framework="pt") as g:
+            same = (g.metadata() or {}).get("settings") == key
+        if same:
+            return load_file(str(f))
+    prompts = make_prompts(tokenizer, split, n, settings["prompt_tokens"], settings["seed"],
+                           settings["chat"])
+    tokens, start = _continue(model, tokenizer, prompts, settings["new_tokens"], generate_batch,
+                              progress, split)
+    hidden = _hidden_states(model, tokens, progress, split)
+    data = {"tokens": tokens, "start": start, "hidden": hidden}
+    save_file(data, str(f), metadata={"settings": key})
+    return data
+
+
+def make_prompts(tokenizer, split: str, n: int, length: int, seed: int, chat: bool) -> list[list[int]]:
+    """``n`` prompts from the corpus split: code chunks of ``length`` tokens and (when the
+    tokenizer has a chat template and ``chat``) as many chat questions about the code."""
+    from rewriter.runtime.chat import chat_prompt, split_tokenizer
+    tok, text = split_tokenizer(tokenizer)
+    rng = random.Random(f"{seed}-{split}")
+    docs = load_corpus(split)
+    rng.shuffle(docs)
+    code, questions = [], []
+    for rel, source in docs:
+        ids = tok.encode(source).ids
+        for i in range(0, max(0, len(ids) - length), length * 8):
+            code.append(ids[i:i + length])
+        questions += _questions(rel, source)
+        if len(code) >= n and len(questions) >= n:
+            break
+    rng.shuffle(code)
+    rng.shuffle(questions)
+    use_chat = chat and text is not None and text.chat_template is not None
+    n_chat = n // 2 if use_chat else 0
+    out = code[:n - n_chat] + [chat_prompt(tok, text, q) for q in questions[:n_chat]]
+    rng.shuffle(out)
+    return out
+
+
+def _questions(rel: str, source: str) -> list[str]:
+    """Chat questions from the functions a file defines with a docstring."""
+    import ast
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    module = rel.removesuffix(".py").replace("/", ".")
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+            doc = (ast.get_docstring(node) or "").strip().split("\n")[0]
+            if 10 < len(doc) < 160:
+                out.append(f"Write a Python function `{node.name}`: {doc}" if len(out) % 2 else
+                           f"What does `{module}.{node.name}` do? Its docstring says: {doc}")
+    return out
+
+
+def _continue(model, tokenizer, prompts, new_tokens: int, generate_batch: int, progress: bool,
+              split: str) -> tuple[Tensor, Tensor]:
+    """Prompts continued greedily by the model (through the runtime): ``[N, L]`` left-padded
+    rows and where each row's continuation starts."""
+    import rewriter
+    engine = rewriter.optimize(model)
+    width = max(map(len, prompts))
+    rows = []
+    bar = _bar(progress, len(prompts), f"generate ({split})", "prompt")
+    for i in range(0, len(prompts), generate_batch):
+        chunk = prompts[i:i + generate_batch]
+        out = engine.generate(chunk, max_new_tokens=new_tokens, eos_token_id=[])  # [b, w + n]
+        w = max(map(len, chunk))
+        for p, row in zip(chunk, out):
+            rows.append(list(p) + row[w:].tolist())
+        bar.update(len(chunk))
+    bar.close()
+    # right-pad to one width: position t of a row is its t-th token (no left padding)
+    length = width + new_tokens
+    tokens = torch.zeros(len(rows), length, dtype=torch.int64)
+    for r, row in enumerate(rows):
+        tokens[r, :len(row)] = torch.tensor(row)
+    start = torch.tensor([len(p) for p in prompts])  # first generated position
+    return tokens, start
+
+
+def _hidden_states(model, tokens: Tensor, progress: bool, split: str, chunk: int = 8) -> Tensor:
+    """The model's last hidden state (the LM head's input) at every position, ``[N, L, H]``
+    in bfloat16 (what the heads read; right padding only follows the real tokens)."""
+    out = []
+    bar = _bar(progress, len(tokens), f"hidden states ({split})", "row")
+    with torch.inference_mode():
+        for i in range(0, len(tokens), chunk):
+            ids = tokens[i:i + chunk].to(model.device)
+            h = model(ids, output_hidden_states=True).hidden_states[-1]
+            out.append(h.to(torch.bfloat16).cpu())
+            bar.update(len(ids))
+    bar.close()
+    return torch.cat(out)
+
+
+# ---------------------------------------------------------------------------- training
+def _samples(data: dict, num_heads: int) -> Tensor:
+    """``[P, 2]`` (row, position) pairs whose head-0 target is a generated token: from the
+    prompt's last token on."""
+    tokens, start = data["tokens"], data["start"]
+    n, length = tokens.shape
+    pairs = [(r, t) for r in range(n) for t in range(int(start[r]) - 1, length - 2)]
+    return torch.tensor(pairs)
+
+
+def _targets(data: dict, pairs: Tensor, num_heads: int) -> Tensor:
+    """``[P, K]`` the token at ``t + k + 2`` for every head, -100 past a row's end."""
+    tokens = data["tokens"]
+    length = tokens.shape[1]
+    t = pairs[:, 1:2] + torch.arange(num_heads)[None] + 2  # [P, K]
+    ok = t < length
+    got = tokens[pairs[:, :1].expand_as(t), t.clamp(max=length - 1)]
+    return torch.where(ok, got, torch.full_like(got, -100))
+
+
+def _train(data: dict, lm_head: Tensor, num_heads: int, epochs: int, lr: float, batch: int,
+           seed: int, work: Path, settings: dict, progress: bool):
+    from safetensors.torch import load_file, save_file
+    device = lm_head.device
+    hidden_size = lm_head.shape[1]
+    pairs = _samples(data, num_heads)
+    targets = _targets(data, pairs, num_heads)
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.zeros(num_heads, hidden_size, hidden_size, device=device, requires_grad=True)
+    b = torch.zeros(num_heads, hidden_size, device=device, requires_grad=True)
+    opt = torch.optim.AdamW([w, b], lr=lr, weight_decay=0.0)
+    steps_per_epoch = math.ceil(len(pairs) / batch)
+    total = steps_per_epoch * epochs
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
+    ckpt = work / "checkpoint.safetensors"
+    key = json.dumps({**settings, "num_heads": num_heads, "epochs": epochs, "lr": lr,
+                      "batch": batch}, sort_keys=True)
+    step, seconds = 0, 0.0
+    if ckpt.is_file():
+        from safetensors import safe_open
+        with safe_open(str(ckpt), framework="pt") as g:
+            meta = g.metadata() or {}
+        if meta.get("settings") == key:
+            state = load_file(str(ckpt))
+            with torch.no_grad():
+                w.copy_(state["w"])
+                b.copy_(state["b"])
+            opt_state = opt.state_dict()
+            opt_state["state"] = {0: {"step": state["step0"], "exp_avg": state["m0"].to(device),
+                                      "exp_avg_sq": state["v0"].to(device)},
+                                  1: {"step": state["step1"], "exp_avg": state["m1"].to(device),
+                                      "exp_avg_sq": state["v1"].to(device)}}
+            opt.load_state_dict(opt_state)
+            step, seconds = int(meta["step"]), float(meta["seconds"])
+            for _ in range(step):
+                sched.step()
+    weight = torch.tensor([DECAY ** k for k in range(num_heads)], device=device)
+    head = lm_head.to(torch.bfloat16) if device.type == "cpu" else lm_head
+    bar = _bar(progress, total, "train heads", "step")
+    bar.update(step)
+    began = time.perf_counter()
+    last_loss = float("nan")
+    while step < total:
+        epoch, at = divmod(step, steps_per_epoch)
+        order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(seed * 1000 + epoch))
+        idx = order[at * batch:(at + 1) * batch]
+        p = pairs[idx]
+        h = data["hidden"][p[:, 0], p[:, 1]].to(device).float()  # [b, H]
+        y = targets[idx].to(device)  # [b, K]
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            r = heads_file.apply(h, w, b)  # [b, K, H]
+            logits = r @ head.t().to(r.dtype) if device.type != "cpu" else r.to(torch.bfloat16) @ head.t()
+        ce = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten(),
+                                               ignore_index=-100, reduction="none").view_as(y)
+        valid = (y != -100).float()
+        loss = ((ce * valid).sum(0) / valid.sum(0).clamp_min(1) * weight).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        step += 1
+        last_loss = float(loss.detach())
+        bar.update(1)
+        bar.set_postfix(loss=f"{last_loss:.3f}")
+        if step % 200 == 0 or step == total:
+            _checkpoint(ckpt, w, b, opt, step, seconds + time.perf_counter() - began, key)
+    bar.close()
+    seconds += time.perf_counter() - began
+    return w.detach(), b.detach(), {"steps": total, "epochs": epochs, "positions": len(pairs),
+                                    "seconds_training": round(seconds, 1), "final_loss": round(last_loss, 4),
+                                    "seed": seed, "lr": lr, "batch": batch}
+
+
+def _checkpoint(path: Path, w, b, opt, step: int, seconds: float, key: str) -> None:
+    from safetensors.torch import save_file
+    s = opt.state_dict()["state"]
+    tensors = {"w": w.detach().cpu(), "b": b.detach().cpu()}
+    for i in (0, 1):
+        tensors[f"m{i}"] = s[i]["exp_avg"].cpu()
+        tensors[f"v{i}"] = s[i]["exp_avg_sq"].cpu()
+        tensors[f"step{i}"] = torch.as_tensor(s[i]["step"]).float().reshape(())
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata={"step": str(step), "seconds": f"{seconds:.3f}",
+                                           "settings": key})
+    os.replace(tmp, path)
+
+
+def produced(data: dict, vocab: int) -> Tensor:
+    """``[V]`` how often the model produced each token (its continuations only): the
+    draft vocabulary keeps the most frequent (VocabTrim)."""
+    tokens, start = data["tokens"], data["start"]
+    made = torch.cat([row[int(s):] for row, s in zip(tokens, start)])
+    return torch.bincount(made, minlength=vocab)[:vocab]
+
+
+# ---------------------------------------------------------------------------- evaluation
+def rank_accuracy(data: dict, lm_head: Tensor, w: Tensor, b: Tensor, chunk: int = 512) -> list:
+    """``[K][RANKS]``: how often head ``k``'s ``r``-th best token is the right one."""
+    k = w.shape[0]
+    pairs = _samples(data, k)
+    targets = _targets(data, pairs, k)
+    hits = torch.zeros(k, RANKS)
+    counts = torch.zeros(k)
+    head = lm_head.float()
+    with torch.inference_mode():
+        for i in range(0, len(pairs), chunk):
+            p, y = pairs[i:i + chunk], targets[i:i + chunk].to(head.device)
+            h = data["hidden"][p[:, 0], p[:, 1]].to(head.device).float()
+            logits = heads_file.apply(h, w.float(), b.float()) @ head.t()  # [b, K, V]
+            top = logits.topk(RANKS, dim=-1).indices  # [b, K, RANKS]
+            match = (top == y[..., None]) & (y[..., None] != -100)
+            hits += match.sum(0).cpu().float()
+            counts += (y != -100).sum(0).cpu().float()
+    return (hits / counts.clamp_min(1)[:, None]).tolist()
+
+
+def _bar(enabled: bool, total: int, desc: str, unit: str):
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, unit=unit, disable=not enabled, leave=False)

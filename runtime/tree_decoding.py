@@ -1,0 +1,214 @@
+"""Draft heads verified as a token tree (Medusa), lossless.
+
+A round, for every row at once (each row at its own cache length ``length[b]``):
+
+1. **candidates**: the heads' top tokens at the row's last accepted position (computed
+   after the previous round, on that position only) fill the tree (``rewriter.tree``):
+   node ``(r0, .., rd)`` holds head ``d``'s ``rd``-th best token. The root is the token
+   the model chose last (not yet in the cache).
+2. **verify**: the ``verify`` program over all ``n`` nodes at cache positions
+   ``length + i``, token positions ``length + depth(i)``, under the tree mask: the full
+   model's next-token logits after every node's path, and its hidden states.
+3. **accept** the longest path whose every token is the model's own choice after its
+   parent (greedy: its argmax, so the output is plain greedy decoding's); sampling walks
+   the tree from the root accepting child ``c`` with probability ``p'(c)`` and, if it is
+   rejected, removing ``c`` from ``p'`` and renormalising (recursive rejection sampling
+   with one-token proposals: the output follows the model's distribution exactly);
+   ``acceptance="typical"`` (lossy) accepts a child whose probability exceeds
+   ``min(threshold, alpha * exp(-entropy))``. The token after the path is the model's.
+4. **compact**: the accepted path's K/V rows move from ``length + i`` to
+   ``length + depth``; the rest is left behind the row's new length (masked until
+   overwritten). The heads then run on the hidden state of the path's last node.
+
+The loop around it (columns, EOS, rows that are done, the cache bound) is
+``runtime.speculative``'s.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Iterator, Optional
+
+import torch
+from torch import Tensor
+
+from rewriter.decoding import Strategy
+from rewriter.errors import RewriterError
+from rewriter.tree import Tree, make_tree
+
+from .attention import Step
+from .generate import Batch
+from .kv_cache import KVCache
+from .sampling import next_token, warp
+from .settings import GenerationSettings
+from .speculative import _Rounds
+
+
+def tree_loop(programs: dict, cache: KVCache, batch: Batch, settings: GenerationSettings,
+              generator: Optional[torch.Generator], stats: Counter, strategy: Strategy,
+              vocab: Optional[Tensor]) -> Iterator[Tensor]:
+    """Yield the next token of every row, ``[B]``, like ``generate.decode_loop``."""
+    cache.busy = True
+    try:
+        yield from _TreeRounds(programs, cache, batch, settings, generator, stats, strategy,
+                               vocab).run()
+    finally:
+        cache.busy = False
+
+
+class _TreeRounds(_Rounds):
+    def __init__(self, programs, cache, batch, settings, generator, stats, strategy, vocab):
+        super().__init__(programs, cache, batch, settings, generator, stats, strategy)
+        self.tree = make_tree(strategy.tree, strategy.num_heads)
+        self.max_draft = self.tree.size - 1
+        self.vocab = vocab  # draft index -> token id (a trimmed draft vocabulary), or None
+        self.layouts: dict[int, dict] = {}
+        ranks = max(p[-1] for p in self.tree.paths) + 1
+        self.top = ranks
+        self.candidates: Optional[Tensor] = None  # [B, K, ranks] token ids
+        for s in cache.table.values():
+            if s.window is not None and s.window <= self.tree.depth:
+                raise RewriterError(f"a tree of depth {self.tree.depth} needs attention "
+                                    f"windows longer than that; cache {s.id} has {s.window}")
+
+    def layout(self, m: int) -> dict:
+        if m not in self.layouts:
+            self.layouts[m] = self.tree.prefix(m).layout(self.device)
+        return self.layouts[m]
+
+    def first(self) -> Tensor:
+        batch = self.batch
+        logits, h = self._call("tree_prefill", Step(self.cache, 0, batch.ids.shape[1], batch.pad),
+                               batch.ids, batch.positions)
+        self.stats.update(forward_passes=1, layer_evals=self.full)
+        self.draft_from(h[:, -1:])
+        return next_token(logits[:, -1], self.s, self.generator)
+
+    def _call(self, name: str, *args):
+        with torch.inference_mode():
+            return self.programs[name](*args)
+
+    def draft_from(self, h: Tensor) -> None:
+        """The heads' best tokens after hidden states ``h`` ``[B, 1, H]``."""
+        d = self._call("heads", h)[:, 0]  # [B, K, V or Vd]
+        self.stats.update(head_passes=1)
+        top = d.topk(self.top, dim=-1)
+        ids = top.indices if self.vocab is None else self.vocab[top.indices]
+        self.candidates = ids  # [B, K, ranks]
+        if self.s.do_sample and self.strategy.acceptance == "exact":
+            pass  # one-token proposals: the rule needs no draft distribution
+
+    def round(self, last: Tensor, length: list[int], k: int, done: list[bool]):
+        m = k + 1
+        lay = self.layout(m)
+        b = last.shape[0]
+        tokens = torch.empty(b, m, dtype=torch.int64, device=self.device)
+        tokens[:, 0] = last
+        if m > 1:
+            tokens[:, 1:] = self.candidates[:, lay["head"][1:], lay["rank"][1:]]  # [B, m - 1]
+        start = self.start(length, 0)
+        step = Step(self.cache, start, m, self.batch.pad, end=max(length) + m,
+                    tree=lay["ancestors"], depth=lay["depth"])
+        positions = (torch.tensor(length, device=self.device) - self.pad0)[:, None] \
+            + lay["depth"][None]  # [B, m]
+        logits, h = self._call("verify", step, tokens, positions)  # [B, m, V], [B, m, H]
+        self.stats.update(forward_passes=1, layer_evals=self.full,
+                          drafted=(m - 1) * sum(not d for d in done))
+        paths, bonus = self.accept(logits, tokens, lay)
+        self.compact(length, paths)
+        ends = torch.tensor([p[-1] if p else 0 for p in paths], device=self.device)
+        self.draft_from(h[torch.arange(b, device=self.device), ends][:, None])  # [B, 1, H]
+        rows = [tokens[r, p].tolist() + [bonus[r]] for r, p in enumerate(paths)]
+        keep = torch.tensor(done, device=self.device)
+        return torch.where(keep, last, torch.tensor(bonus, device=self.device)), rows
+
+    # -------------------------------------------------------------- acceptance
+    def accept(self, logits: Tensor, tokens: Tensor, lay: dict) -> tuple[list[list[int]], list[int]]:
+        """Per row: the accepted path (node indices, root excluded) and the token after it."""
+        if not self.s.do_sample and self.strategy.acceptance == "exact":
+            return self._greedy(logits, tokens, lay)
+        return self._walk(logits, tokens, lay)
+
+    def _greedy(self, logits, tokens, lay):
+        target = logits.argmax(-1)  # [B, m]
+        parent, depth = lay["parent"], lay["depth"]
+        m = tokens.shape[1]
+        ok = torch.zeros_like(tokens, dtype=torch.bool)
+        ok[:, 0] = True
+        for i in range(1, m):  # parents come first: one pass in node order
+            ok[:, i] = ok[:, parent[i]] & (tokens[:, i] == target[:, parent[i]])
+        # siblings hold different tokens, so the accepted nodes form one path: its deepest
+        best = torch.where(ok, depth[None] * m + torch.arange(m, device=self.device), -1).argmax(1)
+        paths = [self._path(int(e), lay) for e in best.tolist()]
+        bonus = target[torch.arange(len(best), device=self.device), best]
+        return paths, bonus.tolist()
+
+    def _walk(self, logits, tokens, lay):
+        """Sampling (exact or typical) and greedy typical: node by node from the root."""
+        children = lay["children"]
+        typical = self.strategy.acceptance == "typical"
+        paths, bonus = [], []
+        for r in range(tokens.shape[0]):
+            node, path = 0, []
+            while True:
+                row = logits[r, node][None]  # [1, V]
+                p = warp(row, self.s).softmax(-1)[0] if self.s.do_sample else row.float().softmax(-1)[0]
+                chosen = None
+                for c in children[node] if node < len(children) else []:
+                    t = int(tokens[r, c])
+                    if typical:
+                        if self._typical(row, t):
+                            chosen = c
+                            break
+                        continue
+                    u = torch.rand((), generator=self.generator, device=p.device)
+                    if u < p[t]:
+                        chosen = c
+                        break
+                    p = p.clone()
+                    p[t] = 0  # rejected: the rest of the distribution, renormalised
+                    total = p.sum()
+                    if total <= 0:
+                        break
+                    p = p / total
+                if chosen is None:
+                    if self.s.do_sample:
+                        extra = int(torch.multinomial(p, 1, generator=self.generator))
+                    else:
+                        extra = int(row.argmax())
+                    bonus.append(extra)
+                    paths.append(path)
+                    break
+                path.append(chosen)
+                node = chosen
+        return paths, bonus
+
+    def _typical(self, row: Tensor, token: int) -> bool:
+        """Medusa's typical acceptance on the model's own (temperature-scaled) distribution."""
+        logits = row.float() / (self.s.temperature if self.s.do_sample else 1.0)
+        p = logits.softmax(-1)[0]
+        entropy = -(p * p.clamp_min(1e-30).log()).sum()
+        limit = torch.minimum(torch.tensor(self.strategy.posterior_threshold),
+                              self.strategy.posterior_alpha * torch.exp(-entropy))
+        return bool(p[token] > limit)
+
+    @staticmethod
+    def _path(end: int, lay: dict) -> list[int]:
+        parent = lay["parent"].tolist()
+        path = []
+        while end > 0:
+            path.append(end)
+            end = parent[end]
+        return path[::-1]
+
+    # -------------------------------------------------------------- cache
+    def compact(self, length: list[int], paths: list[list[int]]) -> None:
+        """Move each row's accepted nodes from ``length + i`` to ``length + depth``."""
+        moves = [(r, length[r] + i, length[r] + d) for r, p in enumerate(paths)
+                 for d, i in enumerate(p, start=1) if i != d]
+        if not moves:
+            return
+        rows, src, dst = (torch.tensor(v, device=self.device) for v in zip(*moves))
+        for store in (self.cache.k, self.cache.v):
+            for t in store.values():
+                t[rows, :, dst] = t[rows, :, src]  # gathered first: sources lie past targets
+        self.stats.update(kv_moves=len(moves))

@@ -1,0 +1,322 @@
+"""Medusa draft heads: the tree machinery on constructed cases (layout, mask, positions,
+acceptance, KV compaction), lossless greedy decoding on every family, ragged batches,
+EOS inside an accepted path, the sampling distribution, draft vocabularies, artifacts,
+the Triton backend, heads files and bad parameters."""
+import pytest
+import torch
+
+import rewriter
+from rewriter import heads as heads_file
+from rewriter.errors import PassError
+from rewriter.passes import MedusaHeads, SelfSpeculative, from_spec
+from rewriter.runtime.attention import Step
+from rewriter.runtime.kv_cache import KVCache, cache_table
+from rewriter.tree import Tree, choose_tree, expected_tokens, make_tree
+
+from conftest import CONFIGS, make_model, varied_init
+
+IDS = torch.tensor([[3, 17, 42, 5, 99, 8, 64], [1, 2, 3, 4, 5, 6, 7]])
+RAGGED = [[3, 17, 42, 5, 99, 8, 64, 11, 12], [1, 2, 3], [50, 51, 52, 53, 54]]
+KW = dict(max_new_tokens=24, eos_token_id=[])
+WIDE = [[0], [1], [2], [3], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+
+
+def pair(config: str, tree=WIDE, **overrides):
+    """(plain, medusa) optimized models of one seeded model; untrained heads (each guesses
+    the LM head's token again), which random models' repetitive text often accepts."""
+    model = make_model(config, initializer_range=varied_init(config), **overrides)
+    return rewriter.optimize(model), rewriter.optimize(model, passes=[MedusaHeads(num_heads=3, tree=tree)])
+
+
+def random_heads(model, path, k=3, scale=0.05, seed=0, counts=True):
+    """A heads file for ``model`` with seeded random weights, accuracies and token counts."""
+    lm = model.get_output_embeddings().weight.detach()
+    g = torch.Generator().manual_seed(seed)
+    v, h = lm.shape
+    heads_file.Heads(torch.randn(k, h, h, generator=g) * scale, torch.zeros(k, h), v,
+                     heads_file.probe_of(lm), [[0.5, 0.2, 0.1]] + [[0.3, 0.1]] * (k - 1),
+                     {"seed": seed}, torch.randint(0, 50, (v,), generator=g) if counts else None
+                     ).save(path)
+    return path
+
+
+# ---------------------------------------------------------------------------- tree
+def test_tree_layout_of_a_known_tree():
+    tree = make_tree([[0, 0], [1], [0], [0, 1], [0, 0, 0]], num_heads=3)
+    assert tree.paths == ((0,), (1,), (0, 0), (0, 1), (0, 0, 0))
+    lay = tree.layout()
+    assert lay["parent"].tolist() == [-1, 0, 0, 1, 1, 3]
+    assert lay["depth"].tolist() == [0, 1, 1, 2, 2, 3]
+    assert lay["head"].tolist() == [-1, 0, 0, 1, 1, 2]
+    assert lay["rank"].tolist() == [-1, 0, 1, 0, 1, 0]
+    expect = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0],
+                           [1, 1, 0, 1, 0, 0], [1, 1, 0, 0, 1, 0], [1, 1, 0, 1, 0, 1]], dtype=torch.bool)
+    assert torch.equal(lay["ancestors"], expect)
+    assert lay["children"] == [[1, 2], [3, 4], [], [5], [], []]
+    assert tree.prefix(3).paths == ((0,), (1,))
+
+
+@pytest.mark.parametrize("paths, match", [
+    ([[0, 0]], "no parent"), ([[0], [0]], "twice"), ([[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]], "deeper"),
+    ([], "non-empty"), ([[10]], "ranks"), ([[-1]], "ranks"), ("0", "non-empty"), ([[True]], "ranks")])
+def test_malformed_trees_are_refused(paths, match):
+    with pytest.raises(ValueError, match=match):
+        make_tree(paths, num_heads=3)
+
+
+def test_tree_mask_sees_prefix_ancestors_and_self_at_each_rows_start():
+    table = {0: cache_table_entry()}
+    cache = KVCache(table, 2, 16, torch.float32, torch.device("cpu"))
+    lay = make_tree([[0], [1], [0, 0]], 2).layout()
+    step = Step(cache, 3, 4, None, tree=lay["ancestors"], depth=lay["depth"])
+    m = step.mask(None)[0, 0]  # [4, 7]
+    assert m[:, :3].all() and torch.equal(m[:, 3:], lay["ancestors"])
+    ragged = Step(cache, torch.tensor([3, 5]), 4, None, end=9, tree=lay["ancestors"], depth=lay["depth"])
+    r = ragged.mask(None)
+    assert torch.equal(r[0, 0, :, :7], m) and not r[0, 0, :, 7:].any()
+    assert r[1, 0, :, :5].all() and torch.equal(r[1, 0, :, 5:9], lay["ancestors"])
+    windowed = Step(cache, 3, 4, None, tree=lay["ancestors"], depth=lay["depth"]).mask(3)[0, 0]
+    # node 3 (depth 2, position 5) sees positions 3..5: its ancestors only, no prefix
+    assert windowed[3].tolist() == [False, False, False, True, True, False, True]
+
+
+def cache_table_entry():
+    from rewriter.runtime.kv_cache import CacheSpec
+    return CacheSpec(id=0, num_heads=2, num_kv_heads=1, head_dim=4, scale=0.5, causal=True, window=None)
+
+
+@pytest.mark.parametrize("config", ["llama-gqa-3l", "gpt2-3l"])
+def test_verifying_a_tree_gives_each_nodes_logits_as_if_its_path_ran_alone(config):
+    plain, med = pair(config)
+    programs = med._lowered()
+    lay = make_tree(WIDE, 3).layout()
+    n = len(WIDE) + 1
+    prefix = torch.tensor([[3, 17, 42, 5, 99]])
+    nodes = torch.tensor([[7, 11, 12, 13, 14, 20, 21, 22, 30]])  # root + 8 nodes
+    cache = KVCache(cache_table(med.ir.gm), 1, 32, torch.float32, torch.device("cpu"))
+    with torch.inference_mode():
+        programs["prefill"](Step(cache, 0, 5, None), prefix, torch.arange(5)[None])
+        logits, h = programs["verify"](Step(cache, 5, n, None, tree=lay["ancestors"], depth=lay["depth"]),
+                                       nodes, 5 + lay["depth"][None])
+    for i in range(n):
+        path = [i]
+        while lay["parent"][path[0]] >= 0:
+            path.insert(0, int(lay["parent"][path[0]]))
+        seq = torch.cat([prefix, nodes[:, path]], dim=1)
+        ref = plain(seq)[0, -1]
+        assert torch.allclose(logits[0, i], ref, atol=1e-4), i
+
+
+def test_greedy_acceptance_on_hand_made_logits():
+    from rewriter.runtime.settings import GenerationSettings
+    from rewriter.runtime.tree_decoding import _TreeRounds
+    r = _TreeRounds.__new__(_TreeRounds)
+    r.s, r.device = GenerationSettings(), torch.device("cpu")
+    r.strategy = rewriter.decoding.Strategy("medusa", num_heads=2, tree=((0,), (1,), (1, 0)))
+    lay = make_tree([[0], [1], [1, 0]], 2).layout()
+    v = 10
+    tokens = torch.tensor([[5, 1, 2, 3], [5, 1, 2, 3], [5, 1, 2, 3]])  # root, n1, n2, n3 (child of n2)
+    wants = [[2, 0, 3, 9], [1, 4, 0, 0], [7, 0, 0, 0]]  # the model's argmax after each node
+    logits = torch.full((3, 4, v), -5.0)
+    for b, w in enumerate(wants):
+        for i, t in enumerate(w):
+            logits[b, i, t] = 5.0
+    paths, bonus = r.accept(logits, tokens, lay)
+    assert paths == [[2, 3], [1], []] and bonus == [9, 4, 7]
+
+
+def test_compaction_moves_the_accepted_rows_only():
+    from rewriter.runtime.tree_decoding import _TreeRounds
+    cache = KVCache({0: cache_table_entry()}, 2, 16, torch.float32, torch.device("cpu"))
+    for t in (cache.k[0], cache.v[0]):
+        t.copy_(torch.arange(16.0)[None, None, :, None].expand_as(t))  # slot j holds j
+    r = _TreeRounds.__new__(_TreeRounds)
+    r.cache, r.device, r.stats = cache, torch.device("cpu"), __import__("collections").Counter()
+    r.compact([4, 2], [[2, 5], [1]])  # row 0: nodes 2, 5 -> slots 5, 6; row 1: in place
+    assert cache.k[0][0, 0, :, 0].tolist()[:10] == [0, 1, 2, 3, 4, 6, 9, 7, 8, 9]
+    assert cache.v[0][1, 0, :, 0].tolist()[:10] == [float(j) for j in range(10)]
+    assert r.stats["kv_moves"] == 2
+
+
+def test_choose_tree_weighs_accuracy_against_verify_cost():
+    acc = [[0.6, 0.15, 0.05], [0.4, 0.1], [0.3]]
+    cheap = [0] + [1.0] * 40
+    tree, info = choose_tree(acc, cheap, max_nodes=20)
+    assert tree.paths[0] == (0,) and (0, 0) in tree.paths and (0, 0, 0) in tree.paths
+    assert info["expected_tokens"] == pytest.approx(expected_tokens(tree, acc), abs=1e-4)
+    dear = [0] + [1.0 + 0.5 * s for s in range(40)]  # every token costs half a step
+    small, _ = choose_tree(acc, dear, max_nodes=20)
+    assert small.size < tree.size
+    assert expected_tokens(Tree(((0,), (0, 0))), acc) == pytest.approx(1 + 0.6 + 0.24)
+
+
+# ---------------------------------------------------------------------------- decoding
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_greedy_tokens_equal_plain_greedy_on_every_family(config):
+    plain, med = pair(config)
+    assert torch.equal(med.generate(IDS, **KW), plain.generate(IDS, **KW))
+    s = med.stats
+    assert 0 < s["accepted"] < s["drafted"] and s["forward_passes"] < s["tokens"] * 2
+
+
+@pytest.mark.parametrize("config", ["llama-gqa-3l", "mistral-window-3l", "gpt2-3l"])
+def test_ragged_batches_equal_each_row_alone(config):
+    plain, med = pair(config)
+    together = med.generate(RAGGED, **KW)
+    for i, row in enumerate(RAGGED):
+        alone = plain.generate([row], **KW)[0, len(row):]
+        assert torch.equal(together[i, -KW["max_new_tokens"]:], alone), i
+    assert med.stats["accepted"] > 0
+
+
+def test_eos_inside_an_accepted_path_ends_the_row_as_plain_decoding_does():
+    plain, med = pair("llama-gqa-3l")
+    free = plain.generate(IDS, **KW)
+    for at in (3, 6, 9):
+        eos = int(free[0, IDS.shape[1] + at])
+        kw = dict(max_new_tokens=24, eos_token_id=eos, pad_token_id=0)
+        assert torch.equal(med.generate(IDS, **kw), plain.generate(IDS, **kw)), at
+        streamed = torch.stack(list(med.stream(IDS, **kw)), dim=1)
+        assert torch.equal(streamed, plain.generate(IDS, **kw)[:, IDS.shape[1]:])
+
+
+def test_trees_that_reach_the_end_of_the_cache_are_cut_short():
+    plain, med = pair("llama-gqa-3l")  # context: 128 positions
+    ids = torch.stack([torch.arange(1, 101) % 120, torch.arange(100, 0, -1) % 97])
+    kw = dict(max_new_tokens=28, eos_token_id=[])
+    assert torch.equal(med.generate(ids, **kw), plain.generate(ids, **kw))
+
+
+def test_sampling_follows_the_models_distribution():
+    """Two-sample chi-square on the second and third sampled tokens, 3000 rows each way."""
+    model = make_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)
+    plain = rewriter.optimize(model)
+    med = rewriter.optimize(model, passes=[MedusaHeads(num_heads=2, tree=[[0], [1], [2], [0, 0]])])
+    ids = torch.tensor([[5, 9, 2]]).expand(3000, 3)
+    kw = dict(max_new_tokens=3, do_sample=True, top_k=0, eos_token_id=[])
+    a = plain.generate(ids, seed=1, **kw)
+    b = med.generate(ids, seed=2, **kw)
+    assert med.stats["accepted"] > 0
+    for col in (4, 5):
+        ca, cb = (torch.bincount(x[:, col], minlength=48).float() for x in (a, b))
+        seen = (ca + cb) > 0
+        stat = (((ca[seen] - cb[seen]) ** 2) / (ca[seen] + cb[seen])).sum().item()
+        dof = int(seen.sum()) - 1
+        assert stat < dof + 5 * (2 * dof) ** 0.5, (col, stat, dof)
+
+
+def test_tree_sampling_rule_alone_is_unbiased():
+    """The walk on synthetic logits: whatever the (fixed) candidates, each emitted token is
+    distributed as the model's p."""
+    from rewriter.runtime.settings import GenerationSettings
+    from rewriter.runtime.tree_decoding import _TreeRounds
+    torch.manual_seed(0)
+    v, b = 5, 6000
+    r = _TreeRounds.__new__(_TreeRounds)
+    r.s = GenerationSettings(do_sample=True, top_k=0)
+    r.generator, r.device = torch.Generator().manual_seed(0), torch.device("cpu")
+    r.strategy = rewriter.decoding.Strategy("medusa", num_heads=1, tree=((0,), (1,)))
+    lay = make_tree([[0], [1]], 1).layout()
+    p_logits = torch.randn(v)
+    logits = p_logits.expand(b, 3, v).clone()
+    tokens = torch.tensor([0, 1, 2]).expand(b, 3)  # candidates: tokens 1 then 2
+    paths, bonus = r.accept(logits, tokens, lay)
+    first = torch.tensor([int(tokens[0, p[0]]) if p else x for p, x in zip(paths, bonus)])
+    p = torch.softmax(p_logits, -1)
+    freq = torch.bincount(first, minlength=v).float() / b
+    assert ((freq - p).abs() <= 5 * (p * (1 - p) / b).sqrt() + 1e-3).all(), (freq, p)
+
+
+def test_typical_acceptance_is_an_explicit_lossy_option():
+    plain, _ = pair("llama-gqa-3l")
+    model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
+    typical = rewriter.optimize(model, passes=[MedusaHeads(num_heads=3, tree=WIDE, acceptance="typical")])
+    out = typical.generate(IDS, **KW)
+    assert out.shape == plain.generate(IDS, **KW).shape
+    assert typical.ir.info["decoding"]["acceptance"] == "typical"
+
+
+# ---------------------------------------------------------------------------- heads, files, artifacts
+def test_trained_heads_files_draft_vocabularies_and_artifact_round_trip(tmp_path):
+    model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
+    path = random_heads(model, tmp_path / "h.safetensors")
+    plain = rewriter.optimize(model)
+    med = rewriter.optimize(model, passes=[MedusaHeads(weights=str(path), draft_vocab=32, tree=WIDE)])
+    vocab = med.ir.weight("medusa.vocab")
+    assert vocab.shape == (32,) and "index_select" in str(med.ir)
+    _, draft = med.ir.gm(IDS, torch.arange(7).expand(2, 7))
+    assert draft.shape == (2, 7, 3, 32)
+    assert torch.equal(med.generate(RAGGED, **KW), plain.generate(RAGGED, **KW))
+    med.save(tmp_path / "a")
+    loaded = rewriter.load(tmp_path / "a")
+    assert loaded.ir.info["decoding"] == med.ir.info["decoding"]
+    assert set(loaded.programs()) == {"prefill", "decode", "tree_prefill", "verify", "heads"}
+    assert torch.equal(loaded.ir.weight("medusa.vocab"), vocab)
+    assert torch.equal(loaded.generate(RAGGED, **KW), plain.generate(RAGGED, **KW))
+    assert torch.equal(loaded(IDS), plain(IDS))  # calling the model still gives its logits
+
+
+def test_auto_tree_comes_from_accuracies_and_measured_cost(tmp_path):
+    model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
+    path = random_heads(model, tmp_path / "h.safetensors")
+    p = MedusaHeads(weights=str(path), max_nodes=6)
+    med = rewriter.optimize(model, passes=[p])
+    assert 1 <= len(med.ir.info["decoding"]["tree"]) <= 6
+    assert p.report["expected_tokens"] > 1 and len(p.report["verify_cost"]) == 7
+
+
+def test_hostile_heads_files_get_named_errors(tmp_path):
+    model = make_model("llama-gqa-3l")
+    good = random_heads(model, tmp_path / "good.safetensors")
+    (tmp_path / "trunc.safetensors").write_bytes(good.read_bytes()[:200])
+    (tmp_path / "junk.safetensors").write_bytes(b"\x00" * 64)
+    from safetensors.torch import save_file
+    save_file({"w": torch.full((1, 64, 64), float("nan")), "b": torch.zeros(1, 64)},
+              str(tmp_path / "nan.safetensors"), metadata={"format": heads_file.FORMAT, "version": "1",
+                                                          "vocab": "128", "probe": "[]"})
+    save_file({"w": torch.zeros(1, 64, 64), "b": torch.zeros(1, 64)}, str(tmp_path / "fmt.safetensors"))
+    for name, match in (("trunc", "not a safetensors"), ("junk", "not a safetensors"),
+                        ("nan", "NaN"), ("fmt", "not a rewriter-medusa-heads"), ("none", "no such")):
+        with pytest.raises(ValueError, match=match):
+            MedusaHeads(weights=str(tmp_path / f"{name}.safetensors"))
+    other = make_model("llama-gqa-3l", seed=1)
+    with pytest.raises(PassError, match="another model"):
+        rewriter.optimize(other, passes=[MedusaHeads(weights=str(good))])
+    wider = make_model("llama-gqa-3l", hidden_size=96)
+    with pytest.raises(PassError, match="hidden size"):
+        rewriter.optimize(wider, passes=[MedusaHeads(weights=str(good))])
+
+
+def test_bad_parameters_and_conflicts_are_refused(tmp_path):
+    for kwargs, match in (({}, "weights=PATH"), ({"num_heads": 0}, "num_heads"),
+                          ({"num_heads": 9}, "num_heads"), ({"num_heads": 2, "tree": [[0, 0, 0]]}, "deeper"),
+                          ({"num_heads": 2, "draft_vocab": 100}, "draft_vocab"),
+                          ({"num_heads": 2, "max_nodes": 0}, "max_nodes"),
+                          ({"num_heads": 2, "acceptance": "loose"}, "acceptance"),
+                          ({"num_heads": 2, "posterior_alpha": float("nan")}, "posterior_alpha")):
+        with pytest.raises(ValueError, match=match):
+            MedusaHeads(**kwargs)
+    model = make_model("llama-gqa-3l")
+    with pytest.raises(PassError, match="already has a decoding strategy"):
+        rewriter.optimize(model, passes=[SelfSpeculative(skip_layers=[1]), MedusaHeads(num_heads=2)])
+    with pytest.raises(PassError, match="already has a decoding strategy"):
+        rewriter.optimize(model, passes=[MedusaHeads(num_heads=2), SelfSpeculative(skip_layers=[1])])
+    assert isinstance(from_spec("medusa_heads:num_heads=2,tree=[[0],[0,0]]"), MedusaHeads)
+
+
+def test_the_triton_backend_gives_the_same_tokens():
+    model = make_model("llama-gqa-3l", initializer_range=0.2, num_hidden_layers=2)
+    plain = rewriter.optimize(model)
+    med = rewriter.optimize(model, passes=[MedusaHeads(num_heads=2, tree=[[0], [1], [0, 0]])],
+                            backend="triton")
+    kw = dict(max_new_tokens=6, eos_token_id=[])
+    assert torch.equal(med.generate(RAGGED[:2], **kw), plain.generate(RAGGED[:2], **kw))
+
+
+def test_the_default_model_with_its_shipped_heads_is_lossless_and_accepts():
+    plain = rewriter.from_pretrained("default")
+    med = rewriter.from_pretrained("default", passes=[MedusaHeads(weights="default")])
+    ids = [plain.tokenizer.encode("def main(").ids, plain.tokenizer.encode("import os\n").ids]
+    assert torch.equal(med.generate(ids, max_new_tokens=48), plain.generate(ids, max_new_tokens=48))
+    s = med.stats
+    assert s["accepted"] / s["row_rounds"] > 1.0  # more than one drafted token a round
