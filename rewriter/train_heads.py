@@ -24,6 +24,7 @@ import math
 import os
 import random
 import time
+import warnings
 from pathlib import Path
 from typing import Optional, Union
 
@@ -34,6 +35,7 @@ from rewriter import heads as heads_file
 from rewriter.corpus import load_corpus
 
 RANKS = 10  # rank accuracies stored per head
+CHECKPOINT_EVERY = 200  # steps
 DECAY = 0.8
 
 
@@ -44,31 +46,32 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
                 generate_batch: int = 16, progress: bool = True, chat: bool = True) -> dict:
     """Train heads for ``model`` (a Hugging Face causal LM, frozen) and write them to ``out``
     (``rewriter.heads`` format); returns what was done and measured."""
-    for name, v, low in (("num_heads", num_heads, 1), ("prompts", prompts, 1),
+    if type(num_heads) is not int or not 1 <= num_heads <= heads_file.MAX_HEADS:
+        raise ValueError(f"train_heads: num_heads must be an int in [1, {heads_file.MAX_HEADS}], "
+                         f"got {num_heads!r}")
+    for name, v, low in ( ("prompts", prompts, 1),
                          ("heldout_prompts", heldout_prompts, 1), ("prompt_tokens", prompt_tokens, 2),
                          ("new_tokens", new_tokens, num_heads + 2), ("epochs", epochs, 1),
                          ("batch", batch, 1), ("generate_batch", generate_batch, 1)):
         if type(v) is not int or v < low:
             raise ValueError(f"train_heads: {name} must be an int >= {low}, got {v!r}")
-    if num_heads > heads_file.MAX_HEADS:
-        raise ValueError(f"train_heads: num_heads must be at most {heads_file.MAX_HEADS}")
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < 1:
         raise ValueError(f"train_heads: lr must be a number in (0, 1), got {lr!r}")
     out = Path(out)
     work = Path(work_dir) if work_dir is not None else out.with_name(out.name + ".work")
     work.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
     settings = {"prompts": prompts, "heldout_prompts": heldout_prompts, "seed": seed,
                 "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "chat": chat}
     lm_head = model.get_output_embeddings().weight.detach()
-    data = {}
+    data, data_seconds = {}, 0.0
     for split, n in (("train", prompts), ("heldout", heldout_prompts)):
-        data[split] = _dataset(model, tokenizer, work, split, n, settings, generate_batch, progress)
+        data[split], seconds = _dataset(model, tokenizer, work, split, n, settings, generate_batch,
+                                        progress)
+        data_seconds += seconds
     w, b, trained = _train(data["train"], lm_head, num_heads, epochs, lr, batch, seed, work,
                            settings, progress)
     accuracy = rank_accuracy(data["heldout"], lm_head, w, b)
-    seconds = time.perf_counter() - started
-    report = {**trained, "seconds_total": round(seconds, 1), "settings": settings,
+    report = {**trained, "seconds_data": round(data_seconds, 1), "settings": settings,
               "train_tokens": int(data["train"]["tokens"].numel()),
               "heldout_top1": [round(a[0], 4) for a in accuracy],
               "heldout_top5": [round(sum(a[:5]), 4) for a in accuracy],
@@ -82,24 +85,27 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
 # ---------------------------------------------------------------------------- data
 def _dataset(model, tokenizer, work: Path, split: str, n: int, settings: dict,
              generate_batch: int, progress: bool) -> dict:
-    """``{"tokens" [N, L], "start" [N], "hidden" [N, L, H]}``, cached in ``work``."""
+    """(``{"tokens" [N, L], "start" [N], "hidden" [N, L, H]}``, the seconds making it took),
+    cached in ``work``."""
     from safetensors.torch import load_file, save_file
     f = work / f"{split}.safetensors"
     key = json.dumps({**settings, "split": split}, sort_keys=True)
     if f.is_file():
         from safetensors import safe_open
         with safe_open(str(f), framework="pt") as g:
-            same = (g.metadata() or {}).get("settings") == key
-        if same:
-            return load_file(str(f))
+            meta = g.metadata() or {}
+        if meta.get("settings") == key:
+            return load_file(str(f)), float(meta.get("seconds", "nan"))
+    started = time.perf_counter()
     prompts = make_prompts(tokenizer, split, n, settings["prompt_tokens"], settings["seed"],
                            settings["chat"])
     tokens, start = _continue(model, tokenizer, prompts, settings["new_tokens"], generate_batch,
                               progress, split)
     hidden = _hidden_states(model, tokens, progress, split)
     data = {"tokens": tokens, "start": start, "hidden": hidden}
-    save_file(data, str(f), metadata={"settings": key})
-    return data
+    seconds = time.perf_counter() - started
+    save_file(data, str(f), metadata={"settings": key, "seconds": f"{seconds:.3f}"})
+    return data, seconds
 
 
 def make_prompts(tokenizer, split: str, n: int, length: int, seed: int, chat: bool) -> list[list[int]]:
@@ -241,8 +247,10 @@ def _train(data: dict, lm_head: Tensor, num_heads: int, epochs: int, lr: float, 
                                       "exp_avg_sq": state["v1"].to(device)}}
             opt.load_state_dict(opt_state)
             step, seconds = int(meta["step"]), float(meta["seconds"])
-            for _ in range(step):
-                sched.step()
+            with warnings.catch_warnings():  # replaying the schedule, not skipping a step
+                warnings.simplefilter("ignore")
+                for _ in range(step):
+                    sched.step()
     weight = torch.tensor([DECAY ** k for k in range(num_heads)], device=device)
     head = lm_head.to(torch.bfloat16) if device.type == "cpu" else lm_head
     bar = _bar(progress, total, "train heads", "step")
@@ -271,7 +279,7 @@ def _train(data: dict, lm_head: Tensor, num_heads: int, epochs: int, lr: float, 
         last_loss = float(loss.detach())
         bar.update(1)
         bar.set_postfix(loss=f"{last_loss:.3f}")
-        if step % 200 == 0 or step == total:
+        if step % CHECKPOINT_EVERY == 0 or step == total:
             _checkpoint(ckpt, w, b, opt, step, seconds + time.perf_counter() - began, key)
     bar.close()
     seconds += time.perf_counter() - began

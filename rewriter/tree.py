@@ -18,6 +18,7 @@ Medusa does), and the size that maximises expected tokens per unit of verify tim
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -127,6 +128,9 @@ def choose_tree(accuracy: Sequence[Sequence[float]], cost: Sequence[float],
     ``s`` tokens, in units of one; ``cost[0]`` unused), with at most ``max_nodes`` nodes
     and ``len(cost) - 2`` at most; and what it predicts."""
     num_heads = len(accuracy)
+    # Verifying more tokens never costs less: a timing that says so is noise (a busy
+    # machine), and trusting it would pick a tree by its luckiest measurement.
+    cost = [0.0] + list(itertools.accumulate((max(c, 1.0) for c in cost[1:]), max))
     limit = min(max_nodes, len(cost) - 2, MAX_NODES - 1)
     order: list[tuple[int, ...]] = []
     frontier = {(r,): _path_probability((r,), accuracy) for r in range(MAX_RANK)}

@@ -1,0 +1,53 @@
+"""Training draft heads: seeded, resumable after an interruption, a loadable file with
+rank accuracies and token counts, and the CLI."""
+import pytest
+import torch
+
+from rewriter import heads as heads_file
+from rewriter import train_heads as th
+from rewriter.checkpoints import default_model
+
+SMALL = dict(num_heads=2, prompts=6, heldout_prompts=3, prompt_tokens=16, new_tokens=8,
+             epochs=2, batch=16, progress=False)
+
+
+def test_training_is_seeded_and_resumes_after_an_interruption(tmp_path, monkeypatch):
+    model, tok = default_model()
+    report = th.train_heads(model, tok, tmp_path / "a.safetensors", **SMALL)
+    a = heads_file.load(tmp_path / "a.safetensors")
+    assert a.num_heads == 2 and a.counts.sum() == 6 * 8  # every generated token counted
+    assert len(a.accuracy) == 2 and len(a.accuracy[0]) == th.RANKS
+    assert report["steps"] > 3 and a.w.abs().sum() > 0  # it learned something
+    # interrupted at step 3 (checkpoints every step), then run again: the same heads
+    monkeypatch.setattr(th, "CHECKPOINT_EVERY", 1)
+    real, calls = heads_file.apply, []
+
+    def crash(*args):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real(*args)
+    monkeypatch.setattr(heads_file, "apply", crash)
+    with pytest.raises(KeyboardInterrupt):
+        th.train_heads(model, tok, tmp_path / "b.safetensors", **SMALL)
+    assert not (tmp_path / "b.safetensors").exists()
+    monkeypatch.setattr(heads_file, "apply", real)
+    th.train_heads(model, tok, tmp_path / "b.safetensors", **SMALL)
+    b = heads_file.load(tmp_path / "b.safetensors")
+    assert torch.equal(a.w, b.w) and torch.equal(a.b, b.b)
+
+
+def test_bad_training_parameters_are_refused(tmp_path):
+    model, tok = default_model()
+    for kw in ({"num_heads": 0}, {"num_heads": 9}, {"epochs": 0}, {"lr": 0}, {"lr": True},
+               {"new_tokens": 2}, {"prompts": 1.5}):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            th.train_heads(model, tok, tmp_path / "x.safetensors", **{**SMALL, **kw})
+
+
+def test_the_cli_trains_heads(tmp_path, capsys):
+    from rewriter.cli import main
+    out = tmp_path / "h.safetensors"
+    assert main(["train-heads", "default", "--out", str(out), "--num-heads", "1", "--prompts", "4",
+                 "--new-tokens", "8", "--epochs", "1", "--dtype", "float32"]) == 0
+    assert heads_file.load(out).num_heads == 1 and '"steps"' in capsys.readouterr().out
