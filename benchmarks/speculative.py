@@ -1,8 +1,16 @@
-"""Self-speculative decoding against our own plain decode, in the same run.
+"""Self-speculative decoding and draft heads against our own plain decode, in the same run.
 
     python benchmarks/speculative.py [--model smollm2|default] [--dtype float32 bfloat16]
                                      [--batch 1 4] [--new 64] [--max-draft 4] [--budget 24]
-                                     [--json benchmarks/results/speculative.json]
+                                     [--strategies self heads] [--heads PATH] [--draft-vocab 4096]
+                                     [--max-nodes 32] [--json benchmarks/results/speculative.json]
+
+Draft heads (``MedusaHeads``, the shipped heads of the model unless ``--heads``): each
+head's held-out top-1 / top-5 accuracy and the training it took (from the heads file),
+the tree chosen (``tree="auto"``: measured verify cost and accuracies) and its predicted
+tokens per round, then tokens/s against plain decode, mean accepted length (tokens per
+round per row: accepted drafts + the model's own) and whether the tokens equal plain
+greedy decoding's, with the full vocabulary projection and with the trimmed one.
 
 For each dtype: the verify cost curve (the decode program over S tokens against one, batch
 1 and the largest batch), then for each skip set — LayerSkip's evenly spread one
@@ -28,7 +36,7 @@ import rewriter
 from rewriter.calibrate import predicted_speedup, verify_cost
 from rewriter.corpus import load_corpus
 from rewriter.eval import CHAT_PROMPTS
-from rewriter.passes import SelfSpeculative
+from rewriter.passes import MedusaHeads, SelfSpeculative
 from rewriter.passes.layer_skip import kept_positions
 from rewriter.runtime.chat import chat_prompt
 
@@ -61,12 +69,16 @@ def main():
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--max-draft", type=int, default=4)
     ap.add_argument("--budget", type=int, default=24, help="sub-layers the calibration tries")
+    ap.add_argument("--strategies", nargs="+", default=["self", "heads"], choices=["self", "heads"])
+    ap.add_argument("--heads", default=None, help="heads file (default: the model's shipped heads)")
+    ap.add_argument("--draft-vocab", type=int, default=4096, help="trimmed draft vocabulary")
+    ap.add_argument("--max-nodes", type=int, default=32, help="largest tree the choice considers")
     ap.add_argument("--json", default="benchmarks/results/speculative.json")
     args = ap.parse_args()
     results = {"model": args.model, "machine": platform.processor() or platform.machine(),
                "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
                "new_tokens": args.new, "max_draft": args.max_draft, "runs": []}
-    rows, curves = [], []
+    rows, curves, head_rows = [], [], []
     for dtype in args.dtype:
         model, tok = load(args.model)
         model = model.to(getattr(torch, dtype))
@@ -75,6 +87,10 @@ def main():
         calib = code_prompts(tok, 2, 256)
         curve = verify_cost(plain.ir, 9)
         curves.append([dtype, *(f"{c:.2f}" for c in curve[1:])])
+        if "heads" in args.strategies:
+            heads_rows(model, tok, plain, args, dtype, results, head_rows)
+        if "self" not in args.strategies:
+            continue
         layers = sorted(s["index"] for s in plain.ir.layers)
         spread = [i for p, i in enumerate(layers) if p not in kept_positions(len(layers), 1.25)]
         start = time.perf_counter()
@@ -122,12 +138,61 @@ def main():
     print(tabulate(curves, headers=["dtype", *(f"S={s}" for s in range(1, 10))]))
     print(f"\n{args.model}, {args.new} new tokens, max_draft {args.max_draft}, "
           f"{torch.get_num_threads()} threads\n")
-    print(tabulate(rows, headers=["dtype", "skip set", "batch", "prompts", "plain tok/s",
-                                  "speculative tok/s", "speed-up", "accepted/round", "full passes/tok",
-                                  "agreement (teacher-forced)", "predicted", "same tokens"]))
+    if head_rows:
+        print_heads(args, results, head_rows)
+    if rows:
+        print(tabulate(rows, headers=["dtype", "skip set", "batch", "prompts", "plain tok/s",
+                                      "speculative tok/s", "speed-up", "accepted/round", "full passes/tok",
+                                      "agreement (teacher-forced)", "predicted", "same tokens"]))
     results["verify_cost"] = curves
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+
+
+def heads_rows(model, tok, plain, args, dtype, results, rows):
+    """Draft heads with the full and the trimmed vocabulary projection, every batch and
+    prompt set, against plain decode."""
+    from rewriter import heads as heads_file
+    weights = args.heads or args.model
+    trained = heads_file.load(weights)
+    results.setdefault("heads", {"weights": str(heads_file.resolve(weights)),
+                                 "top1": [round(a[0], 4) for a in trained.accuracy],
+                                 "top5": [round(sum(a[:5]), 4) for a in trained.accuracy],
+                                 "training": {k: v for k, v in trained.trained.items()}})
+    for vocab in (None, args.draft_vocab):
+        p = MedusaHeads(weights=weights, draft_vocab=vocab, max_nodes=args.max_nodes)
+        med = rewriter.optimize(model, tokenizer=tok, passes=[p])
+        tree = med.ir.info["decoding"]["tree"]
+        for b in args.batch:
+            for kind, prompts in prompt_sets(plain, tok, b).items():
+                ref, base_rate, _ = timed(plain, prompts, args.new)
+                out, rate, st = timed(med, prompts, args.new)
+                run = {"dtype": dtype, "strategy": "medusa", "draft_vocab": vocab, "batch": b,
+                       "prompts": kind, "tree": tree, "report": p.report,
+                       "plain_tok_s": base_rate, "medusa_tok_s": rate, "speedup": rate / base_rate,
+                       "accepted_length": 1 + st["accepted"] / st["row_rounds"],
+                       "forward_per_token": st["forward_passes"] / st["tokens"],
+                       "same_tokens": bool(torch.equal(out, ref))}
+                results["runs"].append(run)
+                rows.append([dtype, vocab or "full", len(tree), b, kind, f"{base_rate:.1f}",
+                             f"{rate:.1f}", f"{rate / base_rate:.2f}x",
+                             f"{run['accepted_length']:.2f}",
+                             f"{p.report['expected_tokens']:.2f}" if p.report else "-",
+                             run["same_tokens"]])
+
+
+def print_heads(args, results, rows) -> None:
+    h = results["heads"]
+    t = h["training"]
+    print(f"\ndraft heads {h['weights']}: held-out top-1 {h['top1']}, top-5 {h['top5']}; "
+          f"trained on {t.get('train_tokens')} tokens ({t.get('positions')} positions, "
+          f"{t.get('epochs')} epochs) in {t.get('seconds_training')} s of training"
+          + (f" + {t['seconds_data']} s making the data" if "seconds_data" in t else
+             f", {t.get('seconds_total')} s in all") + "\n")
+    print(tabulate(rows, headers=["dtype", "draft vocab", "tree nodes", "batch", "prompts",
+                                  "plain tok/s", "medusa tok/s", "speed-up", "accepted length",
+                                  "predicted", "same tokens"]))
+    print()
 
 
 def load(name: str):

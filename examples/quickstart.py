@@ -23,8 +23,9 @@ import torch
 
 import rewriter
 from rewriter.eval import EvalSettings, evaluate, format_table
+from rewriter.heads import SHIPPED
 from rewriter.passes import (FuseAddRMSNorm, FuseQKV, FuseRoPE, FuseSwiGLU, Int4Weights, LayerSkip,
-                             SelfSpeculative)
+                             MedusaHeads, SelfSpeculative)
 
 QUESTION = "What is the capital of France? Answer in one sentence."
 FUSIONS = [FuseQKV(), FuseSwiGLU(), FuseAddRMSNorm(), FuseRoPE()]
@@ -72,7 +73,10 @@ def main():
           f"{model.num_parameters() / 1e6:.1f}M parameters, {torch.get_num_threads()} CPU threads\n")
     copies = {torch.float32: model}
     engines = {}
-    for i, (name, (passes, dtype)) in enumerate(PIPELINES.items()):
+    pipelines = dict(PIPELINES)
+    if args.model in SHIPPED:  # draft heads trained for this model ship with rewriter
+        pipelines["MedusaHeads (shipped heads)"] = ([MedusaHeads(weights=args.model)], torch.float32)
+    for i, (name, (passes, dtype)) in enumerate(pipelines.items()):
         if dtype not in copies:
             copies[dtype] = copy.deepcopy(model).to(dtype)
         engines[name] = rewriter.optimize(copies[dtype], passes, tokenizer=tokenizer,

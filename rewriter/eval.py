@@ -181,7 +181,8 @@ def cost(engine, prompt, new_tokens: int, runs: int = 3) -> dict:
     s = engine.stats
     return {"forward_per_token": s["forward_passes"] / s["tokens"],
             "layers_per_token": (s["layer_evals"] + s["draft_layer_evals"]) / s["tokens"],
-            # self-speculative decoding: drafts accepted per verification of one row
+            # speculative decoding (self-speculative, draft heads): drafts accepted per
+            # verification of one row
             "accepted_per_round": s["accepted"] / s["row_rounds"] if s["row_rounds"] else None,
             "kv_bytes_per_token": engine.kv_bytes_per_token(),
             "ms_per_token": statistics.median(times), "ms_per_token_min": min(times),
@@ -233,7 +234,8 @@ exact            fraction of prompts answered exactly as the unoptimized model d
 passkey@N        pass-key retrieval accuracy with an N-token context (higher is better)
 fwd/tok          full-model forward passes per generated token (lower is cheaper)
 layers/tok       decoder layers evaluated per generated token, drafts included (lower is cheaper)
-acc/round        self-speculative: drafted tokens accepted per verification (higher is better)
+acc/round        speculative decoding (self-speculative, draft heads): drafted tokens accepted
+                 per verification (higher is better)
 KV B/tok         KV-cache bytes per token of one sequence (lower is cheaper)
 ms/tok           CPU milliseconds per generated token, batch 1: median [min-max] of the runs"""
 

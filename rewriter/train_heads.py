@@ -214,12 +214,11 @@ def _targets(data: dict, pairs: Tensor, num_heads: int) -> Tensor:
 
 def _train(data: dict, lm_head: Tensor, num_heads: int, epochs: int, lr: float, batch: int,
            seed: int, work: Path, settings: dict, progress: bool):
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
     device = lm_head.device
     hidden_size = lm_head.shape[1]
     pairs = _samples(data, num_heads)
     targets = _targets(data, pairs, num_heads)
-    gen = torch.Generator().manual_seed(seed)
     w = torch.zeros(num_heads, hidden_size, hidden_size, device=device, requires_grad=True)
     b = torch.zeros(num_heads, hidden_size, device=device, requires_grad=True)
     opt = torch.optim.AdamW([w, b], lr=lr, weight_decay=0.0)

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-from torch import Tensor
 
 MAX_NODES = 64
 MAX_RANK = 10

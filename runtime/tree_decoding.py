@@ -33,7 +33,7 @@ from torch import Tensor
 
 from rewriter.decoding import Strategy
 from rewriter.errors import RewriterError
-from rewriter.tree import Tree, make_tree
+from rewriter.tree import make_tree
 
 from .attention import Step
 from .generate import Batch
