@@ -5,7 +5,10 @@ Queries are the ``S`` tokens at cache positions ``[q_start, q_start + S)`` with 
 of ``[B, Hkv, L, D]`` tensors, already written. Query ``i`` sees key ``j`` when ``j <= i``,
 ``j`` is a real token of its row (``j >= start[b]``; a padding query sees itself only, so
 no row is empty), and, with ``window > 0``, ``i - j < window`` or ``j`` is one of the first
-``sinks`` real tokens. Reference: ``rw.attention`` (``rewriter.ops``) for ``q_start = 0``.
+``sinks`` real tokens. With ``tree`` (int64 ``[S]``: bit ``j`` of ``tree[i]`` set when query
+``i`` may see the step's own token ``j``; a token tree verified at once, at most 64 nodes)
+the step's tokens see only their ancestors and themselves instead of every earlier one.
+Reference: ``rw.attention`` (``rewriter.ops``) for ``q_start = 0``; ``Step._tree_mask``.
 Bytes: Q and O once, K and V once per query block (``S / BLOCK_M`` times).
 """
 from __future__ import annotations
@@ -23,10 +26,10 @@ from .rope import rope_operands, rope_rows
 
 @triton.jit
 def prefill_attention_kernel(
-        q_ptr, k_ptr, v_ptr, start_ptr, out_ptr, cos_ptr, sin_ptr,
+        q_ptr, k_ptr, v_ptr, start_ptr, out_ptr, cos_ptr, sin_ptr, tree_ptr,
         seq, q_start, scale, window, sinks, n_heads, group, head_dim, half,
         q_sb, q_ss, k_sb, k_sh, k_sl, v_sb, v_sh, v_sl, o_sb, o_ss, cs_ss,
-        HAS_ROPE: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
+        HAS_ROPE: tl.constexpr, HAS_TREE: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     mblock = tl.program_id(0)
     b = tl.program_id(1) // n_heads
@@ -44,6 +47,8 @@ def prefill_attention_kernel(
     if DOT_F32:
         q = q.to(tl.float32)
     first = tl.load(start_ptr + b)
+    if HAS_TREE:
+        ancestors = tl.load(tree_ptr + rows, mask=rmask, other=0)  # [M] int64 bit sets
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     lsum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -62,6 +67,10 @@ def prefill_attention_kernel(
         ok = ok & ((kj[None, :] >= first) | (kj[None, :] == qi[:, None]))
         if window > 0:
             ok = ok & ((qi[:, None] - kj[None, :] < window) | (kj[None, :] < first + sinks))
+        if HAS_TREE:  # the step's own keys: ancestors and self only
+            rel = kj - q_start
+            bit = (ancestors[:, None] >> tl.where(rel >= 0, rel, 0).to(tl.int64)[None, :]) & 1
+            ok = ok & ((rel[None, :] < 0) | (bit != 0))
         s = tl.where(ok, s, float("-inf"))
         m, lsum, acc = online_softmax_step(s, v, m, lsum, acc)
     out = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
@@ -74,11 +83,13 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       start: Optional[torch.Tensor] = None, window: int = 0, sinks: int = 0,
                       out: Optional[torch.Tensor] = None, block: Optional[int] = None,
                       cos: Optional[torch.Tensor] = None,
-                      sin: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      sin: Optional[torch.Tensor] = None,
+                      tree: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``q`` ``[B, S, Hq*D]`` over cache ``[B, Hkv, L, D]`` positions ``[0, q_start + S)``
     -> ``[B, S, Hq*D]``. ``block``: query and key tile (64 on a GPU; 16 under the
     interpreter, where small tiles keep several blocks, and their masks, in small tests).
-    With ``cos``/``sin`` ``[B, S, R]``, q is first rotated as ``rw.rope`` does."""
+    With ``cos``/``sin`` ``[B, S, R]``, q is first rotated as ``rw.rope`` does; ``tree``
+    (``tree_bits``) replaces the causal order among the step's own tokens."""
     b, s, hd = q.shape
     dim = hd // num_heads
     hkv = k_cache.shape[1]
@@ -89,6 +100,9 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         q = q.contiguous()
     if start is None:
         start = torch.zeros(b, dtype=torch.int32, device=q.device)
+    if tree is not None and (tree.shape != (s,) or tree.dtype != torch.int64 or s > 64):
+        raise ValueError(f"prefill_attention: tree must be int64 [{s}] (at most 64 tokens), "
+                         f"got {tree.dtype} {list(tree.shape)}")
     if out is None:
         out = torch.empty_like(q)
     if block is None:
@@ -100,8 +114,16 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     # hit its 255-register ceiling there (benchmarks/kernels.py --aot 80), so 8 warps.
     warps = 8 if block >= 64 and block_d >= 128 else 4
     prefill_attention_kernel[grid](
-        q, k_cache, v_cache, start, out, cos2, sin2, s, q_start, scale, window, sinks, num_heads,
+        q, k_cache, v_cache, start, out, cos2, sin2, tree if tree is not None else start, s, q_start, scale, window, sinks, num_heads,
         num_heads // hkv, dim, half, q.stride(0), q.stride(1), *k_cache.stride()[:3],
         *v_cache.stride()[:3], out.stride(0), out.stride(1), cos2.stride(0),
-        HAS_ROPE=cos is not None, DOT_F32=interpreted(), BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d, num_warps=warps)
+        HAS_ROPE=cos is not None, HAS_TREE=tree is not None, DOT_F32=interpreted(), BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d, num_warps=warps)
     return out
+
+
+def tree_bits(ancestors: torch.Tensor) -> torch.Tensor:
+    """``[S, S]`` bool (query i may see token j) -> int64 ``[S]`` with bit j of row i set."""
+    s = ancestors.shape[0]
+    weights = torch.ones(s, dtype=torch.int64, device=ancestors.device) << torch.arange(
+        s, device=ancestors.device)
+    return (ancestors.to(torch.int64) * weights).sum(-1)

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from rewriter.codegen.decode_attention import decode_attention
-from rewriter.codegen.prefill_attention import prefill_attention
+from rewriter.codegen.prefill_attention import prefill_attention, tree_bits
 from rewriter.codegen.rope import rope_into_cache
 
 from .attention import Step, write_kv
@@ -20,9 +20,10 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, cache_id: int,
     """``rw.attention`` over cache ``cache_id``: decode or prefill kernel by step length;
     with ``cos``/``sin`` (``FuseRoPE``) K is rotated by the kernel that writes the cache
     (V with it) and q by the attention kernel: no launch of its own for either. A step
-    whose rows start at different positions (speculative decoding), or that verifies a
-    token tree, runs the torch path."""
-    if step.per_row or step.tree is not None:
+    whose rows start at different positions (speculative decoding after ragged acceptance),
+    or a token tree under a sliding window, runs the torch path; a tree at one start runs
+    the prefill kernel with each node's ancestors as a bit set."""
+    if step.per_row or (step.tree is not None and window is not None):
         return torch_cached_attention(step, q, k, v, cache_id, num_heads, num_kv_heads,
                                       head_dim, scale, window, cos, sin)
     b, s, _ = q.shape
@@ -34,13 +35,14 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, cache_id: int,
     else:
         write_kv(step, k_cache, v_cache, split(k), split(v))
     start = step.pad if step.pad is not None else step.once("zeros", lambda: _zeros(b, q.device))
-    if s == 1:
+    if s == 1 and step.tree is None:
         end = step.once("end", lambda: step.pos + 1) if step.static else step.end
         out = decode_attention(q.view(b, num_heads, head_dim), k_cache, v_cache, end, scale,
                                start=start, window=window or 0, cos=cos, sin=sin)
         return out.view(b, 1, num_heads * head_dim)
+    tree = step.once("tree_bits", lambda: tree_bits(step.tree)) if step.tree is not None else None
     return prefill_attention(q, k_cache, v_cache, num_heads, scale, q_start=step.start,
-                             start=start, window=window or 0, cos=cos, sin=sin)
+                             start=start, window=window or 0, cos=cos, sin=sin, tree=tree)
 
 
 def _zeros(b: int, device) -> Tensor:

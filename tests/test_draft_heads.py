@@ -311,6 +311,7 @@ def test_the_triton_backend_gives_the_same_tokens():
                             backend="triton")
     kw = dict(max_new_tokens=6, eos_token_id=[])
     assert torch.equal(med.generate(RAGGED[:2], **kw), plain.generate(RAGGED[:2], **kw))
+    assert torch.equal(med.generate(RAGGED[:1], **kw), plain.generate(RAGGED[:1], **kw))  # the kernel
 
 
 def test_the_default_model_with_its_shipped_heads_is_lossless_and_accepts():
@@ -320,3 +321,26 @@ def test_the_default_model_with_its_shipped_heads_is_lossless_and_accepts():
     assert torch.equal(med.generate(ids, max_new_tokens=48), plain.generate(ids, max_new_tokens=48))
     s = med.stats
     assert s["accepted"] / s["row_rounds"] > 1.0  # more than one drafted token a round
+
+
+def test_triton_prefill_kernel_takes_the_tree_as_ancestor_bit_sets():
+    """The kernel under the interpreter against the torch attention, one tree step after a
+    5-token prefix, rows with and without padding."""
+    from rewriter.codegen.prefill_attention import tree_bits
+    from rewriter.runtime import triton_attention
+    from rewriter.runtime.attention import cached_attention
+    from rewriter.runtime.kv_cache import CacheSpec
+    torch.manual_seed(0)
+    spec = CacheSpec(id=0, num_heads=4, num_kv_heads=2, head_dim=16, scale=0.25, causal=True, window=None)
+    lay = make_tree(WIDE, 3).layout()
+    assert tree_bits(lay["ancestors"]).tolist()[:4] == [1, 3, 5, 9]
+    n = len(WIDE) + 1
+    caches = [KVCache({0: spec}, 2, 32, torch.float32, torch.device("cpu")) for _ in range(2)]
+    prefix = torch.randn(2, 2, 5, 16)
+    for c in caches:
+        c.k[0][:, :, :5], c.v[0][:, :, :5] = prefix, -prefix
+    q, k, v = torch.randn(2, n, 64), torch.randn(2, n, 32), torch.randn(2, n, 32)
+    pad = torch.tensor([0, 2])
+    outs = [fn(Step(c, 5, n, pad, tree=lay["ancestors"], depth=lay["depth"]), q, k, v, 0, 4, 2, 16, 0.25, None)
+            for fn, c in ((cached_attention, caches[0]), (triton_attention.cached_attention, caches[1]))]
+    assert torch.allclose(outs[0], outs[1], atol=1e-5)

@@ -92,3 +92,14 @@ def test_self_speculative_answers_equal_plain_greedy(opt):
     for q in QUESTIONS[:2]:
         assert spec.chat(q, max_new_tokens=32) == opt.chat(q, max_new_tokens=32), q
     assert spec.stats["rounds"] > 0 and spec.stats["accepted"] > 0
+
+
+def test_shipped_draft_heads_answer_as_plain_greedy_and_accept(opt):
+    from rewriter.passes import MedusaHeads
+    med = rewriter.from_pretrained("smollm2", passes=[MedusaHeads(weights="smollm2",
+                                                                  tree=[[0], [1], [0, 0], [0, 0, 0]])])
+    for q in QUESTIONS:
+        assert med.chat(q, max_new_tokens=32) == opt.chat(q, max_new_tokens=32), q
+    ids = [opt.tokenizer.encode("def fibonacci(n):").ids, opt.tokenizer.encode("The sun").ids]
+    assert torch.equal(med.generate(ids, max_new_tokens=32), opt.generate(ids, max_new_tokens=32))
+    assert med.stats["accepted"] > 0
