@@ -2,10 +2,10 @@
 
     python benchmarks/speculative.py [--model smollm2|default] [--dtype float32 bfloat16]
                                      [--batch 1 4] [--new 64] [--max-draft 4] [--budget 24]
-                                     [--strategies self heads] [--heads PATH] [--draft-vocab 4096]
+                                     [--strategies self medusa hydra] [--heads PATH] [--draft-vocab 4096]
                                      [--max-nodes 32] [--json benchmarks/results/speculative.json]
 
-Draft heads (``MedusaHeads``, the shipped heads of the model unless ``--heads``): each
+Draft heads (``MedusaHeads``, ``HydraHeads``: the model's shipped heads unless ``--heads``): each
 head's held-out top-1 / top-5 accuracy and the training it took (from the heads file),
 the tree chosen (``tree="auto"``: measured verify cost and accuracies) and its predicted
 tokens per round, then tokens/s against plain decode, mean accepted length (tokens per
@@ -36,7 +36,7 @@ import rewriter
 from rewriter.calibrate import predicted_speedup, verify_cost
 from rewriter.corpus import load_corpus
 from rewriter.eval import CHAT_PROMPTS
-from rewriter.passes import MedusaHeads, SelfSpeculative
+from rewriter.passes import HydraHeads, MedusaHeads, SelfSpeculative
 from rewriter.passes.layer_skip import kept_positions
 from rewriter.runtime.chat import chat_prompt
 
@@ -69,8 +69,10 @@ def main():
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--max-draft", type=int, default=4)
     ap.add_argument("--budget", type=int, default=24, help="sub-layers the calibration tries")
-    ap.add_argument("--strategies", nargs="+", default=["self", "heads"], choices=["self", "heads"])
-    ap.add_argument("--heads", default=None, help="heads file (default: the model's shipped heads)")
+    ap.add_argument("--strategies", nargs="+", default=["self", "medusa", "hydra"],
+                    choices=["self", "medusa", "hydra"])
+    ap.add_argument("--heads", default=None, help="heads file (default: the model's shipped heads; "
+                                                   "with one of medusa, hydra)")
     ap.add_argument("--draft-vocab", type=int, default=4096, help="trimmed draft vocabulary")
     ap.add_argument("--max-nodes", type=int, default=32, help="largest tree the choice considers")
     ap.add_argument("--json", default="benchmarks/results/speculative.json")
@@ -87,8 +89,9 @@ def main():
         calib = code_prompts(tok, 2, 256)
         curve = verify_cost(plain.ir, 9)
         curves.append([dtype, *(f"{c:.2f}" for c in curve[1:])])
-        if "heads" in args.strategies:
-            heads_rows(model, tok, plain, args, dtype, results, head_rows)
+        for arch in ("medusa", "hydra"):
+            if arch in args.strategies:
+                heads_rows(model, tok, plain, args, dtype, results, head_rows, arch)
         if "self" not in args.strategies:
             continue
         layers = sorted(s["index"] for s in plain.ir.layers)
@@ -149,32 +152,34 @@ def main():
     Path(args.json).write_text(json.dumps(results, indent=1, default=str))
 
 
-def heads_rows(model, tok, plain, args, dtype, results, rows):
+def heads_rows(model, tok, plain, args, dtype, results, rows, arch):
     """Draft heads with the full and the trimmed vocabulary projection, every batch and
     prompt set, against plain decode."""
     from rewriter import heads as heads_file
     weights = args.heads or args.model
-    trained = heads_file.load(weights)
-    results.setdefault("heads", {"weights": str(heads_file.resolve(weights)),
-                                 "top1": [round(a[0], 4) for a in trained.accuracy],
-                                 "top5": [round(sum(a[:5]), 4) for a in trained.accuracy],
-                                 "training": {k: v for k, v in trained.trained.items()}})
+    trained = heads_file.load(weights, arch)
+    results.setdefault("heads", {})
+    results["heads"].setdefault(arch, {"weights": str(heads_file.resolve(weights, arch)),
+                                       "top1": [round(a[0], 4) for a in trained.accuracy],
+                                       "top5": [round(sum(a[:5]), 4) for a in trained.accuracy],
+                                       "training": {k: v for k, v in trained.trained.items()}})
+    cls = HydraHeads if arch == "hydra" else MedusaHeads
     for vocab in (None, args.draft_vocab):
-        p = MedusaHeads(weights=weights, draft_vocab=vocab, max_nodes=args.max_nodes)
+        p = cls(weights=weights, draft_vocab=vocab, max_nodes=args.max_nodes)
         med = rewriter.optimize(model, tokenizer=tok, passes=[p])
         tree = med.ir.info["decoding"]["tree"]
         for b in args.batch:
             for kind, prompts in prompt_sets(plain, tok, b).items():
                 ref, base_rate, _ = timed(plain, prompts, args.new)
                 out, rate, st = timed(med, prompts, args.new)
-                run = {"dtype": dtype, "strategy": "medusa", "draft_vocab": vocab, "batch": b,
+                run = {"dtype": dtype, "strategy": arch, "draft_vocab": vocab, "batch": b,
                        "prompts": kind, "tree": tree, "report": p.report,
-                       "plain_tok_s": base_rate, "medusa_tok_s": rate, "speedup": rate / base_rate,
+                       "plain_tok_s": base_rate, "heads_tok_s": rate, "speedup": rate / base_rate,
                        "accepted_length": 1 + st["accepted"] / st["row_rounds"],
                        "forward_per_token": st["forward_passes"] / st["tokens"],
                        "same_tokens": bool(torch.equal(out, ref))}
                 results["runs"].append(run)
-                rows.append([dtype, vocab or "full", len(tree), b, kind, f"{base_rate:.1f}",
+                rows.append([dtype, arch, vocab or "full", len(tree), b, kind, f"{base_rate:.1f}",
                              f"{rate:.1f}", f"{rate / base_rate:.2f}x",
                              f"{run['accepted_length']:.2f}",
                              f"{p.report['expected_tokens']:.2f}" if p.report else "-",
@@ -182,15 +187,18 @@ def heads_rows(model, tok, plain, args, dtype, results, rows):
 
 
 def print_heads(args, results, rows) -> None:
-    h = results["heads"]
-    t = h["training"]
-    print(f"\ndraft heads {h['weights']}: held-out top-1 {h['top1']}, top-5 {h['top5']}; "
-          f"trained on {t.get('train_tokens')} tokens ({t.get('positions')} positions, "
-          f"{t.get('epochs')} epochs) in {t.get('seconds_training')} s of training"
-          + (f" + {t['seconds_data']} s making the data" if "seconds_data" in t else
-             f", {t.get('seconds_total')} s in all") + "\n")
-    print(tabulate(rows, headers=["dtype", "draft vocab", "tree nodes", "batch", "prompts",
-                                  "plain tok/s", "medusa tok/s", "speed-up", "accepted length",
+    print()
+    for arch, h in results["heads"].items():
+        t = h["training"]
+        data = t.get("seconds_data")
+        print(f"{arch} heads {h['weights']}: held-out top-1 {h['top1']}, top-5 {h['top5']}; "
+              f"trained on {t.get('train_tokens')} tokens ({t.get('positions')} positions, "
+              f"{t.get('epochs')} epochs) in {t.get('seconds_training')} s of training"
+              + (f" + {data} s making the data" if data else "")
+              + (f", {t['seconds_total']} s in all" if t.get("seconds_total") else ""))
+    print()
+    print(tabulate(rows, headers=["dtype", "heads", "draft vocab", "tree nodes", "batch", "prompts",
+                                  "plain tok/s", "heads tok/s", "speed-up", "accepted length",
                                   "predicted", "same tokens"]))
     print()
 

@@ -25,7 +25,7 @@ import rewriter
 from rewriter.eval import EvalSettings, evaluate, format_table
 from rewriter.heads import SHIPPED
 from rewriter.passes import (FuseAddRMSNorm, FuseQKV, FuseRoPE, FuseSwiGLU, Int4Weights, LayerSkip,
-                             MedusaHeads, SelfSpeculative)
+                             HydraHeads, MedusaHeads, SelfSpeculative)
 
 QUESTION = "What is the capital of France? Answer in one sentence."
 FUSIONS = [FuseQKV(), FuseSwiGLU(), FuseAddRMSNorm(), FuseRoPE()]
@@ -76,6 +76,8 @@ def main():
     pipelines = dict(PIPELINES)
     if args.model in SHIPPED:  # draft heads trained for this model ship with rewriter
         pipelines["MedusaHeads (shipped heads)"] = ([MedusaHeads(weights=args.model)], torch.float32)
+        pipelines["HydraHeads (shipped heads)"] = (
+            [HydraHeads(weights=args.model, draft_vocab=4096)], torch.float32)
     for i, (name, (passes, dtype)) in enumerate(pipelines.items()):
         if dtype not in copies:
             copies[dtype] = copy.deepcopy(model).to(dtype)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import inspect
 import json
 
-from rewriter.passes.draft_heads import MedusaHeads
+from rewriter.passes.draft_heads import HydraHeads, MedusaHeads
 from rewriter.passes.fuse_add_rms_norm import FuseAddRMSNorm
 from rewriter.passes.fuse_qkv import FuseQKV
 from rewriter.passes.fuse_rope import FuseRoPE
@@ -19,9 +19,10 @@ from rewriter.passes.self_speculative import SelfSpeculative
 
 PASSES = {"layer_skip": LayerSkip, "fuse_qkv": FuseQKV, "fuse_swiglu": FuseSwiGLU,
           "fuse_add_rms_norm": FuseAddRMSNorm, "fuse_rope": FuseRoPE, "int4_weights": Int4Weights,
-          "self_speculative": SelfSpeculative, "medusa_heads": MedusaHeads}
+          "self_speculative": SelfSpeculative, "medusa_heads": MedusaHeads,
+          "hydra_heads": HydraHeads}
 
-__all__ = ["LayerSkip", "FuseQKV", "FuseSwiGLU", "FuseAddRMSNorm", "FuseRoPE", "Int4Weights", "SelfSpeculative", "MedusaHeads",
+__all__ = ["LayerSkip", "FuseQKV", "FuseSwiGLU", "FuseAddRMSNorm", "FuseRoPE", "Int4Weights", "SelfSpeculative", "MedusaHeads", "HydraHeads",
            "PASSES",
            "from_spec"]
 

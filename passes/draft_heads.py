@@ -1,4 +1,5 @@
-"""``MedusaHeads``: draft heads on the last hidden state, verified as a token tree.
+"""``MedusaHeads`` and ``HydraHeads``: draft heads on the last hidden state, verified as a
+token tree.
 
     MedusaHeads(weights="smollm2")                       # the shipped trained heads
     MedusaHeads(weights="heads.safetensors", draft_vocab=4096, tree="auto", max_nodes=32)
@@ -8,6 +9,19 @@ The pass adds the heads to the graph as ordinary ops on the LM head's input ``h`
 
     r_k = h + silu(linear(h, medusa.w{k}, medusa.b{k}))        [B, S, H]   k = 0..K-1
     draft = linear(cat([r_0[.., None, :], ..], -2), P)         [B, S, K, V or Vd]
+
+``HydraHeads`` writes Hydra's sequentially dependent heads (``rewriter.heads``): head
+``k`` also reads the embeddings of the tokens on its path. In the graph the path is the
+input's own next tokens (teacher forcing: what the heads were trained on)::
+
+    path = next_tokens(input_ids, K)                            [B, S, K]
+    e_j = embedding(select(path, -1, j), E)                     [B, S, H]  (the model's E)
+    r_k = h + silu(linear(cat([h, e_0, .., e_k], -1), hydra.w{k}, hydra.b{k}))
+    draft_k = linear(r_k, P)                                    [B, S, V or Vd]
+    draft = cat([draft_0[.., None, :], ..], -2)                 [B, S, K, V or Vd]
+
+and the runtime lowers one program per head with ``h`` and the path as inputs, run level
+by level over the tree's nodes (``runtime.tree_decoding``).
 
 ``P`` is the model's own LM head weight (shared: no copy), or with ``draft_vocab=N`` its
 rows for the ``N`` tokens the model produced most often on the training text
@@ -38,47 +52,52 @@ ROLE = "draft_head"
 
 
 class MedusaHeads(Pass):
+    ARCH = "medusa"
+
     def __init__(self, num_heads: Optional[int] = None, weights: Optional[str] = None,
                  draft_vocab: Optional[int] = None, tree="auto", max_nodes: int = 32,
                  acceptance: str = "exact", posterior_threshold: float = 0.09,
                  posterior_alpha: float = 0.3):
         if num_heads is not None and (type(num_heads) is not int
                                       or not 1 <= num_heads <= heads_file.MAX_HEADS):
-            raise ValueError(f"MedusaHeads: num_heads must be an int in [1, "
+            raise ValueError(f"{type(self).__name__}: num_heads must be an int in [1, "
                              f"{heads_file.MAX_HEADS}], got {num_heads!r}")
         if weights is None and num_heads is None:
-            raise ValueError("MedusaHeads: give weights=PATH (trained heads; 'default' and "
+            raise ValueError(f"{type(self).__name__}: give weights=PATH (trained heads; 'default' and "
                              "'smollm2' are shipped) or num_heads=K (untrained heads)")
         if weights is not None and not isinstance(weights, str):
             weights = str(weights)  # a Path
-        self.heads = heads_file.load(weights) if weights is not None else None
+        try:
+            self.heads = heads_file.load(weights, self.ARCH) if weights is not None else None
+        except heads_file.HeadsFileError as e:
+            raise ValueError(f"{type(self).__name__}: {e}") from None
         if self.heads is not None and num_heads not in (None, self.heads.num_heads):
-            raise ValueError(f"MedusaHeads: num_heads={num_heads}, but {weights} holds "
+            raise ValueError(f"{type(self).__name__}: num_heads={num_heads}, but {weights} holds "
                              f"{self.heads.num_heads} heads")
         self.weights = weights
         self.num_heads = num_heads if num_heads is not None else self.heads.num_heads
         if draft_vocab is not None and (type(draft_vocab) is not int or draft_vocab < 10):
-            raise ValueError(f"MedusaHeads: draft_vocab must be an int >= 10, got {draft_vocab!r}")
+            raise ValueError(f"{type(self).__name__}: draft_vocab must be an int >= 10, got {draft_vocab!r}")
         if draft_vocab is not None and (self.heads is None or self.heads.counts is None):
-            raise ValueError("MedusaHeads: draft_vocab needs trained heads whose file counts "
+            raise ValueError(f"{type(self).__name__}: draft_vocab needs trained heads whose file counts "
                              "the tokens the model produced (weights=PATH from train-heads)")
         self.draft_vocab = draft_vocab
         if tree != "auto":
             tree = make_tree(tree, self.num_heads).record()  # ValueError names the problem
         self.tree = tree
         if type(max_nodes) is not int or not 1 <= max_nodes < MAX_NODES:
-            raise ValueError(f"MedusaHeads: max_nodes must be an int in [1, {MAX_NODES - 1}], "
+            raise ValueError(f"{type(self).__name__}: max_nodes must be an int in [1, {MAX_NODES - 1}], "
                              f"got {max_nodes!r}")
         self.max_nodes = max_nodes
         if acceptance not in ("exact", "typical"):
-            raise ValueError(f"MedusaHeads: acceptance must be 'exact' (lossless) or 'typical' "
+            raise ValueError(f"{type(self).__name__}: acceptance must be 'exact' (lossless) or 'typical' "
                              f"(lossy), got {acceptance!r}")
         self.acceptance = acceptance
         for name, v in (("posterior_threshold", posterior_threshold),
                         ("posterior_alpha", posterior_alpha)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1 \
                     or not math.isfinite(v):
-                raise ValueError(f"MedusaHeads: {name} must be a number in (0, 1], got {v!r}")
+                raise ValueError(f"{type(self).__name__}: {name} must be a number in (0, 1], got {v!r}")
         self.posterior_threshold, self.posterior_alpha = float(posterior_threshold), float(posterior_alpha)
         self.report: Optional[dict] = None  # the tree choice: expected tokens, cost curve
 
@@ -95,9 +114,13 @@ class MedusaHeads(Pass):
                 self.heads.fits(weight.detach(), str(self.weights))
             except heads_file.HeadsFileError as e:
                 raise PassError(str(e)) from None
-        insert(ir, head, self._weights(weight), self._vocab(weight), self.name)
+        if self.ARCH == "hydra":
+            insert_hydra(ir, head, embedding_weight(ir, weight), self._weights(weight),
+                         self._vocab(weight), self.name)
+        else:
+            insert(ir, head, self._weights(weight), self._vocab(weight), self.name)
         tree = self._tree(ir)
-        strategy = Strategy("medusa", num_heads=self.num_heads, tree=tree.paths,
+        strategy = Strategy("medusa", arch=self.ARCH, num_heads=self.num_heads, tree=tree.paths,
                             draft_vocab=self.draft_vocab, acceptance=self.acceptance,
                             posterior_threshold=self.posterior_threshold,
                             posterior_alpha=self.posterior_alpha)
@@ -105,14 +128,18 @@ class MedusaHeads(Pass):
         if why:
             raise PassError(f"{self!r}: the decoding record needs {why}")
         ir.info["decoding"] = strategy.record()
-        ir.info["medusa"] = {"weights": self.weights, "report": self.report,
+        ir.info["medusa"] = {"arch": self.ARCH, "weights": self.weights, "report": self.report,
                              "trained": self.heads.trained if self.heads else None}
         return ir
 
     def _weights(self, lm: torch.Tensor):
         k, h = self.num_heads, lm.shape[1]
         if self.heads is None:
-            return torch.zeros(k, h, h, dtype=lm.dtype), torch.zeros(k, h, dtype=lm.dtype)
+            w = ([torch.zeros(h, h * (i + 2), dtype=lm.dtype) for i in range(k)]
+                 if self.ARCH == "hydra" else torch.zeros(k, h, h, dtype=lm.dtype))
+            return w, torch.zeros(k, h, dtype=lm.dtype)
+        if self.ARCH == "hydra":
+            return [w.to(lm.dtype) for w in self.heads.w], self.heads.b.to(lm.dtype)
         return self.heads.w.to(lm.dtype), self.heads.b.to(lm.dtype)
 
     def _vocab(self, lm: torch.Tensor):
@@ -137,6 +164,12 @@ class MedusaHeads(Pass):
         tree, self.report = choose_tree(accuracy, cost, self.max_nodes)
         self.report = {**self.report, "verify_cost": [round(c, 3) for c in cost[1:]]}
         return tree
+
+
+class HydraHeads(MedusaHeads):
+    """Hydra's sequentially dependent heads (``HydraHeads(weights="smollm2")``): the same
+    arguments as ``MedusaHeads``; drafting runs one head call per tree level."""
+    ARCH = "hydra"
 
 
 def lm_head(ir: IR):
@@ -179,6 +212,70 @@ def insert(ir: IR, head, wb, vocab, pass_name: str) -> None:
                               (proj, 0, g.get_attr("medusa.vocab")), "medusa_vocab_rows"), None, pass_name)
         draft = _mark(call(ir, torch.ops.rw.linear.default, (stacked, proj), "medusa_logits"),
                       None, pass_name)
+    out.args = ((head, draft),)
+
+
+def embedding_weight(ir: IR, lm: torch.Tensor):
+    """The get_attr node of the token embedding (``rw.embedding`` of the first input)."""
+    ids = next(iter(ir.graph.find_nodes(op="placeholder")), None)
+    for node in ir.graph.nodes:
+        if is_op(node, "embedding") and _source(node.args[0]) is ids and node.args[1].op == "get_attr":
+            e = ir.weight(node.args[1].target)
+            if e.shape[1] != lm.shape[1]:
+                break
+            return node.args[1]
+    raise PassError("Hydra heads read the model's token embedding: the graph has no "
+                    "rw.embedding of its input ids with the LM head's width")
+
+
+_VIEWS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default,
+          torch.ops.aten._unsafe_view.default, torch.ops.aten.clone.default,
+          torch.ops.aten.contiguous.default}
+
+
+def _source(node):
+    """``node`` before any view or copy of it (GPT-2 embeds ``input_ids.view(-1, S)``)."""
+    while getattr(node, "op", None) == "call_function" and node.target in _VIEWS:
+        node = node.args[0]
+    return node
+
+
+def insert_hydra(ir: IR, head, embed, wb, vocab, pass_name: str) -> None:
+    """Add Hydra's heads after ``head`` and return ``(logits, draft)``."""
+    w, b = wb
+    g = ir.graph
+    x = head.args[0]
+    num = len(w)
+    ids = next(iter(g.find_nodes(op="placeholder")))
+    for k in range(num):
+        ir.add_weight(f"hydra.w{k}", w[k].clone())
+        ir.add_weight(f"hydra.b{k}", b[k].clone())
+    if vocab is not None:
+        ir.add_weight("medusa.vocab", vocab.to(torch.int64))
+    (out,) = g.find_nodes(op="output")
+    with g.inserting_before(out):
+        m = lambda n, k=None: _mark(n, k, pass_name)  # noqa: E731
+        path = m(call(ir, torch.ops.rw.next_tokens.default, (ids, num), "hydra_path"))
+        path.meta["draft_path"] = True  # the runtime's heads programs take it as an input
+        embedded = []
+        for j in range(num):
+            col = m(call(ir, torch.ops.aten.select.int, (path, -1, j), f"hydra_path_{j}"))
+            embedded.append(m(call(ir, torch.ops.rw.embedding.default, (col, embed), f"hydra_e{j}")))
+        proj = head.args[1]
+        if vocab is not None:
+            proj = m(call(ir, torch.ops.aten.index_select.default,
+                          (proj, 0, g.get_attr("medusa.vocab")), "medusa_vocab_rows"))
+        rows = []
+        for k in range(num):
+            wk, bk = g.get_attr(f"hydra.w{k}"), g.get_attr(f"hydra.b{k}")
+            cat = m(call(ir, torch.ops.aten.cat.default, ([x, *embedded[:k + 1]], -1), f"hydra_{k}_in"), k)
+            a = m(call(ir, torch.ops.rw.linear.default, (cat, wk, bk), f"hydra_{k}_linear"), k)
+            s = m(call(ir, torch.ops.rw.silu.default, (a,), f"hydra_{k}_silu"), k)
+            r = m(call(ir, torch.ops.aten.add.Tensor, (x, s), f"hydra_{k}"), k)
+            logits = m(call(ir, torch.ops.rw.linear.default, (r, proj), f"hydra_{k}_logits"), k)
+            logits.meta["head_logits"] = k
+            rows.append(m(call(ir, torch.ops.aten.unsqueeze.default, (logits, -2), f"hydra_{k}_row"), k))
+        draft = m(call(ir, torch.ops.aten.cat.default, (rows, -2), "hydra_logits"))
     out.args = ((head, draft),)
 
 

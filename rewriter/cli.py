@@ -144,13 +144,16 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--json", action="store_true", help="the manifest as JSON")
     f.set_defaults(func=cmd_info)
 
-    t = sub.add_parser("train-heads", help="train Medusa draft heads on a frozen model",
-                       description="Train Medusa draft heads by self-distillation (the model's "
-                                   "own greedy continuations of corpus prompts) and write a heads "
-                                   "file for MedusaHeads(weights=PATH). Resumes from OUT.work/.")
+    t = sub.add_parser("train-heads", help="train Medusa or Hydra draft heads on a frozen model",
+                       description="Train draft heads by self-distillation (the model's own "
+                                   "greedy continuations of corpus prompts) and write a heads "
+                                   "file for MedusaHeads(weights=PATH) or HydraHeads(weights=PATH). "
+                                   "Resumes from OUT.work/.")
     t.add_argument("model", help=MODEL_HELP)
     t.add_argument("--out", required=True, help="heads file to write (.safetensors)")
     t.add_argument("--num-heads", type=int, default=4)
+    t.add_argument("--arch", choices=("medusa", "hydra"), default="medusa",
+                   help="hydra: each head also reads the tokens drafted before it")
     t.add_argument("--prompts", type=int, default=512, help="training prompts")
     t.add_argument("--new-tokens", type=int, default=96, help="greedy tokens per prompt")
     t.add_argument("--epochs", type=int, default=2)
@@ -173,7 +176,7 @@ def cmd_train_heads(args) -> int:
     model, tokenizer = load_model(args.model, args.dtype)
     report = train_heads(model.to(device), tokenizer, args.out, num_heads=args.num_heads,
                          prompts=args.prompts, new_tokens=args.new_tokens, epochs=args.epochs,
-                         lr=args.lr, seed=args.seed, progress=_bars())
+                         lr=args.lr, seed=args.seed, progress=_bars(), arch=args.arch)
     print(json.dumps(report, indent=1))
     return 0
 

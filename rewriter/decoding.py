@@ -9,7 +9,7 @@ and the runtime then lowers a ``draft`` program (the same IR with those layers a
 sub-layers bypassed: ``rewriter.ir.skip``) beside ``prefill`` and ``decode``, and generates
 with ``runtime.speculative``. ``MedusaHeads`` records::
 
-    {"strategy": "medusa", "num_heads": 4, "tree": [[0], [1], [0, 0], ..],
+    {"strategy": "medusa", "arch": "medusa" or "hydra", "num_heads": 4, "tree": [[0], [1], [0, 0], ..],
      "draft_vocab": 4096 or None, "acceptance": "exact" or "typical",
      "posterior_threshold": 0.09, "posterior_alpha": 0.3}
 
@@ -33,7 +33,8 @@ class Strategy:
     skip_mlp: tuple[int, ...] = field(default=())
     max_draft: int = 0
     threshold: float = 0.0
-    # medusa
+    # medusa (draft heads: arch "medusa" or "hydra")
+    arch: str = "medusa"
     num_heads: int = 0
     tree: tuple = ()  # paths of ranks (rewriter.tree)
     draft_vocab: int | None = None
@@ -51,7 +52,7 @@ class Strategy:
 
     def record(self) -> dict:
         if self.name == "medusa":
-            return {"strategy": "medusa", "num_heads": self.num_heads,
+            return {"strategy": "medusa", "arch": self.arch, "num_heads": self.num_heads,
                     "tree": [list(p) for p in self.tree], "draft_vocab": self.draft_vocab,
                     "acceptance": self.acceptance, "posterior_threshold": self.posterior_threshold,
                     "posterior_alpha": self.posterior_alpha}
@@ -66,7 +67,7 @@ def strategy_of(info: dict) -> Strategy:
     if r is None:
         return Strategy()
     if r["strategy"] == "medusa":
-        return Strategy("medusa", num_heads=r["num_heads"], tree=tuple(map(tuple, r["tree"])),
+        return Strategy("medusa", arch=r["arch"], num_heads=r["num_heads"], tree=tuple(map(tuple, r["tree"])),
                         draft_vocab=r["draft_vocab"], acceptance=r["acceptance"],
                         posterior_threshold=float(r["posterior_threshold"]),
                         posterior_alpha=float(r["posterior_alpha"]))
@@ -97,7 +98,7 @@ def check_record(r) -> str | None:
     return None
 
 
-MEDUSA_KEYS = {"strategy", "num_heads", "tree", "draft_vocab", "acceptance",
+MEDUSA_KEYS = {"strategy", "arch", "num_heads", "tree", "draft_vocab", "acceptance",
                "posterior_threshold", "posterior_alpha"}
 
 
@@ -106,6 +107,8 @@ def _check_medusa(r: dict) -> str | None:
     from rewriter.tree import check_paths
     if set(r) != MEDUSA_KEYS:
         return f"an object with exactly the keys {sorted(MEDUSA_KEYS)}"
+    if r["arch"] not in ("medusa", "hydra"):
+        return "arch: 'medusa' or 'hydra'"
     k = r["num_heads"]
     if not _is_int(k) or not 1 <= k <= MAX_HEADS:
         return f"num_heads: an integer in [1, {MAX_HEADS}]"

@@ -1,4 +1,4 @@
-"""Medusa draft heads: their math, and the file that stores trained ones.
+"""Draft heads (Medusa, Hydra): their math, and the file that stores trained ones.
 
 Head ``k`` (0-based) reads the base model's last hidden state ``h`` at position ``t`` (the
 input of the LM head, after the final norm) and guesses the token at ``t + k + 2``: the
@@ -8,8 +8,17 @@ own (frozen, shared) LM head::
     r_k = h + SiLU(W_k h + b_k)          W_k [H, H] zero-initialised: r_k = h at first
     logits_k = lm_head(r_k)               (or the trimmed draft vocabulary's rows of it)
 
-A heads file is safetensors (no pickle): ``w`` ``[K, H, H]``, ``b`` ``[K, H]`` and
-metadata: the format tag, the model it was trained for (hidden size, vocabulary, a probe
+Hydra's heads are sequentially dependent: head ``k`` also reads the embeddings ``e_j`` of
+the tokens already on its path, the token at ``t + 1`` (the model's own) and the ``k``
+drafted before it, so siblings deeper in the tree get different guesses::
+
+    r_k = h + SiLU(W_k [h, e_0, .., e_k] + b_k)    W_k [H, H (k + 2)] zero-initialised
+
+(Hydra proper maps the concatenation back with a learned projection; this keeps
+Medusa's residual on ``h``, so an untrained head is the LM head, as in Medusa.)
+
+A heads file is safetensors (no pickle): ``w`` ``[K, H, H]`` (Hydra: ``w0`` .. ``w{K-1}``,
+``[H, H (k + 2)]``), ``b`` ``[K, H]`` and metadata: the architecture, the format tag, the model it was trained for (hidden size, vocabulary, a probe
 of the LM head's weights) and, from training, each head's rank accuracies on held-out
 text (``accuracy[k][r]``: how often the head's ``r``-th best token was the right one),
 which choose the verification tree (``rewriter.tree.choose_tree``).
@@ -31,7 +40,8 @@ VERSION = "1"
 PROBE = (4, 8)  # the LM head's first rows and columns, to recognise the model
 MAX_HEADS = 8
 ASSETS = Path(__file__).resolve().parent / "assets" / "heads"
-SHIPPED = {"default": "default-medusa.safetensors", "smollm2": "smollm2-medusa.safetensors"}
+SHIPPED = ("default", "smollm2")  # assets/heads/{name}-{arch}.safetensors
+ARCHS = ("medusa", "hydra")
 
 
 class HeadsFileError(ValueError):
@@ -40,30 +50,35 @@ class HeadsFileError(ValueError):
 
 @dataclass
 class Heads:
-    w: Tensor  # [K, H, H]
+    w: Union[Tensor, list]  # medusa: [K, H, H]; hydra: K tensors [H, H (k + 2)]
     b: Tensor  # [K, H]
     vocab: int
     probe: list  # the LM head's [:4, :8], as trained
     accuracy: list = field(default_factory=list)  # [K][ranks]
     trained: dict = field(default_factory=dict)  # how (tokens, time, seed, corpus)
     counts: Optional[Tensor] = None  # [V] how often the model produced each token (VocabTrim)
+    arch: str = "medusa"
 
     @property
     def num_heads(self) -> int:
-        return self.w.shape[0]
+        return self.b.shape[0]
 
     @property
     def hidden(self) -> int:
-        return self.w.shape[1]
+        return self.b.shape[1]
 
     def save(self, path: Union[str, os.PathLike]) -> None:
         from safetensors.torch import save_file
-        meta = {"format": FORMAT, "version": VERSION, "vocab": str(self.vocab),
+        meta = {"format": FORMAT, "version": VERSION, "arch": self.arch, "vocab": str(self.vocab),
                 "probe": json.dumps(self.probe), "accuracy": json.dumps(self.accuracy),
                 "trained": json.dumps(self.trained)}
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
-        tensors = {"w": self.w.contiguous(), "b": self.b.contiguous()}
+        tensors = {"b": self.b.contiguous()}
+        if self.arch == "hydra":
+            tensors.update({f"w{k}": w.contiguous() for k, w in enumerate(self.w)})
+        else:
+            tensors["w"] = self.w.contiguous()
         if self.counts is not None:
             tensors["counts"] = self.counts.to(torch.int64).contiguous()
         save_file(tensors, str(tmp), metadata=meta)
@@ -82,27 +97,35 @@ class Heads:
                                  f"head's weights differ from this model's)")
 
 
-def resolve(weights: Union[str, os.PathLike]) -> Path:
+def resolve(weights: Union[str, os.PathLike], arch: str = "medusa") -> Path:
     """A heads file's path: a shipped name (``default``, ``smollm2``) or a path."""
     if isinstance(weights, str) and weights in SHIPPED:
-        return ASSETS / SHIPPED[weights]
+        return ASSETS / f"{weights}-{arch}.safetensors"
     return Path(weights)
 
 
-def load(weights: Union[str, os.PathLike]) -> Heads:
-    """The heads in a file, every field checked (``HeadsFileError`` names the problem)."""
-    path = resolve(weights)
+def load(weights: Union[str, os.PathLike], want: Optional[str] = None) -> Heads:
+    """The heads in a file, every field checked (``HeadsFileError`` names the problem);
+    with ``want``, heads of that architecture only."""
+    path = resolve(weights, want or "medusa")
     if not path.is_file():
         raise HeadsFileError(f"{path}: no such heads file")
     from safetensors import safe_open
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
+            arch = meta.get("arch", "medusa")  # files from before Hydra name no arch
             keys = set(f.keys())
-            if keys not in ({"w", "b"}, {"w", "b", "counts"}):
-                raise HeadsFileError(f"{path}: a heads file holds the tensors w, b (and "
-                                     f"counts), this one {sorted(keys)}")
-            w, b = f.get_tensor("w"), f.get_tensor("b")
+            if arch not in ARCHS:
+                raise HeadsFileError(f"{path}: unknown heads architecture {arch!r} (known: "
+                                     f"{', '.join(ARCHS)})")
+            names = _weight_names(arch, keys)
+            if names is None:
+                raise HeadsFileError(f"{path}: a {arch} heads file holds the tensors "
+                                     f"{'w0, w1, ..' if arch == 'hydra' else 'w'}, b (and counts), "
+                                     f"this one {sorted(keys)}")
+            w = [f.get_tensor(n) for n in names] if arch == "hydra" else f.get_tensor("w")
+            b = f.get_tensor("b")
             counts = f.get_tensor("counts") if "counts" in keys else None
     except HeadsFileError:
         raise
@@ -110,11 +133,11 @@ def load(weights: Union[str, os.PathLike]) -> Heads:
         raise HeadsFileError(f"{path}: not a safetensors heads file ({e})") from None
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise HeadsFileError(f"{path}: not a {FORMAT} file of version {VERSION}")
-    if w.dim() != 3 or w.shape[1] != w.shape[2] or not 1 <= w.shape[0] <= MAX_HEADS \
-            or b.shape != w.shape[:2] or not w.is_floating_point() or b.dtype != w.dtype:
-        raise HeadsFileError(f"{path}: w must be [K, H, H] and b [K, H] of one float dtype, "
-                             f"K in [1, {MAX_HEADS}]; got {list(w.shape)} and {list(b.shape)}")
-    if not (torch.isfinite(w).all() and torch.isfinite(b).all()):
+    why = _check_shapes(arch, w, b)
+    if why:
+        raise HeadsFileError(f"{path}: {why}")
+    if not (all(torch.isfinite(t).all() for t in (w if arch == "hydra" else [w]))
+            and torch.isfinite(b).all()):
         raise HeadsFileError(f"{path}: the weights hold NaN or infinite values")
     try:
         vocab = int(meta["vocab"])
@@ -128,12 +151,43 @@ def load(weights: Union[str, os.PathLike]) -> Heads:
     if counts is not None and (counts.shape != (vocab,) or counts.dtype != torch.int64
                                or bool((counts < 0).any())):
         raise HeadsFileError(f"{path}: counts must be [{vocab}] non-negative int64")
-    if accuracy and not (len(accuracy) == w.shape[0] and all(
+    if accuracy and not (len(accuracy) == b.shape[0] and all(
             isinstance(a, list) and a and all(_prob(p) for p in a) and sum(a) <= 1 + 1e-6
             for a in accuracy)):
         raise HeadsFileError(f"{path}: accuracy must hold one list of rank probabilities "
                              f"(summing to at most 1) per head")
-    return Heads(w, b, vocab, probe, accuracy, trained, counts)
+    if want is not None and arch != want:
+        raise HeadsFileError(f"{path}: holds {arch} heads, not {want} heads "
+                             f"({'HydraHeads' if arch == 'hydra' else 'MedusaHeads'} reads them)")
+    return Heads(w, b, vocab, probe, accuracy, trained, counts, arch)
+
+
+def _weight_names(arch: str, keys: set) -> Optional[list]:
+    """The weight tensors' names in file order, or None when ``keys`` do not fit ``arch``."""
+    rest = keys - {"b", "counts"}
+    if "b" not in keys:
+        return None
+    if arch == "medusa":
+        return ["w"] if rest == {"w"} else None
+    names = [f"w{k}" for k in range(len(rest))]
+    return names if rest and set(names) == rest else None
+
+
+def _check_shapes(arch: str, w, b: Tensor) -> Optional[str]:
+    if b.dim() != 2 or not 1 <= b.shape[0] <= MAX_HEADS or not b.is_floating_point():
+        return f"b must be [K, H] floats, K in [1, {MAX_HEADS}]; got {list(b.shape)}"
+    k, hidden = b.shape
+    if arch == "medusa":
+        if w.shape != (k, hidden, hidden) or w.dtype != b.dtype:
+            return f"w must be [K, H, H] = {[k, hidden, hidden]} of b's dtype; got {list(w.shape)}"
+        return None
+    if len(w) != k:
+        return f"{len(w)} weights w0.. for {k} heads"
+    for i, t in enumerate(w):
+        if t.shape != (hidden, hidden * (i + 2)) or t.dtype != b.dtype:
+            return (f"w{i} must be [H, H * {i + 2}] = {[hidden, hidden * (i + 2)]} of b's dtype; "
+                    f"got {list(t.shape)}")
+    return None
 
 
 def probe_of(lm_head: Tensor) -> list:
@@ -145,6 +199,16 @@ def apply(h: Tensor, w: Tensor, b: Tensor) -> Tensor:
     form of what the pass writes into the IR)."""
     a = torch.einsum("...h,koh->...ko", h, w) + b  # [..., K, H]
     return h[..., None, :] + torch.nn.functional.silu(a)
+
+
+def apply_hydra(h: Tensor, e: Tensor, w: list, b: Tensor) -> Tensor:
+    """Hydra's heads on ``h`` ``[..., H]`` and the path's embeddings ``e`` ``[..., K, H]``
+    (``e_0`` the token at ``t + 1``) -> ``[..., K, H]``."""
+    rows = []
+    for k, wk in enumerate(w):
+        x = torch.cat([h, e[..., :k + 1, :].flatten(-2)], -1)  # [..., H (k + 2)]
+        rows.append(h + torch.nn.functional.silu(x @ wk.t() + b[k]))
+    return torch.stack(rows, -2)
 
 
 def _matrix(v, rows: int, cols: int) -> bool:

@@ -84,6 +84,21 @@ def embedding(ids: Tensor, weight: Tensor) -> Tensor:
     return F.embedding(ids, weight)
 
 
+def _next_tokens_fake(ids, count):
+    _need(ids.dim() == 2 and not ids.is_floating_point() and not ids.is_complex(), "next_tokens",
+          f"ids must be [B, S] integers, got {_dims(ids)} {ids.dtype}")
+    return ids.new_empty((ids.shape[0], ids.shape[1], count))
+
+
+@_register(fake=_next_tokens_fake)
+def next_tokens(ids: Tensor, count: int) -> Tensor:
+    """The ``count`` tokens after each position: ``[B, S]`` -> ``[B, S, count]``, ``out[b, t,
+    j] = ids[b, t + 1 + j]`` (0 past the end). Hydra heads read them as the path already
+    drafted; in decoding the runtime passes the tree's paths instead."""
+    padded = F.pad(ids, (0, count))  # [B, S + count]
+    return padded.unfold(1, count, 1)[:, 1:ids.shape[1] + 1].contiguous()  # [B, S, count]
+
+
 def _linear_fake(x, w, b=None):
     _need(w.dim() == 2 and x.dim() >= 1 and x.shape[-1] == w.shape[1], "linear",
           f"weight {_dims(w)} does not take x {_dims(x)} (in-features must match)")
@@ -354,6 +369,7 @@ ATTRIBUTES: dict[str, dict[str, callable]] = {
     "rotary": {"scaling": _finite_positive},
     "rope": {"head_dim": _int(1)},
     "linear_int4": {"group_size": _int(2)},
+    "next_tokens": {"count": _int(1)},
     "attention": {"layer": _int(0), "num_heads": _int(1), "num_kv_heads": _int(1),
                   "head_dim": _int(1), "scale": _finite_positive, "causal": _bool,
                   "window": _optional(_int(1))},

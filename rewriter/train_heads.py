@@ -1,4 +1,4 @@
-"""Train Medusa draft heads on a frozen model, by self-distillation.
+"""Train draft heads (Medusa, Hydra) on a frozen model, by self-distillation.
 
     from rewriter.train_heads import train_heads
     report = train_heads(model, tokenizer, "heads.safetensors", num_heads=4)
@@ -11,7 +11,9 @@
    input) and cached in ``work_dir`` with the tokens: a resumed run reuses both.
 3. **Training**: only the heads' residual blocks learn; the LM head is shared and frozen.
    Head ``k`` at position ``t`` (from the prompt's last token on) learns the token at
-   ``t + k + 2``, cross-entropy weighted ``0.8**k`` (Medusa's decay). AdamW, cosine decay,
+   ``t + k + 2``, cross-entropy weighted ``0.8**k`` (Medusa's decay); a Hydra head also
+   reads the embeddings of the tokens at ``t + 1 .. t + k + 1`` (teacher forcing: the
+   path verification accepts is the model's own text). AdamW, cosine decay,
    seeded; a checkpoint in ``work_dir`` after every few hundred steps, from which an
    interrupted run resumes.
 4. **Held-out rank accuracies** of each head (on continuations of held-out prompts), which
@@ -43,9 +45,13 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
                 prompts: int = 512, heldout_prompts: int = 48, prompt_tokens: int = 64,
                 new_tokens: int = 96, epochs: int = 2, lr: float = 1e-3, batch: int = 256,
                 seed: int = 0, work_dir: Optional[Union[str, os.PathLike]] = None,
-                generate_batch: int = 16, progress: bool = True, chat: bool = True) -> dict:
+                generate_batch: int = 16, progress: bool = True, chat: bool = True,
+                arch: str = "medusa") -> dict:
     """Train heads for ``model`` (a Hugging Face causal LM, frozen) and write them to ``out``
-    (``rewriter.heads`` format); returns what was done and measured."""
+    (``rewriter.heads`` format); returns what was done and measured. ``arch``: "medusa"
+    or "hydra"."""
+    if arch not in heads_file.ARCHS:
+        raise ValueError(f"train_heads: arch must be one of {heads_file.ARCHS}, got {arch!r}")
     if type(num_heads) is not int or not 1 <= num_heads <= heads_file.MAX_HEADS:
         raise ValueError(f"train_heads: num_heads must be an int in [1, {heads_file.MAX_HEADS}], "
                          f"got {num_heads!r}")
@@ -63,22 +69,23 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
     settings = {"prompts": prompts, "heldout_prompts": heldout_prompts, "seed": seed,
                 "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "chat": chat}
     lm_head = model.get_output_embeddings().weight.detach()
+    embed = model.get_input_embeddings().weight.detach() if arch == "hydra" else None
     data, data_seconds = {}, 0.0
     for split, n in (("train", prompts), ("heldout", heldout_prompts)):
         data[split], seconds = _dataset(model, tokenizer, work, split, n, settings, generate_batch,
                                         progress)
-        data_seconds += seconds
-    w, b, trained = _train(data["train"], lm_head, num_heads, epochs, lr, batch, seed, work,
-                           settings, progress)
-    accuracy = rank_accuracy(data["heldout"], lm_head, w, b)
-    report = {**trained, "seconds_data": round(data_seconds, 1), "settings": settings,
+        data_seconds = None if seconds is None or data_seconds is None else data_seconds + seconds
+    w, b, trained = _train(data["train"], lm_head, embed, num_heads, epochs, lr, batch, seed,
+                           work, settings, progress)
+    accuracy = rank_accuracy(data["heldout"], lm_head, w, b, embed)
+    report = {**trained, "seconds_data": data_seconds and round(data_seconds, 1), "settings": settings,
               "train_tokens": int(data["train"]["tokens"].numel()),
               "heldout_top1": [round(a[0], 4) for a in accuracy],
               "heldout_top5": [round(sum(a[:5]), 4) for a in accuracy],
-              "device": str(lm_head.device)}
-    heads_file.Heads(w.to(torch.bfloat16), b.to(torch.bfloat16), lm_head.shape[0],
-                     heads_file.probe_of(lm_head), accuracy, report,
-                     produced(data["train"], lm_head.shape[0])).save(out)
+              "device": str(lm_head.device), "arch": arch}
+    w = [t.to(torch.bfloat16) for t in w] if arch == "hydra" else w.to(torch.bfloat16)
+    heads_file.Heads(w, b.to(torch.bfloat16), lm_head.shape[0], heads_file.probe_of(lm_head),
+                     accuracy, report, produced(data["train"], lm_head.shape[0]), arch).save(out)
     return report
 
 
@@ -95,7 +102,8 @@ def _dataset(model, tokenizer, work: Path, split: str, n: int, settings: dict,
         with safe_open(str(f), framework="pt") as g:
             meta = g.metadata() or {}
         if meta.get("settings") == key:
-            return load_file(str(f)), float(meta.get("seconds", "nan"))
+            seconds = meta.get("seconds")  # None: a cache from before timings were kept
+            return load_file(str(f)), float(seconds) if seconds is not None else None
     started = time.perf_counter()
     prompts = make_prompts(tokenizer, split, n, settings["prompt_tokens"], settings["seed"],
                            settings["chat"])
@@ -212,23 +220,47 @@ def _targets(data: dict, pairs: Tensor, num_heads: int) -> Tensor:
     return torch.where(ok, got, torch.full_like(got, -100))
 
 
-def _train(data: dict, lm_head: Tensor, num_heads: int, epochs: int, lr: float, batch: int,
-           seed: int, work: Path, settings: dict, progress: bool):
+def _path(data: dict, pairs: Tensor, num_heads: int) -> Tensor:
+    """``[P, K]`` the tokens at ``t + 1 .. t + K`` (Hydra's path; clamped at a row's end,
+    where the targets are -100 anyway)."""
+    tokens = data["tokens"]
+    t = (pairs[:, 1:2] + torch.arange(num_heads)[None] + 1).clamp(max=tokens.shape[1] - 1)
+    return tokens[pairs[:, :1].expand_as(t), t]
+
+
+def heads_forward(h: Tensor, w, b: Tensor, embed: Optional[Tensor], path: Optional[Tensor]) -> Tensor:
+    """Every head's output before the LM head, ``[b, K, H]``: Medusa's (``embed`` None) or
+    Hydra's on the path's embeddings."""
+    if embed is None:
+        return heads_file.apply(h, w, b)
+    return heads_file.apply_hydra(h, embed[path].to(h.dtype), w, b)
+
+
+def _train(data: dict, lm_head: Tensor, embed: Optional[Tensor], num_heads: int, epochs: int,
+           lr: float, batch: int, seed: int, work: Path, settings: dict, progress: bool):
     from safetensors.torch import load_file
     device = lm_head.device
     hidden_size = lm_head.shape[1]
     pairs = _samples(data, num_heads)
     targets = _targets(data, pairs, num_heads)
-    w = torch.zeros(num_heads, hidden_size, hidden_size, device=device, requires_grad=True)
+    path = _path(data, pairs, num_heads) if embed is not None else None
+    if embed is None:
+        w = torch.zeros(num_heads, hidden_size, hidden_size, device=device, requires_grad=True)
+        params = [w]
+    else:
+        w = [torch.zeros(hidden_size, hidden_size * (k + 2), device=device, requires_grad=True)
+             for k in range(num_heads)]
+        params = list(w)
     b = torch.zeros(num_heads, hidden_size, device=device, requires_grad=True)
-    opt = torch.optim.AdamW([w, b], lr=lr, weight_decay=0.0)
+    params.append(b)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     steps_per_epoch = math.ceil(len(pairs) / batch)
     total = steps_per_epoch * epochs
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
     ckpt = work / "checkpoint.safetensors"
     key = json.dumps({**settings, "num_heads": num_heads, "epochs": epochs, "lr": lr,
-                      "batch": batch}, sort_keys=True)
+                      "batch": batch, "arch": "medusa" if embed is None else "hydra"}, sort_keys=True)
     step, seconds = 0, 0.0
     if ckpt.is_file():
         from safetensors import safe_open
@@ -237,13 +269,12 @@ def _train(data: dict, lm_head: Tensor, num_heads: int, epochs: int, lr: float, 
         if meta.get("settings") == key:
             state = load_file(str(ckpt))
             with torch.no_grad():
-                w.copy_(state["w"])
-                b.copy_(state["b"])
+                for i, p in enumerate(params):
+                    p.copy_(state[f"p{i}"])
             opt_state = opt.state_dict()
-            opt_state["state"] = {0: {"step": state["step0"], "exp_avg": state["m0"].to(device),
-                                      "exp_avg_sq": state["v0"].to(device)},
-                                  1: {"step": state["step1"], "exp_avg": state["m1"].to(device),
-                                      "exp_avg_sq": state["v1"].to(device)}}
+            opt_state["state"] = {i: {"step": state[f"step{i}"], "exp_avg": state[f"m{i}"].to(device),
+                                      "exp_avg_sq": state[f"v{i}"].to(device)}
+                                  for i in range(len(params))}
             opt.load_state_dict(opt_state)
             step, seconds = int(meta["step"]), float(meta["seconds"])
             with warnings.catch_warnings():  # replaying the schedule, not skipping a step
@@ -264,7 +295,7 @@ def _train(data: dict, lm_head: Tensor, num_heads: int, epochs: int, lr: float, 
         h = data["hidden"][p[:, 0], p[:, 1]].to(device).float()  # [b, H]
         y = targets[idx].to(device)  # [b, K]
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            r = heads_file.apply(h, w, b)  # [b, K, H]
+            r = heads_forward(h, w, b, embed, path[idx].to(device) if path is not None else None)  # [b, K, H]
             logits = r @ head.t().to(r.dtype) if device.type != "cpu" else r.to(torch.bfloat16) @ head.t()
         ce = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten(),
                                                ignore_index=-100, reduction="none").view_as(y)
@@ -279,19 +310,20 @@ def _train(data: dict, lm_head: Tensor, num_heads: int, epochs: int, lr: float, 
         bar.update(1)
         bar.set_postfix(loss=f"{last_loss:.3f}")
         if step % CHECKPOINT_EVERY == 0 or step == total:
-            _checkpoint(ckpt, w, b, opt, step, seconds + time.perf_counter() - began, key)
+            _checkpoint(ckpt, params, opt, step, seconds + time.perf_counter() - began, key)
     bar.close()
     seconds += time.perf_counter() - began
-    return w.detach(), b.detach(), {"steps": total, "epochs": epochs, "positions": len(pairs),
+    w = w.detach() if embed is None else [t.detach() for t in w]
+    return w, b.detach(), {"steps": total, "epochs": epochs, "positions": len(pairs),
                                     "seconds_training": round(seconds, 1), "final_loss": round(last_loss, 4),
                                     "seed": seed, "lr": lr, "batch": batch}
 
 
-def _checkpoint(path: Path, w, b, opt, step: int, seconds: float, key: str) -> None:
+def _checkpoint(path: Path, params: list, opt, step: int, seconds: float, key: str) -> None:
     from safetensors.torch import save_file
     s = opt.state_dict()["state"]
-    tensors = {"w": w.detach().cpu(), "b": b.detach().cpu()}
-    for i in (0, 1):
+    tensors = {f"p{i}": p.detach().cpu() for i, p in enumerate(params)}
+    for i in range(len(params)):
         tensors[f"m{i}"] = s[i]["exp_avg"].cpu()
         tensors[f"v{i}"] = s[i]["exp_avg_sq"].cpu()
         tensors[f"step{i}"] = torch.as_tensor(s[i]["step"]).float().reshape(())
@@ -310,11 +342,15 @@ def produced(data: dict, vocab: int) -> Tensor:
 
 
 # ---------------------------------------------------------------------------- evaluation
-def rank_accuracy(data: dict, lm_head: Tensor, w: Tensor, b: Tensor, chunk: int = 512) -> list:
-    """``[K][RANKS]``: how often head ``k``'s ``r``-th best token is the right one."""
-    k = w.shape[0]
+def rank_accuracy(data: dict, lm_head: Tensor, w, b: Tensor, embed: Optional[Tensor] = None,
+                  chunk: int = 512) -> list:
+    """``[K][RANKS]``: how often head ``k``'s ``r``-th best token is the right one (Hydra:
+    given the right path before it)."""
+    k = b.shape[0]
     pairs = _samples(data, k)
     targets = _targets(data, pairs, k)
+    path = _path(data, pairs, k) if embed is not None else None
+    w = [t.float() for t in w] if embed is not None else w.float()
     hits = torch.zeros(k, RANKS)
     counts = torch.zeros(k)
     head = lm_head.float()
@@ -322,7 +358,9 @@ def rank_accuracy(data: dict, lm_head: Tensor, w: Tensor, b: Tensor, chunk: int 
         for i in range(0, len(pairs), chunk):
             p, y = pairs[i:i + chunk], targets[i:i + chunk].to(head.device)
             h = data["hidden"][p[:, 0], p[:, 1]].to(head.device).float()
-            logits = heads_file.apply(h, w.float(), b.float()) @ head.t()  # [b, K, V]
+            e = embed.float() if embed is not None else None
+            q = path[i:i + chunk].to(head.device) if path is not None else None
+            logits = heads_forward(h, w, b.float(), e, q) @ head.t()  # [b, K, V]
             top = logits.topk(RANKS, dim=-1).indices  # [b, K, RANKS]
             match = (top == y[..., None]) & (y[..., None] != -100)
             hits += match.sum(0).cpu().float()

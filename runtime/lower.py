@@ -97,6 +97,10 @@ def lower(ir: IR, last_only: bool, backend: str = "torch",
                             cast(node.args[2], node.args[0]), *new.args[3:])
         env[node] = new
     graph.eliminate_dead_code()
+    if any(n.target is table["next_tokens"] for n in graph.nodes):
+        # later positions' tokens: right on a whole sequence, wrong in a cached step
+        raise RewriterError("rw.next_tokens reads the tokens after each position; only draft "
+                            "heads may use it (their programs take the path as an input)")
     extra = transposed if transposed is not None else {}
     _lower_int4(ir, graph, table["linear_int4"], extra)
     if transposed is not None and backend == "torch":
@@ -114,9 +118,12 @@ def logits_node(ir: IR) -> fx.Node:
     return value[0] if isinstance(value, (tuple, list)) else value
 
 
-def lower_heads(ir: IR, backend: str = "torch", transposed: dict | None = None) -> fx.GraphModule:
+def lower_heads(ir: IR, backend: str = "torch", transposed: dict | None = None,
+                head: int | None = None) -> fx.GraphModule:
     """The draft heads alone: ``(h [B, S, H]) -> draft logits [B, S, K, V]``, the nodes
-    between the LM head's input and the graph's second output."""
+    between the LM head's input and the graph's second output. Hydra's heads (``head=k``):
+    ``(h [B, N, H], path [B, N, K]) -> head k's logits [B, N, V]``, the path's tokens in
+    place of the graph's ``rw.next_tokens`` (only its first ``k + 1`` columns are read)."""
     table = KERNELS
     if backend == "triton":
         from . import triton_backend
@@ -125,18 +132,31 @@ def lower_heads(ir: IR, backend: str = "torch", transposed: dict | None = None) 
     value = out.args[0]
     if not isinstance(value, (tuple, list)) or len(value) != 2:
         raise RewriterError("this IR has no draft heads (its graph returns the logits only)")
-    h, draft = logits_node(ir).args[0], value[1]
-    need, todo = set(), [draft]
-    while todo:  # the heads' nodes: from the draft logits back to h
+    h, target = logits_node(ir).args[0], value[1]
+    if head is not None:  # draft = cat([unsqueeze(logits_0, -2), ..], -2)
+        rows = target.args[0] if _is(target, torch.ops.aten.cat.default) else None
+        if rows is None or not 0 <= head < len(rows) or not _is(rows[head], torch.ops.aten.unsqueeze.default):
+            raise RewriterError("Hydra's draft logits must be a cat of one row per head")
+        target = rows[head].args[0]
+    paths = [n for n in ir.graph.nodes if n.op == "call_function" and _SHORT.get(n.target) == "next_tokens"]
+    need, todo = set(), [target]
+    while todo:  # the heads' nodes: from the draft logits back to h (and the path)
         n = todo.pop()
-        if n in need or n is h:
+        if n in need or n is h or n in paths:
             continue
         need.add(n)
         todo += n.all_input_nodes
     if any(n.op == "placeholder" for n in need):
-        raise RewriterError("the draft heads read more than the LM head's input")
+        raise RewriterError("the draft heads read more than the LM head's input (and Hydra's path)")
     graph = fx.Graph()
     env = {h: graph.placeholder("h")}
+    used = [p for p in paths if any(p in n.all_input_nodes for n in need)]
+    if len(used) > 1 or (used and head is None):
+        raise RewriterError("draft heads read one path (rw.next_tokens), with a program per head")
+    if head is not None:
+        if not used:
+            raise RewriterError("Hydra's heads read the path's tokens (rw.next_tokens)")
+        env[used[0]] = graph.placeholder("path")
     for node in ir.graph.nodes:
         if node in need:
             new = graph.node_copy(node, lambda n: env[n])
@@ -144,7 +164,7 @@ def lower_heads(ir: IR, backend: str = "torch", transposed: dict | None = None) 
             if name is not None:
                 new.target = table[name]
             env[node] = new
-    graph.output(env[draft])
+    graph.output(env[target])
     extra = transposed if transposed is not None else {}
     _fold_constants(ir, graph, extra)
     _lower_int4(ir, graph, table["linear_int4"], extra)
@@ -152,6 +172,10 @@ def lower_heads(ir: IR, backend: str = "torch", transposed: dict | None = None) 
         _transpose_linear_weights(ir, graph, transposed)
     graph.eliminate_dead_code()
     return fx.GraphModule(_flatten_weights(ir, graph, extra), graph)
+
+
+def _is(node, target) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is target
 
 
 def _fold_constants(ir: IR, graph: fx.Graph, extra: dict) -> None:

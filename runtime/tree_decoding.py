@@ -1,11 +1,14 @@
-"""Draft heads verified as a token tree (Medusa), lossless.
+"""Draft heads verified as a token tree (Medusa, Hydra), lossless.
 
 A round, for every row at once (each row at its own cache length ``length[b]``):
 
-1. **candidates**: the heads' top tokens at the row's last accepted position (computed
-   after the previous round, on that position only) fill the tree (``rewriter.tree``):
-   node ``(r0, .., rd)`` holds head ``d``'s ``rd``-th best token. The root is the token
-   the model chose last (not yet in the cache).
+1. **candidates** fill the tree (``rewriter.tree``), computed after the previous round
+   from the hidden state of the row's last accepted position. The root is the token the
+   model chose last (not yet in the cache). Medusa: node ``(r0, .., rd)`` holds head
+   ``d``'s ``rd``-th best token (one call of all heads). Hydra: head ``d`` runs, level by
+   level, on the path of every depth-``d`` node that has children (the root's token and
+   the tokens below it), and the ``rd``-th best token it gives for the path of the node's
+   parent fills the node.
 2. **verify**: the ``verify`` program over all ``n`` nodes at cache positions
    ``length + i``, token positions ``length + depth(i)``, under the tree mask: the full
    model's next-token logits after every node's path, and its hidden states.
@@ -64,7 +67,9 @@ class _TreeRounds(_Rounds):
         self.layouts: dict[int, dict] = {}
         ranks = max(p[-1] for p in self.tree.paths) + 1
         self.top = ranks
-        self.candidates: Optional[Tensor] = None  # [B, K, ranks] token ids
+        self.nodes: Optional[Tensor] = None  # [B, n] the tree's tokens (column 0: the root)
+        self.levels = _levels(self.tree.layout(self.device), self.tree.depth) \
+            if strategy.arch == "hydra" else None
         for s in cache.table.values():
             if s.window is not None and s.window <= self.tree.depth:
                 raise RewriterError(f"a tree of depth {self.tree.depth} needs attention "
@@ -80,22 +85,42 @@ class _TreeRounds(_Rounds):
         logits, h = self._call("tree_prefill", Step(self.cache, 0, batch.ids.shape[1], batch.pad),
                                batch.ids, batch.positions)
         self.stats.update(forward_passes=1, layer_evals=self.full)
-        self.draft_from(h[:, -1:])
-        return next_token(logits[:, -1], self.s, self.generator)
+        token = next_token(logits[:, -1], self.s, self.generator)
+        self.draft_from(h[:, -1:], token)
+        return token
 
     def _call(self, name: str, *args):
         with torch.inference_mode():
             return self.programs[name](*args)
 
-    def draft_from(self, h: Tensor) -> None:
-        """The heads' best tokens after hidden states ``h`` ``[B, 1, H]``."""
+    def draft_from(self, h: Tensor, root: Tensor) -> None:
+        """The tree's tokens after hidden states ``h`` ``[B, 1, H]`` and the model's next
+        token ``root`` ``[B]``."""
+        if self.levels is not None:
+            return self._hydra(h, root)
         d = self._call("heads", h)[:, 0]  # [B, K, V or Vd]
         self.stats.update(head_passes=1)
-        top = d.topk(self.top, dim=-1)
-        ids = top.indices if self.vocab is None else self.vocab[top.indices]
-        self.candidates = ids  # [B, K, ranks]
-        if self.s.do_sample and self.strategy.acceptance == "exact":
-            pass  # one-token proposals: the rule needs no draft distribution
+        ids = self._ids(d.topk(self.top, dim=-1).indices)  # [B, K, ranks]
+        lay = self.layout(self.tree.size)
+        self.nodes = torch.cat([root[:, None], ids[:, lay["head"][1:], lay["rank"][1:]]], 1)
+
+    def _hydra(self, h: Tensor, root: Tensor) -> None:
+        b, n = root.shape[0], self.tree.size
+        nodes = torch.zeros(b, n, dtype=torch.int64, device=self.device)
+        nodes[:, 0] = root
+        k = self.strategy.num_heads
+        for d, (parents, chains, children, slot, rank, top) in enumerate(self.levels):
+            path = torch.zeros(b, len(parents), k, dtype=torch.int64, device=self.device)
+            path[:, :, :d + 1] = nodes[:, chains]  # [B, P, d + 1]: root .. parent
+            logits = self._call(f"head{d}", h.expand(b, len(parents), h.shape[-1]), path)  # [B, P, V]
+            self.stats.update(head_passes=1)
+            ids = self._ids(logits.topk(top, dim=-1).indices)  # [B, P, top]
+            nodes[:, children] = ids[:, slot, rank]
+        self.nodes = nodes
+
+    def _ids(self, indices: Tensor) -> Tensor:
+        """Token ids of draft-vocabulary indices."""
+        return indices if self.vocab is None else self.vocab[indices]
 
     def round(self, last: Tensor, length: list[int], k: int, done: list[bool]):
         m = k + 1
@@ -104,7 +129,7 @@ class _TreeRounds(_Rounds):
         tokens = torch.empty(b, m, dtype=torch.int64, device=self.device)
         tokens[:, 0] = last
         if m > 1:
-            tokens[:, 1:] = self.candidates[:, lay["head"][1:], lay["rank"][1:]]  # [B, m - 1]
+            tokens[:, 1:] = self.nodes[:, 1:m]  # [B, m - 1]
         start = self.start(length, 0)
         step = Step(self.cache, start, m, self.batch.pad, end=max(length) + m,
                     tree=lay["ancestors"], depth=lay["depth"])
@@ -116,10 +141,11 @@ class _TreeRounds(_Rounds):
         paths, bonus = self.accept(logits, tokens, lay)
         self.compact(length, paths)
         ends = torch.tensor([p[-1] if p else 0 for p in paths], device=self.device)
-        self.draft_from(h[torch.arange(b, device=self.device), ends][:, None])  # [B, 1, H]
         rows = [tokens[r, p].tolist() + [bonus[r]] for r, p in enumerate(paths)]
         keep = torch.tensor(done, device=self.device)
-        return torch.where(keep, last, torch.tensor(bonus, device=self.device)), rows
+        nxt = torch.where(keep, last, torch.tensor(bonus, device=self.device))
+        self.draft_from(h[torch.arange(b, device=self.device), ends][:, None], nxt)  # [B, 1, H]
+        return nxt, rows
 
     # -------------------------------------------------------------- acceptance
     def accept(self, logits: Tensor, tokens: Tensor, lay: dict) -> tuple[list[list[int]], list[int]]:
@@ -212,3 +238,27 @@ class _TreeRounds(_Rounds):
             for t in store.values():
                 t[rows, :, dst] = t[rows, :, src]  # gathered first: sources lie past targets
         self.stats.update(kv_moves=len(moves))
+
+
+def _levels(lay: dict, depth: int) -> list[tuple]:
+    """Hydra's drafting plan, one entry per tree level ``d``: the depth-``d`` nodes with
+    children (``parents``), their paths from the root (``chains`` ``[P, d + 1]``), the
+    depth-``d + 1`` nodes (``children``), each child's parent slot in ``parents`` and
+    rank, and how many ranks the level needs."""
+    parent, depth_of, rank = lay["parent"].tolist(), lay["depth"].tolist(), lay["rank"].tolist()
+    device = lay["parent"].device
+    t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
+    out = []
+    for d in range(depth):
+        children = [i for i, x in enumerate(depth_of) if x == d + 1]
+        parents = sorted({parent[c] for c in children})
+        chains = []
+        for p in parents:
+            chain = [p]
+            while chain[-1] > 0:
+                chain.append(parent[chain[-1]])
+            chains.append(chain[::-1])  # [d + 1]: root .. p
+        slot = [parents.index(parent[c]) for c in children]
+        out.append((t(parents), t(chains), t(children), t(slot), t([rank[c] for c in children]),
+                    max(rank[c] for c in children) + 1))
+    return out

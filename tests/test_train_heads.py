@@ -51,3 +51,30 @@ def test_the_cli_trains_heads(tmp_path, capsys):
     assert main(["train-heads", "default", "--out", str(out), "--num-heads", "1", "--prompts", "4",
                  "--new-tokens", "8", "--epochs", "1", "--dtype", "float32"]) == 0
     assert heads_file.load(out).num_heads == 1 and '"steps"' in capsys.readouterr().out
+
+
+def test_hydra_training_is_seeded_resumes_and_learns_from_the_path(tmp_path, monkeypatch):
+    model, tok = default_model()
+    kw = {**SMALL, "arch": "hydra", "work_dir": tmp_path / "work"}
+    th.train_heads(model, tok, tmp_path / "a.safetensors", **kw)
+    a = heads_file.load(tmp_path / "a.safetensors", "hydra")
+    assert a.arch == "hydra" and [tuple(w.shape) for w in a.w] == [(256, 512), (256, 768)]
+    assert all(w[:, 256:].abs().sum() > 0 for w in a.w)  # the path's embeddings are read
+    monkeypatch.setattr(th, "CHECKPOINT_EVERY", 1)
+    real, calls = heads_file.apply_hydra, []
+
+    def crash(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args)
+    monkeypatch.setattr(heads_file, "apply_hydra", crash)
+    kw["work_dir"] = tmp_path / "work-b"
+    with pytest.raises(KeyboardInterrupt):
+        th.train_heads(model, tok, tmp_path / "b.safetensors", **kw)
+    monkeypatch.setattr(heads_file, "apply_hydra", real)
+    th.train_heads(model, tok, tmp_path / "b.safetensors", **kw)
+    b = heads_file.load(tmp_path / "b.safetensors", "hydra")
+    assert all(torch.equal(x, y) for x, y in zip(a.w, b.w)) and torch.equal(a.b, b.b)
+    with pytest.raises(ValueError, match="arch"):
+        th.train_heads(model, tok, tmp_path / "c.safetensors", **{**SMALL, "arch": "eagle"})

@@ -1,0 +1,201 @@
+"""Hydra draft heads: the path op, the heads in the IR against their math, drafting level
+by level against a brute-force tree, lossless greedy decoding (families, ragged batches,
+sampling), heads files, artifacts, the Triton backend and the shipped heads."""
+import pytest
+import torch
+
+import rewriter
+from rewriter import heads as heads_file
+from rewriter.errors import PassError
+from rewriter.passes import HydraHeads, MedusaHeads, from_spec
+
+from conftest import make_model, varied_init
+
+IDS = torch.tensor([[3, 17, 42, 5, 99, 8, 64], [1, 2, 3, 4, 5, 6, 7]])
+RAGGED = [[3, 17, 42, 5, 99, 8, 64, 11, 12], [1, 2, 3], [50, 51, 52, 53, 54]]
+KW = dict(max_new_tokens=24, eos_token_id=[])
+DEEP = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]  # a fixed tree: the
+# auto tree follows timings, and a busy machine may choose one too small to accept much
+WIDE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]]
+
+
+def hydra_heads(model, path, k=3, scale=0.05, seed=0):
+    """A Hydra heads file for ``model`` with seeded random weights, accuracies and counts."""
+    lm = model.get_output_embeddings().weight.detach()
+    g = torch.Generator().manual_seed(seed)
+    v, h = lm.shape
+    w = [torch.randn(h, h * (i + 2), generator=g) * scale for i in range(k)]
+    heads_file.Heads(w, torch.randn(k, h, generator=g) * scale, v, heads_file.probe_of(lm),
+                     [[0.5, 0.2, 0.1]] + [[0.4, 0.1]] * (k - 1), {"seed": seed},
+                     torch.randint(0, 50, (v,), generator=g), "hydra").save(path)
+    return path
+
+
+def model_and_file(tmp_path, config="llama-gqa-3l", **kw):
+    model = make_model(config, initializer_range=varied_init(config))
+    return model, hydra_heads(model, tmp_path / "h.safetensors", **kw)
+
+
+def test_next_tokens_shifts_the_input():
+    ids = torch.arange(10).view(2, 5)
+    out = torch.ops.rw.next_tokens(ids, 3)
+    assert out[0].tolist() == [[1, 2, 3], [2, 3, 4], [3, 4, 0], [4, 0, 0], [0, 0, 0]]
+    assert torch.equal(out[1, 0], torch.tensor([6, 7, 8]))
+
+
+def test_the_heads_in_the_ir_compute_hydras_math(tmp_path):
+    model, path = model_and_file(tmp_path)
+    hy = rewriter.optimize(model, passes=[HydraHeads(weights=str(path), tree=WIDE)])
+    text = str(hy.ir)
+    assert "rw.next_tokens" in text and "hydra_2_linear" in text
+    logits, draft = hy.ir.gm(IDS, torch.arange(7).expand(2, 7))
+    heads = heads_file.load(path, "hydra")
+    out = model(IDS, output_hidden_states=True)
+    h = out.hidden_states[-1]
+    e = model.get_input_embeddings().weight[torch.ops.rw.next_tokens(IDS, 3)]  # [B, S, K, H]
+    want = heads_file.apply_hydra(h, e, heads.w, heads.b) @ model.lm_head.weight.t()
+    assert torch.allclose(draft, want, atol=1e-4) and torch.allclose(logits, out.logits, atol=1e-4)
+
+
+def test_drafting_level_by_level_fills_each_node_from_its_parents_path(tmp_path):
+    """Every node's token is its rank among head d's guesses on the path down to its parent."""
+    model, path = model_and_file(tmp_path, scale=0.5)
+    hy = rewriter.optimize(model, passes=[HydraHeads(weights=str(path), tree=WIDE)])
+    heads = heads_file.load(path, "hydra")
+    from rewriter.runtime.tree_decoding import _TreeRounds
+    r = _TreeRounds.__new__(_TreeRounds)
+    r.programs, r.device, r.vocab = hy._lowered(), torch.device("cpu"), None
+    r.strategy = rewriter.decoding.strategy_of(hy.ir.info)
+    from rewriter.tree import make_tree
+    from rewriter.runtime.tree_decoding import _levels
+    from collections import Counter
+    r.tree, r.stats = make_tree(WIDE, 3), Counter()
+    r.levels = _levels(r.tree.layout(), r.tree.depth)
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 1, model.config.hidden_size, generator=g)
+    root = torch.tensor([5, 9])
+    r._hydra(h, root)
+    lay = r.tree.layout()
+    E, P = model.get_input_embeddings().weight.detach(), model.lm_head.weight.detach()
+    for b in range(2):
+        for i, p in enumerate(r.tree.paths, start=1):
+            chain = [0]
+            while len(chain) < len(p):
+                chain.append(1 + r.tree.paths.index(tuple(p[:len(chain)])))
+            toks = r.nodes[b, chain]  # root .. parent
+            d = len(p) - 1
+            x = torch.cat([h[b, 0], E[toks].flatten()])
+            logits = (h[b, 0] + torch.nn.functional.silu(heads.w[d] @ x + heads.b[d])) @ P.t()
+            assert int(r.nodes[b, i]) == int(logits.topk(p[-1] + 1).indices[-1]), (b, p)
+    assert r.stats["head_passes"] == 3 and int(lay["depth"].max()) == 3
+
+
+@pytest.mark.parametrize("config", ["llama-gqa-3l", "qwen2-mqa-3l", "mistral-window-3l", "gpt2-3l"])
+def test_greedy_tokens_equal_plain_greedy(config, tmp_path):
+    model, path = model_and_file(tmp_path, config)
+    plain = rewriter.optimize(model)
+    hy = rewriter.optimize(model, passes=[HydraHeads(weights=str(path), tree=WIDE)])
+    assert torch.equal(hy.generate(IDS, **KW), plain.generate(IDS, **KW))
+    together = hy.generate(RAGGED, **KW)
+    for i, row in enumerate(RAGGED):
+        assert torch.equal(together[i, -24:], plain.generate([row], **KW)[0, len(row):]), i
+    s = hy.stats
+    assert s["head_passes"] >= 3 * s["rounds"]  # one call a level
+
+
+def test_untrained_heads_accept_and_sampling_follows_the_model():
+    """Zero heads guess the LM head's token again, which random models' repetitive text
+    often accepts; sampled tokens against plain sampling, two-sample chi-square."""
+    model = make_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)
+    plain = rewriter.optimize(model)
+    hy = rewriter.optimize(model, passes=[HydraHeads(num_heads=2, tree=[[0], [1], [2], [0, 0]])])
+    ids = torch.tensor([[5, 9, 2]]).expand(3000, 3)
+    kw = dict(max_new_tokens=3, do_sample=True, top_k=0, eos_token_id=[])
+    a, b = plain.generate(ids, seed=1, **kw), hy.generate(ids, seed=2, **kw)
+    assert hy.stats["accepted"] > 0
+    for col in (4, 5):
+        ca, cb = (torch.bincount(x[:, col], minlength=48).float() for x in (a, b))
+        seen = (ca + cb) > 0
+        stat = (((ca[seen] - cb[seen]) ** 2) / (ca[seen] + cb[seen])).sum().item()
+        dof = int(seen.sum()) - 1
+        assert stat < dof + 5 * (2 * dof) ** 0.5, (col, stat, dof)
+
+
+def test_draft_vocabulary_artifact_round_trip_and_auto_tree(tmp_path):
+    model, path = model_and_file(tmp_path)
+    plain = rewriter.optimize(model)
+    p = HydraHeads(weights=str(path), draft_vocab=32, max_nodes=6)
+    hy = rewriter.optimize(model, passes=[p])
+    assert hy.ir.info["decoding"]["arch"] == "hydra" and 1 <= len(hy.ir.info["decoding"]["tree"]) <= 6
+    assert torch.equal(hy.generate(RAGGED, **KW), plain.generate(RAGGED, **KW))
+    hy.save(tmp_path / "a")
+    loaded = rewriter.load(tmp_path / "a")
+    assert set(loaded.programs()) == {"prefill", "decode", "tree_prefill", "verify", "head0",
+                                      "head1", "head2"}
+    assert torch.equal(loaded.generate(RAGGED, **KW), plain.generate(RAGGED, **KW))
+    assert torch.equal(loaded(IDS), plain(IDS))
+
+
+def test_heads_files_name_their_architecture_and_bad_ones_are_refused(tmp_path):
+    model, path = model_and_file(tmp_path)
+    with pytest.raises(ValueError, match="holds hydra heads"):
+        MedusaHeads(weights=str(path))
+    from safetensors.torch import load_file, save_file
+    from safetensors import safe_open
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+    t = load_file(str(path))
+    for name, edit, match in (
+            ("gap", lambda t: t.pop("w1"), "holds the tensors"),
+            ("shape", lambda t: t.update(w1=torch.zeros(64, 64)), "w1 must be"),
+            ("nan", lambda t: t["w2"].fill_(float("nan")), "NaN")):
+        bad = {k: v.clone() for k, v in t.items()}
+        edit(bad)
+        save_file(bad, str(tmp_path / f"{name}.safetensors"), metadata=meta)
+        with pytest.raises(ValueError, match=match):
+            HydraHeads(weights=str(tmp_path / f"{name}.safetensors"))
+    save_file(t, str(tmp_path / "arch.safetensors"), metadata={**meta, "arch": "eagle"})
+    with pytest.raises(ValueError, match="unknown heads architecture"):
+        HydraHeads(weights=str(tmp_path / "arch.safetensors"))
+    assert isinstance(from_spec("hydra_heads:num_heads=2"), HydraHeads)
+
+
+def test_a_graph_that_uses_next_tokens_for_its_logits_is_refused():
+    """rw.next_tokens reads later positions: a cached step cannot run it."""
+    model = make_model("llama-gqa-3l")
+    eng = rewriter.optimize(model)
+    ir = eng.ir
+    g = ir.graph
+    (out,) = g.find_nodes(op="output")
+    ids = next(iter(g.find_nodes(op="placeholder")))
+    logits = out.args[0]
+    with g.inserting_before(out):
+        nxt = g.call_function(torch.ops.rw.next_tokens.default, (ids, 1))
+        emb = next(n for n in g.nodes if n.target is torch.ops.rw.embedding.default)
+        e = g.call_function(torch.ops.rw.embedding.default, (g.call_function(
+            torch.ops.aten.select.int, (nxt, -1, 0)), emb.args[1]))
+        new = g.call_function(torch.ops.aten.add.Tensor, (logits, g.call_function(
+            torch.ops.aten.sum.dim_IntList, (e, [-1], True))))
+    out.args = (new,)
+    from rewriter.runtime.lower import lower
+    with pytest.raises(rewriter.errors.RewriterError, match="next_tokens"):
+        lower(ir, False)
+
+
+def test_the_triton_backend_gives_the_same_tokens(tmp_path):
+    model = make_model("llama-gqa-3l", initializer_range=0.2, num_hidden_layers=2)
+    path = hydra_heads(model, tmp_path / "h.safetensors", k=2)
+    plain = rewriter.optimize(model)
+    hy = rewriter.optimize(model, passes=[HydraHeads(weights=str(path), tree=[[0], [1], [0, 0]])],
+                           backend="triton")
+    kw = dict(max_new_tokens=6, eos_token_id=[])
+    assert torch.equal(hy.generate(RAGGED[:2], **kw), plain.generate(RAGGED[:2], **kw))
+
+
+def test_the_default_model_with_its_shipped_hydra_heads_is_lossless_and_accepts():
+    plain = rewriter.from_pretrained("default")
+    hy = rewriter.from_pretrained("default", passes=[HydraHeads(weights="default", tree=DEEP)])
+    ids = [plain.tokenizer.encode("def main(").ids, plain.tokenizer.encode("import os\n").ids]
+    assert torch.equal(hy.generate(ids, max_new_tokens=48), plain.generate(ids, max_new_tokens=48))
+    s = hy.stats
+    assert s["accepted"] / s["row_rounds"] > 1.0
