@@ -69,7 +69,10 @@ def prefill_attention_kernel(
             ok = ok & ((qi[:, None] - kj[None, :] < window) | (kj[None, :] < first + sinks))
         if HAS_TREE:  # the step's own keys: ancestors and self only
             rel = kj - q_start
-            bit = (ancestors[:, None] >> tl.where(rel >= 0, rel, 0).to(tl.int64)[None, :]) & 1
+            # shifts stay in [0, 63]: a shift past the width is undefined on a GPU (keys past
+            # the step are masked by causality anyway)
+            shift = tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)
+            bit = (ancestors[:, None] >> shift[None, :]) & 1
             ok = ok & ((rel[None, :] < 0) | (bit != 0))
         s = tl.where(ok, s, float("-inf"))
         m, lsum, acc = online_softmax_step(s, v, m, lsum, acc)

@@ -120,8 +120,9 @@ class MedusaHeads(Pass):
         else:
             insert(ir, head, self._weights(weight), self._vocab(weight), self.name)
         tree = self._tree(ir)
+        vocab = None if self.draft_vocab is None else min(self.draft_vocab, weight.shape[0])
         strategy = Strategy("medusa", arch=self.ARCH, num_heads=self.num_heads, tree=tree.paths,
-                            draft_vocab=self.draft_vocab, acceptance=self.acceptance,
+                            draft_vocab=vocab, acceptance=self.acceptance,
                             posterior_threshold=self.posterior_threshold,
                             posterior_alpha=self.posterior_alpha)
         why = check_record(strategy.record())
@@ -159,9 +160,11 @@ class MedusaHeads(Pass):
         accuracy = self.heads.accuracy if self.heads is not None else []
         if not accuracy:  # untrained heads: nothing to choose from
             return chain(self.num_heads)
-        from rewriter.calibrate import verify_cost  # measures the runtime's decode program
+        from rewriter.calibrate import heads_cost, verify_cost  # times the runtime's programs
         cost = verify_cost(ir, self.max_nodes + 1, runs=5)
-        tree, self.report = choose_tree(accuracy, cost, self.max_nodes)
+        hydra = self.ARCH == "hydra"
+        per_call = heads_cost(ir, self.num_heads, hydra, runs=5)
+        tree, self.report = choose_tree(accuracy, cost, self.max_nodes, per_call, per_level=hydra)
         self.report = {**self.report, "verify_cost": [round(c, 3) for c in cost[1:]]}
         return tree
 

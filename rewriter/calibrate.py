@@ -110,6 +110,37 @@ def verify_cost(ir: IR, most: int, runs: int = 15) -> list[float]:
     return [0.0] + [statistics.median(times[s]) / one for s in times]
 
 
+def heads_cost(ir: IR, num_heads: int, hydra: bool, runs: int = 15) -> float:
+    """One call of the draft heads' program (Medusa: all heads on one row; Hydra: one head on
+    four paths, a level's typical call) over one decode step, at batch 1 (medians)."""
+    from rewriter.runtime.attention import Step
+    from rewriter.runtime.kv_cache import KVCache, cache_table
+    from rewriter.runtime.lower import logits_node, lower, lower_heads
+    decode = lower(ir, False, "torch", {})
+    heads = lower_heads(ir, "torch", {}, head=0 if hydra else None)
+    weight = max((t for t in ir.weights().values() if t.is_floating_point()), key=torch.Tensor.numel)
+    h = logits_node(ir).args[0].meta["val"]
+    rows = 4 if hydra else 1
+    x = torch.zeros(1, rows, h.shape[-1], dtype=h.dtype, device=weight.device)
+    args = (x, torch.zeros(1, rows, num_heads, dtype=torch.long, device=weight.device)) \
+        if hydra else (x,)
+    cache = KVCache(cache_table(ir.gm), 1, 65, weight.dtype, weight.device)
+    ids = torch.zeros(1, 1, dtype=torch.long, device=weight.device)
+    positions = torch.full((1, 1), 64, device=weight.device)
+    step_t, head_t = [], []
+    for r in range(runs + 1):
+        with torch.inference_mode():
+            t = time.perf_counter()
+            decode(Step(cache, 64, 1, None), ids, positions)
+            t1 = time.perf_counter()
+            heads(*args)
+            t2 = time.perf_counter()
+        if r:
+            step_t.append(t1 - t)
+            head_t.append(t2 - t1)
+    return statistics.median(head_t) / statistics.median(step_t)
+
+
 def _batch(ir: IR, prompts) -> torch.Tensor:
     if not prompts or not all(isinstance(p, (list, tuple)) and len(p) >= 2 for p in prompts):
         raise ValueError("calibration prompts must be lists of at least 2 token ids")

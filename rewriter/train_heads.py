@@ -70,16 +70,20 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
                 "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "chat": chat}
     lm_head = model.get_output_embeddings().weight.detach()
     embed = model.get_input_embeddings().weight.detach() if arch == "hydra" else None
+    # caches and checkpoints belong to one model: a work dir reused for another is not read
+    settings["model"] = fingerprint(model)
     data, data_seconds = {}, 0.0
     for split, n in (("train", prompts), ("heldout", heldout_prompts)):
         data[split], seconds = _dataset(model, tokenizer, work, split, n, settings, generate_batch,
                                         progress)
+        data[split]["end"] = _ends(data[split], new_tokens, _eos_ids(model, tokenizer))
         data_seconds = None if seconds is None or data_seconds is None else data_seconds + seconds
     w, b, trained = _train(data["train"], lm_head, embed, num_heads, epochs, lr, batch, seed,
                            work, settings, progress)
     accuracy = rank_accuracy(data["heldout"], lm_head, w, b, embed)
-    report = {**trained, "seconds_data": data_seconds and round(data_seconds, 1), "settings": settings,
-              "train_tokens": int(data["train"]["tokens"].numel()),
+    report = {**trained, "seconds_data": data_seconds and round(data_seconds, 1),
+              "settings": {k: v for k, v in settings.items() if k != "model"},
+              "train_tokens": int((data["train"]["end"] - data["train"]["start"]).sum()),
               "heldout_top1": [round(a[0], 4) for a in accuracy],
               "heldout_top5": [round(sum(a[:5]), 4) for a in accuracy],
               "device": str(lm_head.device), "arch": arch}
@@ -90,6 +94,36 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
 
 
 # ---------------------------------------------------------------------------- data
+def fingerprint(model) -> dict:
+    """What identifies the model a cache was made with: its LM head's shape, dtype and
+    first weights."""
+    lm = model.get_output_embeddings().weight.detach()
+    return {"shape": list(lm.shape), "dtype": str(lm.dtype), "probe": heads_file.probe_of(lm)}
+
+
+def _eos_ids(model, tokenizer) -> set:
+    ids = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        v = getattr(source, "eos_token_id", None) if source is not None else None
+        ids |= set(v if isinstance(v, (list, tuple)) else [] if v is None else [v])
+    return ids
+
+
+def _ends(data: dict, new_tokens: int, eos: set) -> Tensor:
+    """``[N]`` where each row's text ends: after its ``new_tokens`` generated tokens (the
+    rest is right padding), or after the first end-of-sequence token among them (decoding
+    stops there: what follows is never drafted for)."""
+    tokens, start = data["tokens"], data["start"]
+    end = start + new_tokens
+    if eos:
+        for r in range(len(tokens)):
+            made = tokens[r, int(start[r]):int(end[r])]
+            hit = torch.isin(made, torch.tensor(sorted(eos))).nonzero()
+            if len(hit):
+                end[r] = int(start[r]) + int(hit[0]) + 1
+    return end
+
+
 def _dataset(model, tokenizer, work: Path, split: str, n: int, settings: dict,
              generate_batch: int, progress: bool) -> dict:
     """(``{"tokens" [N, L], "start" [N], "hidden" [N, L, H]}``, the seconds making it took),
@@ -203,11 +237,10 @@ def _hidden_states(model, tokens: Tensor, progress: bool, split: str, chunk: int
 # ---------------------------------------------------------------------------- training
 def _samples(data: dict, num_heads: int) -> Tensor:
     """``[P, 2]`` (row, position) pairs whose head-0 target is a generated token: from the
-    prompt's last token on."""
-    tokens, start = data["tokens"], data["start"]
-    n, length = tokens.shape
-    pairs = [(r, t) for r in range(n) for t in range(int(start[r]) - 1, length - 2)]
-    return torch.tensor(pairs)
+    prompt's last token on, up to the row's end (``data["end"]``: not the padding)."""
+    start, end = data["start"], data["end"]
+    pairs = [(r, t) for r in range(len(start)) for t in range(int(start[r]) - 1, int(end[r]) - 2)]
+    return torch.tensor(pairs, dtype=torch.int64).view(-1, 2)
 
 
 def _targets(data: dict, pairs: Tensor, num_heads: int) -> Tensor:
@@ -215,7 +248,7 @@ def _targets(data: dict, pairs: Tensor, num_heads: int) -> Tensor:
     tokens = data["tokens"]
     length = tokens.shape[1]
     t = pairs[:, 1:2] + torch.arange(num_heads)[None] + 2  # [P, K]
-    ok = t < length
+    ok = t < data["end"][pairs[:, 0]][:, None]
     got = tokens[pairs[:, :1].expand_as(t), t.clamp(max=length - 1)]
     return torch.where(ok, got, torch.full_like(got, -100))
 
@@ -260,8 +293,9 @@ def _train(data: dict, lm_head: Tensor, embed: Optional[Tensor], num_heads: int,
         opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
     ckpt = work / "checkpoint.safetensors"
     key = json.dumps({**settings, "num_heads": num_heads, "epochs": epochs, "lr": lr,
-                      "batch": batch, "arch": "medusa" if embed is None else "hydra"}, sort_keys=True)
-    step, seconds = 0, 0.0
+                      "batch": batch, "arch": "medusa" if embed is None else "hydra",
+                      "samples": 2}, sort_keys=True)  # 2: rows end at their text's end
+    step, seconds, resumed_loss = 0, 0.0, float("nan")
     if ckpt.is_file():
         from safetensors import safe_open
         with safe_open(str(ckpt), framework="pt") as g:
@@ -277,6 +311,7 @@ def _train(data: dict, lm_head: Tensor, embed: Optional[Tensor], num_heads: int,
                                   for i in range(len(params))}
             opt.load_state_dict(opt_state)
             step, seconds = int(meta["step"]), float(meta["seconds"])
+            resumed_loss = float(meta.get("loss", "nan"))
             with warnings.catch_warnings():  # replaying the schedule, not skipping a step
                 warnings.simplefilter("ignore")
                 for _ in range(step):
@@ -286,7 +321,7 @@ def _train(data: dict, lm_head: Tensor, embed: Optional[Tensor], num_heads: int,
     bar = _bar(progress, total, "train heads", "step")
     bar.update(step)
     began = time.perf_counter()
-    last_loss = float("nan")
+    last_loss = resumed_loss  # a run resumed at its end trains no step
     while step < total:
         epoch, at = divmod(step, steps_per_epoch)
         order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(seed * 1000 + epoch))
@@ -310,7 +345,7 @@ def _train(data: dict, lm_head: Tensor, embed: Optional[Tensor], num_heads: int,
         bar.update(1)
         bar.set_postfix(loss=f"{last_loss:.3f}")
         if step % CHECKPOINT_EVERY == 0 or step == total:
-            _checkpoint(ckpt, params, opt, step, seconds + time.perf_counter() - began, key)
+            _checkpoint(ckpt, params, opt, step, seconds + time.perf_counter() - began, key, last_loss)
     bar.close()
     seconds += time.perf_counter() - began
     w = w.detach() if embed is None else [t.detach() for t in w]
@@ -319,7 +354,8 @@ def _train(data: dict, lm_head: Tensor, embed: Optional[Tensor], num_heads: int,
                                     "seed": seed, "lr": lr, "batch": batch}
 
 
-def _checkpoint(path: Path, params: list, opt, step: int, seconds: float, key: str) -> None:
+def _checkpoint(path: Path, params: list, opt, step: int, seconds: float, key: str,
+                loss: float) -> None:
     from safetensors.torch import save_file
     s = opt.state_dict()["state"]
     tensors = {f"p{i}": p.detach().cpu() for i, p in enumerate(params)}
@@ -329,15 +365,15 @@ def _checkpoint(path: Path, params: list, opt, step: int, seconds: float, key: s
         tensors[f"step{i}"] = torch.as_tensor(s[i]["step"]).float().reshape(())
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata={"step": str(step), "seconds": f"{seconds:.3f}",
-                                           "settings": key})
+                                           "settings": key, "loss": repr(loss)})
     os.replace(tmp, path)
 
 
 def produced(data: dict, vocab: int) -> Tensor:
     """``[V]`` how often the model produced each token (its continuations only): the
     draft vocabulary keeps the most frequent (VocabTrim)."""
-    tokens, start = data["tokens"], data["start"]
-    made = torch.cat([row[int(s):] for row, s in zip(tokens, start)])
+    tokens, start, end = data["tokens"], data["start"], data["end"]
+    made = torch.cat([row[int(s):int(e)] for row, s, e in zip(tokens, start, end)])
     return torch.bincount(made, minlength=vocab)[:vocab]
 
 

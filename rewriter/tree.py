@@ -122,10 +122,12 @@ def _path_probability(path, accuracy) -> float:
 
 
 def choose_tree(accuracy: Sequence[Sequence[float]], cost: Sequence[float],
-                max_nodes: int = MAX_NODES - 1) -> tuple[Tree, dict]:
-    """The tree that maximises ``expected_tokens / cost[size]`` (``cost[s]``: verifying
-    ``s`` tokens, in units of one; ``cost[0]`` unused), with at most ``max_nodes`` nodes
-    and ``len(cost) - 2`` at most; and what it predicts."""
+                max_nodes: int = MAX_NODES - 1, head_cost: float = 0.0,
+                per_level: bool = False) -> tuple[Tree, dict]:
+    """The tree that maximises ``expected_tokens / (cost[size] + heads)`` (``cost[s]``:
+    verifying ``s`` tokens, in units of one; ``cost[0]`` unused; ``heads``: the draft heads'
+    calls a round, ``head_cost`` each: one, or one per level with ``per_level`` (Hydra)),
+    with at most ``max_nodes`` nodes and ``len(cost) - 2`` at most; and what it predicts."""
     num_heads = len(accuracy)
     # Verifying more tokens never costs less: a timing that says so is noise (a busy
     # machine), and trusting it would pick a tree by its luckiest measurement.
@@ -142,11 +144,13 @@ def choose_tree(accuracy: Sequence[Sequence[float]], cost: Sequence[float],
             for r in range(MAX_RANK):
                 child = best + (r,)
                 frontier[child] = _path_probability(child, accuracy)
-    best_m, best_rate, expected = 0, 1.0 / cost[1], 1.0
-    total = 1.0
+    heads = lambda depth: head_cost * (depth if per_level else 1)  # noqa: E731
+    best_m, best_rate, expected = 0, 1.0 / (cost[1] + heads(1)), 1.0
+    total, depth = 1.0, 0
     for m, p in enumerate(order, start=1):
         total += _path_probability(p, accuracy)
-        rate = total / cost[m + 1]
+        depth = max(depth, len(p))
+        rate = total / (cost[m + 1] + heads(depth))
         if rate > best_rate:
             best_m, best_rate, expected = m, rate, total
     if best_m == 0:
@@ -155,5 +159,5 @@ def choose_tree(accuracy: Sequence[Sequence[float]], cost: Sequence[float],
     else:
         tree = make_tree(order[:best_m], num_heads)
     return tree, {"expected_tokens": round(expected, 4),
-                  "predicted_speedup": round(expected / cost[tree.size], 4),
-                  "nodes": tree.size - 1}
+                  "predicted_speedup": round(expected / (cost[tree.size] + heads(tree.depth)), 4),
+                  "nodes": tree.size - 1, "head_cost": round(head_cost, 4)}

@@ -190,7 +190,10 @@ def _fold_constants(ir: IR, graph: fx.Graph, extra: dict) -> None:
         if name not in extra:
             value = lambda a: (extra[a.target] if a.target in extra else ir.weight(a.target)) \
                 if isinstance(a, fx.Node) else a  # noqa: E731
-            extra[name] = node.target(*fx.node.map_aggregate(node.args, value)).detach()
+            try:
+                extra[name] = node.target(*fx.node.map_aggregate(node.args, value)).detach()
+            except (IndexError, RuntimeError, TypeError, ValueError) as e:  # an edited artifact
+                raise RewriterError(f"{node.name} ({node.target}) fails on its weights: {e}") from None
         with graph.inserting_before(node):
             node.replace_all_uses_with(graph.get_attr(name))
         graph.erase_node(node)

@@ -67,12 +67,21 @@ def check_heads(ir: IR, s) -> None:
                             f"says {s.num_heads} heads over {width} tokens")
     if max(p[-1] for p in s.tree) >= width:
         raise RewriterError(f"the tree asks for ranks beyond the {width}-token draft vocabulary")
-    if s.draft_vocab is not None:
-        try:
-            ids = ir.weight("medusa.vocab")
-        except AttributeError:
-            raise RewriterError("a draft vocabulary needs its ids, the weight medusa.vocab") from None
+    has_vocab = _has_weight(ir, "medusa.vocab")
+    if (s.draft_vocab is not None) != has_vocab:
+        raise RewriterError("the decoding record's draft_vocab and the weight medusa.vocab must "
+                            "come together (both or neither)")
+    if has_vocab:
+        ids = ir.weight("medusa.vocab")
         if (ids.dtype != torch.int64 or ids.shape != (width,) or bool((ids < 0).any())
                 or bool((ids >= vocab).any()) or len(ids.unique()) != width):
             raise RewriterError(f"medusa.vocab must hold {width} distinct int64 token ids in "
                                 f"[0, {vocab})")
+
+
+def _has_weight(ir: IR, name: str) -> bool:
+    try:
+        ir.weight(name)
+    except AttributeError:
+        return False
+    return True

@@ -190,12 +190,12 @@ class _TreeRounds(_Rounds):
                     if u < p[t]:
                         chosen = c
                         break
-                    p = p.clone()
-                    p[t] = 0  # rejected: the rest of the distribution, renormalised
-                    total = p.sum()
-                    if total <= 0:
+                    rest = p.clone()
+                    rest[t] = 0  # rejected: the rest of the distribution, renormalised
+                    total = rest.sum()
+                    if total <= 0:  # rounding left no mass: p was all on t (then u < p[t])
                         break
-                    p = p / total
+                    p = rest / total
                 if chosen is None:
                     if self.s.do_sample:
                         extra = int(torch.multinomial(p, 1, generator=self.generator))

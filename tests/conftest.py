@@ -131,3 +131,40 @@ def hf_greedy(model, ids, new_tokens, attention_mask=None):
     with torch.no_grad():
         return model.generate(ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
                               do_sample=False, eos_token_id=None, pad_token_id=0)
+
+
+def oracle_drafts(monkeypatch, continuations, vocab: int) -> dict:
+    """Make draft-head decoding draft the right answer: every tree node on the all-rank-0
+    chain gets plain greedy's true next token (``continuations[r]``: row ``r``'s generated
+    tokens), every other node a wrong one. Rounds then accept whole chains, so paths end
+    at every depth, K/V rows move, EOS falls inside accepted paths. Returns a record of the
+    accepted drafts (``accepted``: per round, per row, the drafted tokens kept)."""
+    import torch
+    from rewriter.runtime import tree_decoding as td
+    seen = {"accepted": []}
+    real_accept = td._TreeRounds.accept
+
+    def accept(self, logits, tokens, lay):
+        paths, bonus = real_accept(self, logits, tokens, lay)
+        self._oracle_paths = paths
+        seen["accepted"].append([tokens[r, p].tolist() for r, p in enumerate(paths)])
+        return paths, bonus
+
+    def draft_from(self, h, root):
+        b = root.shape[0]
+        if getattr(self, "_oracle_pos", None) is None:
+            self._oracle_pos = [0] * b  # the root is each row's first generated token
+        else:
+            self._oracle_pos = [p + len(q) + 1 for p, q in zip(self._oracle_pos, self._oracle_paths)]
+        nodes = torch.zeros(b, self.tree.size, dtype=torch.int64, device=root.device)
+        nodes[:, 0] = root
+        for i, path in enumerate(self.tree.paths, start=1):
+            for r in range(b):
+                j = self._oracle_pos[r] + len(path)
+                true = int(continuations[r][j]) if j < len(continuations[r]) else 0
+                nodes[r, i] = true if not any(path) else (true + 1 + path[-1]) % vocab
+        self.nodes = nodes
+
+    monkeypatch.setattr(td._TreeRounds, "accept", accept)
+    monkeypatch.setattr(td._TreeRounds, "draft_from", draft_from)
+    return seen

@@ -13,7 +13,7 @@ from rewriter.runtime.attention import Step
 from rewriter.runtime.kv_cache import KVCache, cache_table
 from rewriter.tree import Tree, choose_tree, expected_tokens, make_tree
 
-from conftest import CONFIGS, make_model, varied_init
+from conftest import CONFIGS, make_model, oracle_drafts, varied_init
 
 IDS = torch.tensor([[3, 17, 42, 5, 99, 8, 64], [1, 2, 3, 4, 5, 6, 7]])
 RAGGED = [[3, 17, 42, 5, 99, 8, 64, 11, 12], [1, 2, 3], [50, 51, 52, 53, 54]]
@@ -150,6 +150,13 @@ def test_choose_tree_weighs_accuracy_against_verify_cost():
     small, _ = choose_tree(acc, dear, max_nodes=20)
     assert small.size < tree.size
     assert expected_tokens(Tree(((0,), (0, 0))), acc) == pytest.approx(1 + 0.6 + 0.24)
+    # the heads' own calls: one a round (Medusa) or one a level (Hydra)
+    _, once = choose_tree(acc, cheap, max_nodes=20, head_cost=0.5)
+    assert once["predicted_speedup"] == pytest.approx(info["expected_tokens"] / 1.5, abs=1e-3)
+    shallow, levels = choose_tree(acc, cheap, max_nodes=20, head_cost=0.5, per_level=True)
+    assert shallow.depth < tree.depth
+    assert levels["predicted_speedup"] == pytest.approx(
+        levels["expected_tokens"] / (1 + 0.5 * shallow.depth), abs=1e-3)
 
 
 # ---------------------------------------------------------------------------- decoding
@@ -229,13 +236,25 @@ def test_tree_sampling_rule_alone_is_unbiased():
     assert ((freq - p).abs() <= 5 * (p * (1 - p) / b).sqrt() + 1e-3).all(), (freq, p)
 
 
-def test_typical_acceptance_is_an_explicit_lossy_option():
-    plain, _ = pair("llama-gqa-3l")
-    model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
-    typical = rewriter.optimize(model, passes=[MedusaHeads(num_heads=3, tree=WIDE, acceptance="typical")])
-    out = typical.generate(IDS, **KW)
-    assert out.shape == plain.generate(IDS, **KW).shape
-    assert typical.ir.info["decoding"]["acceptance"] == "typical"
+def test_typical_acceptance_on_hand_made_logits_accepts_what_greedy_would_not():
+    """p = [.5, .3, .15, .05]: entropy 1.14 nats, so the bar is min(0.09, 0.3 e^-1.14) =
+    0.09: token 2 (p .15, not the argmax) passes, token 3 (p .05) does not."""
+    from rewriter.runtime.settings import GenerationSettings
+    from rewriter.runtime.tree_decoding import _TreeRounds
+    r = _TreeRounds.__new__(_TreeRounds)
+    r.s, r.generator, r.device = GenerationSettings(), None, torch.device("cpu")
+    r.strategy = rewriter.decoding.Strategy("medusa", num_heads=1, tree=((0,), (1,)),
+                                            acceptance="typical")
+    lay = make_tree([[0], [1]], 1).layout()
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    after = torch.tensor([0.0, 0.0, 0.0, 9.0])  # after the accepted child: token 3
+    logits = torch.stack([p.log(), after, after])[None]  # [1, 3 nodes, 4]
+    for children, path, bonus in (([3, 2], [2], 3), ([3, 1], [2], 3), ([3, 3], [], 0)):
+        tokens = torch.tensor([[0, *children]])
+        assert r.accept(logits, tokens, lay) == ([path], [bonus]), children
+    greedy = rewriter.decoding.Strategy("medusa", num_heads=1, tree=((0,), (1,)))
+    r.strategy = greedy
+    assert r.accept(logits, torch.tensor([[0, 3, 2]]), lay) == ([[]], [0])  # greedy: neither
 
 
 # ---------------------------------------------------------------------------- heads, files, artifacts
@@ -346,3 +365,55 @@ def test_triton_prefill_kernel_takes_the_tree_as_ancestor_bit_sets():
     outs = [fn(Step(c, 5, n, pad, tree=lay["ancestors"], depth=lay["depth"]), q, k, v, 0, 4, 2, 16, 0.25, None)
             for fn, c in ((cached_attention, caches[0]), (triton_attention.cached_attention, caches[1]))]
     assert torch.allclose(outs[0], outs[1], atol=1e-5)
+
+
+# ---------------------------------------------------------------------------- oracle drafts
+@pytest.mark.parametrize("config", ["llama-gqa-3l", "mistral-window-3l", "gpt2-3l"])
+def test_right_drafts_are_accepted_whole_and_the_output_stays_plain_greedys(config, monkeypatch):
+    """With drafts that are right (an oracle in place of the heads), every round accepts a
+    whole chain: deep paths, moved K/V rows and ragged rows, still plain greedy's tokens."""
+    plain, med = pair(config)
+    ref = plain.generate(RAGGED, **KW)
+    seen = oracle_drafts(monkeypatch, ref[:, -24:].tolist(), 128)
+    assert torch.equal(med.generate(RAGGED, **KW), ref)
+    s = med.stats
+    assert s["accepted"] / s["row_rounds"] > 2 and s["kv_moves"] > 0  # depth-3 chains
+    assert max(len(t) for rnd in seen["accepted"] for t in rnd) == 3
+
+
+def test_eos_inside_an_accepted_draft_ends_the_row_as_plain_decoding_does(monkeypatch):
+    plain, med = pair("llama-gqa-3l")
+    free = plain.generate(IDS, **KW)[:, IDS.shape[1]:]
+    seen = oracle_drafts(monkeypatch, free.tolist(), 128)
+    for at in (3, 5, 10):
+        eos = int(free[0, at])
+        kw = dict(max_new_tokens=24, eos_token_id=eos, pad_token_id=0)
+        seen["accepted"].clear()
+        assert torch.equal(med.generate(IDS, **kw), plain.generate(IDS, **kw)), at
+        assert any(eos in t for rnd in seen["accepted"] for t in rnd), at  # drafted, accepted
+
+
+def test_right_drafts_reaching_the_end_of_the_cache_are_cut_short(monkeypatch):
+    plain, med = pair("llama-gqa-3l")  # context: 128 positions
+    ids = torch.stack([torch.arange(1, 101) % 120, torch.arange(100, 0, -1) % 97])
+    kw = dict(max_new_tokens=28, eos_token_id=[])
+    ref = plain.generate(ids, **kw)
+    oracle_drafts(monkeypatch, ref[:, 100:].tolist(), 128)
+    assert torch.equal(med.generate(ids, **kw), ref)
+    assert med.stats["accepted"] / med.stats["row_rounds"] > 2
+
+
+def test_records_that_disagree_with_the_graphs_draft_vocabulary_are_refused(tmp_path):
+    from rewriter.errors import RewriterError
+    from rewriter.runtime.programs import build_programs
+    model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
+    path = random_heads(model, tmp_path / "h.safetensors")
+    big = rewriter.optimize(model, passes=[MedusaHeads(weights=str(path), draft_vocab=500, tree=WIDE)])
+    assert big.ir.info["decoding"]["draft_vocab"] == 128  # the whole vocabulary: recorded as such
+    big.ir.info["decoding"]["draft_vocab"] = None  # the graph still trims through medusa.vocab
+    with pytest.raises(RewriterError, match="come together"):
+        build_programs(big.ir, "torch", {})
+    big.ir.info["decoding"]["draft_vocab"] = 128
+    big.ir.weight("medusa.vocab")[0] = 999  # an id outside the vocabulary
+    with pytest.raises(RewriterError, match="distinct int64 token ids"):
+        build_programs(big.ir, "torch", {})

@@ -9,7 +9,7 @@ from rewriter import heads as heads_file
 from rewriter.errors import PassError
 from rewriter.passes import HydraHeads, MedusaHeads, from_spec
 
-from conftest import make_model, varied_init
+from conftest import make_model, oracle_drafts, varied_init
 
 IDS = torch.tensor([[3, 17, 42, 5, 99, 8, 64], [1, 2, 3, 4, 5, 6, 7]])
 RAGGED = [[3, 17, 42, 5, 99, 8, 64, 11, 12], [1, 2, 3], [50, 51, 52, 53, 54]]
@@ -199,3 +199,15 @@ def test_the_default_model_with_its_shipped_hydra_heads_is_lossless_and_accepts(
     assert torch.equal(hy.generate(ids, max_new_tokens=48), plain.generate(ids, max_new_tokens=48))
     s = hy.stats
     assert s["accepted"] / s["row_rounds"] > 1.0
+
+
+def test_right_drafts_are_accepted_whole(tmp_path, monkeypatch):
+    """The Hydra engine's rounds with drafts that are right (an oracle in place of the
+    heads' guesses): whole chains accepted, plain greedy's tokens."""
+    model, path = model_and_file(tmp_path)
+    plain = rewriter.optimize(model)
+    hy = rewriter.optimize(model, passes=[HydraHeads(weights=str(path), tree=WIDE)])
+    ref = plain.generate(RAGGED, **KW)
+    oracle_drafts(monkeypatch, ref[:, -24:].tolist(), 128)
+    assert torch.equal(hy.generate(RAGGED, **KW), ref)
+    assert hy.stats["accepted"] / hy.stats["row_rounds"] > 2

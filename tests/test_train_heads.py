@@ -78,3 +78,17 @@ def test_hydra_training_is_seeded_resumes_and_learns_from_the_path(tmp_path, mon
     assert all(torch.equal(x, y) for x, y in zip(a.w, b.w)) and torch.equal(a.b, b.b)
     with pytest.raises(ValueError, match="arch"):
         th.train_heads(model, tok, tmp_path / "c.safetensors", **{**SMALL, "arch": "eagle"})
+
+
+def test_samples_stop_at_each_rows_end_not_at_the_padding():
+    """Rows of unequal prompts are right-padded; an EOS ends a row's text early."""
+    tokens = torch.tensor([[5, 6, 7, 8, 9, 10, 0, 0],    # prompt 2, 4 generated, 2 padding
+                           [1, 2, 3, 4, 11, 2, 13, 14]])  # prompt 4, EOS (2) after one token
+    data = {"tokens": tokens, "start": torch.tensor([2, 4])}
+    data["end"] = th._ends(data, 4, {2})
+    assert data["end"].tolist() == [6, 6]
+    pairs = th._samples(data, 2)
+    assert pairs.tolist() == [[0, 1], [0, 2], [0, 3], [1, 3]]
+    targets = th._targets(data, pairs, 2)
+    assert targets.tolist() == [[8, 9], [9, 10], [10, -100], [2, -100]]
+    assert th.produced(data, 16).sum() == 4 + 2 and th.produced(data, 16)[0] == 0
