@@ -91,9 +91,15 @@ def main():
     rows = evaluate(engines, tokenizer, settings)
     print(format_table(rows), "\n")
 
-    print(f"Q: {QUESTION}")
+    chat = engines["fusions (lossless)"].text.chat_template is not None
+    question = QUESTION if chat else "def fibonacci(n):"  # a code model completes code
+    print(f"Q: {question}")
     for name, engine in engines.items():
-        print(f"A ({name}): {engine.chat(QUESTION, max_new_tokens=48)}")
+        if chat:
+            print(f"A ({name}): {engine.chat(question, max_new_tokens=48)}")
+        else:
+            out = engine.generate([engine.tokenizer.encode(question).ids], max_new_tokens=48)[0]
+            print(f"A ({name}): {engine.tokenizer.decode(out.tolist())!r}")
     print(f"\n{time.perf_counter() - start:.0f} s in all")
 
 

@@ -142,11 +142,12 @@ def _dataset(model, tokenizer, work: Path, split: str, n: int, settings: dict,
     prompts = make_prompts(tokenizer, split, n, settings["prompt_tokens"], settings["seed"],
                            settings["chat"])
     tokens, start = _continue(model, tokenizer, prompts, settings["new_tokens"], generate_batch,
-                              progress, split)
+                              progress, split, work / f"{split}.partial.safetensors", key)
     hidden = _hidden_states(model, tokens, progress, split)
     data = {"tokens": tokens, "start": start, "hidden": hidden}
     seconds = time.perf_counter() - started
     save_file(data, str(f), metadata={"settings": key, "seconds": f"{seconds:.3f}"})
+    (work / f"{split}.partial.safetensors").unlink(missing_ok=True)
     return data, seconds
 
 
@@ -194,21 +195,25 @@ def _questions(rel: str, source: str) -> list[str]:
 
 
 def _continue(model, tokenizer, prompts, new_tokens: int, generate_batch: int, progress: bool,
-              split: str) -> tuple[Tensor, Tensor]:
-    """Prompts continued greedily by the model (through the runtime): ``[N, L]`` left-padded
-    rows and where each row's continuation starts."""
+              split: str, partial: Optional[Path] = None, key: str = "") -> tuple[Tensor, Tensor]:
+    """Prompts continued greedily by the model (through the runtime): ``[N, L]`` right-padded
+    rows and where each row's continuation starts. The rows made so far are saved to
+    ``partial`` after every batch, and a run interrupted while generating resumes there."""
     import rewriter
     engine = rewriter.optimize(model)
     width = max(map(len, prompts))
-    rows = []
+    rows = _partial_rows(partial, key) if partial is not None else []
     bar = _bar(progress, len(prompts), f"generate ({split})", "prompt")
-    for i in range(0, len(prompts), generate_batch):
+    bar.update(len(rows))
+    for i in range(len(rows), len(prompts), generate_batch):
         chunk = prompts[i:i + generate_batch]
         out = engine.generate(chunk, max_new_tokens=new_tokens, eos_token_id=[])  # [b, w + n]
         w = max(map(len, chunk))
         for p, row in zip(chunk, out):
             rows.append(list(p) + row[w:].tolist())
         bar.update(len(chunk))
+        if partial is not None:
+            _save_rows(partial, rows, key)
     bar.close()
     # right-pad to one width: position t of a row is its t-th token (no left padding)
     length = width + new_tokens
@@ -217,6 +222,32 @@ def _continue(model, tokenizer, prompts, new_tokens: int, generate_batch: int, p
         tokens[r, :len(row)] = torch.tensor(row)
     start = torch.tensor([len(p) for p in prompts])  # first generated position
     return tokens, start
+
+
+def _save_rows(path: Path, rows: list, key: str) -> None:
+    from safetensors.torch import save_file
+    flat = torch.tensor([t for r in rows for t in r], dtype=torch.int64)
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({"flat": flat, "lengths": lengths}, str(tmp), metadata={"settings": key})
+    os.replace(tmp, path)
+
+
+def _partial_rows(path: Path, key: str) -> list:
+    """The rows a generation interrupted earlier made (same settings and model), or []."""
+    if not path.is_file():
+        return []
+    from safetensors import safe_open
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            if (f.metadata() or {}).get("settings") != key:
+                return []
+            flat, lengths = f.get_tensor("flat"), f.get_tensor("lengths")
+    except Exception:  # a torn or foreign file: generate again
+        return []
+    if int(lengths.sum()) != flat.numel() or bool((lengths < 0).any()):
+        return []
+    return [r.tolist() for r in torch.split(flat, lengths.tolist())]
 
 
 def _hidden_states(model, tokens: Tensor, progress: bool, split: str, chunk: int = 8) -> Tensor:

@@ -92,3 +92,36 @@ def test_samples_stop_at_each_rows_end_not_at_the_padding():
     targets = th._targets(data, pairs, 2)
     assert targets.tolist() == [[8, 9], [9, 10], [10, -100], [2, -100]]
     assert th.produced(data, 16).sum() == 4 + 2 and th.produced(data, 16)[0] == 0
+
+
+def test_generating_the_data_resumes_after_an_interruption(tmp_path, monkeypatch):
+    model, tok = default_model()
+    kw = {**SMALL, "num_heads": 1, "epochs": 1, "generate_batch": 2}
+    th.train_heads(model, tok, tmp_path / "a.safetensors", **kw)
+    real, calls = th._save_rows, []
+
+    def crash(*args):
+        real(*args)
+        calls.append(1)
+        if len(calls) == 2:  # two batches of four made and saved
+            raise KeyboardInterrupt
+    monkeypatch.setattr(th, "_save_rows", crash)
+    with pytest.raises(KeyboardInterrupt):
+        th.train_heads(model, tok, tmp_path / "b.safetensors", **kw)
+    monkeypatch.setattr(th, "_save_rows", real)
+    made, real_partial = [], th._partial_rows
+
+    def partial(*args):
+        rows = real_partial(*args)
+        made.append(len(rows))
+        return rows
+    monkeypatch.setattr(th, "_partial_rows", partial)
+    th.train_heads(model, tok, tmp_path / "b.safetensors", **kw)
+    assert made == [4, 0]  # train resumed after its saved rows; held-out made afresh
+    from safetensors.torch import load_file
+    for split in ("train", "heldout"):
+        a = load_file(str(tmp_path / "a.safetensors.work" / f"{split}.safetensors"))
+        b = load_file(str(tmp_path / "b.safetensors.work" / f"{split}.safetensors"))
+        assert torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["start"], b["start"])
+    assert not (tmp_path / "b.safetensors.work" / "train.partial.safetensors").exists()
+
