@@ -18,7 +18,8 @@ For each dtype: the verify cost curve (the decode program over S tokens against 
 reported) — tokens/s against plain decode, mean accepted drafts per round, full-model and
 draft passes per token, the cost model's prediction, and whether the tokens equal plain
 greedy decoding's. Prompts: chat questions through the model's template (SmolLM2) and
-held-out code chunks; greedy, no early stop; medians of 3 runs after a warm-up.
+held-out code chunks; greedy, no early stop (draft heads on chat: stopping at the end of
+the answer, tokens/s counting the answer's tokens); medians of 3 runs after a warm-up.
 """
 from __future__ import annotations
 
@@ -50,15 +51,24 @@ def code_prompts(tok, n: int, length: int) -> list[list[int]]:
     return [ids[i * length:(i + 1) * length] for i in range(n)]
 
 
-def timed(engine, prompts, new: int, runs: int = 3):
-    engine.generate(prompts, max_new_tokens=4, eos_token_id=[])
+def timed(engine, prompts, new: int, runs: int = 3, eos: bool = False):
+    """(tokens, tokens/s, stats). With ``eos`` generation stops at the model's end of
+    sequence, as a chat answer does (text after it is not what anyone decodes, and drafts
+    of it flatter the heads), and tokens/s counts the tokens up to it."""
+    stop = {} if eos else {"eos_token_id": []}
+    engine.generate(prompts, max_new_tokens=4, **stop)
     engine.stats.clear()
     times, out = [], None
     for _ in range(runs):
         start = time.perf_counter()
-        out = engine.generate(prompts, max_new_tokens=new, eos_token_id=[])
+        out = engine.generate(prompts, max_new_tokens=new, **stop)
         times.append(time.perf_counter() - start)
-    return out, len(prompts) * new / statistics.median(times), dict(engine.stats)
+    made = len(prompts) * new
+    if eos:
+        ids = set(rewriter.runtime.settings.GenerationSettings().for_model(engine.config).eos_token_id)
+        made = sum(next((i + 1 for i, t in enumerate(row) if t in ids), len(row))
+                   for row in out[:, max(map(len, prompts)):].tolist())
+    return out, made / statistics.median(times), dict(engine.stats)
 
 
 def main():
@@ -170,8 +180,8 @@ def heads_rows(model, tok, plain, args, dtype, results, rows, arch):
         tree = med.ir.info["decoding"]["tree"]
         for b in args.batch:
             for kind, prompts in prompt_sets(plain, tok, b).items():
-                ref, base_rate, _ = timed(plain, prompts, args.new)
-                out, rate, st = timed(med, prompts, args.new)
+                ref, base_rate, _ = timed(plain, prompts, args.new, eos=kind == "chat")
+                out, rate, st = timed(med, prompts, args.new, eos=kind == "chat")
                 run = {"dtype": dtype, "strategy": arch, "draft_vocab": vocab, "batch": b,
                        "prompts": kind, "tree": tree, "report": p.report,
                        "plain_tok_s": base_rate, "heads_tok_s": rate, "speedup": rate / base_rate,
