@@ -168,3 +168,15 @@ def oracle_drafts(monkeypatch, continuations, vocab: int) -> dict:
     monkeypatch.setattr(td._TreeRounds, "accept", accept)
     monkeypatch.setattr(td._TreeRounds, "draft_from", draft_from)
     return seen
+
+
+def assert_same_distribution(a, b, columns, vocab: int) -> None:
+    """Two-sample chi-square: each of ``columns`` of the samples ``a`` and ``b`` ``[N, S]``
+    (rows drawn independently) has one distribution, to 5 standard deviations."""
+    import torch
+    for col in columns:
+        ca, cb = (torch.bincount(x[:, col], minlength=vocab).float() for x in (a, b))
+        seen = (ca + cb) > 0
+        stat = (((ca[seen] - cb[seen]) ** 2) / (ca[seen] + cb[seen])).sum().item()
+        dof = int(seen.sum()) - 1
+        assert stat < dof + 5 * (2 * dof) ** 0.5, (col, stat, dof)
