@@ -1,33 +1,53 @@
 #!/usr/bin/env bash
-# Issue 4's GPU work in as few device calls as possible (each call is at most 10 minutes):
+# The GPU work, in as few device calls as possible (each call is at most 10 minutes):
 #
-#   bash benchmarks/gpu_suite.sh tests      # GPU tests + the kernel tests on the GPU   (~3 min)
-#   bash benchmarks/gpu_suite.sh kernels    # benchmarks/kernels.py timing               (~3 min)
-#   bash benchmarks/gpu_suite.sh decode     # benchmarks/decode.py --device cuda, 1B     (~6 min)
+#   bash benchmarks/gpu_suite.sh tests      # GPU tests + the kernel tests on the GPU      (~3 min)
+#   bash benchmarks/gpu_suite.sh kernels    # benchmarks/kernels.py timing                  (~3 min)
+#   bash benchmarks/gpu_suite.sh decode     # benchmarks/decode.py --device cuda, 1B        (~6 min)
+#   bash benchmarks/gpu_suite.sh smollm2 F  # decode.py and speculative.py on SmolLM2's GGUF F
 #
 # Results and logs go to $OUT (the device tool's folder) or benchmarks/results/gpu. The
 # device image brings its own torch and triton and has no network, so the project is
-# installed without dependencies and without build isolation (nothing is downloaded).
+# installed without dependencies and without build isolation (nothing is downloaded);
+# packages the image lacks (gguf, pydot) come as wheels in .gpu/w when present.
 set -uo pipefail
-stage=${1:?usage: gpu_suite.sh tests|kernels|decode}
+stage=${1:?usage: gpu_suite.sh tests|gpu-tests|kernels|decode|smollm2 GGUF}
 out=${OUT:-benchmarks/results/gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 log="$out/$stage.log"
 
-{
+setup() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__)"
-  python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
+  if ls .gpu/w/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/w/*.whl || return 1
+  fi
+  python3 -m pip install -q --no-deps --no-build-isolation -e . || return 1
+}
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+
+{
+  setup || exit 1
   case "$stage" in
     tests)
-      python3 -m pytest -q -p no:warnings -m gpu tests
-      python3 -m pytest -q -p no:warnings tests/test_codegen_kernels.py ;;
+      python3 -m pytest -q -p no:warnings -p no:logging --tb=short -m gpu tests
+      python3 -m pytest -q -p no:warnings -p no:logging --tb=short tests/test_codegen_kernels.py ;;
+    gpu-tests)
+      python3 -m pytest -q -p no:warnings -p no:logging --tb=short -m gpu tests ;;
     kernels)
       python3 benchmarks/kernels.py --json "$out/kernels.json" ;;
     decode)
       python3 benchmarks/decode.py --device cuda --model llama-1b --batch 1 --prompt 128 \
         --new 128 --repeat 3 --json "$out/decode.json" ;;
+    smollm2)
+      gguf=${2:?the SmolLM2 GGUF file}
+      timeout 200 python3 benchmarks/decode.py --device cuda --model "$gguf" --dtype bfloat16 \
+        --batch 1 --prompt 128 --new 128 --repeat 3 --json "$out/decode_smollm2.json"
+      for s in medusa hydra self; do  # one process each: a failure costs one strategy
+        timeout 110 python3 benchmarks/speculative.py --device cuda --backend triton --model "$gguf" \
+          --heads smollm2 --strategies $s --dtype bfloat16 --batch 1 4 --json "$out/spec_$s.json"
+      done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 } 2>&1 | tee "$log"

@@ -3,7 +3,11 @@
     python benchmarks/speculative.py [--model smollm2|default] [--dtype float32 bfloat16]
                                      [--batch 1 4] [--new 64] [--max-draft 4] [--budget 24]
                                      [--strategies self medusa hydra] [--heads PATH] [--draft-vocab 4096]
-                                     [--max-nodes 32] [--json benchmarks/results/speculative.json]
+                                     [--max-nodes 32] [--device cpu|cuda] [--backend torch|triton]
+                                     [--json benchmarks/results/speculative.json]
+
+On ``--device cuda`` plain decode replays its step as a CUDA graph and the speculative
+strategies do not yet, so plain decode without the graph is timed too (a second baseline).
 
 Draft heads (``MedusaHeads``, ``HydraHeads``: the model's shipped heads unless ``--heads``): each
 head's held-out top-1 / top-5 accuracy and the training it took (from the heads file),
@@ -60,8 +64,10 @@ def timed(engine, prompts, new: int, runs: int = 3, eos: bool = False):
     engine.stats.clear()
     times, out = [], None
     for _ in range(runs):
+        sync()
         start = time.perf_counter()
         out = engine.generate(prompts, max_new_tokens=new, **stop)
+        sync()
         times.append(time.perf_counter() - start)
     made = len(prompts) * new
     if eos:
@@ -69,6 +75,30 @@ def timed(engine, prompts, new: int, runs: int = 3, eos: bool = False):
         made = sum(next((i + 1 for i, t in enumerate(row) if t in ids), len(row))
                    for row in out[:, max(map(len, prompts)):].tolist())
     return out, made / statistics.median(times), dict(engine.stats)
+
+
+def baseline(plain, prompts, new: int, eos: bool = False):
+    """(tokens, plain tok/s, plain tok/s without the CUDA graph or None). On a GPU plain
+    decode replays a captured graph and the speculative strategies do not yet, so both
+    baselines are kept."""
+    ref, rate, _ = timed(plain, prompts, new, eos=eos)
+    if not torch.cuda.is_available() or next(iter(plain.ir.weights().values())).device.type != "cuda":
+        return ref, rate, None
+    plain.static_decode = False
+    try:
+        _, eager, _ = timed(plain, prompts, new, eos=eos)
+    finally:
+        plain.static_decode = None
+    return ref, rate, eager
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device == "cuda" else "cpu"
 
 
 def main():
@@ -85,16 +115,19 @@ def main():
                                                    "with one of medusa, hydra)")
     ap.add_argument("--draft-vocab", type=int, default=4096, help="trimmed draft vocabulary")
     ap.add_argument("--max-nodes", type=int, default=32, help="largest tree the choice considers")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--backend", default="torch", choices=["torch", "triton"])
     ap.add_argument("--json", default="benchmarks/results/speculative.json")
     args = ap.parse_args()
-    results = {"model": args.model, "machine": platform.processor() or platform.machine(),
+    results = {"model": args.model, "device": device_name(args.device), "backend": args.backend,
+               "machine": platform.processor() or platform.machine(),
                "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
                "new_tokens": args.new, "max_draft": args.max_draft, "runs": []}
     rows, curves, head_rows = [], [], []
     for dtype in args.dtype:
         model, tok = load(args.model)
-        model = model.to(getattr(torch, dtype))
-        plain = rewriter.optimize(model, tokenizer=tok)
+        model = model.to(device=args.device, dtype=getattr(torch, dtype))
+        plain = rewriter.optimize(model, tokenizer=tok, backend=args.backend)
         tok = plain.tokenizer
         calib = code_prompts(tok, 2, 256)
         curve = verify_cost(plain.ir, 9)
@@ -110,7 +143,7 @@ def main():
         calibrated = SelfSpeculative(calibrate=calib, budget=args.budget, max_draft=args.max_draft,
                                      threshold=0.0)
         try:
-            tuned = rewriter.optimize(model, passes=[calibrated], tokenizer=tok)
+            tuned = rewriter.optimize(model, passes=[calibrated], tokenizer=tok, backend=args.backend)
         except rewriter.RewriterError as e:
             tuned, note = None, str(e)
         else:
@@ -121,17 +154,18 @@ def main():
             sets["calibrated"] = dict(skip_attention=tuned.ir.info["decoding"]["skip_attention"],
                                       skip_mlp=tuned.ir.info["decoding"]["skip_mlp"])
         for name, skip in sets.items():
-            spec = rewriter.optimize(model, tokenizer=tok, passes=[
+            spec = rewriter.optimize(model, tokenizer=tok, backend=args.backend, passes=[
                 SelfSpeculative(**skip, max_draft=args.max_draft, threshold=0.0)])
             pred = predicted_speedup(plain.ir, calib, skip.get("skip_layers", []),
                                      skip.get("skip_attention", []), skip.get("skip_mlp", []),
                                      args.max_draft)
             for b in args.batch:
                 for kind, prompts in prompt_sets(plain, tok, b).items():
-                    ref, base_rate, _ = timed(plain, prompts, args.new)
+                    ref, base_rate, eager = baseline(plain, prompts, args.new)
                     out, rate, st = timed(spec, prompts, args.new)
                     run = {"dtype": dtype, "skip_set": name, "skip": skip, "batch": b, "prompts": kind,
-                           "plain_tok_s": base_rate, "spec_tok_s": rate, "speedup": rate / base_rate,
+                           "plain_tok_s": base_rate, "plain_eager_tok_s": eager,
+                           "spec_tok_s": rate, "speedup": rate / base_rate,
                            "accepted_per_round": st["accepted"] / st["row_rounds"],
                            "forward_per_token": st["forward_passes"] / st["tokens"],
                            "draft_per_token": st["draft_passes"] / st["tokens"],
@@ -139,7 +173,8 @@ def main():
                            "calibration_s": calib_s if name == "calibrated" else None,
                            "calibration_note": note}
                     results["runs"].append(run)
-                    rows.append([dtype, name, b, kind, f"{base_rate:.1f}", f"{rate:.1f}",
+                    rows.append([dtype, name, b, kind, f"{base_rate:.1f}",
+                                 f"{eager:.1f}" if eager else "-", f"{rate:.1f}",
                                  f"{rate / base_rate:.2f}x", f"{run['accepted_per_round']:.2f}",
                                  f"{run['forward_per_token']:.2f}", f"{pred['agreement']:.2f}",
                                  f"{pred['predicted_speedup']:.2f}x", run["same_tokens"]])
@@ -150,11 +185,12 @@ def main():
     print("\nverify cost: the decode program over S tokens / over 1, batch 1, after 64 tokens\n")
     print(tabulate(curves, headers=["dtype", *(f"S={s}" for s in range(1, 10))]))
     print(f"\n{args.model}, {args.new} new tokens, max_draft {args.max_draft}, "
-          f"{torch.get_num_threads()} threads\n")
+          f"{device_name(args.device)}, {args.backend} backend, {torch.get_num_threads()} threads\n")
     if head_rows:
         print_heads(args, results, head_rows)
     if rows:
         print(tabulate(rows, headers=["dtype", "skip set", "batch", "prompts", "plain tok/s",
+                                      "plain no-graph tok/s",
                                       "speculative tok/s", "speed-up", "accepted/round", "full passes/tok",
                                       "agreement (teacher-forced)", "predicted", "same tokens"]))
     results["verify_cost"] = curves
@@ -176,20 +212,22 @@ def heads_rows(model, tok, plain, args, dtype, results, rows, arch):
     cls = HydraHeads if arch == "hydra" else MedusaHeads
     for vocab in (None, args.draft_vocab):
         p = cls(weights=weights, draft_vocab=vocab, max_nodes=args.max_nodes)
-        med = rewriter.optimize(model, tokenizer=tok, passes=[p])
+        med = rewriter.optimize(model, tokenizer=tok, passes=[p], backend=args.backend)
         tree = med.ir.info["decoding"]["tree"]
         for b in args.batch:
             for kind, prompts in prompt_sets(plain, tok, b).items():
-                ref, base_rate, _ = timed(plain, prompts, args.new, eos=kind == "chat")
+                ref, base_rate, eager = baseline(plain, prompts, args.new, eos=kind == "chat")
                 out, rate, st = timed(med, prompts, args.new, eos=kind == "chat")
                 run = {"dtype": dtype, "strategy": arch, "draft_vocab": vocab, "batch": b,
                        "prompts": kind, "tree": tree, "report": p.report,
-                       "plain_tok_s": base_rate, "heads_tok_s": rate, "speedup": rate / base_rate,
+                       "plain_tok_s": base_rate, "plain_eager_tok_s": eager,
+                       "heads_tok_s": rate, "speedup": rate / base_rate,
                        "accepted_length": 1 + st["accepted"] / st["row_rounds"],
                        "forward_per_token": st["forward_passes"] / st["tokens"],
                        "same_tokens": bool(torch.equal(out, ref))}
                 results["runs"].append(run)
                 rows.append([dtype, arch, vocab or "full", len(tree), b, kind, f"{base_rate:.1f}",
+                             f"{eager:.1f}" if eager else "-",
                              f"{rate:.1f}", f"{rate / base_rate:.2f}x",
                              f"{run['accepted_length']:.2f}",
                              f"{p.report['expected_tokens']:.2f}" if p.report else "-",
@@ -208,7 +246,7 @@ def print_heads(args, results, rows) -> None:
               + (f", {t['seconds_total']} s in all" if t.get("seconds_total") else ""))
     print()
     print(tabulate(rows, headers=["dtype", "heads", "draft vocab", "tree nodes", "batch", "prompts",
-                                  "plain tok/s", "heads tok/s", "speed-up", "accepted length",
+                                  "plain tok/s", "plain no-graph tok/s", "heads tok/s", "speed-up", "accepted length",
                                   "predicted", "same tokens"]))
     print()
 

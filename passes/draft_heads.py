@@ -136,12 +136,13 @@ class MedusaHeads(Pass):
     def _weights(self, lm: torch.Tensor):
         k, h = self.num_heads, lm.shape[1]
         if self.heads is None:
-            w = ([torch.zeros(h, h * (i + 2), dtype=lm.dtype) for i in range(k)]
-                 if self.ARCH == "hydra" else torch.zeros(k, h, h, dtype=lm.dtype))
-            return w, torch.zeros(k, h, dtype=lm.dtype)
+            w = ([torch.zeros(h, h * (i + 2), dtype=lm.dtype, device=lm.device) for i in range(k)]
+                 if self.ARCH == "hydra" else torch.zeros(k, h, h, dtype=lm.dtype, device=lm.device))
+            return w, torch.zeros(k, h, dtype=lm.dtype, device=lm.device)
         if self.ARCH == "hydra":
-            return [w.to(lm.dtype) for w in self.heads.w], self.heads.b.to(lm.dtype)
-        return self.heads.w.to(lm.dtype), self.heads.b.to(lm.dtype)
+            return ([w.to(lm.device, lm.dtype) for w in self.heads.w],
+                    self.heads.b.to(lm.device, lm.dtype))
+        return self.heads.w.to(lm.device, lm.dtype), self.heads.b.to(lm.device, lm.dtype)
 
     def _vocab(self, lm: torch.Tensor):
         """The draft vocabulary's ids ``[N]`` (most produced first), or None."""
@@ -197,7 +198,7 @@ def insert(ir: IR, head, wb, vocab, pass_name: str) -> None:
         ir.add_weight(f"medusa.w{k}", w[k].clone())
         ir.add_weight(f"medusa.b{k}", b[k].clone())
     if vocab is not None:
-        ir.add_weight("medusa.vocab", vocab.to(torch.int64))
+        ir.add_weight("medusa.vocab", vocab.to(w[0].device, torch.int64))
     (out,) = g.find_nodes(op="output")
     with g.inserting_before(out):
         rows = []
@@ -254,7 +255,7 @@ def insert_hydra(ir: IR, head, embed, wb, vocab, pass_name: str) -> None:
         ir.add_weight(f"hydra.w{k}", w[k].clone())
         ir.add_weight(f"hydra.b{k}", b[k].clone())
     if vocab is not None:
-        ir.add_weight("medusa.vocab", vocab.to(torch.int64))
+        ir.add_weight("medusa.vocab", vocab.to(w[0].device, torch.int64))
     (out,) = g.find_nodes(op="output")
     with g.inserting_before(out):
         m = lambda n, k=None: _mark(n, k, pass_name)  # noqa: E731

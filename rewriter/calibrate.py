@@ -101,9 +101,11 @@ def verify_cost(ir: IR, most: int, runs: int = 15) -> list[float]:
         for s in times:
             ids = torch.zeros(1, s, dtype=torch.long, device=weight.device)
             positions = torch.arange(64, 64 + s, device=weight.device)[None]
+            _sync(weight.device)
             t = time.perf_counter()
             with torch.inference_mode():
                 program(Step(cache, 64, s, None), ids, positions)
+            _sync(weight.device)
             if r:  # the first round warms up
                 times[s].append(time.perf_counter() - t)
     one = statistics.median(times[1])
@@ -130,10 +132,13 @@ def heads_cost(ir: IR, num_heads: int, hydra: bool, runs: int = 15) -> float:
     step_t, head_t = [], []
     for r in range(runs + 1):
         with torch.inference_mode():
+            _sync(weight.device)
             t = time.perf_counter()
             decode(Step(cache, 64, 1, None), ids, positions)
+            _sync(weight.device)
             t1 = time.perf_counter()
             heads(*args)
+            _sync(weight.device)
             t2 = time.perf_counter()
         if r:
             step_t.append(t1 - t)
@@ -191,3 +196,10 @@ def _unit_bytes(ir: IR) -> dict:
         t = ir.weight(n.target)
         sizes[kind, layer] = sizes.get((kind, layer), 0) + t.numel() * t.element_size()
     return sizes
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued work: GPU launches return before they finish, so a host
+    clock read without this times the launch, not the work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -91,7 +91,7 @@ class Heads:
             raise HeadsFileError(f"{where}: the heads were trained for a model with hidden size "
                                  f"{self.hidden} and {self.vocab} tokens; this one has {hidden} "
                                  f"and {vocab}")
-        probe = lm_head[:PROBE[0], :PROBE[1]].float()
+        probe = lm_head[:PROBE[0], :PROBE[1]].float().cpu()
         if not torch.allclose(probe, torch.tensor(self.probe), rtol=0.02, atol=0.02):
             raise HeadsFileError(f"{where}: the heads were trained for another model (its LM "
                                  f"head's weights differ from this model's)")

@@ -7,6 +7,8 @@ produced an end-of-sequence token get ``pad_token_id`` from then on.
 """
 from __future__ import annotations
 
+import warnings
+
 from collections import Counter
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
@@ -213,8 +215,15 @@ class StaticDecoder:
             logits.record_stream(torch.cuda.current_stream())  # used there, made here
             return logits
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=self.stream):  # recorded, not run
-            self.logits = _run(self.program, step, self.tokens, self.positions)
+        try:
+            with torch.cuda.graph(self.graph, stream=self.stream):  # recorded, not run
+                self.logits = _run(self.program, step, self.tokens, self.positions)
+        except RuntimeError as e:  # a step that cannot be captured still runs, eagerly
+            warnings.warn(f"the decode step could not be captured as a CUDA graph and runs "
+                          f"without one: {str(e).splitlines()[0]}", RuntimeWarning, stacklevel=2)
+            torch.cuda.synchronize(self.stream.device)
+            self.graph, self.cuda_graph = None, False
+            return _run(self.program, step, self.tokens, self.positions)
         self.graph.replay()
         return self.logits
 

@@ -1,5 +1,7 @@
 """``backend="triton"``: the step programs run the Triton templates (under the interpreter
 on this CPU) and give the same greedy tokens as ``backend="torch"``."""
+import warnings
+
 import pytest
 import torch
 
@@ -102,6 +104,20 @@ def test_cuda_graph_decode_matches_eager_decode():
     model = make_model("llama-gqa-3l", initializer_range=0.2).cuda()
     tri = rewriter.optimize(model, passes=[p() for p in FUSIONS], backend="triton")
     kw = dict(max_new_tokens=16, eos_token_id=[])
-    captured = tri.generate(ROWS, **kw)  # static + CUDA graph by default on CUDA
     tri.static_decode = False
-    assert torch.equal(tri.generate(ROWS, **kw), captured)
+    eager = tri.generate(ROWS, **kw)
+    tri.static_decode = None  # static + CUDA graph by default on CUDA
+    assert torch.equal(tri.generate(ROWS, **kw), eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.xfail(strict=True, reason="H100, triton 3.6, 2026-11-22: the Triton step's first "
+                   "kernel launch fails inside CUDA-graph capture ('operation not permitted "
+                   "when stream is capturing'), so the step falls back to eager launches")
+def test_the_triton_decode_step_is_captured_as_a_cuda_graph():
+    model = make_model("llama-gqa-3l", initializer_range=0.2).cuda()
+    tri = rewriter.optimize(model, passes=[p() for p in FUSIONS], backend="triton")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # the eager fallback warns
+        tri.generate(ROWS, max_new_tokens=8, eos_token_id=[])

@@ -2,6 +2,7 @@
 layer structure (``annotate``). ``build_ir`` runs all three."""
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from rewriter.ir.cacheable import uncacheable
@@ -15,6 +16,38 @@ from .trace import trace
 
 
 def build_ir(model: nn.Module, example_inputs: tuple | None = None) -> IR:
+    device = next(iter(model.parameters()), torch.empty(0)).device
+    if device.type == "cpu":
+        return _build_ir(model, example_inputs)
+    # Traced on the CPU: export on CUDA records guards from CUDA-only kernel choices (the
+    # sequence length's alignment) that no graph for every length satisfies. The graph's
+    # tensors then move to the model's device, and its shapes are propagated there.
+    model.to("cpu")
+    try:
+        ir = _build_ir(model, tuple(t.cpu() for t in example_inputs) if example_inputs else None)
+    finally:
+        model.to(device)
+    move_graph(ir.gm, device)
+    for n in ir.gm.graph.nodes:
+        n.meta.pop("val", None)
+    propagate_shapes(ir.gm, ir.info["inputs"])
+    return ir
+
+
+def move_graph(gm, device: torch.device) -> None:
+    """Every tensor the graph reads (parameters, buffers, and constants held as plain
+    attributes) onto ``device``."""
+    gm.to(device)
+    for n in gm.graph.find_nodes(op="get_attr"):
+        *path, name = n.target.split(".")
+        owner = gm.get_submodule(".".join(path))
+        value = getattr(owner, name)
+        if isinstance(value, torch.Tensor) and value.device != device \
+                and name not in owner._parameters and name not in owner._buffers:
+            setattr(owner, name, value.to(device))
+
+
+def _build_ir(model: nn.Module, example_inputs: tuple | None) -> IR:
     traced = trace(model, example_inputs)
     specs = lm_input_specs() if traced.is_causal_lm else specs_from_placeholders(traced.gm)
     lifter = Lifter(traced)

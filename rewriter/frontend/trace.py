@@ -84,14 +84,27 @@ def _trace_causal_lm(model: nn.Module) -> Traced:
 def _export(module: nn.Module, args: tuple, dynamic_shapes) -> fx.GraphModule:
     name = type(module.model if isinstance(module, CausalLMLogits) else module).__name__
     try:
-        with torch.no_grad(), _quiet_export():
-            ep = torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False)
+        try:
+            with torch.no_grad(), _quiet_export():
+                ep = torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False)
+        except Exception as e:
+            if "Constraints violated" not in str(e):
+                raise
+            # Older torch (2.11) cannot prove guards such as min(16*s, 32*s) == 16*s for
+            # every length; deferring them to run-time asserts exports the same graph.
+            with torch.no_grad(), _quiet_export():
+                ep = torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False,
+                                         prefer_deferred_runtime_asserts_over_guards=True)
     except Exception as e:  # export raises many types; the user needs the first line of one
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise TraceError(f"cannot trace {name}: {type(e).__name__}: {reason}") from e
     gm = ep.module()
     _drop_export_guards(gm)
     return gm
+
+
+_RUNTIME_ASSERTS = (torch.ops.aten._assert_scalar.default,
+                    torch.ops.aten.sym_constrain_range_for_size.default)
 
 
 def _check_rope(model: nn.Module) -> None:
@@ -141,4 +154,8 @@ def _drop_export_guards(gm: fx.GraphModule) -> None:
             gm.graph.erase_node(node)
     if hasattr(gm, "_guards_fn"):
         delattr(gm, "_guards_fn")
+    for node in list(gm.graph.nodes):  # deferred shape asserts: the IR checks its own shapes
+        if node.target in _RUNTIME_ASSERTS:
+            gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code()
     gm.recompile()

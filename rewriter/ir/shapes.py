@@ -50,8 +50,9 @@ def _fresh_propagation(gm: fx.GraphModule, input_specs: list[dict]) -> FakeTenso
     env = ShapeEnv()
     mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
     fakes, symbols = [], {}  # (dim, example size) -> SymInt, shared between inputs
+    device = graph_device(gm)
     for spec in input_specs:
-        real = torch.zeros(spec["shape"], dtype=getattr(torch, spec["dtype"]))
+        real = torch.zeros(spec["shape"], dtype=getattr(torch, spec["dtype"]), device=device)
         dyn = [DimDynamic.DYNAMIC if d in spec["dynamic"] else DimDynamic.STATIC
                for d in range(real.dim())]
         shared = [symbols.get((d, n)) for d, n in enumerate(real.shape)]
@@ -59,7 +60,7 @@ def _fresh_propagation(gm: fx.GraphModule, input_specs: list[dict]) -> FakeTenso
             # input_ids and positions are both [B, S]: the same symbols, not new ones
             sizes = [shared[d] if d in spec["dynamic"] else n for d, n in enumerate(real.shape)]
             with mode:
-                fakes.append(torch.zeros(sizes, dtype=real.dtype))
+                fakes.append(torch.zeros(sizes, dtype=real.dtype, device=device))
             continue
         fake = mode.from_tensor(real, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dyn))
         for d in spec["dynamic"]:
@@ -68,6 +69,14 @@ def _fresh_propagation(gm: fx.GraphModule, input_specs: list[dict]) -> FakeTenso
     with mode:
         FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
     return mode
+
+
+def graph_device(gm: fx.GraphModule) -> torch.device:
+    """Where the graph's weights live (its inputs are made there too); the CPU for a graph
+    without any."""
+    for t in [*gm.parameters(), *gm.buffers()]:
+        return t.device
+    return torch.device("cpu")
 
 
 def _incremental_propagation(gm: fx.GraphModule, mode: FakeTensorMode) -> None:
