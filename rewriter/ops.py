@@ -247,18 +247,20 @@ def swiglu(gate_up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
-def attention_mask(q_len: int, k_len: int, window: Optional[int], device) -> Tensor:
-    """Boolean ``[q_len, k_len]``: query i (the last ``q_len`` of ``k_len``) sees key j."""
+def attention_mask(q_len: int, k_len: int, window: Optional[int], device,
+                   sinks: Optional[int] = None) -> Tensor:
+    """Boolean ``[q_len, k_len]``: query i (the last ``q_len`` of ``k_len``) sees key j:
+    the last ``window`` keys, and with ``sinks`` the first ``sinks`` keys too (StreamingLLM)."""
     qi = torch.arange(k_len - q_len, k_len, device=device)[:, None]
     kj = torch.arange(k_len, device=device)[None, :]
     mask = kj <= qi
     if window is not None:
-        mask = mask & (qi - kj < window)
+        mask = mask & ((qi - kj < window) | (kj < (sinks or 0)))
     return mask
 
 
 def _attention_fake(q, k, v, layer, num_heads, num_kv_heads, head_dim, scale, causal=True,
-                    window=None, cos=None, sin=None):
+                    window=None, cos=None, sin=None, sinks=None):
     q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
     _need(q.dim() == 3 and q.shape[-1] == q_width, "attention",
           f"q {_dims(q)} is not [B, S, num_heads * head_dim = {q_width}]")
@@ -285,12 +287,15 @@ def attention(
     window: Optional[int] = None,
     cos: Optional[Tensor] = None,
     sin: Optional[Tensor] = None,
+    sinks: Optional[int] = None,
 ) -> Tensor:
     """Scaled dot-product attention of one decoder layer; the op that owns the KV cache.
 
     q ``[B, S, Hq*D]``, k/v ``[B, S, Hkv*D]`` -> ``[B, S, Hq*D]``. Query heads are grouped
     over ``Hq / Hkv`` key/value heads (GQA). ``window`` limits each query to the last
-    ``window`` keys (sliding-window attention). ``layer`` names the cache slot. With
+    ``window`` keys (sliding-window attention); with ``sinks`` (``StreamingAttention``) also
+    the sequence's first ``sinks`` keys, and the runtime keeps that layer's cache in a ring
+    of ``sinks + window`` slots. ``layer`` names the cache slot. With
     ``cos``/``sin`` (``FuseRoPE``), q and k are rotated first, exactly as ``rope`` does, so a
     backend can rotate K in the kernel that writes it into the cache.
     """
@@ -304,7 +309,7 @@ def attention(
     groups = num_heads // num_kv_heads
     kh = kh.repeat_interleave(groups, dim=1)  # [B, Hq, T, D]
     vh = vh.repeat_interleave(groups, dim=1)
-    mask = attention_mask(s, kh.shape[2], window, q.device) if causal else None
+    mask = attention_mask(s, kh.shape[2], window, q.device, sinks) if causal else None
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
     return out.transpose(1, 2).reshape(b, s, num_heads * head_dim)  # [B, S, Hq*D]
 
@@ -372,7 +377,7 @@ ATTRIBUTES: dict[str, dict[str, callable]] = {
     "next_tokens": {"count": _int(1)},
     "attention": {"layer": _int(0), "num_heads": _int(1), "num_kv_heads": _int(1),
                   "head_dim": _int(1), "scale": _finite_positive, "causal": _bool,
-                  "window": _optional(_int(1))},
+                  "window": _optional(_int(1)), "sinks": _optional(_int(0))},
 }
 
 
@@ -417,6 +422,9 @@ def check_arguments(name: str, args: tuple, kwargs: dict, is_tensor=None) -> dic
     if name == "linear_int4" and bound["group_size"] % 2:
         raise ValueError(f"rw.linear_int4: group_size={bound['group_size']} must be even "
                          "(two codes a byte)")
+    if name == "attention" and bound["sinks"] is not None and bound["window"] is None:
+        raise ValueError(f"rw.attention: sinks={bound['sinks']} needs a window (the sinks are "
+                         "kept beside the last window keys)")
     if name == "attention" and (bound["cos"] is None) != (bound["sin"] is None):
         raise ValueError("rw.attention: cos and sin come together (both or neither)")
     return bound

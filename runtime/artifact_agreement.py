@@ -167,7 +167,11 @@ def _check_attention(ir: IR, where) -> None:
                 raise ArtifactError(f"{where.ir}: node {n.name}: {key}={args[key]}, but the "
                                     f"config says {value}")
         window = config.get("sliding_window")
-        if args["window"] is not None and args["window"] != window:
+        if args["sinks"] is not None:  # StreamingAttention's window: at most the model's
+            if window is not None and args["window"] > window:
+                raise ArtifactError(f"{where.ir}: node {n.name}: window={args['window']} with "
+                                    f"sinks exceeds the config's sliding_window {window}")
+        elif args["window"] is not None and args["window"] != window:
             raise ArtifactError(f"{where.ir}: node {n.name}: window={args['window']}, but the "
                                 f"config's sliding_window is {window!r}")
         layer = args["layer"]

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from .kernels import KERNELS
 from .kv_cache import KVCache
+from .ring_cache import ring_attention
 
 
 class Step:
@@ -108,12 +109,17 @@ class Step:
 
 def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, cache_id: int, num_heads: int,
                      num_kv_heads: int, head_dim: int, scale: float, window: Optional[int],
-                     cos: Optional[Tensor] = None, sin: Optional[Tensor] = None) -> Tensor:
+                     cos: Optional[Tensor] = None, sin: Optional[Tensor] = None,
+                     sinks: Optional[int] = None) -> Tensor:
     """``rw.attention`` with K/V written into cache ``cache_id`` first.
 
     q ``[B, S, Hq*D]``, k/v ``[B, S, Hkv*D]`` -> ``[B, S, Hq*D]``; with ``cos``/``sin``
-    (``FuseRoPE``) q and k are rotated here first.
+    (``FuseRoPE``) q and k are rotated here first. With ``sinks`` the cache is a ring
+    (``runtime.ring_cache``).
     """
+    if sinks is not None:
+        return ring_attention(step, q, k, v, cache_id, num_heads, num_kv_heads, head_dim, scale,
+                              window, sinks, cos, sin)
     if cos is not None:
         q, k = KERNELS["rope"](q, cos, sin, head_dim), KERNELS["rope"](k, cos, sin, head_dim)
     b, s, _ = q.shape

@@ -25,9 +25,10 @@ from . import artifact
 from .chat import Messages, TextConfig, chat_prompt, split_tokenizer
 from rewriter.decoding import strategy_of
 from rewriter.errors import ArtifactError, RewriterError, UncacheableError
+from rewriter.ops import OPS
 
 from .generate import Batch, decode_loop, prepare, score_loop
-from .kv_cache import KVCache, cache_table
+from .kv_cache import KVCache, bounded, cache_table
 from .programs import build_programs
 from .settings import GenerationSettings, is_int, token_ids
 from .speculative import speculative_loop
@@ -86,10 +87,12 @@ class Engine:
         return list(token_ids("eos_token_id (from the model config)",
                               self.config.get("eos_token_id")))
 
-    def kv_bytes_per_token(self) -> int:
-        """KV-cache bytes per token of one sequence (all caches, K and V)."""
-        dtype = self._dtype()
-        return sum(s.bytes_per_token(dtype) for s in cache_table(self.ir.gm).values())
+    def kv_bytes_per_token(self, tokens: Optional[int] = None) -> int:
+        """KV-cache bytes per token of one sequence of ``tokens`` tokens (default: the
+        context length), all caches, K and V: what is allocated, so a sink + window ring
+        counts its slots, not the sequence's length."""
+        dtype, tokens = self._dtype(), tokens or self.max_len
+        return sum(s.bytes_for(tokens, dtype) for s in cache_table(self.ir.gm).values()) // tokens
 
     # ------------------------------------------------------------------ generation
     def generate(self, input_ids: Prompts, max_new_tokens: int = 20,
@@ -235,7 +238,7 @@ class Engine:
     def _check(self, ids: Tensor, max_new_tokens: int) -> int:
         check_token_ids(ids, self.config.get("vocab_size"))
         need = ids.shape[1] + max_new_tokens
-        if need > self.max_len:
+        if need > self.max_len and not self._unbounded_length():
             raise ValueError(f"prompt ({ids.shape[1]} tokens, padding included) + max_new_tokens "
                              f"({max_new_tokens}) = {need} exceeds the KV cache of "
                              f"{self.max_len} tokens (the model's context length)")
@@ -274,9 +277,17 @@ class Engine:
         dtype, device = self._dtype(), self._device()
         if self._cache is None or not self._cache.fits(batch, need, dtype, device):
             self._cache = None  # free the old one before allocating
-            length = min(self.max_len, -(-need // 256) * 256)
+            length = -(-need // 256) * 256
+            if not self._unbounded_length():
+                length = min(self.max_len, length)
             self._cache = KVCache(cache_table(self.ir.gm), batch, length, dtype, device)
         return self._cache
+
+    def _unbounded_length(self) -> bool:
+        """Sequences may outgrow the context length: every cache is a sink + window ring
+        and positions are rotary (computed for any position, not read from a table)."""
+        return bounded(cache_table(self.ir.gm)) and any(
+            n.target is OPS["rotary"] for n in self.ir.gm.graph.nodes)
 
     def _first_weight(self) -> Tensor:
         """The largest floating-point weight: its dtype and device are the model's (small

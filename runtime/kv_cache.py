@@ -34,9 +34,25 @@ class CacheSpec:
     scale: float
     causal: bool
     window: Optional[int]
+    sinks: Optional[int] = None
+
+    @property
+    def ring(self) -> bool:
+        """A sink + window cache (``runtime.ring_cache``): bounded, whatever the length."""
+        return self.sinks is not None
+
+    def slots(self, max_len: int) -> int:
+        """Token slots this cache allocates for sequences of up to ``max_len`` tokens: a
+        ring holds its sinks, its window and one spare slot that padding writes into."""
+        return self.sinks + self.window + 1 if self.ring else max_len
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * dtype.itemsize  # K and V
+        """Bytes one slot holds (K and V)."""
+        return 2 * self.num_kv_heads * self.head_dim * dtype.itemsize
+
+    def bytes_for(self, tokens: int, dtype: torch.dtype) -> int:
+        """Bytes this cache holds for one sequence of ``tokens`` tokens."""
+        return self.bytes_per_token(dtype) * min(tokens, self.slots(tokens))
 
 
 def attention_params(node: fx.Node) -> dict:
@@ -59,21 +75,29 @@ def cache_table(gm: fx.GraphModule) -> dict[int, CacheSpec]:
 
 
 def describe(table: dict[int, CacheSpec], dtype: torch.dtype) -> dict:
-    """The table as JSON-able data (dumps, ``rewriter info``)."""
+    """The table as JSON-able data (dumps, ``rewriter info``): ``bytes_per_token`` counts
+    the caches that grow with the sequence, ``bounded_bytes`` what the rings hold at most."""
     return {"dtype": str(dtype).removeprefix("torch."),
-            "bytes_per_token": sum(s.bytes_per_token(dtype) for s in table.values()),
+            "bytes_per_token": sum(s.bytes_per_token(dtype) for s in table.values() if not s.ring),
+            "bounded_bytes": sum(s.bytes_for(s.slots(0), dtype) for s in table.values() if s.ring),
             "caches": [asdict(s) for s in table.values()]}
 
 
+def bounded(table: dict[int, CacheSpec]) -> bool:
+    """Every cache is a ring: the sequence may outgrow the model's context length."""
+    return bool(table) and all(s.ring for s in table.values())
+
+
 class KVCache:
-    """K and V for every cache of ``table``, ``{id: [B, Hkv, max_len, D]}`` each."""
+    """K and V for every cache of ``table``, ``{id: [B, Hkv, slots, D]}`` each: ``max_len``
+    slots, or a sink + window cache's ring (``CacheSpec.slots``)."""
 
     def __init__(self, table: dict[int, CacheSpec], batch: int, max_len: int,
                  dtype: torch.dtype, device: torch.device):
         self.table, self.batch, self.max_len = table, batch, max_len
         # zeros, not empty: a padded row's masked slots must hold finite values, because
         # masked attention weights are exactly 0 and 0 * NaN would still be NaN.
-        shape = lambda s: (batch, s.num_kv_heads, max_len, s.head_dim)  # noqa: E731
+        shape = lambda s: (batch, s.num_kv_heads, s.slots(max_len), s.head_dim)  # noqa: E731
         self.k = {i: torch.zeros(shape(s), dtype=dtype, device=device) for i, s in table.items()}
         self.v = {i: torch.zeros(shape(s), dtype=dtype, device=device) for i, s in table.items()}
         self.busy = False  # a generation in progress (e.g. a paused stream) holds it

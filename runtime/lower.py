@@ -83,6 +83,8 @@ def lower(ir: IR, last_only: bool, backend: str = "torch",
             new.args = (step, q, k, v, params["layer"])  # the cache id (runtime.kv_cache)
             new.kwargs = {k: params[k] for k in ("num_heads", "num_kv_heads", "head_dim",
                                                  "scale", "window")}
+            if params["sinks"] is not None:  # StreamingAttention: the layer's cache is a ring
+                new.kwargs = {**new.kwargs, "sinks": params["sinks"]}
             if node.kwargs.get("cos") is not None:  # FuseRoPE: rotate inside attention
                 cos, sin = node.kwargs["cos"], node.kwargs["sin"]
                 if backend == "torch":  # the Triton kernels read float32 tables

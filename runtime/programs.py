@@ -29,6 +29,8 @@ def build_programs(ir: IR, backend: str, kernel_sources: dict) -> dict[str, fx.G
     programs = {"prefill": lower(ir, True, backend, shared, kernel_sources),
                 "decode": lower(ir, False, backend, shared, kernel_sources)}
     s = strategy_of(ir.info)
+    if s.name != "plain":
+        check_no_ring(ir, s.name)
     if s.name == "self_speculative":
         # the record against this IR: a later pass, or an edited artifact, may not fit it
         check_skip_set(ir, s.skip_layers, s.skip_attention, s.skip_mlp)
@@ -44,6 +46,18 @@ def build_programs(ir: IR, backend: str, kernel_sources: dict) -> dict[str, fx.G
         else:
             programs["heads"] = lower_heads(ir, backend, shared)
     return programs
+
+
+def check_no_ring(ir: IR, strategy: str) -> None:
+    """Speculative strategies roll rejected tokens back by length; a sink + window ring
+    has overwritten the keys they replaced, so the two do not go together."""
+    from rewriter.errors import RewriterError
+    from .kv_cache import cache_table
+    rings = [i for i, spec in cache_table(ir.gm).items() if spec.ring]
+    if rings:
+        raise RewriterError(f"the {strategy} strategy cannot run with sink + window caches "
+                            f"(StreamingAttention, caches {rings}): rolling back rejected "
+                            f"drafts needs the keys the ring has overwritten")
 
 
 def check_heads(ir: IR, s) -> None:

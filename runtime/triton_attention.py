@@ -12,17 +12,22 @@ from rewriter.codegen.rope import rope_into_cache
 
 from .attention import Step, write_kv
 from .attention import cached_attention as torch_cached_attention
+from .ring_cache import ring_attention
 
 
 def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, cache_id: int, num_heads: int,
                      num_kv_heads: int, head_dim: int, scale: float, window: Optional[int],
-                     cos: Optional[Tensor] = None, sin: Optional[Tensor] = None) -> Tensor:
+                     cos: Optional[Tensor] = None, sin: Optional[Tensor] = None,
+                     sinks: Optional[int] = None) -> Tensor:
     """``rw.attention`` over cache ``cache_id``: decode or prefill kernel by step length;
     with ``cos``/``sin`` (``FuseRoPE``) K is rotated by the kernel that writes the cache
     (V with it) and q by the attention kernel: no launch of its own for either. A step
     whose rows start at different positions (speculative decoding after ragged acceptance),
     or a token tree under a sliding window, runs the torch path; a tree at one start runs
     the prefill kernel with each node's ancestors as a bit set."""
+    if sinks is not None:  # a sink + window ring: the torch path (runtime.ring_cache)
+        return ring_attention(step, q, k, v, cache_id, num_heads, num_kv_heads, head_dim, scale,
+                              window, sinks, cos, sin)
     if step.per_row or (step.tree is not None and window is not None):
         return torch_cached_attention(step, q, k, v, cache_id, num_heads, num_kv_heads,
                                       head_dim, scale, window, cos, sin)

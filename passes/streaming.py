@@ -1,0 +1,65 @@
+"""StreamingLLM's attention: every layer keeps its first ``sinks`` tokens and the last
+``window`` ones, in a cache of ``sinks + window`` slots (``runtime.ring_cache``).
+
+``StreamingAttention(sinks=4, window=1020)`` sets ``sinks`` and ``window`` on every
+``rw.attention`` (or on the layers named by ``layers=[...]``). The IR shows them on each
+op; the whole-sequence graph attends under the equivalent mask (causal, the last
+``window`` keys and the first ``sinks``), and the KV-cache runtime keeps the layer's K/V in
+a ring, so memory stays bounded and generation may run past the model's context length
+(models with rotary positions; learned position tables end there).
+
+A layer that already has a sliding window (Mistral) keeps the smaller of the two windows.
+Speculative strategies (``SelfSpeculative``, draft heads) roll rejected tokens back by
+length, which a ring that overwrote the oldest keys cannot do: the combination is refused.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from rewriter.errors import PassError
+from rewriter.ir.core import IR
+from rewriter.ops import MAX_INT, OPS, op_arguments
+from rewriter.pass_manager import Pass
+from rewriter.values import is_int
+
+
+class StreamingAttention(Pass):
+    def __init__(self, sinks: int = 4, window: int = 1020, layers: Optional[Sequence[int]] = None):
+        if not is_int(sinks) or not 0 <= sinks <= MAX_INT:
+            raise ValueError(f"StreamingAttention: sinks must be an integer >= 0, got {sinks!r}")
+        if not is_int(window) or not 1 <= window <= MAX_INT:
+            raise ValueError(f"StreamingAttention: window must be an integer >= 1, got {window!r}")
+        if layers is not None and (isinstance(layers, (str, bytes)) or not isinstance(layers, (list, tuple))
+                                   or not all(is_int(i) and i >= 0 for i in layers) or not layers):
+            raise ValueError(f"StreamingAttention: layers must be a non-empty list of layer "
+                             f"indices, got {layers!r}")
+        self.sinks, self.window = int(sinks), int(window)
+        self.layers = sorted(set(int(i) for i in layers)) if layers is not None else None
+
+    def run(self, ir: IR) -> IR:
+        if ir.info.get("decoding") is not None:
+            raise PassError(f"{self!r} cannot follow a speculative strategy "
+                            f"({ir.info['decoding']['strategy']}): rejected drafts are rolled "
+                            f"back by length, and a ring cache has overwritten what they replaced")
+        nodes = list(ir.graph.find_nodes(op="call_function", target=OPS["attention"]))
+        if not nodes:
+            raise PassError(f"{self!r}: the IR has no rw.attention op to rewrite")
+        by_layer = {op_arguments("attention", tuple(n.args), dict(n.kwargs))["layer"]: n for n in nodes}
+        chosen = self.layers if self.layers is not None else sorted(by_layer)
+        missing = [i for i in chosen if i not in by_layer]
+        if missing:
+            raise PassError(f"{self!r}: no attention names cache {missing[0]}; the IR has "
+                            f"{sorted(by_layer)}")
+        for i in chosen:
+            n = by_layer[i]
+            args = op_arguments("attention", tuple(n.args), dict(n.kwargs))
+            if args["sinks"] is not None:
+                raise PassError(f"{self!r}: {n.name} keeps sinks already (sinks={args['sinks']})")
+            native = args["window"]
+            window = self.window if native is None else min(native, self.window)
+            n.args = tuple(n.args[:3])  # q, k, v; every attribute by name from here
+            kept = {k: v for k, v in args.items()  # the defaults cos/sin=None stay unsaid
+                    if k not in ("q", "k", "v") and not (k in ("cos", "sin") and v is None)}
+            n.kwargs = {**kept, "window": window, "sinks": self.sinks}
+            n.meta.pop("val", None)
+        return ir

@@ -1,0 +1,123 @@
+"""Sink + window caches (``StreamingAttention``): a layer's K/V in a ring of ``sinks +
+window`` slots, whatever the sequence's length.
+
+Slots are addressed by a token's *real index* ``r`` in its row (its cache position minus
+the row's left padding): the first ``sinks`` real tokens keep slots ``0 .. sinks-1`` for
+good, and token ``r >= sinks`` goes to ``sinks + (r - sinks) % window``, overwriting the
+token ``window`` before it, which no later query sees. One more slot, the last, takes what
+must not be kept (padding, and tokens of a long step that a later token of the same step
+overwrites), and is never read. So memory is ``sinks + window + 1`` slots per row, and a
+row's sinks are its own first real tokens under left padding too.
+
+Keys are stored as the model computes them: rotated (RoPE) at their true positions.
+StreamingLLM also renumbers positions inside the cache; here the positions stay the
+model's, which leaves every relative distance inside the window as it was and only moves
+the sinks further away (see docs/design.md).
+
+What a slot holds follows from how many real tokens the row has written, ``n``, so nothing
+but the K/V tensors is stored: the step's first real index is ``start - pad`` and every
+mask is computed from it (on the device, so a CUDA-graph decode step can use it too).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .kernels import KERNELS
+
+
+def ring_attention(step, q: Tensor, k: Tensor, v: Tensor, cache_id: int, num_heads: int,
+                   num_kv_heads: int, head_dim: int, scale: float, window: int, sinks: int,
+                   cos: Optional[Tensor] = None, sin: Optional[Tensor] = None) -> Tensor:
+    """``rw.attention`` with ``sinks``: q ``[B, S, Hq*D]``, k/v ``[B, S, Hkv*D]`` ->
+    ``[B, S, Hq*D]``, K/V kept in the ring of cache ``cache_id``."""
+    if cos is not None:
+        q, k = KERNELS["rope"](q, cos, sin, head_dim), KERNELS["rope"](k, cos, sin, head_dim)
+    b, s, _ = q.shape
+    k_ring, v_ring = step.cache.k[cache_id], step.cache.v[cache_id]  # [B, Hkv, C + 1, D]
+    size = sinks + window
+    new_k = k.view(b, s, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, S, D]
+    new_v = v.view(b, s, num_kv_heads, head_dim).transpose(1, 2)
+    qh = q.view(b, s, num_heads, head_dim).transpose(1, 2)  # [B, Hq, S, D]
+    first = step.once("ring_first", lambda: first_real_index(step, b))  # [B]
+    r_new = first[:, None] + torch.arange(s, device=first.device)  # [B, S]
+    gqa = num_heads != num_kv_heads
+    if s == 1:
+        # One token: written first, then read with the ring. It overwrites only the key a
+        # window behind it, which it would not see anyway.
+        _write(k_ring, v_ring, new_k, new_v, r_new, first + 1, sinks, window)
+        mask = step.once(("ring_decode", window, sinks),
+                         lambda: visible(r_new, slot_contents(first + 1, sinks, window), window,
+                                         sinks)[:, None])  # [B, 1, 1, C]
+        out = F.scaled_dot_product_attention(qh, k_ring[:, :, :size], v_ring[:, :, :size],
+                                             attn_mask=mask, scale=scale, enable_gqa=gqa)
+    else:
+        # Several tokens: an early one may need a key a later one overwrites, so they read
+        # the ring as it was plus the step's own keys, and are written after.
+        keys = torch.cat([k_ring[:, :, :size], new_k], dim=2)  # [B, Hkv, C + S, D]
+        values = torch.cat([v_ring[:, :, :size], new_v], dim=2)
+        mask = step.once(("ring_step", window, sinks), lambda: _step_mask(first, r_new, sinks,
+                                                                          window))
+        out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale,
+                                             enable_gqa=gqa)
+        _write(k_ring, v_ring, new_k, new_v, r_new, first + s, sinks, window)
+    return out.transpose(1, 2).reshape(b, s, num_heads * head_dim)  # [B, S, Hq*D]
+
+
+def first_real_index(step, batch: int) -> Tensor:
+    """``[B]``: the real index of the step's first token in each row (negative while the
+    row's left padding is being written)."""
+    if step.static:
+        start = step.pos.expand(batch)
+    elif step.per_row:
+        start = step.start
+    else:
+        start = torch.full((batch,), step.start, dtype=torch.int64, device=step.cache.device)
+    return start - step.pad if step.pad is not None else start
+
+
+def slot_contents(n: Tensor, sinks: int, window: int) -> Tensor:
+    """``[B, sinks + window]``: the real index each slot holds once a row has written ``n``
+    ``[B]`` real tokens, -1 where it holds none."""
+    n = n.clamp(min=0)[:, None]  # [B, 1]
+    i = torch.arange(sinks, device=n.device)[None]  # [1, sinks]
+    sink = torch.where(i < n, i, -1)
+    j = torch.arange(window, device=n.device)[None]  # [1, W]
+    m = n - sinks  # tokens past the sinks
+    latest = sinks + j + window * ((m - 1 - j).clamp(min=0) // window)  # [B, W]
+    return torch.cat([sink.expand(len(n), -1), torch.where(m > j, latest, -1)], dim=1)
+
+
+def visible(r_q: Tensor, r_k: Tensor, window: int, sinks: int) -> Tensor:
+    """``[B, S, K]``: query ``r_q`` ``[B, S]`` sees key ``r_k`` ``[B, K]`` (real indices,
+    -1 for none): causal, within the window or one of the sinks."""
+    rq, rk = r_q[:, :, None], r_k[:, None, :]
+    return (rk >= 0) & (rk <= rq) & ((rq - rk < window) | (rk < sinks))
+
+
+def _step_mask(first: Tensor, r_new: Tensor, sinks: int, window: int) -> Tensor:
+    """``[B, 1, S, C + S]`` for a step of several tokens over the ring as it was and the
+    step's own keys; a padding query sees itself only, so its softmax stays finite."""
+    old = slot_contents(first, sinks, window)  # [B, C]
+    mask = visible(r_new, torch.cat([old, r_new], dim=1), window, sinks)  # [B, S, C + S]
+    s = r_new.shape[1]
+    own = torch.zeros_like(mask)
+    own[:, :, old.shape[1]:] = torch.eye(s, dtype=torch.bool, device=mask.device)
+    padding = (r_new < 0)[:, :, None]  # [B, S, 1]
+    return torch.where(padding, own, mask)[:, None]
+
+
+def _write(k_ring: Tensor, v_ring: Tensor, new_k: Tensor, new_v: Tensor, r_new: Tensor,
+           n_after: Tensor, sinks: int, window: int) -> None:
+    """Store the step's K/V ``[B, Hkv, S, D]`` in their slots; tokens that are padding or
+    that a later token of this step overwrites go to the spare last slot (so no slot is
+    written twice in one step, whose order indexing does not define)."""
+    slot = torch.where(r_new < sinks, r_new, sinks + (r_new - sinks) % window)  # [B, S]
+    kept = (r_new >= 0) & ((r_new < sinks) | (r_new >= n_after[:, None] - window))
+    slot = torch.where(kept, slot, sinks + window)
+    rows = torch.arange(len(slot), device=slot.device)[:, None]  # [B, 1]
+    k_ring[rows, :, slot] = new_k.transpose(1, 2)  # [B, S, Hkv, D]
+    v_ring[rows, :, slot] = new_v.transpose(1, 2)

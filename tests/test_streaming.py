@@ -1,0 +1,179 @@
+"""StreamingAttention: sink + window caches kept in a ring of ``sinks + window`` slots.
+
+The ring runtime is checked against the IR's whole-sequence graph, which attends under the
+equivalent mask (causal, the last ``window`` keys and the first ``sinks``) with no cache at
+all; and against dense attention where the window covers everything.
+Regenerate the golden text with ``REWRITER_UPDATE_GOLDEN=1 pytest tests/test_streaming.py``.
+"""
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import rewriter
+from rewriter.errors import PassError, RewriterError
+from rewriter.ops import OPS
+from rewriter.passes import FuseQKV, FuseRoPE, MedusaHeads, SelfSpeculative, StreamingAttention
+from rewriter.passes import from_spec
+from rewriter.runtime.kv_cache import KVCache, cache_table
+from rewriter.runtime.ring_cache import slot_contents
+
+from conftest import make_model
+
+GOLDEN = Path(__file__).parent / "golden"
+ROWS = [[3, 17, 42, 5, 99, 8, 64, 7, 9, 11, 13, 2], [1, 2, 3], [50, 60, 70, 80, 90]]
+KW = dict(max_new_tokens=14, eos_token_id=[])
+
+
+def reference_greedy(opt, row: list[int], new: int) -> torch.Tensor:
+    """Greedy decoding through the whole-sequence graph (no cache): the masked reference."""
+    ids = torch.tensor([row])
+    for _ in range(new):
+        ids = torch.cat([ids, opt(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0]
+
+
+def test_the_ir_shows_sinks_and_window_on_every_attention():
+    model = make_model("llama-gqa-3l", num_hidden_layers=1)
+    after = str(rewriter.optimize(model, passes=[StreamingAttention(sinks=4, window=8)]).ir)
+    text = f"### after StreamingAttention(sinks=4, window=8)\n{after}\n"
+    path = GOLDEN / "streaming_attention.txt"
+    if os.environ.get("REWRITER_UPDATE_GOLDEN"):
+        path.write_text(text)
+    assert text == path.read_text()
+    assert "window=8, sinks=4" in after
+
+
+@pytest.mark.parametrize("config", ["llama-gqa-3l", "mistral-window-3l", "qwen2-hd20-2l"])
+def test_a_window_covering_the_sequence_equals_dense_attention(config):
+    model = make_model(config, initializer_range=0.2)
+    dense = rewriter.optimize(model)
+    # sinks=0: a native sliding window (Mistral) stays exactly what it was
+    wide = rewriter.optimize(model, passes=[StreamingAttention(sinks=0, window=10_000)])
+    assert torch.equal(wide.generate(ROWS, **KW), dense.generate(ROWS, **KW))
+    if config != "mistral-window-3l":  # sinks inside a window that covers everything
+        wide = rewriter.optimize(model, passes=[StreamingAttention(sinks=4, window=10_000)])
+        assert torch.equal(wide.generate(ROWS, **KW), dense.generate(ROWS, **KW))
+
+
+@pytest.mark.parametrize("config,sinks,window", [("llama-gqa-3l", 2, 4), ("llama-gqa-3l", 0, 3),
+                                                 ("qwen2-hd20-2l", 4, 5), ("mistral-window-3l", 1, 6)])
+def test_the_ring_equals_the_masked_whole_sequence_graph(config, sinks, window):
+    model = make_model(config, initializer_range=0.2)
+    opt = rewriter.optimize(model, passes=[StreamingAttention(sinks=sinks, window=window)])
+    dense = rewriter.optimize(model)
+    got = opt.generate(ROWS, **KW)
+    for i, row in enumerate(ROWS):  # ragged: left padding; each row's sinks are its own
+        assert torch.equal(got[i, -len(row) - 14:], reference_greedy(opt, row, 14)), i
+    assert not torch.equal(got, dense.generate(ROWS, **KW))  # the window does cut attention
+
+
+def test_the_ring_is_bounded_and_generation_runs_past_the_context_length():
+    model = make_model("llama-gqa-3l", initializer_range=0.2, max_position_embeddings=32)
+    dense = rewriter.optimize(model)
+    with pytest.raises(ValueError, match="context length"):
+        dense.generate([ROWS[0]], max_new_tokens=40)
+    opt = rewriter.optimize(model, passes=[StreamingAttention(sinks=2, window=6)])
+    got = opt.generate([ROWS[0]], max_new_tokens=40, eos_token_id=[])
+    assert got.shape[1] == len(ROWS[0]) + 40 > 32
+    assert torch.equal(got[0], reference_greedy(opt, ROWS[0], 40))
+    cache = opt._cache
+    assert all(k.shape[2] == 2 + 6 + 1 for k in cache.k.values())  # sinks + window + spare
+    assert opt.kv_bytes_per_token(1000) == cache.nbytes // 1000  # what is allocated (batch 1)
+    assert opt.kv_bytes_per_token(1000) < dense.kv_bytes_per_token(1000) / 100
+
+
+def test_learned_positions_still_end_at_the_context_length():
+    model = make_model("gpt2-3l", initializer_range=0.2)
+    opt = rewriter.optimize(model, passes=[StreamingAttention(sinks=1, window=4)])
+    with pytest.raises(ValueError, match="context length"):
+        opt.generate([[1, 2, 3]], max_new_tokens=opt.max_len, eos_token_id=[])
+
+
+def test_static_decode_steps_give_the_same_tokens():
+    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    opt = rewriter.optimize(model, passes=[StreamingAttention(sinks=2, window=5)])
+    want = opt.generate(ROWS, **KW)
+    opt.static_decode = True  # device-side positions, as a CUDA-graph step runs
+    assert torch.equal(opt.generate(ROWS, **KW), want)
+
+
+def test_slot_contents_follow_the_ring():
+    # sinks 2, window 3: tokens 0 1 | 2 3 4 | then 5 overwrites 2, 6 overwrites 3
+    got = slot_contents(torch.tensor([0, 1, 2, 4, 5, 6, 7]), 2, 3).tolist()
+    assert got == [[-1, -1, -1, -1, -1], [0, -1, -1, -1, -1], [0, 1, -1, -1, -1],
+                   [0, 1, 2, 3, -1], [0, 1, 2, 3, 4], [0, 1, 5, 3, 4], [0, 1, 5, 6, 4]]
+
+
+def test_the_ring_holds_exactly_the_sinks_and_the_window():
+    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    opt = rewriter.optimize(model, passes=[StreamingAttention(sinks=2, window=3)])
+    dense = rewriter.optimize(model)
+    row = ROWS[0]  # 12 tokens: the ring keeps 0, 1 and 9, 10, 11 (token r in 2 + (r - 2) % 3)
+    opt.generate([row], max_new_tokens=1, eos_token_id=[])
+    dense.generate([row], max_new_tokens=1, eos_token_id=[])
+    # layer 0's keys do not depend on attention, so the dense cache holds the same ones
+    ring, full = opt._cache.k[0][0], dense._cache.k[0][0]  # [Hkv, slots, D]
+    for slot, token in [(0, 0), (1, 1), (2, 11), (3, 9), (4, 10)]:
+        torch.testing.assert_close(ring[:, slot], full[:, token], rtol=1e-5, atol=1e-6)
+
+
+def test_artifact_round_trip(tmp_path):
+    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    opt = rewriter.optimize(model, passes=[StreamingAttention(sinks=2, window=4), FuseQKV(), FuseRoPE()])
+    opt.save(tmp_path / "a")
+    loaded = rewriter.load(tmp_path / "a")
+    assert torch.equal(loaded.generate(ROWS, **KW), opt.generate(ROWS, **KW))
+    assert {s.sinks for s in cache_table(loaded.ir.gm).values()} == {2}
+
+
+def test_speculative_strategies_are_refused_with_a_ring():
+    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    with pytest.raises(PassError, match="speculative"):
+        rewriter.optimize(model, passes=[SelfSpeculative(skip_layers=[1]), StreamingAttention()])
+    with pytest.raises(RewriterError, match="sink \\+ window"):
+        rewriter.optimize(model, passes=[StreamingAttention(), SelfSpeculative(skip_layers=[1])])
+    with pytest.raises(RewriterError, match="sink \\+ window"):
+        rewriter.optimize(model, passes=[StreamingAttention(), MedusaHeads(num_heads=2)])
+
+
+@pytest.mark.parametrize("kwargs,match", [({"sinks": -1}, "sinks"), ({"window": 0}, "window"),
+                                          ({"window": 2.5}, "window"), ({"sinks": True}, "sinks"),
+                                          ({"layers": []}, "layers"), ({"layers": "0"}, "layers")])
+def test_bad_parameters_name_themselves(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        StreamingAttention(**kwargs)
+
+
+def test_layers_and_the_command_line_spec():
+    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    opt = rewriter.optimize(model, passes=[from_spec("streaming_attention:sinks=1,window=4,layers=[0,2]")])
+    table = cache_table(opt.ir.gm)
+    assert [table[i].ring for i in sorted(table)] == [True, False, True]
+    with pytest.raises(PassError, match="cache 7"):
+        rewriter.optimize(model, passes=[StreamingAttention(layers=[7])])
+    got = opt.generate(ROWS, **KW)
+    for i, row in enumerate(ROWS):
+        assert torch.equal(got[i, -len(row) - 14:], reference_greedy(opt, row, 14))
+
+
+def test_a_sinks_attribute_without_a_window_is_refused_when_verified():
+    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    opt = rewriter.optimize(model)
+    node = next(iter(opt.ir.gm.graph.find_nodes(op="call_function", target=OPS["attention"])))
+    node.kwargs = {**node.kwargs, "sinks": 2}  # the model has no window
+    from rewriter.ir.verify import verify
+    with pytest.raises(Exception, match="needs a window"):
+        verify(opt.ir)
+
+
+@pytest.mark.slow
+def test_triton_backend_equals_torch():
+    pytest.importorskip("triton")
+    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    passes = lambda: [StreamingAttention(sinks=2, window=4), FuseQKV(), FuseRoPE()]  # noqa: E731
+    ref = rewriter.optimize(model, passes=passes())
+    tri = rewriter.optimize(model, passes=passes(), backend="triton")
+    kw = dict(max_new_tokens=8, eos_token_id=[])
+    assert torch.equal(tri.generate(ROWS, **kw), ref.generate(ROWS, **kw))
