@@ -8,12 +8,19 @@ op; the whole-sequence graph attends under the equivalent mask (causal, the last
 a ring, so memory stays bounded and generation may run past the model's context length
 (models with rotary positions; learned position tables end there).
 
+Positions (``positions="cache"``, the default) follow StreamingLLM: keys stay rotated at
+their true positions, and a query scores the sinks as if they sat just before its window,
+so no query-key distance exceeds ``sinks + window - 1`` however long the sequence gets (the
+attention op takes the model's RoPE frequencies for it, ``rotary=``). ``positions=
+"original"`` keeps the true distances to the sinks (they grow without bound).
+
 A layer that already has a sliding window (Mistral) keeps the smaller of the two windows.
 Speculative strategies (``SelfSpeculative``, draft heads) roll rejected tokens back by
 length, which a ring that overwrote the oldest keys cannot do: the combination is refused.
 """
 from __future__ import annotations
 
+import operator
 from typing import Optional, Sequence
 
 from rewriter.errors import PassError
@@ -24,7 +31,8 @@ from rewriter.values import is_int
 
 
 class StreamingAttention(Pass):
-    def __init__(self, sinks: int = 4, window: int = 1020, layers: Optional[Sequence[int]] = None):
+    def __init__(self, sinks: int = 4, window: int = 1020, layers: Optional[Sequence[int]] = None,
+                 positions: str = "cache"):
         if not is_int(sinks) or not 0 <= sinks <= MAX_INT:
             raise ValueError(f"StreamingAttention: sinks must be an integer >= 0, got {sinks!r}")
         if not is_int(window) or not 1 <= window <= MAX_INT:
@@ -33,7 +41,10 @@ class StreamingAttention(Pass):
                                    or not all(is_int(i) and i >= 0 for i in layers) or not layers):
             raise ValueError(f"StreamingAttention: layers must be a non-empty list of layer "
                              f"indices, got {layers!r}")
-        self.sinks, self.window = int(sinks), int(window)
+        if positions not in ("cache", "original"):
+            raise ValueError(f"StreamingAttention: positions must be 'cache' (StreamingLLM: the "
+                             f"sinks sit just before the window) or 'original', got {positions!r}")
+        self.sinks, self.window, self.positions = int(sinks), int(window), positions
         self.layers = sorted(set(int(i) for i in layers)) if layers is not None else None
 
     def run(self, ir: IR) -> IR:
@@ -61,5 +72,23 @@ class StreamingAttention(Pass):
             kept = {k: v for k, v in args.items()  # the defaults cos/sin=None stay unsaid
                     if k not in ("q", "k", "v") and not (k in ("cos", "sin") and v is None)}
             n.kwargs = {**kept, "window": window, "sinks": self.sinks}
+            freq = rotary_frequencies(n, args) if self.positions == "cache" else None
+            if freq is not None:
+                n.kwargs = {**n.kwargs, "rotary": freq}
             n.meta.pop("val", None)
         return ir
+
+
+def rotary_frequencies(attn, args: dict):
+    """The ``inv_freq`` node of the ``rw.rotary`` whose tables rotate this attention's q
+    (through ``rw.rope``, or the op's own ``cos`` under ``FuseRoPE``); None without RoPE."""
+    cos = args["cos"]
+    if cos is None:
+        q = args["q"]
+        if not (q.op == "call_function" and q.target is OPS["rope"]):
+            return None
+        cos = q.args[1]
+    table = cos.args[0] if cos.op == "call_function" and cos.target is operator.getitem else None
+    if table is None or table.target is not OPS["rotary"]:
+        return None
+    return table.args[1]

@@ -260,7 +260,7 @@ def attention_mask(q_len: int, k_len: int, window: Optional[int], device,
 
 
 def _attention_fake(q, k, v, layer, num_heads, num_kv_heads, head_dim, scale, causal=True,
-                    window=None, cos=None, sin=None, sinks=None):
+                    window=None, cos=None, sin=None, sinks=None, rotary=None):
     q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
     _need(q.dim() == 3 and q.shape[-1] == q_width, "attention",
           f"q {_dims(q)} is not [B, S, num_heads * head_dim = {q_width}]")
@@ -288,6 +288,7 @@ def attention(
     cos: Optional[Tensor] = None,
     sin: Optional[Tensor] = None,
     sinks: Optional[int] = None,
+    rotary: Optional[Tensor] = None,
 ) -> Tensor:
     """Scaled dot-product attention of one decoder layer; the op that owns the KV cache.
 
@@ -295,7 +296,9 @@ def attention(
     over ``Hq / Hkv`` key/value heads (GQA). ``window`` limits each query to the last
     ``window`` keys (sliding-window attention); with ``sinks`` (``StreamingAttention``) also
     the sequence's first ``sinks`` keys, and the runtime keeps that layer's cache in a ring
-    of ``sinks + window`` slots. ``layer`` names the cache slot. With
+    of ``sinks + window`` slots. With ``rotary`` (the model's RoPE frequencies) as well, the
+    sinks sit at StreamingLLM's positions: just before the window, whatever the query's
+    distance from them (``sink_scores``). ``layer`` names the cache slot. With
     ``cos``/``sin`` (``FuseRoPE``), q and k are rotated first, exactly as ``rope`` does, so a
     backend can rotate K in the kernel that writes it into the cache.
     """
@@ -310,8 +313,32 @@ def attention(
     kh = kh.repeat_interleave(groups, dim=1)  # [B, Hq, T, D]
     vh = vh.repeat_interleave(groups, dim=1)
     mask = attention_mask(s, kh.shape[2], window, q.device, sinks) if causal else None
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    if rotary is not None:
+        t = kh.shape[2]
+        shift = (torch.arange(t - s, t, device=q.device) - (sinks + window - 1)).clamp(min=0)
+        is_sink = (torch.arange(t, device=q.device) < sinks)[None, None, None]  # [1, 1, 1, T]
+        out = sink_attention(qh, kh, vh, mask, scale, is_sink, shift.expand(b, s), rotary, head_dim)
+    else:
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
     return out.transpose(1, 2).reshape(b, s, num_heads * head_dim)  # [B, S, Hq*D]
+
+
+def sink_attention(qh: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float,
+                   is_sink: Tensor, shift: Tensor, inv_freq: Tensor, head_dim: int) -> Tensor:
+    """Attention with StreamingLLM's sink positions: qh ``[B, H, S, D]``, keys/values
+    ``[B, H, K, D]`` (heads already matched), ``mask`` and ``is_sink`` boolean, broadcast to
+    ``[B, H, S, K]``. Keys hold RoPE at their true positions; a query ``shift`` ``[B, S]``
+    positions past the end of a full cache (``sinks + window``) scores the sinks as if they
+    sat just before its window, i.e. with itself rotated back by ``shift``. Inside the
+    window every distance is the true one, so only the sinks' columns change."""
+    b, h, s, d = qh.shape
+    scores = qh @ keys.transpose(-1, -2) * scale  # [B, H, S, K]
+    cos, sin = REFERENCE["rotary"](shift, inv_freq, 1.0)  # [B, S, R]
+    flat = qh.transpose(1, 2).reshape(b, s, h * d)  # [B, S, H*D]
+    back = REFERENCE["rope"](flat, cos, -sin, head_dim).view(b, s, h, d).transpose(1, 2)
+    scores = torch.where(is_sink, back @ keys.transpose(-1, -2) * scale, scores)
+    probs = scores.float().masked_fill(~mask, float("-inf")).softmax(-1).to(values.dtype)
+    return probs @ values  # [B, H, S, D]
 
 
 def default_scale(head_dim: int) -> float:
@@ -425,6 +452,8 @@ def check_arguments(name: str, args: tuple, kwargs: dict, is_tensor=None) -> dic
     if name == "attention" and bound["sinks"] is not None and bound["window"] is None:
         raise ValueError(f"rw.attention: sinks={bound['sinks']} needs a window (the sinks are "
                          "kept beside the last window keys)")
+    if name == "attention" and bound["rotary"] is not None and bound["sinks"] is None:
+        raise ValueError("rw.attention: rotary (StreamingLLM's sink positions) needs sinks")
     if name == "attention" and (bound["cos"] is None) != (bound["sin"] is None):
         raise ValueError("rw.attention: cos and sin come together (both or neither)")
     return bound

@@ -110,7 +110,7 @@ class Step:
 def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, cache_id: int, num_heads: int,
                      num_kv_heads: int, head_dim: int, scale: float, window: Optional[int],
                      cos: Optional[Tensor] = None, sin: Optional[Tensor] = None,
-                     sinks: Optional[int] = None) -> Tensor:
+                     sinks: Optional[int] = None, rotary: Optional[Tensor] = None) -> Tensor:
     """``rw.attention`` with K/V written into cache ``cache_id`` first.
 
     q ``[B, S, Hq*D]``, k/v ``[B, S, Hkv*D]`` -> ``[B, S, Hq*D]``; with ``cos``/``sin``
@@ -119,7 +119,7 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, cache_id: int,
     """
     if sinks is not None:
         return ring_attention(step, q, k, v, cache_id, num_heads, num_kv_heads, head_dim, scale,
-                              window, sinks, cos, sin)
+                              window, sinks, cos, sin, rotary)
     if cos is not None:
         q, k = KERNELS["rope"](q, cos, sin, head_dim), KERNELS["rope"](k, cos, sin, head_dim)
     b, s, _ = q.shape

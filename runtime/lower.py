@@ -85,6 +85,9 @@ def lower(ir: IR, last_only: bool, backend: str = "torch",
                                                  "scale", "window")}
             if params["sinks"] is not None:  # StreamingAttention: the layer's cache is a ring
                 new.kwargs = {**new.kwargs, "sinks": params["sinks"]}
+                rotary = node.kwargs.get("rotary")  # StreamingLLM's sink positions
+                if rotary is not None:
+                    new.kwargs = {**new.kwargs, "rotary": env[rotary]}
             if node.kwargs.get("cos") is not None:  # FuseRoPE: rotate inside attention
                 cos, sin = node.kwargs["cos"], node.kwargs["sin"]
                 if backend == "torch":  # the Triton kernels read float32 tables

@@ -9,10 +9,12 @@ must not be kept (padding, and tokens of a long step that a later token of the s
 overwrites), and is never read. So memory is ``sinks + window + 1`` slots per row, and a
 row's sinks are its own first real tokens under left padding too.
 
-Keys are stored as the model computes them: rotated (RoPE) at their true positions.
-StreamingLLM also renumbers positions inside the cache; here the positions stay the
-model's, which leaves every relative distance inside the window as it was and only moves
-the sinks further away (see docs/design.md).
+Keys are stored as the model computes them: rotated (RoPE) at their true positions. RoPE
+scores depend only on the distance between query and key, and StreamingLLM's renumbering
+inside the cache keeps every distance inside the window as it was: only the sinks move,
+to just before the window. So with the ``rotary`` frequencies (``StreamingAttention``
+gives them for rotary models) a query scores the sinks rotated back by how far it is past
+a full cache, and no distance ever exceeds ``sinks + window - 1`` (docs/design.md).
 
 What a slot holds follows from how many real tokens the row has written, ``n``, so nothing
 but the K/V tensors is stored: the step's first real index is ``start - pad`` and every
@@ -26,14 +28,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from rewriter.ops import sink_attention
+
 from .kernels import KERNELS
 
 
 def ring_attention(step, q: Tensor, k: Tensor, v: Tensor, cache_id: int, num_heads: int,
                    num_kv_heads: int, head_dim: int, scale: float, window: int, sinks: int,
-                   cos: Optional[Tensor] = None, sin: Optional[Tensor] = None) -> Tensor:
+                   cos: Optional[Tensor] = None, sin: Optional[Tensor] = None,
+                   rotary: Optional[Tensor] = None) -> Tensor:
     """``rw.attention`` with ``sinks``: q ``[B, S, Hq*D]``, k/v ``[B, S, Hkv*D]`` ->
-    ``[B, S, Hq*D]``, K/V kept in the ring of cache ``cache_id``."""
+    ``[B, S, Hq*D]``, K/V kept in the ring of cache ``cache_id``; with ``rotary`` the
+    sinks at StreamingLLM's positions (``rewriter.ops.sink_attention``)."""
     if cos is not None:
         q, k = KERNELS["rope"](q, cos, sin, head_dim), KERNELS["rope"](k, cos, sin, head_dim)
     b, s, _ = q.shape
@@ -49,11 +55,12 @@ def ring_attention(step, q: Tensor, k: Tensor, v: Tensor, cache_id: int, num_hea
         # One token: written first, then read with the ring. It overwrites only the key a
         # window behind it, which it would not see anyway.
         _write(k_ring, v_ring, new_k, new_v, r_new, first + 1, sinks, window)
+        held = step.once(("ring_held", window, sinks),
+                         lambda: slot_contents(first + 1, sinks, window))  # [B, C]
         mask = step.once(("ring_decode", window, sinks),
-                         lambda: visible(r_new, slot_contents(first + 1, sinks, window), window,
-                                         sinks)[:, None])  # [B, 1, 1, C]
-        out = F.scaled_dot_product_attention(qh, k_ring[:, :, :size], v_ring[:, :, :size],
-                                             attn_mask=mask, scale=scale, enable_gqa=gqa)
+                         lambda: visible(r_new, held, window, sinks)[:, None])  # [B, 1, 1, C]
+        out = _attend(qh, k_ring[:, :, :size], v_ring[:, :, :size], mask, scale, gqa, rotary,
+                      held, r_new, sinks, window, head_dim)
     else:
         # Several tokens: an early one may need a key a later one overwrites, so they read
         # the ring as it was plus the step's own keys, and are written after.
@@ -61,10 +68,26 @@ def ring_attention(step, q: Tensor, k: Tensor, v: Tensor, cache_id: int, num_hea
         values = torch.cat([v_ring[:, :, :size], new_v], dim=2)
         mask = step.once(("ring_step", window, sinks), lambda: _step_mask(first, r_new, sinks,
                                                                           window))
-        out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale,
-                                             enable_gqa=gqa)
+        held = torch.cat([slot_contents(first, sinks, window), r_new], dim=1)  # [B, C + S]
+        out = _attend(qh, keys, values, mask, scale, gqa, rotary, held, r_new, sinks, window,
+                      head_dim)
         _write(k_ring, v_ring, new_k, new_v, r_new, first + s, sinks, window)
     return out.transpose(1, 2).reshape(b, s, num_heads * head_dim)  # [B, S, Hq*D]
+
+
+def _attend(qh: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float, gqa: bool,
+            rotary: Optional[Tensor], held: Tensor, r_new: Tensor, sinks: int, window: int,
+            head_dim: int) -> Tensor:
+    """qh ``[B, Hq, S, D]`` over keys/values ``[B, Hkv, K, D]`` whose real indices are
+    ``held`` ``[B, K]``: SDPA, or with ``rotary`` StreamingLLM's sink positions."""
+    if rotary is None:
+        return F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale,
+                                              enable_gqa=gqa)
+    groups = qh.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+    is_sink = ((held >= 0) & (held < sinks))[:, None, None]  # [B, 1, 1, K]
+    shift = (r_new - (sinks + window - 1)).clamp(min=0)  # [B, S]
+    return sink_attention(qh, keys, values, mask, scale, is_sink, shift, rotary, head_dim)
 
 
 def first_real_index(step, batch: int) -> Tensor:

@@ -18,7 +18,7 @@ from .ring_cache import ring_attention
 def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, cache_id: int, num_heads: int,
                      num_kv_heads: int, head_dim: int, scale: float, window: Optional[int],
                      cos: Optional[Tensor] = None, sin: Optional[Tensor] = None,
-                     sinks: Optional[int] = None) -> Tensor:
+                     sinks: Optional[int] = None, rotary: Optional[Tensor] = None) -> Tensor:
     """``rw.attention`` over cache ``cache_id``: decode or prefill kernel by step length;
     with ``cos``/``sin`` (``FuseRoPE``) K is rotated by the kernel that writes the cache
     (V with it) and q by the attention kernel: no launch of its own for either. A step
@@ -27,7 +27,7 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, cache_id: int,
     the prefill kernel with each node's ancestors as a bit set."""
     if sinks is not None:  # a sink + window ring: the torch path (runtime.ring_cache)
         return ring_attention(step, q, k, v, cache_id, num_heads, num_kv_heads, head_dim, scale,
-                              window, sinks, cos, sin)
+                              window, sinks, cos, sin, rotary)
     if step.per_row or (step.tree is not None and window is not None):
         return torch_cached_attention(step, q, k, v, cache_id, num_heads, num_kv_heads,
                                       head_dim, scale, window, cos, sin)

@@ -177,3 +177,23 @@ def test_triton_backend_equals_torch():
     tri = rewriter.optimize(model, passes=passes(), backend="triton")
     kw = dict(max_new_tokens=8, eos_token_id=[])
     assert torch.equal(tri.generate(ROWS, **kw), ref.generate(ROWS, **kw))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_cache_positions_make_the_output_independent_of_how_far_the_sinks_lie(fused):
+    # The last token's receptive field (window x layers) lies inside the filler in both
+    # prompts, so only the distance to the sinks differs between them: StreamingLLM's
+    # positions put the sinks just before the window either way.
+    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    near = [1, 2] + [5] * 12 + [7, 8, 9, 10]
+    far = [1, 2] + [5] * 40 + [7, 8, 9, 10]
+    fusions = [FuseQKV(), FuseRoPE()] if fused else []
+    cache = rewriter.optimize(model, passes=[StreamingAttention(sinks=2, window=4), *fusions])
+    original = rewriter.optimize(model, passes=[StreamingAttention(sinks=2, window=4,
+                                                                   positions="original"), *fusions])
+    last = lambda opt, row: opt(torch.tensor([row]))[0, -1]  # noqa: E731
+    torch.testing.assert_close(last(cache, near), last(cache, far), rtol=1e-4, atol=1e-5)
+    assert (last(original, near) - last(original, far)).abs().max() > 1e-3
+    kw = dict(max_new_tokens=6, eos_token_id=[])  # the ring runtime agrees
+    assert torch.equal(cache.generate([near], **kw)[0, -6:], cache.generate([far], **kw)[0, -6:])
+    assert torch.equal(cache.generate([far], **kw)[0], reference_greedy(cache, far, 6))

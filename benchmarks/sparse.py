@@ -1,0 +1,134 @@
+"""Sparse attention against dense attention, through the KV-cache runtime, in one run.
+
+    python benchmarks/sparse.py [--model default|smollm2|PATH] [--lengths 256 512 1024]
+                                [--depths 0.1 0.5 0.9] [--trials 4] [--windows 128 512]
+                                [--sinks 4] [--ppl-length 1024] [--ppl-chunks 4]
+                                [--batch 1 8] [--new 32] [--json benchmarks/results/sparse.json]
+
+Pipelines: dense attention, and ``StreamingAttention(sinks, window)`` for each window.
+Columns: pass-key accuracy by context length and by depth (where in the context the key
+lies: StreamingLLM is the control that must fail when the key falls outside its window),
+held-out perplexity (second half of each chunk scored one decode step at a time, so the
+cache policy shows) and its ratio to dense, KV memory allocated for one sequence of the
+longest length, KV bytes a decode step reads there, and decode tokens/s at that length for
+each batch size (medians of 3 after a warm-up), with the ratio to dense.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tabulate import tabulate
+
+import rewriter
+from rewriter.eval import heldout_chunks, passkey_accuracy, perplexity
+from rewriter.passes import StreamingAttention
+from rewriter.runtime.kv_cache import cache_table
+
+
+def load(name: str):
+    """(model, tokenizer) as the quickstart loads them."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    from quickstart import load as load_model
+    return load_model(name)
+
+
+def kv_read_bytes(engine, tokens: int) -> int:
+    """KV bytes one decode step reads with ``tokens`` in the cache, batch 1: a dense cache
+    reads every token, a ring its slots."""
+    dtype = engine._dtype()
+    return sum(s.bytes_per_token(dtype) * (min(tokens, s.sinks + s.window) if s.ring else tokens)
+               for s in cache_table(engine.ir.gm).values())
+
+
+def decode_rate(engine, batch: int, length: int, new: int, runs: int = 3) -> float:
+    """Tokens/s of decoding ``new`` tokens after a ``length - new`` token prompt."""
+    prompt = torch.randint(1, 1000, (batch, length - new), generator=torch.Generator().manual_seed(0))
+    engine.generate(prompt, max_new_tokens=2, eos_token_id=[])
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        engine.generate(prompt, max_new_tokens=new, eos_token_id=[])
+        times.append(time.perf_counter() - start)
+    prefill = _prefill_time(engine, prompt)
+    return batch * new / max(1e-9, statistics.median(times) - prefill)
+
+
+def _prefill_time(engine, prompt) -> float:
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        engine.generate(prompt, max_new_tokens=1, eos_token_id=[])
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024])
+    ap.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
+    ap.add_argument("--trials", type=int, default=4)
+    ap.add_argument("--windows", type=int, nargs="+", default=[128, 512])
+    ap.add_argument("--sinks", type=int, default=4)
+    ap.add_argument("--ppl-length", type=int, default=1024)
+    ap.add_argument("--ppl-chunks", type=int, default=4)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--json", default="benchmarks/results/sparse.json")
+    args = ap.parse_args()
+    model, tok = load(args.model)
+    pipelines = {"dense": []}
+    for w in args.windows:
+        pipelines[f"StreamingAttention(sinks={args.sinks}, window={w})"] = [
+            StreamingAttention(sinks=args.sinks, window=w)]
+    longest = max(args.lengths)
+    chunks = heldout_chunks(tok, args.ppl_chunks, args.ppl_length)
+    results = {"model": args.model, "machine": platform.processor() or platform.machine(),
+               "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
+               "args": vars(args), "rows": []}
+    for name, passes in pipelines.items():
+        engine = rewriter.optimize(model, passes=passes, tokenizer=tok)
+        started = time.perf_counter()
+        by_length = passkey_accuracy(engine, tok, args.lengths, args.depths, args.trials)
+        by_depth = {d: passkey_accuracy(engine, tok, [longest], [d], args.trials).get(longest)
+                    for d in args.depths}
+        ppl = perplexity(engine, chunks)
+        rates = {b: decode_rate(engine, b, longest, args.new) for b in args.batch}
+        row = {"pipeline": name, "passkey_by_length": by_length, "passkey_by_depth": by_depth,
+               "perplexity": ppl, "kv_bytes": engine.kv_bytes_per_token(longest) * longest,
+               "kv_read_bytes": kv_read_bytes(engine, longest), "tok_s": rates,
+               "seconds": time.perf_counter() - started}
+        results["rows"].append(row)
+        print(f"{name}: {row['seconds']:.0f} s", flush=True)
+    dense = results["rows"][0]
+    table = []
+    for r in results["rows"]:
+        table.append([r["pipeline"],
+                      *(f"{r['passkey_by_length'].get(n, float('nan')):.2f}" for n in args.lengths),
+                      *(f"{r['passkey_by_depth'][d]:.2f}" for d in args.depths),
+                      f"{r['perplexity']:.2f}", f"{r['perplexity'] / dense['perplexity']:.3f}",
+                      f"{r['kv_bytes'] / 2**10:.0f}", f"{dense['kv_bytes'] / r['kv_bytes']:.2f}x",
+                      f"{r['kv_read_bytes'] / 2**10:.0f}",
+                      f"{dense['kv_read_bytes'] / r['kv_read_bytes']:.2f}x",
+                      *(f"{r['tok_s'][b]:.0f} ({r['tok_s'][b] / dense['tok_s'][b]:.2f}x)"
+                        for b in args.batch)])
+    print(f"\n{args.model}, {args.trials} trials per depth, perplexity over "
+          f"{args.ppl_chunks} x {args.ppl_length} tokens, KV figures for one sequence of "
+          f"{longest} tokens, {torch.get_num_threads()} threads\n")
+    print(tabulate(table, headers=["pipeline", *(f"key@{n}" for n in args.lengths),
+                                   *(f"key@depth {d}" for d in args.depths), "ppl", "ppl ratio",
+                                   "KV KiB", "less KV", "KV read KiB/step", "less read",
+                                   *(f"tok/s b={b} @{longest}" for b in args.batch)]))
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
