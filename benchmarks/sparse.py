@@ -2,10 +2,12 @@
 
     python benchmarks/sparse.py [--model default|smollm2|PATH] [--lengths 256 512 1024]
                                 [--depths 0.1 0.5 0.9] [--trials 4] [--windows 128 512]
-                                [--sinks 4] [--ppl-length 1024] [--ppl-chunks 4]
+                                [--sinks 4] [--top-k 64 128] [--selection-layers 0]
+                                [--ppl-length 1024] [--ppl-chunks 4]
                                 [--batch 1 8] [--new 32] [--json benchmarks/results/sparse.json]
 
-Pipelines: dense attention, and ``StreamingAttention(sinks, window)`` for each window.
+Pipelines: dense attention, ``StreamingAttention(sinks, window)`` for each window, and
+``TidalDecode(selection_layers, top_k)`` for each top_k.
 Columns: pass-key accuracy by context length and by depth (where in the context the key
 lies: StreamingLLM is the control that must fail when the key falls outside its window),
 held-out perplexity (second half of each chunk scored one decode step at a time, so the
@@ -28,7 +30,8 @@ from tabulate import tabulate
 
 import rewriter
 from rewriter.eval import heldout_chunks, passkey_accuracy, perplexity
-from rewriter.passes import StreamingAttention
+from rewriter.ops import OPS, op_arguments
+from rewriter.passes import StreamingAttention, TidalDecode
 from rewriter.runtime.kv_cache import cache_table
 
 
@@ -41,10 +44,20 @@ def load(name: str):
 
 def kv_read_bytes(engine, tokens: int) -> int:
     """KV bytes one decode step reads with ``tokens`` in the cache, batch 1: a dense cache
-    reads every token, a ring its slots."""
+    reads every token, a ring its slots, a TidalDecode layer its ``top_k + 1`` (selection
+    layers read everything, and their keys once more to select)."""
     dtype = engine._dtype()
-    return sum(s.bytes_per_token(dtype) * (min(tokens, s.sinks + s.window) if s.ring else tokens)
-               for s in cache_table(engine.ir.gm).values())
+    selected = {}
+    for n in engine.ir.gm.graph.find_nodes(op="call_function", target=OPS["attention"]):
+        args = op_arguments("attention", tuple(n.args), dict(n.kwargs))
+        if args["select"] is not None:
+            selected[args["layer"]] = op_arguments("select_tokens", tuple(args["select"].args),
+                                                   dict(args["select"].kwargs))["top_k"] + 1
+    total = 0
+    for i, s in cache_table(engine.ir.gm).items():
+        read = min(tokens, s.sinks + s.window) if s.ring else min(tokens, selected.get(i, tokens))
+        total += s.bytes_per_token(dtype) * read
+    return total
 
 
 def decode_rate(engine, batch: int, length: int, new: int, runs: int = 3) -> float:
@@ -56,8 +69,8 @@ def decode_rate(engine, batch: int, length: int, new: int, runs: int = 3) -> flo
         start = time.perf_counter()
         engine.generate(prompt, max_new_tokens=new, eos_token_id=[])
         times.append(time.perf_counter() - start)
-    prefill = _prefill_time(engine, prompt)
-    return batch * new / max(1e-9, statistics.median(times) - prefill)
+    decode = statistics.median(times) - _prefill_time(engine, prompt)  # the first token's too
+    return batch * (new - 1) / decode if decode > 0 else float("nan")
 
 
 def _prefill_time(engine, prompt) -> float:
@@ -77,6 +90,8 @@ def main():
     ap.add_argument("--trials", type=int, default=4)
     ap.add_argument("--windows", type=int, nargs="+", default=[128, 512])
     ap.add_argument("--sinks", type=int, default=4)
+    ap.add_argument("--top-k", type=int, nargs="*", default=[64, 128])
+    ap.add_argument("--selection-layers", type=int, nargs="+", default=[0])
     ap.add_argument("--ppl-length", type=int, default=1024)
     ap.add_argument("--ppl-chunks", type=int, default=4)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
@@ -88,6 +103,9 @@ def main():
     for w in args.windows:
         pipelines[f"StreamingAttention(sinks={args.sinks}, window={w})"] = [
             StreamingAttention(sinks=args.sinks, window=w)]
+    for k in args.top_k:
+        pipelines[f"TidalDecode(selection_layers={args.selection_layers}, top_k={k})"] = [
+            TidalDecode(selection_layers=args.selection_layers, top_k=k)]
     longest = max(args.lengths)
     chunks = heldout_chunks(tok, args.ppl_chunks, args.ppl_length)
     results = {"model": args.model, "machine": platform.processor() or platform.machine(),

@@ -17,14 +17,16 @@ from rewriter.passes.int4_weights import Int4Weights
 from rewriter.passes.layer_skip import LayerSkip
 from rewriter.passes.self_speculative import SelfSpeculative
 from rewriter.passes.streaming import StreamingAttention
+from rewriter.passes.tidal_decode import TidalDecode
 
 PASSES = {"layer_skip": LayerSkip, "fuse_qkv": FuseQKV, "fuse_swiglu": FuseSwiGLU,
           "fuse_add_rms_norm": FuseAddRMSNorm, "fuse_rope": FuseRoPE, "int4_weights": Int4Weights,
           "self_speculative": SelfSpeculative, "medusa_heads": MedusaHeads,
-          "hydra_heads": HydraHeads, "streaming_attention": StreamingAttention}
+          "hydra_heads": HydraHeads, "streaming_attention": StreamingAttention,
+          "tidal_decode": TidalDecode}
 
 __all__ = ["LayerSkip", "FuseQKV", "FuseSwiGLU", "FuseAddRMSNorm", "FuseRoPE", "Int4Weights", "SelfSpeculative", "MedusaHeads", "HydraHeads",
-           "StreamingAttention", "PASSES",
+           "StreamingAttention", "TidalDecode", "PASSES",
            "from_spec"]
 
 

@@ -260,7 +260,7 @@ def attention_mask(q_len: int, k_len: int, window: Optional[int], device,
 
 
 def _attention_fake(q, k, v, layer, num_heads, num_kv_heads, head_dim, scale, causal=True,
-                    window=None, cos=None, sin=None, sinks=None, rotary=None):
+                    window=None, cos=None, sin=None, sinks=None, rotary=None, select=None):
     q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
     _need(q.dim() == 3 and q.shape[-1] == q_width, "attention",
           f"q {_dims(q)} is not [B, S, num_heads * head_dim = {q_width}]")
@@ -289,6 +289,7 @@ def attention(
     sin: Optional[Tensor] = None,
     sinks: Optional[int] = None,
     rotary: Optional[Tensor] = None,
+    select: Optional[Tensor] = None,
 ) -> Tensor:
     """Scaled dot-product attention of one decoder layer; the op that owns the KV cache.
 
@@ -298,7 +299,9 @@ def attention(
     the sequence's first ``sinks`` keys, and the runtime keeps that layer's cache in a ring
     of ``sinks + window`` slots. With ``rotary`` (the model's RoPE frequencies) as well, the
     sinks sit at StreamingLLM's positions: just before the window, whatever the query's
-    distance from them (``sink_scores``). ``layer`` names the cache slot. With
+    distance from them (``sink_attention``). With ``select`` (``[B, Hkv, S, top_k]`` from
+    ``select_tokens``: TidalDecode) a query sees only the selected earlier keys and itself.
+    ``layer`` names the cache slot. With
     ``cos``/``sin`` (``FuseRoPE``), q and k are rotated first, exactly as ``rope`` does, so a
     backend can rotate K in the kernel that writes it into the cache.
     """
@@ -313,6 +316,8 @@ def attention(
     kh = kh.repeat_interleave(groups, dim=1)  # [B, Hq, T, D]
     vh = vh.repeat_interleave(groups, dim=1)
     mask = attention_mask(s, kh.shape[2], window, q.device, sinks) if causal else None
+    if select is not None:
+        mask = selected_mask(select, kh.shape[2]).repeat_interleave(groups, dim=1)  # [B, Hq, S, T]
     if rotary is not None:
         t = kh.shape[2]
         shift = (torch.arange(t - s, t, device=q.device) - (sinks + window - 1)).clamp(min=0)
@@ -321,6 +326,55 @@ def attention(
     else:
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
     return out.transpose(1, 2).reshape(b, s, num_heads * head_dim)  # [B, S, Hq*D]
+
+
+def selected_mask(select: Tensor, keys: int) -> Tensor:
+    """``[B, Hkv, S, keys]``: query i (the last S of ``keys``) sees the keys ``select``
+    ``[B, Hkv, S, k]`` names (-1: none) and itself."""
+    b, h, s, _ = select.shape
+    mask = torch.zeros(b, h, s, keys + 1, dtype=torch.bool, device=select.device)
+    mask.scatter_(-1, torch.where(select < 0, keys, select), True)  # -1 lands in the spare column
+    mask = mask[..., :keys]
+    own = torch.arange(keys - s, keys, device=select.device)  # [S]
+    mask[..., torch.arange(s, device=select.device), own] = True
+    return mask
+
+
+def _select_tokens_fake(q, k, layer, num_heads, num_kv_heads, head_dim, top_k):
+    _attention_fake(q, k, k, layer, num_heads, num_kv_heads, head_dim, 1.0)
+    return q.new_empty((q.shape[0], num_kv_heads, q.shape[1], top_k), dtype=torch.int64)
+
+
+@_register(fake=_select_tokens_fake)
+def select_tokens(q: Tensor, k: Tensor, layer: int, num_heads: int, num_kv_heads: int,
+                  head_dim: int, top_k: int) -> Tensor:
+    """TidalDecode's token selection: for every query and KV head, the ``top_k`` earlier
+    positions its head group attends to most (softmax weights of the group's query heads,
+    summed), ``[B, Hkv, S, top_k]``, -1 where fewer exist. q ``[B, S, Hq*D]`` and k ``[B, S,
+    Hkv*D]`` are the selection layer's (rotated); ``layer`` names its cache, which the
+    runtime reads at decode (a prompt is attended densely and selects nothing)."""
+    b, s, _ = q.shape
+    qh = q.view(b, s, num_heads, head_dim).transpose(1, 2)  # [B, Hq, S, D]
+    kh = k.view(b, s, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, S, D]
+    earlier = torch.ones(s, s, dtype=torch.bool, device=q.device).tril(-1)  # [S, S]: j < i
+    return top_tokens(qh, kh, earlier, top_k)
+
+
+def top_tokens(qh: Tensor, kh: Tensor, allowed: Tensor, top_k: int) -> Tensor:
+    """qh ``[B, Hq, S, D]``, kh ``[B, Hkv, T, D]``, ``allowed`` broadcast to ``[B, 1, S, T]``
+    -> ``[B, Hkv, S, top_k]`` positions by summed group attention weight, -1 past the
+    allowed ones."""
+    b, hq, s, d = qh.shape
+    hkv, t = kh.shape[1], kh.shape[2]
+    keys = kh.repeat_interleave(hq // hkv, dim=1)  # [B, Hq, T, D]
+    scores = (qh.float() @ keys.float().transpose(-1, -2)) / math.sqrt(d)  # [B, Hq, S, T]
+    weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num(0.0)
+    weights = weights.view(b, hkv, hq // hkv, s, t).sum(2)  # [B, Hkv, S, T]
+    k = min(top_k, t)
+    best, idx = weights.topk(k, dim=-1)  # [B, Hkv, S, k]
+    ok = allowed.expand(b, 1, s, t).expand(b, hkv, s, t).gather(-1, idx)
+    idx = torch.where(ok, idx, -1)
+    return F.pad(idx, (0, top_k - k), value=-1)
 
 
 def sink_attention(qh: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float,
@@ -402,6 +456,8 @@ ATTRIBUTES: dict[str, dict[str, callable]] = {
     "rope": {"head_dim": _int(1)},
     "linear_int4": {"group_size": _int(2)},
     "next_tokens": {"count": _int(1)},
+    "select_tokens": {"layer": _int(0), "num_heads": _int(1), "num_kv_heads": _int(1),
+                      "head_dim": _int(1), "top_k": _int(1)},
     "attention": {"layer": _int(0), "num_heads": _int(1), "num_kv_heads": _int(1),
                   "head_dim": _int(1), "scale": _finite_positive, "causal": _bool,
                   "window": _optional(_int(1)), "sinks": _optional(_int(0))},
@@ -452,6 +508,9 @@ def check_arguments(name: str, args: tuple, kwargs: dict, is_tensor=None) -> dic
     if name == "attention" and bound["sinks"] is not None and bound["window"] is None:
         raise ValueError(f"rw.attention: sinks={bound['sinks']} needs a window (the sinks are "
                          "kept beside the last window keys)")
+    if name == "attention" and bound["select"] is not None and bound["sinks"] is not None:
+        raise ValueError("rw.attention: select (TidalDecode) and sinks (a ring cache) do not "
+                         "go together: the ring has dropped what a selection may name")
     if name == "attention" and bound["rotary"] is not None and bound["sinks"] is None:
         raise ValueError("rw.attention: rotary (StreamingLLM's sink positions) needs sinks")
     if name == "attention" and (bound["cos"] is None) != (bound["sin"] is None):

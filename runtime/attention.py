@@ -17,6 +17,7 @@ from torch import Tensor
 from .kernels import KERNELS
 from .kv_cache import KVCache
 from .ring_cache import ring_attention
+from .token_selection import selected_attention
 
 
 class Step:
@@ -110,7 +111,8 @@ class Step:
 def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, cache_id: int, num_heads: int,
                      num_kv_heads: int, head_dim: int, scale: float, window: Optional[int],
                      cos: Optional[Tensor] = None, sin: Optional[Tensor] = None,
-                     sinks: Optional[int] = None, rotary: Optional[Tensor] = None) -> Tensor:
+                     sinks: Optional[int] = None, rotary: Optional[Tensor] = None,
+                     select: Optional[Tensor] = None) -> Tensor:
     """``rw.attention`` with K/V written into cache ``cache_id`` first.
 
     q ``[B, S, Hq*D]``, k/v ``[B, S, Hkv*D]`` -> ``[B, S, Hq*D]``; with ``cos``/``sin``
@@ -127,6 +129,10 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, cache_id: int,
     write_kv(step, k_cache, v_cache, k.view(b, s, num_kv_heads, head_dim).transpose(1, 2),
              v.view(b, s, num_kv_heads, head_dim).transpose(1, 2))  # [B, Hkv, S, D]
     qh = q.view(b, s, num_heads, head_dim).transpose(1, 2)  # [B, Hq, S, D]
+    if select is not None:  # TidalDecode: the selected tokens and this one
+        out = selected_attention(step, qh, k_cache, v_cache, select, scale,
+                                 num_heads != num_kv_heads)
+        return out.transpose(1, 2).reshape(b, s, num_heads * head_dim)  # [B, 1, Hq*D]
     keys = k_cache[:, :, :step.end]  # [B, Hkv, end, D]
     values = v_cache[:, :, :step.end]
     out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=step.mask(window),

@@ -26,6 +26,7 @@ from rewriter.ops import OPS, op_arguments
 from .attention import cached_attention
 from .kernels import KERNELS, int4_cpu_ok, int4_cpu_tables, linear_int4_cpu, linear_t
 from .kv_cache import attention_params
+from .token_selection import select_tokens
 
 _SHORT = {op: name for name, op in OPS.items()}
 
@@ -88,6 +89,8 @@ def lower(ir: IR, last_only: bool, backend: str = "torch",
                 rotary = node.kwargs.get("rotary")  # StreamingLLM's sink positions
                 if rotary is not None:
                     new.kwargs = {**new.kwargs, "rotary": env[rotary]}
+            if node.kwargs.get("select") is not None:  # TidalDecode: the selected tokens
+                new.kwargs = {**new.kwargs, "select": env[node.kwargs["select"]]}
             if node.kwargs.get("cos") is not None:  # FuseRoPE: rotate inside attention
                 cos, sin = node.kwargs["cos"], node.kwargs["sin"]
                 if backend == "torch":  # the Triton kernels read float32 tables
@@ -95,6 +98,11 @@ def lower(ir: IR, last_only: bool, backend: str = "torch",
                 else:
                     cos, sin = env[cos], env[sin]
                 new.kwargs = {**new.kwargs, "cos": cos, "sin": sin}
+        elif name == "select_tokens":  # reads its layer's cache: the step is an input
+            p = op_arguments("select_tokens", tuple(node.args), dict(node.kwargs))
+            new.target = select_tokens
+            new.args = (step, env[node.args[0]], env[node.args[1]], p["layer"])
+            new.kwargs = {k: p[k] for k in ("num_heads", "num_kv_heads", "head_dim", "top_k")}
         elif name is not None:
             new.target = table[name]
             if name == "rope" and backend == "torch":

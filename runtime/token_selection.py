@@ -1,0 +1,64 @@
+"""TidalDecode at decode: a selection layer's query picks the ``top_k`` cached tokens its
+head group attends to most, and the layers after it attend to those and the current token
+only (``TidalDecode``). The whole cache is kept; a prompt (a step of several tokens) is
+attended densely and selects nothing, as TidalDecode leaves prefill dense.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from rewriter.ops import top_tokens
+
+
+def select_tokens(step, q: Tensor, k: Tensor, cache_id: int, num_heads: int, num_kv_heads: int,
+                  head_dim: int, top_k: int) -> Optional[Tensor]:
+    """``[B, Hkv, 1, top_k]`` cache positions for a one-token step (-1: none), read from
+    cache ``cache_id`` after its layer wrote the step's key; None for a longer step."""
+    if step.length != 1 or step.tree is not None:
+        return None
+    b = q.shape[0]
+    keys = step.cache.k[cache_id][:, :, :step.end]  # [B, Hkv, end, D]
+    qh = q.view(b, 1, num_heads, head_dim).transpose(1, 2)  # [B, Hq, 1, D]
+    allowed = step.once("selectable", lambda: _selectable(step, b))  # [B, 1, 1, end]
+    return top_tokens(qh, keys, allowed, top_k)
+
+
+def selected_attention(step, qh: Tensor, k_cache: Tensor, v_cache: Tensor, select: Tensor,
+                       scale: float, gqa: bool) -> Tensor:
+    """qh ``[B, Hq, 1, D]`` over the cache positions ``select`` ``[B, Hkv, 1, k]`` names
+    (-1: none) and the step's own token: ``k + 1`` keys read per KV head, not the cache."""
+    b, hkv, _, k = select.shape
+    d = k_cache.shape[-1]
+    current = _current(step, b, hkv)  # [B, Hkv, 1]
+    index = torch.cat([select[:, :, 0].clamp(min=0), current], dim=-1)  # [B, Hkv, k + 1]
+    gather = index[..., None].expand(b, hkv, k + 1, d)
+    keys = k_cache.gather(2, gather)  # [B, Hkv, k + 1, D]
+    values = v_cache.gather(2, gather)
+    seen = torch.cat([select[:, :, 0] >= 0, torch.ones_like(current, dtype=torch.bool)], -1)
+    mask = seen[:, :, None, :]  # [B, Hkv, 1, k + 1]
+    if gqa:
+        mask = mask.repeat_interleave(qh.shape[1] // hkv, dim=1)
+    return F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale,
+                                          enable_gqa=gqa)
+
+
+def _selectable(step, b: int) -> Tensor:
+    """``[B, 1, 1, end]``: the cached keys before the step's token, padding excluded."""
+    device = step.cache.device
+    kj = torch.arange(step.end, device=device)
+    current = step.pos if step.static else torch.as_tensor(step.start, device=device)
+    ok = (kj[None] < current.reshape(-1, 1)).expand(b, -1)  # [B, end]
+    if step.pad is not None:
+        ok = ok & (kj[None] >= step.pad[:, None])
+    return ok[:, None, None]
+
+
+def _current(step, b: int, hkv: int) -> Tensor:
+    """``[B, Hkv, 1]``: the cache position of the step's token."""
+    device = step.cache.device
+    pos = step.pos if step.static else torch.as_tensor(step.start, device=device)
+    return pos.reshape(-1, 1, 1).expand(b, hkv, 1).to(torch.int64)

@@ -1,0 +1,109 @@
+"""TidalDecode: selection layers pick the top-k tokens the later layers attend to at decode.
+
+A one-token prompt has nothing to select, so from it on every step is a decode step and
+the runtime must equal the whole-sequence graph, which selects at every position.
+"""
+import pytest
+import torch
+
+import rewriter
+from rewriter.errors import PassError, RewriterError
+from rewriter.ops import OPS, selected_mask
+from rewriter.passes import (FuseQKV, FuseRoPE, SelfSpeculative, StreamingAttention, TidalDecode,
+                             from_spec)
+
+from conftest import make_model
+
+ROWS = [[3, 17, 42, 5, 99, 8, 64, 7, 9, 11, 13, 2], [1, 2, 3], [50, 60, 70, 80, 90]]
+KW = dict(max_new_tokens=12, eos_token_id=[])
+
+
+def reference_greedy(opt, row, new):
+    ids = torch.tensor([row])
+    for _ in range(new):
+        ids = torch.cat([ids, opt(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0]
+
+
+def test_the_selection_is_an_ir_value_between_layers():
+    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    ir = rewriter.optimize(model, passes=[TidalDecode(selection_layers=[1], top_k=4)]).ir
+    (sel,) = ir.graph.find_nodes(op="call_function", target=OPS["select_tokens"])
+    users = sorted(u.meta["layer"] for u in sel.users)
+    assert users == [2]  # the layers after it; layers 0 and 1 stay dense
+    assert "select=%select_tokens" in str(ir)
+
+
+@pytest.mark.parametrize("config", ["llama-gqa-3l", "qwen2-hd20-2l"])
+def test_top_k_covering_every_token_equals_dense(config):
+    model = make_model(config, initializer_range=0.2)
+    dense = rewriter.optimize(model)
+    tidal = rewriter.optimize(model, passes=[TidalDecode(selection_layers=[0], top_k=1000)])
+    assert torch.equal(tidal.generate(ROWS, **KW), dense.generate(ROWS, **KW))
+
+
+@pytest.mark.parametrize("layers,top_k", [([0], 2), ([0, 1], 3)])
+def test_decode_steps_equal_the_whole_sequence_graph(layers, top_k):
+    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    opt = rewriter.optimize(model, passes=[TidalDecode(selection_layers=layers, top_k=top_k)])
+    dense = rewriter.optimize(model)
+    prompts = [[5], [17], [99]]  # one token: every later step is a decode step
+    got = opt.generate(prompts, max_new_tokens=16, eos_token_id=[])
+    for i, row in enumerate(prompts):
+        assert torch.equal(got[i], reference_greedy(opt, row, 16))
+    assert not torch.equal(got, dense.generate(prompts, max_new_tokens=16, eos_token_id=[]))
+
+
+def test_a_ragged_batch_equals_each_row_alone_and_static_steps_agree():
+    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    opt = rewriter.optimize(model, passes=[TidalDecode(selection_layers=[0], top_k=3)])
+    together = opt.generate(ROWS, **KW)
+    for i, row in enumerate(ROWS):
+        assert torch.equal(together[i, -12:], opt.generate([row], **KW)[0, -12:])
+    opt.static_decode = True
+    assert torch.equal(opt.generate(ROWS, **KW), together)
+
+
+def test_selected_mask_names_the_selection_and_the_query_itself():
+    select = torch.tensor([[[[-1, -1], [0, -1], [1, 0]]]])  # [B=1, Hkv=1, S=3, k=2]
+    mask = selected_mask(select, 3)[0, 0].int().tolist()
+    assert mask == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    mask = selected_mask(torch.tensor([[[[0, -1]]]]), 5)[0, 0].int().tolist()  # the last of 5
+    assert mask == [[1, 0, 0, 0, 1]]
+
+
+def test_artifact_round_trip_and_the_command_line(tmp_path):
+    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    opt = rewriter.optimize(model, passes=[from_spec("tidal_decode:selection_layers=[0],top_k=3"),
+                                           FuseQKV()])
+    opt.save(tmp_path / "a")
+    assert torch.equal(rewriter.load(tmp_path / "a").generate(ROWS, **KW), opt.generate(ROWS, **KW))
+
+
+def test_conflicts_are_refused_by_name():
+    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    with pytest.raises(PassError, match="before FuseRoPE"):
+        rewriter.optimize(model, passes=[FuseRoPE(), TidalDecode()])
+    with pytest.raises(PassError, match="already limits"):
+        rewriter.optimize(model, passes=[StreamingAttention(window=8), TidalDecode()])
+    with pytest.raises(PassError, match="speculative"):
+        rewriter.optimize(model, passes=[SelfSpeculative(skip_layers=[1]), TidalDecode()])
+    with pytest.raises(RewriterError, match="TidalDecode"):
+        rewriter.optimize(model, passes=[TidalDecode(), SelfSpeculative(skip_layers=[1])])
+    with pytest.raises(PassError, match="cache 9"):
+        rewriter.optimize(model, passes=[TidalDecode(selection_layers=[9])])
+    with pytest.raises(ValueError, match="top_k"):
+        TidalDecode(top_k=0)
+    with pytest.raises(ValueError, match="selection_layers"):
+        TidalDecode(selection_layers=[])
+
+
+@pytest.mark.slow
+def test_triton_backend_equals_torch():
+    pytest.importorskip("triton")
+    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    passes = lambda: [TidalDecode(selection_layers=[0], top_k=3), FuseQKV()]  # noqa: E731
+    ref = rewriter.optimize(model, passes=passes())
+    tri = rewriter.optimize(model, passes=passes(), backend="triton")
+    kw = dict(max_new_tokens=6, eos_token_id=[])
+    assert torch.equal(tri.generate(ROWS, **kw), ref.generate(ROWS, **kw))
