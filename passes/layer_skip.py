@@ -13,6 +13,7 @@ from typing import Sequence
 
 from rewriter.errors import PassError
 from rewriter.ir.core import IR
+from rewriter.ops import OPS
 from rewriter.pass_manager import Pass
 from rewriter.values import is_int
 
@@ -59,6 +60,9 @@ class LayerSkip(Pass):
         if ir.info.get("fusions", {}).get("FuseAddRMSNorm"):
             raise PassError(f"{self!r} must run before FuseAddRMSNorm: a fused add + norm "
                             f"joins two layers, so neither can be skipped alone")
+        if any(ir.graph.find_nodes(op="call_function", target=OPS["select_tokens"])):
+            raise PassError(f"{self!r} must run before TidalDecode: a skipped layer may be the "
+                            f"one whose cache the token selection reads")
         spans = {s["index"]: s for s in ir.layers}
         skip = self.choose(sorted(spans))
         bypass = {}  # skipped layer's output -> the stream that now flows past it

@@ -46,6 +46,9 @@ class TidalDecode(Pass):
         missing = [i for i in self.selection_layers if i not in layers]
         if missing:
             raise PassError(f"{self!r}: no attention names cache {missing[0]}; the IR has {layers}")
+        if max(self.selection_layers) >= max(layers):
+            raise PassError(f"{self!r}: no layer follows selection layer {max(self.selection_layers)}, "
+                            f"so its selection would be made and never read")
         selection = None
         for n in nodes:
             args = _args(n)
@@ -56,8 +59,8 @@ class TidalDecode(Pass):
             if args["cos"] is not None:
                 raise PassError(f"{self!r} must run before FuseRoPE: the selection reads the "
                                 f"rotated q and k")
-            if selection is not None:
-                n.kwargs = {**n.kwargs, "select": selection}
+            if selection is not None and args["layer"] not in self.selection_layers:
+                n.kwargs = {**n.kwargs, "select": selection}  # selection layers attend fully
                 n.meta.pop("val", None)
             if args["layer"] in self.selection_layers:
                 with ir.graph.inserting_after(n):
@@ -65,7 +68,9 @@ class TidalDecode(Pass):
                         "layer": args["layer"], "num_heads": args["num_heads"],
                         "num_kv_heads": args["num_kv_heads"], "head_dim": args["head_dim"],
                         "top_k": self.top_k})
-                selection.meta.update({k: n.meta[k] for k in ("layer", "role", "_scope") if k in n.meta})
+                # no "layer" meta: the value leaves its layer, and layer spans must not
+                # count it as a second output of that layer
+                selection.meta.update({k: n.meta[k] for k in ("_scope",) if k in n.meta})
         return ir
 
 

@@ -277,17 +277,19 @@ class Engine:
         dtype, device = self._dtype(), self._device()
         if self._cache is None or not self._cache.fits(batch, need, dtype, device):
             self._cache = None  # free the old one before allocating
-            length = -(-need // 256) * 256
-            if not self._unbounded_length():
-                length = min(self.max_len, length)
+            length = min(self.max_len, -(-need // 256) * 256)
+            if need > length and self._unbounded_length():  # past the context: rings only
+                length = -(-need // 256) * 256
             self._cache = KVCache(cache_table(self.ir.gm), batch, length, dtype, device)
         return self._cache
 
     def _unbounded_length(self) -> bool:
         """Sequences may outgrow the context length: every cache is a sink + window ring
-        and positions are rotary (computed for any position, not read from a table)."""
-        return bounded(cache_table(self.ir.gm)) and any(
-            n.target is OPS["rotary"] for n in self.ir.gm.graph.nodes)
+        with StreamingLLM's positions (``rotary=``), so no query-key distance exceeds the
+        ring's length, whatever the sequence's."""
+        attention = list(self.ir.gm.graph.find_nodes(op="call_function", target=OPS["attention"]))
+        return (bounded(cache_table(self.ir.gm)) and bool(attention)
+                and all(n.kwargs.get("rotary") is not None for n in attention))
 
     def _first_weight(self) -> Tensor:
         """The largest floating-point weight: its dtype and device are the model's (small

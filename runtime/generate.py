@@ -223,7 +223,10 @@ class StaticDecoder:
                           f"without one: {str(e).splitlines()[0]}", RuntimeWarning, stacklevel=2)
             torch.cuda.synchronize(self.stream.device)
             self.graph, self.cuda_graph = None, False
-            return _run(self.program, step, self.tokens, self.positions)
+            # a fresh step: the failed capture left recorded, never computed values in the
+            # old one's per-step cache (masks, indices)
+            return _run(self.program, StaticStep(self.cache, self.pos, self.pad), self.tokens,
+                        self.positions)
         self.graph.replay()
         return self.logits
 

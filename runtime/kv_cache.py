@@ -43,8 +43,9 @@ class CacheSpec:
 
     def slots(self, max_len: int) -> int:
         """Token slots this cache allocates for sequences of up to ``max_len`` tokens: a
-        ring holds its sinks, its window and one spare slot that padding writes into."""
-        return self.sinks + self.window + 1 if self.ring else max_len
+        ring holds its sinks and its window (no more than the sequences need: then it
+        never wraps) and one spare slot that padding writes into."""
+        return min(self.sinks + self.window, max_len) + 1 if self.ring else max_len
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes one slot holds (K and V)."""
@@ -79,7 +80,8 @@ def describe(table: dict[int, CacheSpec], dtype: torch.dtype) -> dict:
     the caches that grow with the sequence, ``bounded_bytes`` what the rings hold at most."""
     return {"dtype": str(dtype).removeprefix("torch."),
             "bytes_per_token": sum(s.bytes_per_token(dtype) for s in table.values() if not s.ring),
-            "bounded_bytes": sum(s.bytes_for(s.slots(0), dtype) for s in table.values() if s.ring),
+            "bounded_bytes": sum(s.bytes_per_token(dtype) * (s.sinks + s.window + 1)
+                                 for s in table.values() if s.ring),
             "caches": [asdict(s) for s in table.values()]}
 
 

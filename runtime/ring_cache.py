@@ -44,7 +44,7 @@ def ring_attention(step, q: Tensor, k: Tensor, v: Tensor, cache_id: int, num_hea
         q, k = KERNELS["rope"](q, cos, sin, head_dim), KERNELS["rope"](k, cos, sin, head_dim)
     b, s, _ = q.shape
     k_ring, v_ring = step.cache.k[cache_id], step.cache.v[cache_id]  # [B, Hkv, C + 1, D]
-    size = sinks + window
+    size = k_ring.shape[2] - 1  # sinks + window, or fewer for sequences that never wrap
     new_k = k.view(b, s, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, S, D]
     new_v = v.view(b, s, num_kv_heads, head_dim).transpose(1, 2)
     qh = q.view(b, s, num_heads, head_dim).transpose(1, 2)  # [B, Hq, S, D]
@@ -54,9 +54,9 @@ def ring_attention(step, q: Tensor, k: Tensor, v: Tensor, cache_id: int, num_hea
     if s == 1:
         # One token: written first, then read with the ring. It overwrites only the key a
         # window behind it, which it would not see anyway.
-        _write(k_ring, v_ring, new_k, new_v, r_new, first + 1, sinks, window)
+        _write(k_ring, v_ring, new_k, new_v, r_new, first + 1, sinks, window, size)
         held = step.once(("ring_held", window, sinks),
-                         lambda: slot_contents(first + 1, sinks, window))  # [B, C]
+                         lambda: slot_contents(first + 1, sinks, window, size))  # [B, C]
         mask = step.once(("ring_decode", window, sinks),
                          lambda: visible(r_new, held, window, sinks)[:, None])  # [B, 1, 1, C]
         out = _attend(qh, k_ring[:, :, :size], v_ring[:, :, :size], mask, scale, gqa, rotary,
@@ -67,11 +67,11 @@ def ring_attention(step, q: Tensor, k: Tensor, v: Tensor, cache_id: int, num_hea
         keys = torch.cat([k_ring[:, :, :size], new_k], dim=2)  # [B, Hkv, C + S, D]
         values = torch.cat([v_ring[:, :, :size], new_v], dim=2)
         mask = step.once(("ring_step", window, sinks), lambda: _step_mask(first, r_new, sinks,
-                                                                          window))
-        held = torch.cat([slot_contents(first, sinks, window), r_new], dim=1)  # [B, C + S]
+                                                                          window, size))
+        held = torch.cat([slot_contents(first, sinks, window, size), r_new], dim=1)  # [B, C + S]
         out = _attend(qh, keys, values, mask, scale, gqa, rotary, held, r_new, sinks, window,
                       head_dim)
-        _write(k_ring, v_ring, new_k, new_v, r_new, first + s, sinks, window)
+        _write(k_ring, v_ring, new_k, new_v, r_new, first + s, sinks, window, size)
     return out.transpose(1, 2).reshape(b, s, num_heads * head_dim)  # [B, S, Hq*D]
 
 
@@ -102,13 +102,15 @@ def first_real_index(step, batch: int) -> Tensor:
     return start - step.pad if step.pad is not None else start
 
 
-def slot_contents(n: Tensor, sinks: int, window: int) -> Tensor:
-    """``[B, sinks + window]``: the real index each slot holds once a row has written ``n``
-    ``[B]`` real tokens, -1 where it holds none."""
+def slot_contents(n: Tensor, sinks: int, window: int, size: Optional[int] = None) -> Tensor:
+    """``[B, size]``: the real index each slot holds once a row has written ``n`` ``[B]``
+    real tokens, -1 where it holds none. ``size`` (default ``sinks + window``) may be
+    smaller: a ring for sequences that never wrap it."""
+    size = sinks + window if size is None else size
     n = n.clamp(min=0)[:, None]  # [B, 1]
-    i = torch.arange(sinks, device=n.device)[None]  # [1, sinks]
+    i = torch.arange(min(sinks, size), device=n.device)[None]  # [1, sinks]
     sink = torch.where(i < n, i, -1)
-    j = torch.arange(window, device=n.device)[None]  # [1, W]
+    j = torch.arange(max(0, size - sinks), device=n.device)[None]  # [1, W]
     m = n - sinks  # tokens past the sinks
     latest = sinks + j + window * ((m - 1 - j).clamp(min=0) // window)  # [B, W]
     return torch.cat([sink.expand(len(n), -1), torch.where(m > j, latest, -1)], dim=1)
@@ -121,10 +123,10 @@ def visible(r_q: Tensor, r_k: Tensor, window: int, sinks: int) -> Tensor:
     return (rk >= 0) & (rk <= rq) & ((rq - rk < window) | (rk < sinks))
 
 
-def _step_mask(first: Tensor, r_new: Tensor, sinks: int, window: int) -> Tensor:
+def _step_mask(first: Tensor, r_new: Tensor, sinks: int, window: int, size: int) -> Tensor:
     """``[B, 1, S, C + S]`` for a step of several tokens over the ring as it was and the
     step's own keys; a padding query sees itself only, so its softmax stays finite."""
-    old = slot_contents(first, sinks, window)  # [B, C]
+    old = slot_contents(first, sinks, window, size)  # [B, C]
     mask = visible(r_new, torch.cat([old, r_new], dim=1), window, sinks)  # [B, S, C + S]
     s = r_new.shape[1]
     own = torch.zeros_like(mask)
@@ -134,13 +136,13 @@ def _step_mask(first: Tensor, r_new: Tensor, sinks: int, window: int) -> Tensor:
 
 
 def _write(k_ring: Tensor, v_ring: Tensor, new_k: Tensor, new_v: Tensor, r_new: Tensor,
-           n_after: Tensor, sinks: int, window: int) -> None:
+           n_after: Tensor, sinks: int, window: int, size: int) -> None:
     """Store the step's K/V ``[B, Hkv, S, D]`` in their slots; tokens that are padding or
     that a later token of this step overwrites go to the spare last slot (so no slot is
     written twice in one step, whose order indexing does not define)."""
     slot = torch.where(r_new < sinks, r_new, sinks + (r_new - sinks) % window)  # [B, S]
     kept = (r_new >= 0) & ((r_new < sinks) | (r_new >= n_after[:, None] - window))
-    slot = torch.where(kept, slot, sinks + window)
+    slot = torch.where(kept & (slot < size), slot, size)  # a short ring never wraps
     rows = torch.arange(len(slot), device=slot.device)[:, None]  # [B, 1]
     k_ring[rows, :, slot] = new_k.transpose(1, 2)  # [B, S, Hkv, D]
     v_ring[rows, :, slot] = new_v.transpose(1, 2)

@@ -197,3 +197,29 @@ def test_cache_positions_make_the_output_independent_of_how_far_the_sinks_lie(fu
     kw = dict(max_new_tokens=6, eos_token_id=[])  # the ring runtime agrees
     assert torch.equal(cache.generate([near], **kw)[0, -6:], cache.generate([far], **kw)[0, -6:])
     assert torch.equal(cache.generate([far], **kw)[0], reference_greedy(cache, far, 6))
+
+
+def test_a_ring_never_allocates_more_than_the_sequence_needs():
+    model = make_model("llama-gqa-3l", initializer_range=0.2, max_position_embeddings=128)
+    opt = rewriter.optimize(model, passes=[StreamingAttention()])  # window 1020 > 128
+    dense = rewriter.optimize(model)
+    kw = dict(max_new_tokens=20, eos_token_id=[])
+    assert torch.equal(opt.generate(ROWS, **kw), dense.generate(ROWS, **kw))
+    assert opt._cache.nbytes == dense._cache.nbytes * 129 // 128  # 128 slots and the spare
+    huge = rewriter.optimize(model, passes=[StreamingAttention(sinks=1, window=2**31 - 1)])
+    assert torch.equal(huge.generate(ROWS, **kw), dense.generate(ROWS, **kw))
+
+
+def test_scores_through_the_ring_equal_the_masked_graph():
+    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    opt = rewriter.optimize(model, passes=[StreamingAttention(sinks=2, window=5)])
+    ids = torch.tensor([[3, 17, 42, 5, 99, 8, 64, 7, 9, 11, 13, 2, 4, 6, 8, 10]])
+    want = opt(ids)[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])[:, 5:, 0]  # [1, 10]
+    torch.testing.assert_close(opt.score(ids, 6), want, rtol=1e-4, atol=1e-5)
+
+
+def test_only_streaming_positions_may_outgrow_the_context():
+    model = make_model("llama-gqa-3l", initializer_range=0.2, max_position_embeddings=32)
+    opt = rewriter.optimize(model, passes=[StreamingAttention(sinks=2, window=6, positions="original")])
+    with pytest.raises(ValueError, match="context length"):
+        opt.generate([ROWS[0]], max_new_tokens=40, eos_token_id=[])

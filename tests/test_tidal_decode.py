@@ -107,3 +107,36 @@ def test_triton_backend_equals_torch():
     tri = rewriter.optimize(model, passes=passes(), backend="triton")
     kw = dict(max_new_tokens=6, eos_token_id=[])
     assert torch.equal(tri.generate(ROWS, **kw), ref.generate(ROWS, **kw))
+
+
+def test_later_selection_layers_attend_fully_and_a_last_one_is_refused():
+    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    ir = rewriter.optimize(model, passes=[TidalDecode(selection_layers=[0, 1], top_k=3)]).ir
+    selects = {n.meta["layer"]: n.kwargs.get("select")
+               for n in ir.graph.find_nodes(op="call_function", target=OPS["attention"])}
+    assert selects[0] is None and selects[1] is None and selects[2] is not None
+    assert selects[2].kwargs["layer"] == 1  # the newest selection
+    with pytest.raises(PassError, match="never read"):
+        rewriter.optimize(model, passes=[TidalDecode(selection_layers=[2])])
+
+
+def test_passes_that_would_orphan_the_selection_are_refused():
+    from rewriter.passes import LayerSkip
+    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    with pytest.raises(PassError, match="before TidalDecode"):
+        rewriter.optimize(model, passes=[TidalDecode(selection_layers=[0]), LayerSkip(layers=[1])])
+    with pytest.raises(PassError, match="cannot follow TidalDecode"):
+        rewriter.optimize(model, passes=[TidalDecode(selection_layers=[0]), StreamingAttention()])
+    skipped = rewriter.optimize(model, passes=[LayerSkip(layers=[1]), TidalDecode(selection_layers=[0])])
+    assert skipped.ir.info["skipped_layers"] == [1]
+
+
+def test_a_selection_wired_to_another_layer_is_refused_when_verified():
+    from rewriter.errors import VerificationError
+    from rewriter.ir.verify import verify
+    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    opt = rewriter.optimize(model, passes=[TidalDecode(selection_layers=[0], top_k=3)])
+    (sel,) = opt.ir.graph.find_nodes(op="call_function", target=OPS["select_tokens"])
+    sel.kwargs = {**sel.kwargs, "layer": 2}
+    with pytest.raises(VerificationError, match="layer"):
+        verify(opt.ir)

@@ -8,7 +8,7 @@ from torch import fx
 
 from rewriter.errors import VerificationError
 from rewriter.ir.core import IR
-from rewriter.ops import OPS, check_arguments
+from rewriter.ops import OPS, check_arguments, op_arguments
 
 _RW_NAMES = {op: name for name, op in OPS.items()}
 
@@ -48,6 +48,8 @@ def _check_node(ir: IR, n: fx.Node, shapes: bool) -> None:
         raise VerificationError(f"{n.name} has no shape")
     if n.op == "call_function" and n.target in _RW_NAMES:
         _check_rw_arguments(n)
+    if n.op == "call_function" and n.target is OPS["attention"]:
+        _check_sparse_inputs(ir, n)
 
 
 def _check_rw_arguments(n: fx.Node) -> None:
@@ -65,3 +67,33 @@ def _check_rw_arguments(n: fx.Node) -> None:
 def _known_target(target) -> bool:
     return isinstance(target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)) \
         or target is operator.getitem or getattr(target, "__module__", "").startswith("torch")
+
+
+def _check_sparse_inputs(ir: IR, n: fx.Node) -> None:
+    """``rotary`` is a RoPE frequency table that fits the head; ``select`` comes from an
+    ``rw.select_tokens`` on an earlier layer's own q and k (the runtime reads that layer's
+    cache, so any other wiring would select from keys the graph never scored)."""
+    args = op_arguments("attention", tuple(n.args), dict(n.kwargs))
+    rotary, select = args["rotary"], args["select"]
+    if rotary is not None:
+        table = ir.weight(rotary.target) if rotary.op == "get_attr" else None
+        if table is None or table.dim() != 1 or not table.is_floating_point() \
+                or not 0 < 2 * table.numel() <= args["head_dim"]:
+            raise VerificationError(f"{n.name}: rotary must be the model's RoPE frequencies (a "
+                                    f"1-d float weight of at most head_dim/2 = {args['head_dim'] // 2})")
+    if select is None:
+        return
+    if not (select.op == "call_function" and select.target is OPS["select_tokens"]):
+        raise VerificationError(f"{n.name}: select must come from rw.select_tokens, not {select.name}")
+    sel = op_arguments("select_tokens", tuple(select.args), dict(select.kwargs))
+    source = [a for a in ir.graph.find_nodes(op="call_function", target=OPS["attention"])
+              if op_arguments("attention", tuple(a.args), dict(a.kwargs))["layer"] == sel["layer"]]
+    if not source or source[0] is n:
+        raise VerificationError(f"{select.name}: layer={sel['layer']} names no earlier attention")
+    src = op_arguments("attention", tuple(source[0].args), dict(source[0].kwargs))
+    order = {node: i for i, node in enumerate(ir.graph.nodes)}
+    if not (order[source[0]] < order[select] < order[n]) or (sel["q"], sel["k"]) != (src["q"], src["k"]) \
+            or sel["num_kv_heads"] != args["num_kv_heads"] or src["sinks"] is not None:
+        raise VerificationError(f"{select.name}: it must read layer {sel['layer']}'s own q and k "
+                                f"after that layer's attention (a whole cache, {args['num_kv_heads']} "
+                                f"KV heads) and before {n.name}")
