@@ -25,7 +25,8 @@ import rewriter
 from rewriter.eval import EvalSettings, evaluate, format_table
 from rewriter.heads import SHIPPED
 from rewriter.passes import (FuseAddRMSNorm, FuseQKV, FuseRoPE, FuseSwiGLU, Int4Weights, LayerSkip,
-                             HydraHeads, MedusaHeads, SelfSpeculative)
+                             HydraHeads, MedusaHeads, SelfSpeculative, StreamingAttention,
+                             TidalDecode)
 
 QUESTION = "What is the capital of France? Answer in one sentence."
 FUSIONS = [FuseQKV(), FuseSwiGLU(), FuseAddRMSNorm(), FuseRoPE()]
@@ -37,6 +38,12 @@ PIPELINES = {  # name -> (passes, dtype)
     "SelfSpeculative(speedup=1.25)": ([SelfSpeculative(speedup=1.25)], torch.float32),
     # 4-bit weights are SmolLM2's own Q4_1 ones; the CPU kernel multiplies them in bfloat16
     "fusions + Int4Weights, bf16": ([*FUSIONS, Int4Weights()], torch.bfloat16),
+    # StreamingLLM: every layer sees its first 4 tokens and the last 252 (a 256-slot cache)
+    "StreamingAttention(sinks=4, window=252)": ([StreamingAttention(sinks=4, window=252)],
+                                                torch.float32),
+    # at decode, layers after the third attend to the 256 tokens the third attends to most
+    "TidalDecode(selection_layers=[2], top_k=256)": ([TidalDecode(selection_layers=[2], top_k=256)],
+                                                     torch.float32),
 }
 
 

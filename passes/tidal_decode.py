@@ -68,9 +68,8 @@ class TidalDecode(Pass):
                         "layer": args["layer"], "num_heads": args["num_heads"],
                         "num_kv_heads": args["num_kv_heads"], "head_dim": args["head_dim"],
                         "top_k": self.top_k})
-                # no "layer" meta: the value leaves its layer, and layer spans must not
-                # count it as a second output of that layer
-                selection.meta.update({k: n.meta[k] for k in ("_scope",) if k in n.meta})
+                # its layer's node (the IR shows it there); layer spans skip integer values
+                selection.meta.update({k: n.meta[k] for k in ("layer", "role", "_scope") if k in n.meta})
         return ir
 
 

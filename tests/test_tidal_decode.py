@@ -32,6 +32,7 @@ def test_the_selection_is_an_ir_value_between_layers():
     users = sorted(u.meta["layer"] for u in sel.users)
     assert users == [2]  # the layers after it; layers 0 and 1 stay dense
     assert "select=%select_tokens" in str(ir)
+    assert sorted(s["index"] for s in ir.layers) == [0, 1, 2]  # every layer keeps its span
 
 
 @pytest.mark.parametrize("config", ["llama-gqa-3l", "qwen2-hd20-2l"])

@@ -24,9 +24,11 @@ def layer_spans(gm: fx.GraphModule) -> list[dict]:
     for index in sorted(by_layer):
         nodes = by_layer[index]
         inside = set(nodes)
-        # Tuple-valued nodes (a fused add + norm) are not the stream: their parts are.
+        # Tuple-valued nodes (a fused add + norm) are not the stream: their parts are; nor
+        # is an integer value a layer hands on (TidalDecode's token selection).
         outputs = [n for n in nodes if any(u not in inside for u in n.users)
-                   and isinstance(n.meta.get("val"), torch.Tensor)]
+                   and isinstance(n.meta.get("val"), torch.Tensor)
+                   and n.meta["val"].is_floating_point()]
         if len(outputs) != 1:
             continue
         out_val = outputs[0].meta.get("val")
