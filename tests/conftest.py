@@ -180,3 +180,12 @@ def assert_same_distribution(a, b, columns, vocab: int) -> None:
         stat = (((ca[seen] - cb[seen]) ** 2) / (ca[seen] + cb[seen])).sum().item()
         dof = int(seen.sum()) - 1
         assert stat < dof + 5 * (2 * dof) ** 0.5, (col, stat, dof)
+
+
+def reference_greedy(opt, row: list[int], new: int) -> torch.Tensor:
+    """Greedy decoding through the whole-sequence graph (``opt(ids)``, no KV cache): the
+    reference a runtime with a cache policy (a ring, a token selection) must equal."""
+    ids = torch.tensor([row])
+    for _ in range(new):
+        ids = torch.cat([ids, opt(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0]

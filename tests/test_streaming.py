@@ -19,19 +19,11 @@ from rewriter.passes import from_spec
 from rewriter.runtime.kv_cache import KVCache, cache_table
 from rewriter.runtime.ring_cache import slot_contents
 
-from conftest import make_model
+from conftest import make_model, reference_greedy
 
 GOLDEN = Path(__file__).parent / "golden"
 ROWS = [[3, 17, 42, 5, 99, 8, 64, 7, 9, 11, 13, 2], [1, 2, 3], [50, 60, 70, 80, 90]]
 KW = dict(max_new_tokens=14, eos_token_id=[])
-
-
-def reference_greedy(opt, row: list[int], new: int) -> torch.Tensor:
-    """Greedy decoding through the whole-sequence graph (no cache): the masked reference."""
-    ids = torch.tensor([row])
-    for _ in range(new):
-        ids = torch.cat([ids, opt(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return ids[0]
 
 
 def test_the_ir_shows_sinks_and_window_on_every_attention():

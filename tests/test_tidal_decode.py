@@ -12,17 +12,10 @@ from rewriter.ops import OPS, selected_mask
 from rewriter.passes import (FuseQKV, FuseRoPE, SelfSpeculative, StreamingAttention, TidalDecode,
                              from_spec)
 
-from conftest import make_model
+from conftest import make_model, reference_greedy
 
 ROWS = [[3, 17, 42, 5, 99, 8, 64, 7, 9, 11, 13, 2], [1, 2, 3], [50, 60, 70, 80, 90]]
 KW = dict(max_new_tokens=12, eos_token_id=[])
-
-
-def reference_greedy(opt, row, new):
-    ids = torch.tensor([row])
-    for _ in range(new):
-        ids = torch.cat([ids, opt(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return ids[0]
 
 
 def test_the_selection_is_an_ir_value_between_layers():
