@@ -9,6 +9,7 @@ import inspect
 import json
 
 from rewriter.passes.draft_heads import HydraHeads, MedusaHeads
+from rewriter.passes.duo_attention import DuoAttention
 from rewriter.passes.fuse_add_rms_norm import FuseAddRMSNorm
 from rewriter.passes.fuse_qkv import FuseQKV
 from rewriter.passes.fuse_rope import FuseRoPE
@@ -23,10 +24,10 @@ PASSES = {"layer_skip": LayerSkip, "fuse_qkv": FuseQKV, "fuse_swiglu": FuseSwiGL
           "fuse_add_rms_norm": FuseAddRMSNorm, "fuse_rope": FuseRoPE, "int4_weights": Int4Weights,
           "self_speculative": SelfSpeculative, "medusa_heads": MedusaHeads,
           "hydra_heads": HydraHeads, "streaming_attention": StreamingAttention,
-          "tidal_decode": TidalDecode}
+          "tidal_decode": TidalDecode, "duo_attention": DuoAttention}
 
 __all__ = ["LayerSkip", "FuseQKV", "FuseSwiGLU", "FuseAddRMSNorm", "FuseRoPE", "Int4Weights", "SelfSpeculative", "MedusaHeads", "HydraHeads",
-           "StreamingAttention", "TidalDecode", "PASSES",
+           "StreamingAttention", "TidalDecode", "DuoAttention", "PASSES",
            "from_spec"]
 
 

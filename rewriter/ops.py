@@ -260,7 +260,8 @@ def attention_mask(q_len: int, k_len: int, window: Optional[int], device,
 
 
 def _attention_fake(q, k, v, layer, num_heads, num_kv_heads, head_dim, scale, causal=True,
-                    window=None, cos=None, sin=None, sinks=None, rotary=None, select=None):
+                    window=None, cos=None, sin=None, sinks=None, rotary=None, select=None,
+                    full_heads=None, gates=None):
     q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
     _need(q.dim() == 3 and q.shape[-1] == q_width, "attention",
           f"q {_dims(q)} is not [B, S, num_heads * head_dim = {q_width}]")
@@ -290,6 +291,8 @@ def attention(
     sinks: Optional[int] = None,
     rotary: Optional[Tensor] = None,
     select: Optional[Tensor] = None,
+    full_heads: Optional[list[int]] = None,
+    gates: Optional[list[float]] = None,
 ) -> Tensor:
     """Scaled dot-product attention of one decoder layer; the op that owns the KV cache.
 
@@ -301,6 +304,10 @@ def attention(
     sinks sit at StreamingLLM's positions: just before the window, whatever the query's
     distance from them (``sink_attention``). With ``select`` (``[B, Hkv, S, top_k]`` from
     ``select_tokens``: TidalDecode) a query sees only the selected earlier keys and itself.
+    With ``full_heads`` (``DuoAttention``) the sinks and window bind only the other KV heads:
+    those listed attend to every earlier key, and the runtime keeps them in a full cache
+    beside the others' ring. ``gates`` (one per KV head, ``DuoAttention``'s calibrated
+    gates) changes nothing: it records why the heads were split, for the IR and artifacts.
     ``layer`` names the cache slot. With
     ``cos``/``sin`` (``FuseRoPE``), q and k are rotated first, exactly as ``rope`` does, so a
     backend can rotate K in the kernel that writes it into the cache.
@@ -325,6 +332,12 @@ def attention(
         out = sink_attention(qh, kh, vh, mask, scale, is_sink, shift.expand(b, s), rotary, head_dim)
     else:
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    if full_heads is not None:  # DuoAttention: these KV heads' query groups see every key
+        full = (torch.arange(num_kv_heads, device=q.device)[:, None]
+                == torch.tensor(full_heads, device=q.device)).any(1)  # [Hkv]
+        whole = F.scaled_dot_product_attention(
+            qh, kh, vh, scale=scale, attn_mask=attention_mask(s, kh.shape[2], None, q.device))
+        out = torch.where(full.repeat_interleave(groups)[None, :, None, None], whole, out)
     return out.transpose(1, 2).reshape(b, s, num_heads * head_dim)  # [B, S, Hq*D]
 
 
@@ -441,6 +454,19 @@ def _one_of(*choices):
     return check
 
 
+def _head_list(v):
+    if not isinstance(v, (list, tuple)) or not v or any(
+            isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= MAX_INT for i in v) \
+            or list(v) != sorted(set(v)):
+        return "a non-empty sorted list of distinct KV head indices"
+
+
+def _gate_list(v):
+    if not isinstance(v, (list, tuple)) or not v or any(
+            isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 <= g <= 1 for g in v):
+        return "a non-empty list of numbers in [0, 1]"
+
+
 def _optional(rule):
     def check(v):
         return None if v is None else rule(v) and f"None or {rule(v)}"
@@ -460,7 +486,8 @@ ATTRIBUTES: dict[str, dict[str, callable]] = {
                       "head_dim": _int(1), "top_k": _int(1)},
     "attention": {"layer": _int(0), "num_heads": _int(1), "num_kv_heads": _int(1),
                   "head_dim": _int(1), "scale": _finite_positive, "causal": _bool,
-                  "window": _optional(_int(1)), "sinks": _optional(_int(0))},
+                  "window": _optional(_int(1)), "sinks": _optional(_int(0)),
+                  "full_heads": _optional(_head_list), "gates": _optional(_gate_list)},
 }
 
 
@@ -513,6 +540,22 @@ def check_arguments(name: str, args: tuple, kwargs: dict, is_tensor=None) -> dic
                          "go together: the ring has dropped what a selection may name")
     if name == "attention" and bound["rotary"] is not None and bound["sinks"] is None:
         raise ValueError("rw.attention: rotary (StreamingLLM's sink positions) needs sinks")
+    if name == "attention":
+        _check_duo(bound)
     if name == "attention" and (bound["cos"] is None) != (bound["sin"] is None):
         raise ValueError("rw.attention: cos and sin come together (both or neither)")
     return bound
+
+
+def _check_duo(bound: dict) -> None:
+    """``full_heads`` split a sink + window layer's KV heads; ``gates`` has one per KV head."""
+    heads, full = bound["num_kv_heads"], bound["full_heads"]
+    if full is not None and bound["sinks"] is None:
+        raise ValueError(f"rw.attention: full_heads={list(full)} needs sinks (the other heads "
+                         f"keep a sink + window cache)")
+    if full is not None and (full[-1] >= heads or len(full) == heads):
+        raise ValueError(f"rw.attention: full_heads={list(full)} must name some, not all, of "
+                         f"the {heads} KV heads (0 .. {heads - 1})")
+    if bound["gates"] is not None and len(bound["gates"]) != heads:
+        raise ValueError(f"rw.attention: gates has {len(bound['gates'])} values for "
+                         f"{heads} KV heads")

@@ -8,12 +8,13 @@ windows, measured in cache positions, mean the same as in token positions.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .duo_cache import split_attention
 from .kernels import KERNELS
 from .kv_cache import KVCache
 from .ring_cache import ring_attention
@@ -112,13 +113,17 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, cache_id: int,
                      num_kv_heads: int, head_dim: int, scale: float, window: Optional[int],
                      cos: Optional[Tensor] = None, sin: Optional[Tensor] = None,
                      sinks: Optional[int] = None, rotary: Optional[Tensor] = None,
-                     select: Optional[Tensor] = None) -> Tensor:
+                     select: Optional[Tensor] = None,
+                     full_heads: Optional[Sequence[int]] = None) -> Tensor:
     """``rw.attention`` with K/V written into cache ``cache_id`` first.
 
     q ``[B, S, Hq*D]``, k/v ``[B, S, Hkv*D]`` -> ``[B, S, Hq*D]``; with ``cos``/``sin``
     (``FuseRoPE``) q and k are rotated here first. With ``sinks`` the cache is a ring
     (``runtime.ring_cache``).
     """
+    if full_heads is not None:  # DuoAttention: full heads here, the others in a ring
+        return split_attention(cached_attention, step, q, k, v, cache_id, full_heads, num_heads,
+                               num_kv_heads, head_dim, scale, window, sinks, cos, sin, rotary)
     if sinks is not None:
         return ring_attention(step, q, k, v, cache_id, num_heads, num_kv_heads, head_dim, scale,
                               window, sinks, cos, sin, rotary)

@@ -188,7 +188,7 @@ class StaticDecoder:
 
     def __init__(self, program: fx.GraphModule, cache: KVCache, pad: Optional[Tensor],
                  cuda_graph: bool):
-        device = cache.k[0].device
+        device = cache.device
         self.program, self.cache, self.pad, self.cuda_graph = program, cache, pad, cuda_graph
         self.tokens = torch.zeros(cache.batch, 1, dtype=torch.int64, device=device)  # [B, 1]
         self.positions = torch.zeros(cache.batch, 1, dtype=torch.int64, device=device)

@@ -7,7 +7,9 @@ the other layers' ids as they were, so every program of a model addresses the sa
 that lowering, the allocator, ``kv_bytes_per_token``, artifacts and dumps read.
 
 Each cache is ``[batch, kv_heads, max_len, head_dim]`` for K and for V, written in place at
-each row's positions (``runtime.attention.write_kv``).
+each row's positions (``runtime.attention.write_kv``). A ``DuoAttention`` layer whose KV
+heads are split keeps two: its full heads under its id, its streaming heads' ring under
+``ring_part(id)``.
 """
 from __future__ import annotations
 
@@ -22,6 +24,13 @@ from rewriter.ops import ATTRIBUTES, OPS, op_arguments
 
 # The attention op's non-tensor arguments, read from its schema (``rewriter.ops``).
 ATTENTION_PARAMS = tuple(ATTRIBUTES["attention"])
+# ``gates`` only records why DuoAttention split a layer: no cache depends on it.
+CACHE_PARAMS = tuple(k for k in ATTENTION_PARAMS if k not in ("layer", "gates"))
+
+
+def ring_part(cache_id: int) -> tuple:
+    """The key of a split layer's ring (its streaming heads) in ``KVCache.k`` / ``.v``."""
+    return (cache_id, "ring")
 
 
 @dataclass(frozen=True)
@@ -35,25 +44,44 @@ class CacheSpec:
     causal: bool
     window: Optional[int]
     sinks: Optional[int] = None
+    full_heads: Optional[tuple] = None  # DuoAttention: KV heads kept whole beside the ring
 
     @property
     def ring(self) -> bool:
-        """A sink + window cache (``runtime.ring_cache``): bounded, whatever the length."""
+        """Some heads keep a sink + window ring (``runtime.ring_cache``), so tokens are
+        overwritten and cannot be rolled back."""
         return self.sinks is not None
 
-    def slots(self, max_len: int) -> int:
-        """Token slots this cache allocates for sequences of up to ``max_len`` tokens: a
-        ring holds its sinks and its window (no more than the sequences need: then it
-        never wraps) and one spare slot that padding writes into."""
-        return min(self.sinks + self.window, max_len) + 1 if self.ring else max_len
+    @property
+    def bounded(self) -> bool:
+        """Every head is in the ring: memory is bounded, whatever the length."""
+        return self.ring and self.full_heads is None
+
+    @property
+    def ring_heads(self) -> int:
+        return self.num_kv_heads - len(self.full_heads or ()) if self.ring else 0
+
+    def parts(self, max_len: int) -> list[tuple]:
+        """``(key, kv_heads, slots)`` of each tensor pair this cache allocates for sequences
+        of up to ``max_len`` tokens: full heads take ``max_len`` slots; a ring holds its
+        sinks and its window (no more than the sequences need: then it never wraps) and one
+        spare slot that padding writes into."""
+        ring = min(self.sinks + self.window, max_len) + 1 if self.ring else 0
+        if self.bounded:
+            return [(self.id, self.num_kv_heads, ring)]
+        if self.ring:
+            return [(self.id, len(self.full_heads), max_len),
+                    (ring_part(self.id), self.ring_heads, ring)]
+        return [(self.id, self.num_kv_heads, max_len)]
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Bytes one slot holds (K and V)."""
+        """Bytes one slot of every head holds (K and V)."""
         return 2 * self.num_kv_heads * self.head_dim * dtype.itemsize
 
     def bytes_for(self, tokens: int, dtype: torch.dtype) -> int:
         """Bytes this cache holds for one sequence of ``tokens`` tokens."""
-        return self.bytes_per_token(dtype) * min(tokens, self.slots(tokens))
+        per_head = 2 * self.head_dim * dtype.itemsize
+        return sum(per_head * heads * min(tokens, slots) for _, heads, slots in self.parts(tokens))
 
 
 def attention_params(node: fx.Node) -> dict:
@@ -70,8 +98,10 @@ def cache_table(gm: fx.GraphModule) -> dict[int, CacheSpec]:
         if p["layer"] in table:
             raise RewriterError(f"{n.name}: two attention ops name cache {p['layer']} (their "
                                 f"layer attribute); each layer's attention needs its own")
-        table[p["layer"]] = CacheSpec(id=p["layer"], **{k: p[k] for k in ATTENTION_PARAMS
-                                                         if k != "layer"})
+        params = {k: p[k] for k in CACHE_PARAMS}
+        if params["full_heads"] is not None:
+            params["full_heads"] = tuple(params["full_heads"])
+        table[p["layer"]] = CacheSpec(id=p["layer"], **params)
     return table
 
 
@@ -79,29 +109,31 @@ def describe(table: dict[int, CacheSpec], dtype: torch.dtype) -> dict:
     """The table as JSON-able data (dumps, ``rewriter info``): ``bytes_per_token`` counts
     the caches that grow with the sequence, ``bounded_bytes`` what the rings hold at most."""
     return {"dtype": str(dtype).removeprefix("torch."),
-            "bytes_per_token": sum(s.bytes_per_token(dtype) for s in table.values() if not s.ring),
-            "bounded_bytes": sum(s.bytes_per_token(dtype) * (s.sinks + s.window + 1)
-                                 for s in table.values() if s.ring),
+            "bytes_per_token": sum(s.bytes_per_token(dtype) * (s.num_kv_heads - s.ring_heads)
+                                   // s.num_kv_heads for s in table.values()),
+            "bounded_bytes": sum(s.bytes_per_token(dtype) * s.ring_heads // s.num_kv_heads
+                                 * (s.sinks + s.window + 1) for s in table.values() if s.ring),
             "caches": [asdict(s) for s in table.values()]}
 
 
 def bounded(table: dict[int, CacheSpec]) -> bool:
     """Every cache is a ring: the sequence may outgrow the model's context length."""
-    return bool(table) and all(s.ring for s in table.values())
+    return bool(table) and all(s.bounded for s in table.values())
 
 
 class KVCache:
-    """K and V for every cache of ``table``, ``{id: [B, Hkv, slots, D]}`` each: ``max_len``
-    slots, or a sink + window cache's ring (``CacheSpec.slots``)."""
+    """K and V for every cache of ``table``, ``{key: [B, Hkv, slots, D]}`` each: ``max_len``
+    slots, or a sink + window cache's ring, or both for a split layer (``CacheSpec.parts``)."""
 
     def __init__(self, table: dict[int, CacheSpec], batch: int, max_len: int,
                  dtype: torch.dtype, device: torch.device):
         self.table, self.batch, self.max_len = table, batch, max_len
         # zeros, not empty: a padded row's masked slots must hold finite values, because
         # masked attention weights are exactly 0 and 0 * NaN would still be NaN.
-        shape = lambda s: (batch, s.num_kv_heads, s.slots(max_len), s.head_dim)  # noqa: E731
-        self.k = {i: torch.zeros(shape(s), dtype=dtype, device=device) for i, s in table.items()}
-        self.v = {i: torch.zeros(shape(s), dtype=dtype, device=device) for i, s in table.items()}
+        parts = [(key, (batch, heads, slots, s.head_dim))  # [B, Hkv, slots, D]
+                 for s in table.values() for key, heads, slots in s.parts(max_len)]
+        self.k = {key: torch.zeros(shape, dtype=dtype, device=device) for key, shape in parts}
+        self.v = {key: torch.zeros(shape, dtype=dtype, device=device) for key, shape in parts}
         self.busy = False  # a generation in progress (e.g. a paused stream) holds it
 
     def fits(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> bool:

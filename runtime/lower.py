@@ -89,6 +89,8 @@ def lower(ir: IR, last_only: bool, backend: str = "torch",
                 rotary = node.kwargs.get("rotary")  # StreamingLLM's sink positions
                 if rotary is not None:
                     new.kwargs = {**new.kwargs, "rotary": env[rotary]}
+            if params["full_heads"] is not None:  # DuoAttention: these heads keep a full cache
+                new.kwargs = {**new.kwargs, "full_heads": tuple(params["full_heads"])}
             if node.kwargs.get("select") is not None:  # TidalDecode: the selected tokens
                 new.kwargs = {**new.kwargs, "select": env[node.kwargs["select"]]}
             if node.kwargs.get("cos") is not None:  # FuseRoPE: rotate inside attention

@@ -61,7 +61,7 @@ def check_no_ring(ir: IR, strategy: str) -> None:
                             f"attended densely, so drafts would be checked against another model")
     if rings:
         raise RewriterError(f"the {strategy} strategy cannot run with sink + window caches "
-                            f"(StreamingAttention, caches {rings}): rolling back rejected "
+                            f"(StreamingAttention or DuoAttention, caches {rings}): rolling back rejected "
                             f"drafts needs the keys the ring has overwritten")
 
 

@@ -1,7 +1,7 @@
 """``rw.attention`` on the Triton templates: the Triton backend's cached attention."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -12,6 +12,7 @@ from rewriter.codegen.rope import rope_into_cache
 
 from .attention import Step, write_kv
 from .attention import cached_attention as torch_cached_attention
+from .duo_cache import split_attention
 from .ring_cache import ring_attention
 
 
@@ -19,13 +20,17 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, cache_id: int,
                      num_kv_heads: int, head_dim: int, scale: float, window: Optional[int],
                      cos: Optional[Tensor] = None, sin: Optional[Tensor] = None,
                      sinks: Optional[int] = None, rotary: Optional[Tensor] = None,
-                     select: Optional[Tensor] = None) -> Tensor:
+                     select: Optional[Tensor] = None,
+                     full_heads: Optional[Sequence[int]] = None) -> Tensor:
     """``rw.attention`` over cache ``cache_id``: decode or prefill kernel by step length;
     with ``cos``/``sin`` (``FuseRoPE``) K is rotated by the kernel that writes the cache
     (V with it) and q by the attention kernel: no launch of its own for either. A step
     whose rows start at different positions (speculative decoding after ragged acceptance),
     or a token tree under a sliding window, runs the torch path; a tree at one start runs
     the prefill kernel with each node's ancestors as a bit set."""
+    if full_heads is not None:  # DuoAttention: full heads here, the others in a ring
+        return split_attention(cached_attention, step, q, k, v, cache_id, full_heads, num_heads,
+                               num_kv_heads, head_dim, scale, window, sinks, cos, sin, rotary)
     if sinks is not None:  # a sink + window ring: the torch path (runtime.ring_cache)
         return ring_attention(step, q, k, v, cache_id, num_heads, num_kv_heads, head_dim, scale,
                               window, sinks, cos, sin, rotary)

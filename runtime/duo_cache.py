@@ -1,0 +1,62 @@
+"""DuoAttention's split layers: some KV heads keep a full cache, the others a sink + window
+ring, in two tensor pairs (``CacheSpec.parts``: the full heads under the layer's cache id,
+the ring under ``ring_part(id)``).
+
+A split layer's step gathers the full heads' query groups and K/V into one attention over
+the full cache (the backend's own, so the Triton backend runs its kernels on it) and the
+rest into a ring attention (``runtime.ring_cache``), then puts each head's output back in
+its place. Keys of both parts are rotated at their true positions, as the model computes
+them; only the ring heads see the sinks at StreamingLLM's positions.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .kernels import KERNELS
+from .kv_cache import ring_part
+from .ring_cache import ring_attention
+
+
+def split_attention(attend: Callable, step, q: Tensor, k: Tensor, v: Tensor, cache_id: int,
+                    full_heads: Sequence[int], num_heads: int, num_kv_heads: int, head_dim: int,
+                    scale: float, window: int, sinks: int, cos: Optional[Tensor] = None,
+                    sin: Optional[Tensor] = None, rotary: Optional[Tensor] = None) -> Tensor:
+    """q ``[B, S, Hq*D]``, k/v ``[B, S, Hkv*D]`` -> ``[B, S, Hq*D]``: KV heads
+    ``full_heads`` and their query groups through ``attend`` (a backend's cached attention)
+    on cache ``cache_id``, the others through the ring ``ring_part(cache_id)``."""
+    if cos is not None:  # FuseRoPE: rotate once, before the heads are split
+        q, k = KERNELS["rope"](q, cos, sin, head_dim), KERNELS["rope"](k, cos, sin, head_dim)
+    b, s, _ = q.shape
+    groups = num_heads // num_kv_heads
+    full_kv, ring_kv, full_q, ring_q = step.once(
+        ("duo_heads", tuple(full_heads), num_kv_heads, groups),
+        lambda: _head_indices(full_heads, num_kv_heads, groups, q.device))
+    qh = q.view(b, s, num_heads, head_dim)  # [B, S, Hq, D]
+    kh, vh = k.view(b, s, num_kv_heads, head_dim), v.view(b, s, num_kv_heads, head_dim)
+
+    def pick(x: Tensor, idx: Tensor) -> Tensor:  # [B, S, H, D] -> [B, S, len(idx)*D]
+        return x.index_select(2, idx).reshape(b, s, -1)
+
+    whole = attend(step, pick(qh, full_q), pick(kh, full_kv), pick(vh, full_kv), cache_id,
+                   len(full_q), len(full_kv), head_dim, scale, None)
+    ring = ring_attention(step, pick(qh, ring_q), pick(kh, ring_kv), pick(vh, ring_kv),
+                          ring_part(cache_id), len(ring_q), len(ring_kv), head_dim, scale,
+                          window, sinks, rotary=rotary)
+    out = torch.empty_like(qh)  # [B, S, Hq, D]
+    out.index_copy_(2, full_q, whole.view(b, s, -1, head_dim))
+    out.index_copy_(2, ring_q, ring.view(b, s, -1, head_dim))
+    return out.view(b, s, num_heads * head_dim)
+
+
+def _head_indices(full_heads: Sequence[int], num_kv_heads: int, groups: int, device):
+    """Index tensors of the full and ring KV heads and of their query heads (query head
+    ``h`` belongs to KV head ``h // groups``)."""
+    full = torch.tensor(list(full_heads), dtype=torch.int64, device=device)
+    is_full = torch.zeros(num_kv_heads, dtype=torch.bool, device=device)
+    is_full[full] = True
+    ring = (~is_full).nonzero().flatten()
+    by_query = is_full.repeat_interleave(groups)  # [Hq]
+    return full, ring, by_query.nonzero().flatten(), (~by_query).nonzero().flatten()
