@@ -164,6 +164,24 @@ def parser() -> argparse.ArgumentParser:
                         "with AMX or AVX-512, and on GPUs)")
     t.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     t.set_defaults(func=cmd_train_heads)
+
+    g = sub.add_parser("train-gates", help="calibrate DuoAttention's gates on a frozen model",
+                       description="Optimise one gate per layer and KV head on synthetic "
+                                   "pass-key prompts (full vs sink + window attention) and "
+                                   "write a gates file for DuoAttention(gates=PATH). Seeded; "
+                                   "resumes from OUT.work/.")
+    g.add_argument("model", help=MODEL_HELP)
+    g.add_argument("--out", required=True, help="gates file to write (.json)")
+    g.add_argument("--sinks", type=int, default=16, help="streaming heads' sink tokens")
+    g.add_argument("--window", type=int, default=64, help="streaming heads' recent window")
+    g.add_argument("--steps", type=int, default=300)
+    g.add_argument("--lengths", type=int, nargs="+", default=[256, 384, 512],
+                   help="prompt lengths to draw from (tokens)")
+    g.add_argument("--lr", type=float, default=0.02)
+    g.add_argument("--reg", type=float, default=0.05, help="weight of the L1 penalty on the gates")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--dtype", choices=DTYPES, default="float32")
+    g.set_defaults(func=cmd_train_gates)
     return p
 
 
@@ -180,6 +198,20 @@ def cmd_train_heads(args) -> int:
     print(json.dumps(report, indent=1))
     return 0
 
+
+
+def cmd_train_gates(args) -> int:
+    from .checkpoints import load_model
+    from .optimized import optimize
+    from .train_gates import train_gates
+    model, tokenizer = load_model(args.model, args.dtype)
+    record = train_gates(optimize(model, tokenizer=tokenizer), tokenizer, args.out,
+                         sinks=args.sinks, window=args.window, steps=args.steps,
+                         lengths=tuple(args.lengths), lr=args.lr, reg=args.reg, seed=args.seed,
+                         progress=_bars())
+    print(json.dumps(record, indent=1))
+    print(f"saved: {args.out}")
+    return 0
 
 
 def cmd_optimize(args) -> int:

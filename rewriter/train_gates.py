@@ -1,0 +1,246 @@
+"""DuoAttention's calibration: one gate per layer and KV head, optimised with the model frozen.
+
+Each attention head of the IR's whole-sequence graph computes both full attention and the
+sink + window attention the runtime would give it (StreamingLLM's sink positions, as
+``DuoAttention`` deploys it), and outputs their mix ``gate * full + (1 - gate) * streaming``,
+one gate per KV head shared by its query group. On synthetic pass-key prompts (the
+project's generator, ``rewriter.corpus``, with training-split code or fixed sentences as
+filler, keys and seeds apart from the evaluation's), the loss is the mean squared
+difference between the mixed model's and the full model's last hidden states at the
+answer positions, plus ``reg`` times the mean gate (L1: gates are >= 0), as in the paper;
+gates start at 1 and are clamped to [0, 1] after every step. Heads whose answer depends on
+the middle of the context keep their gates up; the others fall toward 0.
+
+Hidden states, not logits: the paper's distillation target, and cheaper than a vocabulary
+projection. Steps checkpoint into ``OUT.work/`` and a rerun resumes.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from pathlib import Path
+from typing import Sequence, Union
+
+import torch
+from torch import Tensor, fx
+
+from . import duo_gates
+from .ops import OPS, REFERENCE, op_arguments
+from .passes.streaming import rotary_frequencies
+
+_SHORT = {op: name for name, op in OPS.items()}
+
+
+def train_gates(opt, tokenizer, out: Union[str, os.PathLike], sinks: int = 16, window: int = 64,
+                steps: int = 300, lengths: Sequence[int] = (256, 384, 512), lr: float = 0.02,
+                reg: float = 0.05, seed: int = 0, progress: bool = True) -> dict:
+    """Calibrate gates for ``opt`` (an ``OptimizedModel`` of a causal LM, no passes needed)
+    and write them to ``out`` (``rewriter.duo_gates``); returns the calibration record."""
+    for name, v, low in (("sinks", sinks, 0), ("window", window, 1), ("steps", steps, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"train_gates: {name} must be an integer >= {low}, got {v!r}")
+    for name, v in (("lr", lr), ("reg", reg)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"train_gates: {name} must be a finite number >= 0, got {v!r}")
+    context = opt.max_len
+    if not lengths or not all(isinstance(n, int) and 64 <= n <= context for n in lengths):
+        raise ValueError(f"train_gates: lengths must be token counts in [64, {context}] (the "
+                         f"model's context), got {lengths!r}")
+    out = Path(out)
+    if out.is_dir() or out.is_symlink() or not out.parent.is_dir():
+        raise ValueError(f"train_gates: {out} must be a file path in an existing directory "
+                         f"(not a directory or a link)")
+    work = out.with_name(out.name + ".work")
+    if work.is_symlink() or work.exists() and not work.is_dir():
+        raise ValueError(f"train_gates: {work} (the checkpoint directory) is not a directory")
+    work.mkdir(exist_ok=True)
+    layers, kv_heads = _shape(opt.ir)
+    gates = torch.ones(layers, kv_heads, requires_grad=True)
+    optim = torch.optim.Adam([gates], lr=lr)
+    settings = {"sinks": sinks, "window": window, "steps": steps, "lengths": list(lengths),
+                "lr": lr, "reg": reg, "seed": seed}
+    start, history, seconds = _resume(work, settings, gates, optim)
+    student, teacher = gated_program(opt.ir, sinks, window, gates), gated_program(opt.ir)
+    samples = _samples(tokenizer, lengths, seed)
+    from tqdm import tqdm
+    bar = tqdm(total=steps, initial=start, desc="calibrate gates", unit="step",
+               disable=not progress, leave=False)
+    for _ in range(start):  # the samples a resumed run has trained on already
+        next(samples)
+    began = time.perf_counter()
+    for step in range(start, steps):
+        ids, answer = next(samples)
+        distill = _distill_loss(student, teacher, gates, ids, answer, opt.ir)
+        loss = distill + reg * gates.abs().mean()
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        with torch.no_grad():
+            gates.clamp_(0, 1)
+        history.append([round(distill.item(), 6), round(gates.mean().item(), 4)])
+        bar.update(1)
+        bar.set_postfix(distill=f"{distill.item():.4f}", mean_gate=f"{gates.mean().item():.3f}")
+        if (step + 1) % 25 == 0 or step + 1 == steps:
+            _checkpoint(work, settings, gates, optim, history,
+                        seconds + time.perf_counter() - began)
+    bar.close()
+    seconds += time.perf_counter() - began
+    window_mean = lambda rows: round(sum(r[0] for r in rows) / max(1, len(rows)), 6)  # noqa: E731
+    record = {**settings, "seconds": round(seconds, 1), "threads": torch.get_num_threads(),
+              "distill_first_25": window_mean(history[:25]),
+              "distill_last_25": window_mean(history[-25:])}
+    table = duo_gates.Gates([[round(g, 4) for g in row] for row in gates.detach().tolist()],
+                            sinks, window, {"layers": layers, "num_kv_heads": kv_heads},
+                            record)
+    duo_gates.save(table, out)
+    return record
+
+
+def _shape(ir) -> tuple[int, int]:
+    """(layers the gates cover, KV heads per layer) of the IR's attention ops."""
+    nodes = list(ir.graph.find_nodes(op="call_function", target=OPS["attention"]))
+    if not nodes:
+        raise ValueError("train_gates: the model's IR has no rw.attention op")
+    args = [op_arguments("attention", tuple(n.args), dict(n.kwargs)) for n in nodes]
+    heads = {a["num_kv_heads"] for a in args}
+    if len(heads) != 1:
+        raise ValueError(f"train_gates: layers have different KV head counts {sorted(heads)}")
+    for n, a in zip(nodes, args):
+        if a["window"] is not None or a["sinks"] is not None or a["select"] is not None:
+            raise ValueError(f"train_gates: {n.name} limits what it attends to already; "
+                             f"calibrate on the model without attention passes")
+    return max(a["layer"] for a in args) + 1, heads.pop()
+
+
+def gated_program(ir, sinks: int | None = None, window: int | None = None,
+                  gates: Tensor | None = None) -> fx.GraphModule:
+    """The whole-sequence graph on plain functions (autograd runs through them), returning
+    the LM head's input ``[B, S, hidden]``. With ``gates`` ``[layers, kv_heads]`` each
+    attention mixes full and sink + window attention per KV head."""
+    from .runtime.lower import logits_node
+    graph, env = fx.Graph(), {}
+    gate_node = None
+    for node in ir.graph.nodes:
+        if node.op == "output":
+            graph.output(env[logits_node(ir).args[0]])
+            continue
+        new = graph.node_copy(node, lambda n: env[n])
+        name = _SHORT.get(node.target) if node.op == "call_function" else None
+        if name == "attention" and gates is not None:
+            if gate_node is None:
+                gate_node = graph.placeholder("gates")  # placed first by the graph's order rules
+            args = op_arguments("attention", tuple(node.args), dict(node.kwargs))
+            freq = rotary_frequencies(node, args)
+            new.target = _mixed_attention
+            new.args = (*new.args[:3], gate_node)
+            mapped = {k: env[v] if isinstance(v, fx.Node) else v for k, v in args.items()
+                      if k not in ("q", "k", "v", "gates", "window", "sinks", "rotary")}
+            new.kwargs = {**mapped, "sinks": sinks, "window": window,
+                          "rotary": env[freq] if freq is not None else None}
+        elif name is not None:
+            new.target = REFERENCE[name]
+        env[node] = new
+    # placeholders must lead: move the gates input to the front
+    if gate_node is not None:
+        first = next(iter(graph.nodes))
+        first.prepend(gate_node)
+    graph.eliminate_dead_code()
+    return fx.GraphModule(ir.gm, graph)
+
+
+def _mixed_attention(q: Tensor, k: Tensor, v: Tensor, gates: Tensor, layer: int, num_heads: int,
+                     num_kv_heads: int, head_dim: int, scale: float, causal: bool = True,
+                     sinks: int = 0, window: int = 1, rotary=None, **rest) -> Tensor:
+    """``gate * full + (1 - gate) * sink + window attention`` per KV head: [B, S, Hq*D]."""
+    attend = REFERENCE["attention"]
+    common = dict(layer=layer, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                  head_dim=head_dim, scale=scale, causal=causal, cos=rest.get("cos"),
+                  sin=rest.get("sin"))
+    full = attend(q, k, v, **common)
+    streaming = attend(q, k, v, **common, window=window, sinks=sinks, rotary=rotary)
+    b, s, _ = q.shape
+    g = gates[layer].repeat_interleave(num_heads // num_kv_heads)[:, None]  # [Hq, 1]
+    mix = g * full.view(b, s, num_heads, head_dim) + (1 - g) * streaming.view(b, s, num_heads, head_dim)
+    return mix.reshape(b, s, num_heads * head_dim)
+
+
+def _distill_loss(student, teacher, gates: Tensor, ids: Tensor, answer: Tensor, ir) -> Tensor:
+    """Mean squared difference of the last hidden states at the positions that predict
+    the answer tokens (``answer`` ``[A]`` indices)."""
+    inputs = _inputs(ir, ids)
+    with torch.no_grad():
+        target = teacher(*inputs)[0, answer].float()  # [A, hidden]
+    got = student(gates, *inputs)[0, answer].float()
+    return (got - target).pow(2).mean()
+
+
+def _inputs(ir, ids: Tensor) -> tuple:
+    """The graph's inputs for one row of token ids ``[1, S]``: ids and positions."""
+    names = [n.name for n in ir.graph.find_nodes(op="placeholder")]
+    positions = torch.arange(ids.shape[1])[None]
+    return tuple(ids if "position" not in n else positions for n in names)
+
+
+def _samples(tokenizer, lengths: Sequence[int], seed: int):
+    """Endless ``(ids [1, S], answer positions [A])``: pass-key prompts with their answer,
+    lengths and depths drawn by ``seed`` (the evaluation draws by its own seeds)."""
+    from .corpus import code_lines, load_corpus, passkey_sample
+    from .eval import _backend
+    tok = _backend(tokenizer)
+    lines = code_lines(load_corpus("train"))
+    rng = random.Random(f"duo-gates-{seed}")
+    while True:
+        length, depth = rng.choice(list(lengths)), rng.uniform(0.05, 0.95)
+        s = passkey_sample(tok, length, depth, rng, filler=rng.choice(["sentences", "code"]),
+                           lines=lines)
+        prompt = tok.encode(s.prompt).ids
+        full = tok.encode(s.prompt + s.target).ids
+        if full[:len(prompt)] != prompt or len(full) == len(prompt):
+            continue  # the answer merged into the prompt's last token: no clean split
+        ids = torch.tensor([full[:-1]])  # the last answer token is only a target
+        yield ids, torch.arange(len(prompt) - 1, len(full) - 1)
+
+
+def _checkpoint(work: Path, settings: dict, gates: Tensor, optim, history: list,
+                seconds: float) -> None:
+    from safetensors.torch import save_file
+    state = optim.state_dict()["state"].get(0, {})
+    tensors = {"gates": gates.detach().clone()}
+    tensors.update({f"adam_{k}": v for k, v in state.items() if isinstance(v, Tensor)})
+    meta = {"settings": json.dumps(settings), "history": json.dumps(history),
+            "seconds": str(seconds)}
+    tmp = work / "state.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata=meta)
+    os.replace(tmp, work / "state.safetensors")
+
+
+def _resume(work: Path, settings: dict, gates: Tensor, optim) -> tuple[int, list, float]:
+    """(first step, history, seconds) from ``work``'s checkpoint when its settings match."""
+    path = work / "state.safetensors"
+    if not path.is_file():
+        return 0, [], 0.0
+    from safetensors import safe_open
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        same = lambda d: {k: v for k, v in d.items() if k != "steps"}  # noqa: E731  (more steps: go on)
+        if same(json.loads(meta["settings"])) != same(settings) or tensors["gates"].shape != gates.shape:
+            return 0, [], 0.0  # another calibration's state: start over
+        history = json.loads(meta["history"])
+        seconds = float(meta["seconds"])
+        if len(history) > settings["steps"] or any(
+                tensors.get(f"adam_{k}", torch.empty(0)).shape != gates.shape
+                for k in ("exp_avg", "exp_avg_sq")) or "adam_step" not in tensors:
+            return 0, [], 0.0  # a longer run than this one: start over
+    except Exception:
+        return 0, [], 0.0  # an unreadable checkpoint: start over rather than trust it
+    with torch.no_grad():
+        gates.copy_(tensors["gates"].clamp(0, 1))
+    # Adam's moments and step count, so a resumed run continues the same trajectory
+    optim.state[gates] = {"step": tensors["adam_step"], "exp_avg": tensors["adam_exp_avg"],
+                          "exp_avg_sq": tensors["adam_exp_avg_sq"]}
+    return len(history), history, seconds

@@ -1,0 +1,83 @@
+"""DuoAttention's calibration: the gated graph, the gates file it writes, resuming, the CLI."""
+import json
+
+import pytest
+import torch
+
+import rewriter
+from rewriter import duo_gates
+from rewriter.cli import main
+from rewriter.passes import DuoAttention, StreamingAttention
+from rewriter.train_gates import _inputs, gated_program, train_gates
+
+from conftest import make_model
+
+
+@pytest.fixture(scope="module")
+def default():
+    model, tok = rewriter.default_model()
+    return rewriter.optimize(model, tokenizer=tok), tok
+
+
+def _hidden(opt, ids):
+    """The whole-sequence graph's LM-head input for ``ids``."""
+    return gated_program(opt.ir)(*_inputs(opt.ir, ids))
+
+
+def test_gates_at_one_give_the_full_model_and_at_zero_the_streaming_one():
+    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    opt = rewriter.optimize(model)
+    ids = torch.randint(1, 128, (1, 20), generator=torch.Generator().manual_seed(0))
+    inputs = _inputs(opt.ir, ids)
+    gated = gated_program(opt.ir, sinks=2, window=4, gates=torch.ones(3, 2))
+    torch.testing.assert_close(gated(torch.ones(3, 2), *inputs), _hidden(opt, ids))
+    streaming = rewriter.optimize(model, passes=[StreamingAttention(sinks=2, window=4)])
+    torch.testing.assert_close(gated(torch.zeros(3, 2), *inputs), _hidden(streaming, ids))
+    assert not torch.allclose(_hidden(streaming, ids), _hidden(opt, ids))
+
+
+def test_calibration_writes_gates_that_load_and_resumes(default, tmp_path):
+    opt, tok = default
+    kw = dict(sinks=4, window=16, lengths=(96, 128), seed=3, progress=False)
+    record = train_gates(opt, tok, tmp_path / "g.json", steps=3, **kw)
+    gates = duo_gates.load(tmp_path / "g.json")
+    assert (gates.sinks, gates.window) == (4, 16) and gates.calibration["steps"] == 3
+    assert len(gates.gates) == 8 and all(len(r) == 2 for r in gates.gates)
+    assert all(0 <= g <= 1 for r in gates.gates for g in r)
+    assert any(g < 1 for r in gates.gates for g in r)  # the L1 term moved them off their start
+    assert record["seed"] == 3
+    # three more steps resume from the checkpoint: the same gates as six in one go
+    train_gates(opt, tok, tmp_path / "g.json", steps=6, **kw)
+    train_gates(opt, tok, tmp_path / "h.json", steps=6, **kw)
+    assert duo_gates.load(tmp_path / "g.json").gates == duo_gates.load(tmp_path / "h.json").gates
+    assert duo_gates.load(tmp_path / "g.json").gates != gates.gates
+    engine = rewriter.optimize(rewriter.default_model()[0],
+                               passes=[DuoAttention(str(tmp_path / "g.json"), sparsity=0.5)])
+    assert sum(len(s) for s in DuoAttention(str(tmp_path / "g.json"), sparsity=0.5).full_heads()) == 8
+    assert "full_heads" in str(engine.ir) or "sinks=4" in str(engine.ir)
+
+
+@pytest.mark.parametrize("kwargs,match", [({"sinks": -1}, "sinks"), ({"window": 0}, "window"),
+                                          ({"steps": 0}, "steps"), ({"lr": float("nan")}, "lr"),
+                                          ({"lengths": (4096,)}, "lengths"),
+                                          ({"lengths": ()}, "lengths")])
+def test_bad_settings_name_themselves(default, tmp_path, kwargs, match):
+    opt, tok = default
+    with pytest.raises(ValueError, match=match):
+        train_gates(opt, tok, tmp_path / "g.json", progress=False, **kwargs)
+
+
+def test_the_output_must_be_a_file_in_a_directory(default, tmp_path):
+    opt, tok = default
+    with pytest.raises(ValueError, match="existing directory"):
+        train_gates(opt, tok, tmp_path, steps=1, progress=False)
+    with pytest.raises(ValueError, match="existing directory"):
+        train_gates(opt, tok, tmp_path / "no" / "g.json", steps=1, progress=False)
+
+
+def test_the_cli_calibrates(tmp_path, capsys):
+    out = tmp_path / "g.json"
+    assert main(["train-gates", "default", "--out", str(out), "--steps", "1", "--lengths", "96",
+                 "--sinks", "4", "--window", "8"]) == 0
+    assert json.loads(out.read_text())["format"] == "rewriter-duo-gates"
+    assert "saved" in capsys.readouterr().out
