@@ -3,11 +3,13 @@
     python benchmarks/sparse.py [--model default|smollm2|PATH] [--lengths 256 512 1024]
                                 [--depths 0.1 0.5 0.9] [--trials 4] [--windows 128 512]
                                 [--sinks 4] [--top-k 64 128] [--selection-layers 0]
+                                [--duo-gates default] [--duo-sparsity 0.5 0.75]
                                 [--ppl-length 1024] [--ppl-chunks 4]
                                 [--batch 1 8] [--new 32] [--json benchmarks/results/sparse.json]
 
-Pipelines: dense attention, ``StreamingAttention(sinks, window)`` for each window, and
-``TidalDecode(selection_layers, top_k)`` for each top_k.
+Pipelines: dense attention, ``StreamingAttention(sinks, window)`` for each window,
+``TidalDecode(selection_layers, top_k)`` for each top_k, and with ``--duo-gates``
+``DuoAttention(gates, sparsity)`` for each sparsity (the gates file's sinks and window).
 Columns: pass-key accuracy by context length and by depth (where in the context the key
 lies: StreamingLLM is the control that must fail when the key falls outside its window),
 held-out perplexity (second half of each chunk scored one decode step at a time, so the
@@ -31,8 +33,8 @@ from tabulate import tabulate
 import rewriter
 from rewriter.eval import heldout_chunks, passkey_accuracy, perplexity
 from rewriter.ops import OPS, op_arguments
-from rewriter.passes import StreamingAttention, TidalDecode
-from rewriter.runtime.kv_cache import cache_table
+from rewriter.passes import DuoAttention, StreamingAttention, TidalDecode
+from rewriter.runtime.kv_cache import cache_table, ring_part
 
 
 def load(name: str):
@@ -55,8 +57,11 @@ def kv_read_bytes(engine, tokens: int) -> int:
                                                    dict(args["select"].kwargs))["top_k"] + 1
     total = 0
     for i, s in cache_table(engine.ir.gm).items():
-        read = min(tokens, s.sinks + s.window) if s.ring else min(tokens, selected.get(i, tokens))
-        total += s.bytes_per_token(dtype) * read
+        per_head = s.bytes_per_token(dtype) // s.num_kv_heads
+        for key, heads, _ in s.parts(tokens):  # a DuoAttention layer: full heads and a ring
+            ring = s.bounded or key == ring_part(i)
+            read = min(tokens, s.sinks + s.window) if ring else min(tokens, selected.get(i, tokens))
+            total += per_head * heads * read
     return total
 
 
@@ -86,6 +91,10 @@ def main():
     ap.add_argument("--sinks", type=int, default=4)
     ap.add_argument("--top-k", type=int, nargs="*", default=[64, 128])
     ap.add_argument("--selection-layers", type=int, nargs="+", default=[0])
+    ap.add_argument("--duo-gates", default=None,
+                    help="a gates file (or shipped name) for DuoAttention rows; none: no rows")
+    ap.add_argument("--duo-sparsity", type=float, nargs="*", default=[0.5],
+                    help="fractions of KV heads made streaming, one DuoAttention row each")
     ap.add_argument("--ppl-length", type=int, default=1024)
     ap.add_argument("--ppl-chunks", type=int, default=4)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
@@ -100,6 +109,8 @@ def main():
     for k in args.top_k:
         pipelines[f"TidalDecode(selection_layers={args.selection_layers}, top_k={k})"] = [
             TidalDecode(selection_layers=args.selection_layers, top_k=k)]
+    for f in args.duo_sparsity if args.duo_gates else []:
+        pipelines[f"DuoAttention(sparsity={f})"] = [DuoAttention(args.duo_gates, sparsity=f)]
     longest = max(args.lengths)
     chunks = heldout_chunks(tok, args.ppl_chunks, args.ppl_length)
     results = {"model": args.model, "machine": platform.processor() or platform.machine(),
