@@ -9,7 +9,8 @@
 
 Pipelines: dense attention, ``StreamingAttention(sinks, window)`` for each window,
 ``TidalDecode(selection_layers, top_k)`` for each top_k, and with ``--duo-gates``
-``DuoAttention(gates, sparsity)`` for each sparsity (the gates file's sinks and window).
+``DuoAttention(gates)`` at its threshold and at each ``--duo-sparsity`` (the gates file's
+sinks and window).
 Columns: pass-key accuracy by context length and by depth (where in the context the key
 lies: StreamingLLM is the control that must fail when the key falls outside its window),
 held-out perplexity (second half of each chunk scored one decode step at a time, so the
@@ -109,6 +110,8 @@ def main():
     for k in args.top_k:
         pipelines[f"TidalDecode(selection_layers={args.selection_layers}, top_k={k})"] = [
             TidalDecode(selection_layers=args.selection_layers, top_k=k)]
+    if args.duo_gates:  # the gates' threshold (0.5), then each sparsity
+        pipelines["DuoAttention(threshold=0.5)"] = [DuoAttention(args.duo_gates)]
     for f in args.duo_sparsity if args.duo_gates else []:
         pipelines[f"DuoAttention(sparsity={f})"] = [DuoAttention(args.duo_gates, sparsity=f)]
     longest = max(args.lengths)

@@ -16,6 +16,7 @@ from rewriter.passes.fuse_rope import FuseRoPE
 from rewriter.passes.fuse_swiglu import FuseSwiGLU
 from rewriter.passes.int4_weights import Int4Weights
 from rewriter.passes.layer_skip import LayerSkip
+from rewriter.passes.quest import Quest
 from rewriter.passes.self_speculative import SelfSpeculative
 from rewriter.passes.streaming import StreamingAttention
 from rewriter.passes.tidal_decode import TidalDecode
@@ -24,10 +25,10 @@ PASSES = {"layer_skip": LayerSkip, "fuse_qkv": FuseQKV, "fuse_swiglu": FuseSwiGL
           "fuse_add_rms_norm": FuseAddRMSNorm, "fuse_rope": FuseRoPE, "int4_weights": Int4Weights,
           "self_speculative": SelfSpeculative, "medusa_heads": MedusaHeads,
           "hydra_heads": HydraHeads, "streaming_attention": StreamingAttention,
-          "tidal_decode": TidalDecode, "duo_attention": DuoAttention}
+          "tidal_decode": TidalDecode, "duo_attention": DuoAttention, "quest": Quest}
 
 __all__ = ["LayerSkip", "FuseQKV", "FuseSwiGLU", "FuseAddRMSNorm", "FuseRoPE", "Int4Weights", "SelfSpeculative", "MedusaHeads", "HydraHeads",
-           "StreamingAttention", "TidalDecode", "DuoAttention", "PASSES",
+           "StreamingAttention", "TidalDecode", "DuoAttention", "Quest", "PASSES",
            "from_spec"]
 
 

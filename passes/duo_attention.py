@@ -81,9 +81,10 @@ class DuoAttention(Pass):
             raise PassError(f"{self!r} cannot follow a speculative strategy "
                             f"({ir.info['decoding']['strategy']}): rejected drafts are rolled "
                             f"back by length, and a ring cache has overwritten what they replaced")
-        if any(ir.graph.find_nodes(op="call_function", target=OPS["select_tokens"])):
-            raise PassError(f"{self!r} cannot follow TidalDecode: its selection reads whole "
-                            f"caches, and a ring drops what it would name")
+        if any(ir.graph.find_nodes(op="call_function", target=OPS[op])
+               for op in ("select_tokens", "select_pages")):
+            raise PassError(f"{self!r} cannot follow TidalDecode or Quest: their selection "
+                            f"reads whole caches, and a ring drops what it would name")
         nodes = list(ir.graph.find_nodes(op="call_function", target=OPS["attention"]))
         if not nodes:
             raise PassError(f"{self!r}: the IR has no rw.attention op to rewrite")

@@ -52,9 +52,10 @@ class StreamingAttention(Pass):
             raise PassError(f"{self!r} cannot follow a speculative strategy "
                             f"({ir.info['decoding']['strategy']}): rejected drafts are rolled "
                             f"back by length, and a ring cache has overwritten what they replaced")
-        if any(ir.graph.find_nodes(op="call_function", target=OPS["select_tokens"])):
-            raise PassError(f"{self!r} cannot follow TidalDecode: its selection reads whole "
-                            f"caches, and a ring drops what it would name")
+        if any(ir.graph.find_nodes(op="call_function", target=OPS[op])
+               for op in ("select_tokens", "select_pages")):
+            raise PassError(f"{self!r} cannot follow TidalDecode or Quest: their selection "
+                            f"reads whole caches, and a ring drops what it would name")
         nodes = list(ir.graph.find_nodes(op="call_function", target=OPS["attention"]))
         if not nodes:
             raise PassError(f"{self!r}: the IR has no rw.attention op to rewrite")
@@ -73,7 +74,8 @@ class StreamingAttention(Pass):
             window = self.window if native is None else min(native, self.window)
             n.args = tuple(n.args[:3])  # q, k, v; every attribute by name from here
             kept = {k: v for k, v in args.items()  # the defaults cos/sin=None stay unsaid
-                    if k not in ("q", "k", "v") and not (k in ("cos", "sin", "rotary", "select") and v is None)}
+                    if k not in ("q", "k", "v") and not (k in ("cos", "sin", "rotary", "select", "full_heads",
+                                                               "gates") and v is None)}
             n.kwargs = {**kept, "window": window, "sinks": self.sinks}
             freq = rotary_frequencies(n, args) if self.positions == "cache" else None
             if freq is not None:

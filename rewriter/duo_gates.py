@@ -40,9 +40,12 @@ class Gates:
     calibration: dict = field(default_factory=dict)
 
     def to_json(self) -> str:
-        return json.dumps({"format": FORMAT, "version": VERSION, "sinks": self.sinks,
-                           "window": self.window, "gates": self.gates, "model": self.model,
-                           "calibration": self.calibration}, indent=1)
+        """Indented JSON with one line per layer's gates."""
+        rows = ",\n  ".join(json.dumps(r) for r in self.gates)
+        head = {"format": FORMAT, "version": VERSION, "sinks": self.sinks, "window": self.window}
+        tail = {"model": self.model, "calibration": self.calibration}
+        return (json.dumps(head, indent=1)[:-2] + f',\n "gates": [\n  {rows}\n ],\n'
+                + json.dumps(tail, indent=1)[2:])
 
 
 def resolve(gates: Union[str, os.PathLike]) -> Path:

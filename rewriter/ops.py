@@ -373,6 +373,68 @@ def select_tokens(q: Tensor, k: Tensor, layer: int, num_heads: int, num_kv_heads
     return top_tokens(qh, kh, earlier, top_k)
 
 
+def _select_pages_fake(q, k, layer, num_heads, num_kv_heads, head_dim, page, budget):
+    _attention_fake(q, k, k, layer, num_heads, num_kv_heads, head_dim, 1.0)
+    return q.new_empty((q.shape[0], num_kv_heads, q.shape[1], budget), dtype=torch.int64)
+
+
+@_register(fake=_select_pages_fake)
+def select_pages(q: Tensor, k: Tensor, layer: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int, page: int, budget: int) -> Tensor:
+    """Quest's page selection: earlier keys in pages of ``page`` tokens, each page bounded
+    by the per-channel minimum and maximum of its keys; a query scores a page by the upper
+    bound of ``q·k`` over it (``sum_d max(q_d min_d, q_d max_d)``, the largest over its KV
+    head's query group) and keeps the ``budget // page`` best pages: ``[B, Hkv, S, budget]``
+    earlier positions, -1 where fewer exist. q ``[B, S, Hq*D]`` and k ``[B, S, Hkv*D]`` are
+    the layer's own (rotated); the runtime keeps the bounds beside the cache and selects at
+    decode only (a prompt is attended densely)."""
+    b, s, _ = q.shape
+    qh = q.view(b, s, num_heads, head_dim).transpose(1, 2).float()  # [B, Hq, S, D]
+    kh = k.view(b, s, num_kv_heads, head_dim).transpose(1, 2).float()  # [B, Hkv, S, D]
+    pages = -(-s // page)
+    pad = pages * page - s
+    blocks = F.pad(kh, (0, 0, 0, pad)).view(b, num_kv_heads, pages, page, head_dim)
+    high, low = blocks.cummax(3).values, blocks.cummin(3).values  # prefix bounds in each page
+    high, low = high.view(b, num_kv_heads, -1, head_dim), low.view(b, num_kv_heads, -1, head_dim)
+    i = torch.arange(s, device=q.device)[:, None]  # [S, 1] queries
+    p = torch.arange(pages, device=q.device)[None]  # [1, P]
+    last = torch.minimum((p + 1) * page, i) - 1  # [S, P]: page p's last key before query i
+    valid = last >= p * page  # the page holds an earlier key
+    idx = last.clamp(min=0).view(1, 1, -1, 1).expand(b, num_kv_heads, -1, head_dim)
+    hi = high.gather(2, idx).view(b, num_kv_heads, s, pages, head_dim)  # [B, Hkv, S, P, D]
+    lo = low.gather(2, idx).view(b, num_kv_heads, s, pages, head_dim)
+    return pages_to_tokens(page_scores(qh, hi, lo, valid), valid, page, budget,
+                           torch.arange(s, device=q.device))  # earlier keys only
+
+
+def page_scores(qh: Tensor, hi: Tensor, lo: Tensor, valid: Tensor) -> Tensor:
+    """qh ``[B, Hq, S, D]``, page bounds hi/lo ``[B, Hkv, S, P, D]``, ``valid`` broadcast to
+    ``[B, Hkv, S, P]`` -> ``[B, Hkv, S, P]`` upper bounds of ``q·k``, the largest over each
+    KV head's query group (-inf for pages without keys)."""
+    b, hq, s, d = qh.shape
+    hkv = hi.shape[1]
+    qg = qh.view(b, hkv, hq // hkv, s, 1, d)  # [B, Hkv, G, S, 1, D]
+    bound = torch.maximum(qg * hi[:, :, None], qg * lo[:, :, None]).sum(-1)  # [B, Hkv, G, S, P]
+    return bound.amax(2).masked_fill(~valid, float("-inf"))
+
+
+def pages_to_tokens(scores: Tensor, valid: Tensor, page: int, budget: int, end: Tensor,
+                    start: Optional[Tensor] = None) -> Tensor:
+    """The best ``budget // page`` pages of ``scores`` ``[B, Hkv, S, P]`` as token positions
+    ``[B, Hkv, S, budget]``: those in ``[start, end)`` (broadcast to ``[B, Hkv, S]``), -1
+    elsewhere and past the chosen pages."""
+    b, hkv, s, pages = scores.shape
+    n = min(budget // page, pages)
+    best = scores.topk(n, dim=-1)  # [B, Hkv, S, n]
+    ok = valid.expand(b, hkv, s, pages).gather(-1, best.indices)[..., None]  # [B, Hkv, S, n, 1]
+    tokens = best.indices[..., None] * page + torch.arange(page, device=scores.device)  # [.., n, page]
+    keep = ok & (tokens < end[..., None, None])
+    if start is not None:
+        keep = keep & (tokens >= start[..., None, None])
+    tokens = torch.where(keep, tokens, -1).flatten(-2)  # [B, Hkv, S, n * page]
+    return F.pad(tokens, (0, budget - tokens.shape[-1]), value=-1)
+
+
 def top_tokens(qh: Tensor, kh: Tensor, allowed: Tensor, top_k: int) -> Tensor:
     """qh ``[B, Hq, S, D]``, kh ``[B, Hkv, T, D]``, ``allowed`` broadcast to ``[B, 1, S, T]``
     -> ``[B, Hkv, S, top_k]`` positions by summed group attention weight, -1 past the
@@ -484,6 +546,8 @@ ATTRIBUTES: dict[str, dict[str, callable]] = {
     "next_tokens": {"count": _int(1)},
     "select_tokens": {"layer": _int(0), "num_heads": _int(1), "num_kv_heads": _int(1),
                       "head_dim": _int(1), "top_k": _int(1)},
+    "select_pages": {"layer": _int(0), "num_heads": _int(1), "num_kv_heads": _int(1),
+                     "head_dim": _int(1), "page": _int(1), "budget": _int(1)},
     "attention": {"layer": _int(0), "num_heads": _int(1), "num_kv_heads": _int(1),
                   "head_dim": _int(1), "scale": _finite_positive, "causal": _bool,
                   "window": _optional(_int(1)), "sinks": _optional(_int(0)),
@@ -526,6 +590,9 @@ def check_arguments(name: str, args: tuple, kwargs: dict, is_tensor=None) -> dic
         why = rule(v) if rule is not None else None
         if why:
             raise ValueError(f"rw.{name}: {a.name} must be {why}, got {v!r}")
+    if name == "select_pages" and bound["budget"] < bound["page"]:
+        raise ValueError(f"rw.select_pages: budget={bound['budget']} must hold at least one "
+                         f"page of {bound['page']} tokens")
     if name == "attention" and bound["num_heads"] % bound["num_kv_heads"]:
         raise ValueError(f"rw.attention: num_heads={bound['num_heads']} is not a multiple of "
                          f"num_kv_heads={bound['num_kv_heads']}")

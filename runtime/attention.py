@@ -17,6 +17,7 @@ from torch import Tensor
 from .duo_cache import split_attention
 from .kernels import KERNELS
 from .kv_cache import KVCache
+from .page_selection import refresh_bounds
 from .ring_cache import ring_attention
 from .token_selection import selected_attention
 
@@ -114,7 +115,8 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, cache_id: int,
                      cos: Optional[Tensor] = None, sin: Optional[Tensor] = None,
                      sinks: Optional[int] = None, rotary: Optional[Tensor] = None,
                      select: Optional[Tensor] = None,
-                     full_heads: Optional[Sequence[int]] = None) -> Tensor:
+                     full_heads: Optional[Sequence[int]] = None,
+                     page: Optional[int] = None) -> Tensor:
     """``rw.attention`` with K/V written into cache ``cache_id`` first.
 
     q ``[B, S, Hq*D]``, k/v ``[B, S, Hkv*D]`` -> ``[B, S, Hq*D]``; with ``cos``/``sin``
@@ -133,6 +135,8 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, cache_id: int,
     k_cache, v_cache = step.cache.k[cache_id], step.cache.v[cache_id]
     write_kv(step, k_cache, v_cache, k.view(b, s, num_kv_heads, head_dim).transpose(1, 2),
              v.view(b, s, num_kv_heads, head_dim).transpose(1, 2))  # [B, Hkv, S, D]
+    if page is not None:  # Quest: the bounds of the pages just written
+        refresh_bounds(step, cache_id, page, k_cache)
     qh = q.view(b, s, num_heads, head_dim).transpose(1, 2)  # [B, Hq, S, D]
     if select is not None:  # TidalDecode: the selected tokens and this one
         out = selected_attention(step, qh, k_cache, v_cache, select, scale,

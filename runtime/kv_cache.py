@@ -135,6 +135,9 @@ class KVCache:
         self.k = {key: torch.zeros(shape, dtype=dtype, device=device) for key, shape in parts}
         self.v = {key: torch.zeros(shape, dtype=dtype, device=device) for key, shape in parts}
         self.busy = False  # a generation in progress (e.g. a paused stream) holds it
+        # Quest's per-page key bounds (max, min) ``[B, Hkv, pages, D]`` by cache id, made by
+        # the first write of a layer with a page selection (runtime.page_selection)
+        self.bounds: dict = {}
 
     def fits(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> bool:
         k = next(iter(self.k.values()), None)
@@ -148,7 +151,9 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in [*self.k.values(), *self.v.values()])
+        bounds = [t for pair in self.bounds.values() for t in pair]
+        return sum(t.numel() * t.element_size()
+                   for t in [*self.k.values(), *self.v.values(), *bounds])
 
     def bytes_per_token(self) -> int:
         """Cache bytes one token of one sequence occupies, over all caches."""

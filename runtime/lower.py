@@ -26,6 +26,7 @@ from rewriter.ops import OPS, op_arguments
 from .attention import cached_attention
 from .kernels import KERNELS, int4_cpu_ok, int4_cpu_tables, linear_int4_cpu, linear_t
 from .kv_cache import attention_params
+from .page_selection import select_pages
 from .token_selection import select_tokens
 
 _SHORT = {op: name for name, op in OPS.items()}
@@ -91,8 +92,12 @@ def lower(ir: IR, last_only: bool, backend: str = "torch",
                     new.kwargs = {**new.kwargs, "rotary": env[rotary]}
             if params["full_heads"] is not None:  # DuoAttention: these heads keep a full cache
                 new.kwargs = {**new.kwargs, "full_heads": tuple(params["full_heads"])}
-            if node.kwargs.get("select") is not None:  # TidalDecode: the selected tokens
+            if node.kwargs.get("select") is not None:  # TidalDecode, Quest: the selected tokens
                 new.kwargs = {**new.kwargs, "select": env[node.kwargs["select"]]}
+                source = node.kwargs["select"]
+                if source.target is OPS["select_pages"]:  # Quest: keep the page bounds
+                    new.kwargs = {**new.kwargs, "page": op_arguments(
+                        "select_pages", tuple(source.args), dict(source.kwargs))["page"]}
             if node.kwargs.get("cos") is not None:  # FuseRoPE: rotate inside attention
                 cos, sin = node.kwargs["cos"], node.kwargs["sin"]
                 if backend == "torch":  # the Triton kernels read float32 tables
@@ -105,6 +110,12 @@ def lower(ir: IR, last_only: bool, backend: str = "torch",
             new.target = select_tokens
             new.args = (step, env[node.args[0]], env[node.args[1]], p["layer"])
             new.kwargs = {k: p[k] for k in ("num_heads", "num_kv_heads", "head_dim", "top_k")}
+        elif name == "select_pages":  # reads its layer's page bounds: the step is an input
+            p = op_arguments("select_pages", tuple(node.args), dict(node.kwargs))
+            new.target = select_pages
+            new.args = (step, env[node.args[0]], env[node.args[1]], p["layer"])
+            new.kwargs = {k: p[k] for k in ("num_heads", "num_kv_heads", "head_dim", "page",
+                                            "budget")}
         elif name is not None:
             new.target = table[name]
             if name == "rope" and backend == "torch":

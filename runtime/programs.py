@@ -55,9 +55,10 @@ def check_no_ring(ir: IR, strategy: str) -> None:
     from .kv_cache import cache_table
     rings = [i for i, spec in cache_table(ir.gm).items() if spec.ring]
     from rewriter.ops import OPS
-    if any(ir.graph.find_nodes(op="call_function", target=OPS["select_tokens"])):
-        raise RewriterError(f"the {strategy} strategy cannot run with TidalDecode's token "
-                            f"selection: its verify steps span several tokens, which are "
+    if any(ir.graph.find_nodes(op="call_function", target=OPS[op])
+           for op in ("select_tokens", "select_pages")):
+        raise RewriterError(f"the {strategy} strategy cannot run with TidalDecode's or Quest's "
+                            f"token selection: its verify steps span several tokens, which are "
                             f"attended densely, so drafts would be checked against another model")
     if rings:
         raise RewriterError(f"the {strategy} strategy cannot run with sink + window caches "

@@ -21,7 +21,8 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, cache_id: int,
                      cos: Optional[Tensor] = None, sin: Optional[Tensor] = None,
                      sinks: Optional[int] = None, rotary: Optional[Tensor] = None,
                      select: Optional[Tensor] = None,
-                     full_heads: Optional[Sequence[int]] = None) -> Tensor:
+                     full_heads: Optional[Sequence[int]] = None,
+                     page: Optional[int] = None) -> Tensor:
     """``rw.attention`` over cache ``cache_id``: decode or prefill kernel by step length;
     with ``cos``/``sin`` (``FuseRoPE``) K is rotated by the kernel that writes the cache
     (V with it) and q by the attention kernel: no launch of its own for either. A step
@@ -34,9 +35,9 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, cache_id: int,
     if sinks is not None:  # a sink + window ring: the torch path (runtime.ring_cache)
         return ring_attention(step, q, k, v, cache_id, num_heads, num_kv_heads, head_dim, scale,
                               window, sinks, cos, sin, rotary)
-    if select is not None:  # TidalDecode's selected tokens: the torch path gathers them
+    if select is not None or page is not None:  # selected tokens: the torch path gathers them
         return torch_cached_attention(step, q, k, v, cache_id, num_heads, num_kv_heads,
-                                      head_dim, scale, window, cos, sin, select=select)
+                                      head_dim, scale, window, cos, sin, select=select, page=page)
     if step.per_row or (step.tree is not None and window is not None):
         return torch_cached_attention(step, q, k, v, cache_id, num_heads, num_kv_heads,
                                       head_dim, scale, window, cos, sin)

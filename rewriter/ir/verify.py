@@ -83,8 +83,12 @@ def _check_sparse_inputs(ir: IR, n: fx.Node) -> None:
                                     f"1-d float weight of at most head_dim/2 = {args['head_dim'] // 2})")
     if select is None:
         return
+    if select.op == "call_function" and select.target is OPS["select_pages"]:
+        _check_page_selection(ir, n, args, select)
+        return
     if not (select.op == "call_function" and select.target is OPS["select_tokens"]):
-        raise VerificationError(f"{n.name}: select must come from rw.select_tokens, not {select.name}")
+        raise VerificationError(f"{n.name}: select must come from rw.select_tokens or "
+                                f"rw.select_pages, not {select.name}")
     sel = op_arguments("select_tokens", tuple(select.args), dict(select.kwargs))
     source = [a for a in ir.graph.find_nodes(op="call_function", target=OPS["attention"])
               if op_arguments("attention", tuple(a.args), dict(a.kwargs))["layer"] == sel["layer"]]
@@ -97,3 +101,15 @@ def _check_sparse_inputs(ir: IR, n: fx.Node) -> None:
         raise VerificationError(f"{select.name}: it must read layer {sel['layer']}'s own q and k "
                                 f"after that layer's attention (a whole cache, {args['num_kv_heads']} "
                                 f"KV heads) and before {n.name}")
+
+
+def _check_page_selection(ir: IR, n: fx.Node, args: dict, select: fx.Node) -> None:
+    """Quest: the pages come from this attention's own q and k, its layer and KV heads (the
+    runtime reads this layer's page bounds), and the op is used by this attention only."""
+    sel = op_arguments("select_pages", tuple(select.args), dict(select.kwargs))
+    if (sel["q"], sel["k"]) != (args["q"], args["k"]) or sel["layer"] != args["layer"] \
+            or sel["num_kv_heads"] != args["num_kv_heads"] or list(select.users) != [n] \
+            or args["cos"] is not None:
+        raise VerificationError(f"{select.name}: it must read {n.name}'s own rotated q and k "
+                                f"(layer {args['layer']}, {args['num_kv_heads']} KV heads) and "
+                                f"feed that attention only")

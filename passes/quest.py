@@ -1,0 +1,70 @@
+"""Quest: at decode, each layer reads only the cache pages whose keys could score highest.
+
+``Quest(page=16, budget=256, dense_layers=2)`` inserts, before every attention but the
+first ``dense_layers`` ones, ``rw.select_pages`` on that layer's own (rotated) q and k:
+the keys are cut into pages of ``page`` tokens, each bounded by its per-channel minimum and
+maximum key, and a query keeps the ``budget // page`` pages with the largest upper bound
+of ``q·k`` (the largest over its KV head's query group, so a group reads one set of pages).
+The attention gets the selection as its ``select`` input, as TidalDecode's later layers do,
+and attends to those tokens and the current one.
+
+The KV-cache runtime keeps the whole cache and, beside it, each page's bounds, updated as
+keys are written (``runtime.page_selection``); it selects at decode only (a prompt is
+attended densely, as Quest does), so a decode step reads the bounds and ``budget`` tokens
+per KV head instead of the whole cache. The whole-sequence graph selects at every position,
+so it is the reference for decode steps. Windows, sink caches, TidalDecode and speculative
+strategies are refused beside it, and it runs before ``FuseRoPE`` (it reads rotated keys).
+"""
+from __future__ import annotations
+
+from rewriter.errors import PassError
+from rewriter.ir.core import IR
+from rewriter.ops import MAX_INT, OPS, op_arguments
+from rewriter.pass_manager import Pass
+from rewriter.values import is_int
+
+
+class Quest(Pass):
+    def __init__(self, page: int = 16, budget: int = 256, dense_layers: int = 2):
+        if not is_int(page) or not 1 <= page <= MAX_INT:
+            raise ValueError(f"Quest: page must be an integer >= 1, got {page!r}")
+        if not is_int(budget) or not page <= budget <= MAX_INT:
+            raise ValueError(f"Quest: budget must be an integer of at least one page "
+                             f"({page} tokens), got {budget!r}")
+        if not is_int(dense_layers) or not 0 <= dense_layers <= MAX_INT:
+            raise ValueError(f"Quest: dense_layers must be an integer >= 0, got {dense_layers!r}")
+        self.page, self.budget, self.dense_layers = int(page), int(budget), int(dense_layers)
+
+    def run(self, ir: IR) -> IR:
+        if ir.info.get("decoding") is not None:
+            raise PassError(f"{self!r} cannot follow a speculative strategy: a verify step "
+                            f"spans several tokens, which the runtime attends densely")
+        if any(ir.graph.find_nodes(op="call_function", target=OPS["select_tokens"])):
+            raise PassError(f"{self!r} cannot follow TidalDecode: each layer selects once")
+        nodes = sorted(ir.graph.find_nodes(op="call_function", target=OPS["attention"]),
+                       key=lambda n: _args(n)["layer"])
+        if len(nodes) <= self.dense_layers:
+            raise PassError(f"{self!r}: the IR has {len(nodes)} attention layers, all kept "
+                            f"dense; nothing would select")
+        for n in nodes[self.dense_layers:]:
+            args = _args(n)
+            if args["window"] is not None or args["sinks"] is not None or args["select"] is not None:
+                raise PassError(f"{self!r}: {n.name} already limits what it sees (window="
+                                f"{args['window']}, sinks={args['sinks']}, select="
+                                f"{args['select']}); Quest selects from a whole cache")
+            if args["cos"] is not None:
+                raise PassError(f"{self!r} must run before FuseRoPE: the selection reads the "
+                                f"rotated q and k")
+            with ir.graph.inserting_before(n):
+                selection = ir.graph.call_function(OPS["select_pages"], (args["q"], args["k"]), {
+                    "layer": args["layer"], "num_heads": args["num_heads"],
+                    "num_kv_heads": args["num_kv_heads"], "head_dim": args["head_dim"],
+                    "page": self.page, "budget": self.budget})
+            selection.meta.update({k: n.meta[k] for k in ("layer", "role", "_scope") if k in n.meta})
+            n.kwargs = {**n.kwargs, "select": selection}
+            n.meta.pop("val", None)
+        return ir
+
+
+def _args(n) -> dict:
+    return op_arguments("attention", tuple(n.args), dict(n.kwargs))

@@ -1,0 +1,78 @@
+"""Quest at decode: per-page key bounds kept beside a layer's cache, and the pages a query
+reads (``Quest``, ``rewriter.ops.select_pages``).
+
+Each cache with a page selection keeps, per row and KV head, the per-channel maximum and
+minimum key of every page of ``page`` cache positions (``KVCache.bounds``, ``[B, Hkv, P,
+D]`` each), updated after every write for the pages it touched, over the row's real keys
+only (left padding and positions not yet written count as absent). A one-token step scores
+the pages written before it and reads ``budget`` tokens per KV head plus its own; a prompt
+is attended densely and selects nothing.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from rewriter.ops import page_scores, pages_to_tokens
+
+
+def refresh_bounds(step, cache_id: int, page: int, k_cache: Tensor) -> None:
+    """Recompute the bounds of the pages this step wrote, from ``k_cache`` ``[B, Hkv, L, D]``.
+
+    Pages count a row's real tokens (cache position minus its left padding), so a row's
+    pages, and what it selects, do not depend on the rows batched with it."""
+    b, h, length, d = k_cache.shape
+    device = k_cache.device
+    pages = -(-length // page)
+    if cache_id not in step.cache.bounds:
+        shape = (b, h, pages, d)
+        step.cache.bounds[cache_id] = (
+            torch.full(shape, float("-inf"), dtype=k_cache.dtype, device=device),
+            torch.full(shape, float("inf"), dtype=k_cache.dtype, device=device))
+    high, low = step.cache.bounds[cache_id]
+    if step.per_row:
+        raise NotImplementedError("page bounds with per-row steps (speculative decoding)")
+    pad = step.pad if step.pad is not None else torch.zeros(b, dtype=torch.int64, device=device)
+    start = step.pos.expand(b) if step.static else torch.full((b,), step.start, device=device)
+    end = start + (1 if step.static else step.length)  # [B] cache positions written: [start, end)
+    first = (start - pad).clamp(min=0) // page  # [B] first real page touched
+    last = (end - 1 - pad).clamp(min=0) // page
+    count = 1 if step.static else int((last - first).max()) + 1
+    slots = pad[:, None] + first[:, None] * page + torch.arange(count * page, device=device)  # [B, n]
+    real = (slots < end[:, None]) & (slots >= pad[:, None])  # [B, count*page]
+    index = slots.clamp(max=length - 1)[:, None, :, None].expand(b, h, -1, d)
+    keys = k_cache.gather(2, index)  # [B, Hkv, count*page, D]
+    real = real[:, None, :, None]
+    blocks = lambda x: x.view(b, h, count, page, d)  # noqa: E731
+    hi = blocks(keys.masked_fill(~real, float("-inf"))).amax(3)  # [B, Hkv, count, D]
+    lo = blocks(keys.masked_fill(~real, float("inf"))).amin(3)
+    where = (first[:, None] + torch.arange(count, device=device)).clamp(max=pages - 1)  # [B, count]
+    where = where[:, None, :, None].expand(b, h, count, d)
+    high.scatter_(2, where, hi)
+    low.scatter_(2, where, lo)
+
+
+def select_pages(step, q: Tensor, k: Tensor, cache_id: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int, page: int, budget: int) -> Optional[Tensor]:
+    """``[B, Hkv, 1, budget]`` cache positions for a one-token step (-1: none): the best
+    pages written before it, by their bounds; None for a longer step."""
+    if step.length != 1 or step.tree is not None:
+        return None
+    b = q.shape[0]
+    device = q.device
+    if cache_id not in step.cache.bounds:  # nothing written before: the token sees itself
+        return torch.full((b, num_kv_heads, 1, budget), -1, dtype=torch.int64, device=device)
+    high, low = step.cache.bounds[cache_id]  # written by this layer's earlier steps
+    pages = high.shape[2]
+    pad = step.pad if step.pad is not None else torch.zeros(b, dtype=torch.int64, device=device)
+    current = step.pos.expand(b) if step.static else torch.full((b,), step.start, device=device)
+    seen = current - pad  # [B] real tokens before this one
+    p = torch.arange(pages, device=device)
+    valid = p[None] * page < seen[:, None]  # [B, P]
+    qh = q.view(b, 1, num_heads, head_dim).transpose(1, 2)  # [B, Hq, 1, D]
+    scores = page_scores(qh.float(), high[:, :, None].float(), low[:, :, None].float(),
+                         valid[:, None, None])  # [B, Hkv, 1, P]
+    tokens = pages_to_tokens(scores, valid[:, None, None], page, budget, seen.reshape(b, 1, 1))
+    return torch.where(tokens >= 0, tokens + pad.reshape(b, 1, 1, 1), -1)  # real -> cache
