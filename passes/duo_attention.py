@@ -2,11 +2,12 @@
 the others.
 
 ``DuoAttention(gates=PATH)`` reads one calibrated gate per layer and KV head
-(``rewriter train-gates`` makes them: ``rewriter.train_gates``). A head whose gate is above
-``threshold`` keeps a full cache; with ``sparsity=`` instead, that fraction of all KV heads,
-those with the lowest gates, become streaming heads. The others keep the gates file's
-``sinks`` and ``window`` (or the ones given here) in a ring, as ``StreamingAttention`` does,
-with StreamingLLM's sink positions.
+(``rewriter train-gates`` makes them: ``rewriter.train_gates``). A head whose gate is at
+least ``threshold`` keeps a full cache; with ``sparsity=`` instead, that fraction of the
+model's KV heads, those with the lowest gates, become streaming heads. They keep the gates
+file's ``sinks`` and ``window`` (or the ones given here) in a ring, as
+``StreamingAttention`` does, with the sink positions the gates were calibrated with
+(``positions``: StreamingLLM's, ``"cache"``, by default).
 
 In the IR every attention op shows its ``gates``; a layer whose heads all stream gets
 ``sinks`` and ``window`` (a whole ring), a layer with both kinds ``full_heads=[...]`` too,
@@ -35,7 +36,7 @@ from rewriter.values import is_int
 class DuoAttention(Pass):
     def __init__(self, gates: Union[str, os.PathLike, list] = "default", threshold: float = 0.5,
                  sparsity: Optional[float] = None, sinks: Optional[int] = None,
-                 window: Optional[int] = None):
+                 window: Optional[int] = None, positions: Optional[str] = None):
         if isinstance(gates, list):
             why = duo_gates.check_gates(gates)
             if why:
@@ -65,12 +66,20 @@ class DuoAttention(Pass):
         self.sinks = int(sinks) if sinks is not None else table.sinks
         self.window = int(window) if window is not None else table.window
         self.table = table.gates
+        if positions is not None and positions not in ("cache", "original"):
+            raise ValueError(f"DuoAttention: positions must be 'cache' (StreamingLLM's sinks, "
+                             f"as calibrated by default) or 'original', got {positions!r}")
+        self.positions = positions or table.positions
+        self.model = table.model  # the calibrated model's shape, when a file says it
 
-    def full_heads(self) -> list[list[int]]:
-        """Per layer of the gates, the KV heads that keep a full cache."""
-        flat = sorted((g, i, h) for i, row in enumerate(self.table) for h, g in enumerate(row))
+    def full_heads(self, layers: Optional[list[int]] = None) -> list[list[int]]:
+        """Per layer of the gates, the KV heads that keep a full cache: those whose gate is at
+        least ``threshold``, or with ``sparsity`` all but that fraction of the heads of
+        ``layers`` (default: every layer of the gates) with the lowest gates."""
+        layers = range(len(self.table)) if layers is None else layers
+        flat = sorted((self.table[i][h], i, h) for i in layers for h in range(len(self.table[i])))
         if self.sparsity is None:
-            streaming = {(i, h) for g, i, h in flat if g <= self.threshold}
+            streaming = {(i, h) for g, i, h in flat if g < self.threshold}
         else:
             streaming = {(i, h) for _, i, h in flat[:round(self.sparsity * len(flat))]}
         return [[h for h in range(len(row)) if (i, h) not in streaming]
@@ -88,10 +97,13 @@ class DuoAttention(Pass):
         nodes = list(ir.graph.find_nodes(op="call_function", target=OPS["attention"]))
         if not nodes:
             raise PassError(f"{self!r}: the IR has no rw.attention op to rewrite")
-        full = self.full_heads()
+        self._check_model(ir)
+        for n in nodes:
+            self._check_fits(n, op_arguments("attention", tuple(n.args), dict(n.kwargs)))
+        full = self.full_heads(sorted(op_arguments("attention", tuple(n.args), dict(n.kwargs))
+                                      ["layer"] for n in nodes))
         for n in nodes:
             args = op_arguments("attention", tuple(n.args), dict(n.kwargs))
-            self._check_fits(n, args)
             layer = args["layer"]
             kept = {k: v for k, v in args.items()  # q, k, v stay positional; None unsaid
                     if k not in ("q", "k", "v") and v is not None}
@@ -102,11 +114,25 @@ class DuoAttention(Pass):
                 n.kwargs = {**n.kwargs, "window": self.window, "sinks": self.sinks}
                 if heads:
                     n.kwargs = {**n.kwargs, "full_heads": heads}
-                freq = rotary_frequencies(n, args)
+                freq = rotary_frequencies(n, args) if self.positions == "cache" else None
                 if freq is not None:
                     n.kwargs = {**n.kwargs, "rotary": freq}
             n.meta.pop("val", None)
         return ir
+
+    def _check_model(self, ir: IR) -> None:
+        """The gates cover the model's layers (all of them, also after LayerSkip) and, when
+        the file says which model they were calibrated for, its head size."""
+        config = ir.info.get("config", {})
+        layers = config.get("num_hidden_layers", config.get("n_layer"))
+        if isinstance(layers, int) and len(self.table) != layers:
+            raise PassError(f"{self!r}: the gates cover {len(self.table)} layers; the model "
+                            f"has {layers}")
+        node = next(iter(ir.graph.find_nodes(op="call_function", target=OPS["attention"])))
+        head_dim = op_arguments("attention", tuple(node.args), dict(node.kwargs))["head_dim"]
+        if self.model.get("head_dim", head_dim) != head_dim:
+            raise PassError(f"{self!r}: the gates were calibrated for head_dim="
+                            f"{self.model['head_dim']}; the model's is {head_dim}")
 
     def _check_fits(self, n, args: dict) -> None:
         layer, heads = args["layer"], args["num_kv_heads"]

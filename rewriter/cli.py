@@ -180,7 +180,11 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--lr", type=float, default=0.02)
     g.add_argument("--reg", type=float, default=0.05, help="weight of the L1 penalty on the gates")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--dtype", choices=DTYPES, default="float32")
+    g.add_argument("--positions", choices=("cache", "original"), default="cache",
+                   help="streaming heads' sinks: StreamingLLM's positions, or their own")
+    g.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="the frozen model's dtype while calibrating")
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     g.set_defaults(func=cmd_train_gates)
     return p
 
@@ -204,11 +208,13 @@ def cmd_train_gates(args) -> int:
     from .checkpoints import load_model
     from .optimized import optimize
     from .train_gates import train_gates
+    import torch
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer = load_model(args.model, args.dtype)
-    record = train_gates(optimize(model, tokenizer=tokenizer), tokenizer, args.out,
+    record = train_gates(optimize(model.to(device), tokenizer=tokenizer), tokenizer, args.out,
                          sinks=args.sinks, window=args.window, steps=args.steps,
                          lengths=tuple(args.lengths), lr=args.lr, reg=args.reg, seed=args.seed,
-                         progress=_bars())
+                         positions=args.positions, progress=_bars())
     print(json.dumps(record, indent=1))
     print(f"saved: {args.out}")
     return 0

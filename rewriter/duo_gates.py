@@ -6,6 +6,7 @@ The file is JSON, read with a size limit and every field checked: a gates file m
 from someone else, and a wrong one would split the wrong heads without a word.
 
     {"format": "rewriter-duo-gates", "version": 1, "sinks": 16, "window": 64,
+     "positions": "cache",                              # the sinks' positions (StreamingLLM's)
      "gates": [[0.97, 0.02], ...],                      # [layers][kv_heads]
      "model": {"layers": 8, "num_kv_heads": 2, "head_dim": 32},
      "calibration": {...}}                              # how they were made (free-form)
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Union
@@ -38,11 +40,13 @@ class Gates:
     window: int
     model: dict = field(default_factory=dict)  # layers, num_kv_heads, head_dim
     calibration: dict = field(default_factory=dict)
+    positions: str = "cache"  # the streaming heads' sinks: StreamingLLM's, or "original"
 
     def to_json(self) -> str:
         """Indented JSON with one line per layer's gates."""
         rows = ",\n  ".join(json.dumps(r) for r in self.gates)
-        head = {"format": FORMAT, "version": VERSION, "sinks": self.sinks, "window": self.window}
+        head = {"format": FORMAT, "version": VERSION, "sinks": self.sinks, "window": self.window,
+                "positions": self.positions}
         tail = {"model": self.model, "calibration": self.calibration}
         return (json.dumps(head, indent=1)[:-2] + f',\n "gates": [\n  {rows}\n ],\n'
                 + json.dumps(tail, indent=1)[2:])
@@ -59,23 +63,27 @@ def load(gates: Union[str, os.PathLike]) -> Gates:
     path = resolve(gates)
     if not path.is_file():
         raise GatesFileError(f"{path}: no such gates file")
-    if path.stat().st_size > MAX_BYTES:
-        raise GatesFileError(f"{path}: {path.stat().st_size} bytes; a gates file holds at "
-                             f"most {MAX_BYTES}")
+    with open(path, "rb") as f:
+        raw = f.read(MAX_BYTES + 1)
+    if len(raw) > MAX_BYTES:
+        raise GatesFileError(f"{path}: larger than {MAX_BYTES} bytes, the most a gates file holds")
     try:
-        data = json.loads(path.read_bytes())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise GatesFileError(f"{path}: not JSON ({e})") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise GatesFileError(f"{path}: not JSON ({str(e)[:200]})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT \
+            or type(data.get("version")) is not int or data["version"] != VERSION:
         raise GatesFileError(f"{path}: not a {FORMAT} file of version {VERSION}")
     why = check_gates(data.get("gates")) or _check_int(data, "sinks", 0) or _check_int(data, "window", 1)
+    if not why and data.get("positions", "cache") not in ("cache", "original"):
+        why = f"positions must be 'cache' or 'original', got {data.get('positions')!r}"
     for key in ("model", "calibration"):
         if not why and not isinstance(data.get(key, {}), dict):
             why = f"{key} must be an object"
     if why:
         raise GatesFileError(f"{path}: {why}")
     return Gates(data["gates"], data["sinks"], data["window"], data.get("model", {}),
-                 data.get("calibration", {}))
+                 data.get("calibration", {}), data.get("positions", "cache"))
 
 
 def save(gates: Gates, path: Union[str, os.PathLike]) -> None:
@@ -83,9 +91,15 @@ def save(gates: Gates, path: Union[str, os.PathLike]) -> None:
     if why:
         raise ValueError(f"gates: {why}")
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(gates.to_json())
-    os.replace(tmp, path)
+    # a fresh temporary file beside it (O_EXCL: never one planted there), then renamed over
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(gates.to_json())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def check_gates(gates) -> str | None:

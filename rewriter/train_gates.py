@@ -36,7 +36,8 @@ _SHORT = {op: name for name, op in OPS.items()}
 
 def train_gates(opt, tokenizer, out: Union[str, os.PathLike], sinks: int = 16, window: int = 64,
                 steps: int = 300, lengths: Sequence[int] = (256, 384, 512), lr: float = 0.02,
-                reg: float = 0.05, seed: int = 0, progress: bool = True) -> dict:
+                reg: float = 0.05, seed: int = 0, positions: str = "cache",
+                progress: bool = True) -> dict:
     """Calibrate gates for ``opt`` (an ``OptimizedModel`` of a causal LM, no passes needed)
     and write them to ``out`` (``rewriter.duo_gates``); returns the calibration record."""
     for name, v, low in (("sinks", sinks, 0), ("window", window, 1), ("steps", steps, 1)):
@@ -57,13 +58,22 @@ def train_gates(opt, tokenizer, out: Union[str, os.PathLike], sinks: int = 16, w
     if work.is_symlink() or work.exists() and not work.is_dir():
         raise ValueError(f"train_gates: {work} (the checkpoint directory) is not a directory")
     work.mkdir(exist_ok=True)
+    if sinks + window >= min(lengths):
+        raise ValueError(f"train_gates: sinks + window = {sinks + window} must be below the "
+                         f"shortest length {min(lengths)}, or streaming heads see everything "
+                         f"and every gate falls to 0")
+    if positions not in ("cache", "original"):
+        raise ValueError(f"train_gates: positions must be 'cache' or 'original', got {positions!r}")
     layers, kv_heads = _shape(opt.ir)
-    gates = torch.ones(layers, kv_heads, requires_grad=True)
+    device = opt._device()
+    gates = torch.ones(layers, kv_heads, device=device, requires_grad=True)
     optim = torch.optim.Adam([gates], lr=lr)
     settings = {"sinks": sinks, "window": window, "steps": steps, "lengths": list(lengths),
-                "lr": lr, "reg": reg, "seed": seed}
+                "lr": lr, "reg": reg, "seed": seed, "positions": positions,
+                "model": _fingerprint(opt.ir)}
     start, history, seconds = _resume(work, settings, gates, optim)
-    student, teacher = gated_program(opt.ir, sinks, window, gates), gated_program(opt.ir)
+    student = gated_program(opt.ir, sinks, window, gates, rotary=positions == "cache")
+    teacher = gated_program(opt.ir)
     samples = _samples(tokenizer, lengths, seed)
     from tqdm import tqdm
     bar = tqdm(total=steps, initial=start, desc="calibrate gates", unit="step",
@@ -73,6 +83,7 @@ def train_gates(opt, tokenizer, out: Union[str, os.PathLike], sinks: int = 16, w
     began = time.perf_counter()
     for step in range(start, steps):
         ids, answer = next(samples)
+        ids, answer = ids.to(device), answer.to(device)
         distill = _distill_loss(student, teacher, gates, ids, answer, opt.ir)
         loss = distill + reg * gates.abs().mean()
         optim.zero_grad()
@@ -89,12 +100,14 @@ def train_gates(opt, tokenizer, out: Union[str, os.PathLike], sinks: int = 16, w
     bar.close()
     seconds += time.perf_counter() - began
     window_mean = lambda rows: round(sum(r[0] for r in rows) / max(1, len(rows)), 6)  # noqa: E731
-    record = {**settings, "seconds": round(seconds, 1), "threads": torch.get_num_threads(),
+    record = {**{k: v for k, v in settings.items() if k != "model"}, "resumed_at": start,
+              "seconds": round(seconds, 1), "threads": torch.get_num_threads(),
               "distill_first_25": window_mean(history[:25]),
               "distill_last_25": window_mean(history[-25:])}
     table = duo_gates.Gates([[round(g, 4) for g in row] for row in gates.detach().tolist()],
-                            sinks, window, {"layers": layers, "num_kv_heads": kv_heads},
-                            record)
+                            sinks, window, {"layers": layers, "num_kv_heads": kv_heads,
+                                            "head_dim": _fingerprint(opt.ir)["head_dim"]},
+                            record, positions)
     duo_gates.save(table, out)
     return record
 
@@ -115,8 +128,21 @@ def _shape(ir) -> tuple[int, int]:
     return max(a["layer"] for a in args) + 1, heads.pop()
 
 
+def _fingerprint(ir) -> dict:
+    """What identifies the model gates are calibrated for: its shape and its LM head's
+    first weights (a resumed calibration must be of the same model)."""
+    from .heads import probe_of
+    from .runtime.lower import logits_node
+    head = logits_node(ir).args[1]
+    weight = ir.weight(head.target) if head.op == "get_attr" else None
+    node = next(iter(ir.graph.find_nodes(op="call_function", target=OPS["attention"])))
+    args = op_arguments("attention", tuple(node.args), dict(node.kwargs))
+    return {"head_dim": args["head_dim"], "num_heads": args["num_heads"],
+            "probe": probe_of(weight.float()) if weight is not None else None}
+
+
 def gated_program(ir, sinks: int | None = None, window: int | None = None,
-                  gates: Tensor | None = None) -> fx.GraphModule:
+                  gates: Tensor | None = None, rotary: bool = True) -> fx.GraphModule:
     """The whole-sequence graph on plain functions (autograd runs through them), returning
     the LM head's input ``[B, S, hidden]``. With ``gates`` ``[layers, kv_heads]`` each
     attention mixes full and sink + window attention per KV head."""
@@ -133,7 +159,7 @@ def gated_program(ir, sinks: int | None = None, window: int | None = None,
             if gate_node is None:
                 gate_node = graph.placeholder("gates")  # placed first by the graph's order rules
             args = op_arguments("attention", tuple(node.args), dict(node.kwargs))
-            freq = rotary_frequencies(node, args)
+            freq = rotary_frequencies(node, args) if rotary else None
             new.target = _mixed_attention
             new.args = (*new.args[:3], gate_node)
             mapped = {k: env[v] if isinstance(v, fx.Node) else v for k, v in args.items()
@@ -163,8 +189,9 @@ def _mixed_attention(q: Tensor, k: Tensor, v: Tensor, gates: Tensor, layer: int,
     streaming = attend(q, k, v, **common, window=window, sinks=sinks, rotary=rotary)
     b, s, _ = q.shape
     g = gates[layer].repeat_interleave(num_heads // num_kv_heads)[:, None]  # [Hq, 1]
-    mix = g * full.view(b, s, num_heads, head_dim) + (1 - g) * streaming.view(b, s, num_heads, head_dim)
-    return mix.reshape(b, s, num_heads * head_dim)
+    full, streaming = full.float().view(b, s, num_heads, head_dim), streaming.float().view(
+        b, s, num_heads, head_dim)  # mixed in float32: the gates are, the model may not be
+    return (g * full + (1 - g) * streaming).reshape(b, s, num_heads * head_dim).to(q.dtype)
 
 
 def _distill_loss(student, teacher, gates: Tensor, ids: Tensor, answer: Tensor, ir) -> Tensor:
@@ -180,7 +207,7 @@ def _distill_loss(student, teacher, gates: Tensor, ids: Tensor, answer: Tensor, 
 def _inputs(ir, ids: Tensor) -> tuple:
     """The graph's inputs for one row of token ids ``[1, S]``: ids and positions."""
     names = [n.name for n in ir.graph.find_nodes(op="placeholder")]
-    positions = torch.arange(ids.shape[1])[None]
+    positions = torch.arange(ids.shape[1], device=ids.device)[None]
     return tuple(ids if "position" not in n else positions for n in names)
 
 
@@ -208,8 +235,9 @@ def _checkpoint(work: Path, settings: dict, gates: Tensor, optim, history: list,
                 seconds: float) -> None:
     from safetensors.torch import save_file
     state = optim.state_dict()["state"].get(0, {})
-    tensors = {"gates": gates.detach().clone()}
-    tensors.update({f"adam_{k}": v for k, v in state.items() if isinstance(v, Tensor)})
+    tensors = {"gates": gates.detach().cpu().clone()}
+    tensors.update({f"adam_{k}": v.detach().cpu().clone() for k, v in state.items()
+                    if isinstance(v, Tensor)})
     meta = {"settings": json.dumps(settings), "history": json.dumps(history),
             "seconds": str(seconds)}
     tmp = work / "state.safetensors.tmp"
@@ -238,9 +266,15 @@ def _resume(work: Path, settings: dict, gates: Tensor, optim) -> tuple[int, list
             return 0, [], 0.0  # a longer run than this one: start over
     except Exception:
         return 0, [], 0.0  # an unreadable checkpoint: start over rather than trust it
+    state = [tensors[k] for k in ("gates", "adam_exp_avg", "adam_exp_avg_sq", "adam_step")]
+    if not all(t.is_floating_point() and bool(torch.isfinite(t).all()) for t in state) \
+            or tensors["adam_step"].numel() != 1 or len(history) != int(tensors["adam_step"]) \
+            or not all(isinstance(r, list) and len(r) == 2 for r in history):
+        return 0, [], 0.0  # a state that does not hold together: start over
     with torch.no_grad():
         gates.copy_(tensors["gates"].clamp(0, 1))
     # Adam's moments and step count, so a resumed run continues the same trajectory
-    optim.state[gates] = {"step": tensors["adam_step"], "exp_avg": tensors["adam_exp_avg"],
-                          "exp_avg_sq": tensors["adam_exp_avg_sq"]}
+    optim.state[gates] = {"step": tensors["adam_step"].float().cpu(),
+                          "exp_avg": tensors["adam_exp_avg"].to(gates.device),
+                          "exp_avg_sq": tensors["adam_exp_avg_sq"].to(gates.device)}
     return len(history), history, seconds

@@ -171,6 +171,9 @@ def _check_attention(ir: IR, where) -> None:
             if window is not None and args["window"] > window:
                 raise ArtifactError(f"{where.ir}: node {n.name}: window={args['window']} with "
                                     f"sinks exceeds the config's sliding_window {window}")
+            if window is not None and args["full_heads"] is not None:
+                raise ArtifactError(f"{where.ir}: node {n.name}: full_heads on a model with a "
+                                    f"sliding window ({window}): those heads would see past it")
         elif args["window"] is not None and args["window"] != window:
             raise ArtifactError(f"{where.ir}: node {n.name}: window={args['window']}, but the "
                                 f"config's sliding_window is {window!r}")

@@ -31,9 +31,8 @@ def split_attention(attend: Callable, step, q: Tensor, k: Tensor, v: Tensor, cac
         q, k = KERNELS["rope"](q, cos, sin, head_dim), KERNELS["rope"](k, cos, sin, head_dim)
     b, s, _ = q.shape
     groups = num_heads // num_kv_heads
-    full_kv, ring_kv, full_q, ring_q = step.once(
-        ("duo_heads", tuple(full_heads), num_kv_heads, groups),
-        lambda: _head_indices(full_heads, num_kv_heads, groups, q.device))
+    full_kv, ring_kv, full_q, ring_q = _head_indices(tuple(full_heads), num_kv_heads, groups,
+                                                     q.device)
     qh = q.view(b, s, num_heads, head_dim)  # [B, S, Hq, D]
     kh, vh = k.view(b, s, num_kv_heads, head_dim), v.view(b, s, num_kv_heads, head_dim)
 
@@ -51,12 +50,18 @@ def split_attention(attend: Callable, step, q: Tensor, k: Tensor, v: Tensor, cac
     return out.view(b, s, num_heads * head_dim)
 
 
-def _head_indices(full_heads: Sequence[int], num_kv_heads: int, groups: int, device):
+_INDICES: dict = {}
+
+
+def _head_indices(full_heads: tuple, num_kv_heads: int, groups: int, device):
     """Index tensors of the full and ring KV heads and of their query heads (query head
-    ``h`` belongs to KV head ``h // groups``)."""
-    full = torch.tensor(list(full_heads), dtype=torch.int64, device=device)
-    is_full = torch.zeros(num_kv_heads, dtype=torch.bool, device=device)
-    is_full[full] = True
-    ring = (~is_full).nonzero().flatten()
-    by_query = is_full.repeat_interleave(groups)  # [Hq]
-    return full, ring, by_query.nonzero().flatten(), (~by_query).nonzero().flatten()
+    ``h`` belongs to KV head ``h // groups``). Made once per split and device, from Python
+    lists, so a decode step captured as a CUDA graph makes none (and never syncs)."""
+    key = (full_heads, num_kv_heads, groups, str(device))
+    if key not in _INDICES:
+        full = list(full_heads)
+        ring = [h for h in range(num_kv_heads) if h not in full_heads]
+        queries = lambda heads: [h * groups + j for h in heads for j in range(groups)]  # noqa: E731
+        _INDICES[key] = tuple(torch.tensor(x, dtype=torch.int64, device=device)
+                              for x in (full, ring, queries(full), queries(ring)))
+    return _INDICES[key]

@@ -24,6 +24,24 @@ def _hidden(opt, ids):
     return gated_program(opt.ir)(*_inputs(opt.ir, ids))
 
 
+def test_binary_gates_give_the_model_duo_attention_makes():
+    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    opt = rewriter.optimize(model)
+    ids = torch.randint(1, 128, (1, 20), generator=torch.Generator().manual_seed(0))
+    gates = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]])
+    gated = gated_program(opt.ir, sinks=2, window=4, gates=gates)
+    split = rewriter.optimize(model, passes=[DuoAttention(gates.tolist(), sinks=2, window=4)])
+    torch.testing.assert_close(gated(gates, *_inputs(opt.ir, ids)), _hidden(split, ids))
+
+
+def test_a_bfloat16_model_calibrates(default, tmp_path):
+    model, tok = rewriter.default_model()
+    opt = rewriter.optimize(model.to(torch.bfloat16), tokenizer=tok)
+    record = train_gates(opt, tok, tmp_path / "g.json", steps=1, sinks=4, window=8,
+                         lengths=(96,), progress=False)
+    assert record["steps"] == 1 and duo_gates.load(tmp_path / "g.json").model["layers"] == 8
+
+
 def test_gates_at_one_give_the_full_model_and_at_zero_the_streaming_one():
     model = make_model("llama-gqa-3l", initializer_range=0.2)
     opt = rewriter.optimize(model)
@@ -47,8 +65,8 @@ def test_calibration_writes_gates_that_load_and_resumes(default, tmp_path):
     assert any(g < 1 for r in gates.gates for g in r)  # the L1 term moved them off their start
     assert record["seed"] == 3
     # three more steps resume from the checkpoint: the same gates as six in one go
-    train_gates(opt, tok, tmp_path / "g.json", steps=6, **kw)
-    train_gates(opt, tok, tmp_path / "h.json", steps=6, **kw)
+    assert train_gates(opt, tok, tmp_path / "g.json", steps=6, **kw)["resumed_at"] == 3
+    assert train_gates(opt, tok, tmp_path / "h.json", steps=6, **kw)["resumed_at"] == 0
     assert duo_gates.load(tmp_path / "g.json").gates == duo_gates.load(tmp_path / "h.json").gates
     assert duo_gates.load(tmp_path / "g.json").gates != gates.gates
     engine = rewriter.optimize(rewriter.default_model()[0],
@@ -60,7 +78,10 @@ def test_calibration_writes_gates_that_load_and_resumes(default, tmp_path):
 @pytest.mark.parametrize("kwargs,match", [({"sinks": -1}, "sinks"), ({"window": 0}, "window"),
                                           ({"steps": 0}, "steps"), ({"lr": float("nan")}, "lr"),
                                           ({"lengths": (4096,)}, "lengths"),
-                                          ({"lengths": ()}, "lengths")])
+                                          ({"lengths": ()}, "lengths"),
+                                          ({"sinks": 64, "window": 64, "lengths": (128,)},
+                                           "shortest length"),
+                                          ({"positions": "middle"}, "positions")])
 def test_bad_settings_name_themselves(default, tmp_path, kwargs, match):
     opt, tok = default
     with pytest.raises(ValueError, match=match):
