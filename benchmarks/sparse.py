@@ -3,12 +3,14 @@
     python benchmarks/sparse.py [--model default|smollm2|PATH] [--lengths 256 512 1024]
                                 [--depths 0.1 0.5 0.9] [--trials 4] [--windows 128 512]
                                 [--sinks 4] [--top-k 64 128] [--selection-layers 0]
+                                [--quest-budget 64 128] [--quest-page 16] [--quest-dense-layers 2]
                                 [--duo-gates default] [--duo-sparsity 0.5 0.75]
                                 [--ppl-length 1024] [--ppl-chunks 4]
                                 [--batch 1 8] [--new 32] [--json benchmarks/results/sparse.json]
 
 Pipelines: dense attention, ``StreamingAttention(sinks, window)`` for each window,
-``TidalDecode(selection_layers, top_k)`` for each top_k, and with ``--duo-gates``
+``TidalDecode(selection_layers, top_k)`` for each top_k, ``Quest(page, budget)`` for each
+``--quest-budget``, and with ``--duo-gates``
 ``DuoAttention(gates)`` at its threshold and at each ``--duo-sparsity`` (the gates file's
 sinks and window).
 Columns: pass-key accuracy by context length and by depth (where in the context the key
@@ -34,7 +36,7 @@ from tabulate import tabulate
 import rewriter
 from rewriter.eval import heldout_chunks, passkey_accuracy, perplexity
 from rewriter.ops import OPS, op_arguments
-from rewriter.passes import DuoAttention, StreamingAttention, TidalDecode
+from rewriter.passes import DuoAttention, Quest, StreamingAttention, TidalDecode
 from rewriter.runtime.kv_cache import cache_table, ring_part
 
 
@@ -50,12 +52,17 @@ def kv_read_bytes(engine, tokens: int) -> int:
     reads every token, a ring its slots, a TidalDecode layer its ``top_k + 1`` (selection
     layers read everything; their second read of the keys, to select, is not counted)."""
     dtype = engine._dtype()
-    selected = {}
+    selected, bounds = {}, {}
     for n in engine.ir.gm.graph.find_nodes(op="call_function", target=OPS["attention"]):
         args = op_arguments("attention", tuple(n.args), dict(n.kwargs))
-        if args["select"] is not None:
-            selected[args["layer"]] = op_arguments("select_tokens", tuple(args["select"].args),
-                                                   dict(args["select"].kwargs))["top_k"] + 1
+        sel = args["select"]
+        if sel is not None and sel.target is OPS["select_tokens"]:
+            selected[args["layer"]] = op_arguments("select_tokens", tuple(sel.args),
+                                                   dict(sel.kwargs))["top_k"] + 1
+        elif sel is not None:  # Quest: budget tokens and its own, and every page's bounds
+            p = op_arguments("select_pages", tuple(sel.args), dict(sel.kwargs))
+            selected[args["layer"]] = p["budget"] + 1
+            bounds[args["layer"]] = 2 * -(-tokens // p["page"])  # max and min, per page
     total = 0
     for i, s in cache_table(engine.ir.gm).items():
         per_head = s.bytes_per_token(dtype) // s.num_kv_heads
@@ -63,6 +70,7 @@ def kv_read_bytes(engine, tokens: int) -> int:
             ring = s.bounded or key == ring_part(i)
             read = min(tokens, s.sinks + s.window) if ring else min(tokens, selected.get(i, tokens))
             total += per_head * heads * read
+        total += per_head // 2 * s.num_kv_heads * bounds.get(i, 0)  # [pages, D] bounds, twice
     return total
 
 
@@ -92,6 +100,10 @@ def main():
     ap.add_argument("--sinks", type=int, default=4)
     ap.add_argument("--top-k", type=int, nargs="*", default=[64, 128])
     ap.add_argument("--selection-layers", type=int, nargs="+", default=[0])
+    ap.add_argument("--quest-budget", type=int, nargs="*", default=[],
+                    help="token budgets, one Quest row each")
+    ap.add_argument("--quest-page", type=int, default=16)
+    ap.add_argument("--quest-dense-layers", type=int, default=2)
     ap.add_argument("--duo-gates", default=None,
                     help="a gates file (or shipped name) for DuoAttention rows; none: no rows")
     ap.add_argument("--duo-sparsity", type=float, nargs="*", default=[0.5],
@@ -110,6 +122,10 @@ def main():
     for k in args.top_k:
         pipelines[f"TidalDecode(selection_layers={args.selection_layers}, top_k={k})"] = [
             TidalDecode(selection_layers=args.selection_layers, top_k=k)]
+    for b in args.quest_budget:
+        pipelines[f"Quest(page={args.quest_page}, budget={b}, dense_layers="
+                  f"{args.quest_dense_layers})"] = [
+            Quest(page=args.quest_page, budget=b, dense_layers=args.quest_dense_layers)]
     if args.duo_gates:  # the gates' threshold (0.5), then each sparsity
         pipelines["DuoAttention(threshold=0.5)"] = [DuoAttention(args.duo_gates)]
     for f in args.duo_sparsity if args.duo_gates else []:
