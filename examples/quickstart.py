@@ -24,9 +24,10 @@ import torch
 import rewriter
 from rewriter.eval import EvalSettings, evaluate, format_table
 from rewriter.heads import SHIPPED
-from rewriter.passes import (FuseAddRMSNorm, FuseQKV, FuseRoPE, FuseSwiGLU, Int4Weights, LayerSkip,
-                             HydraHeads, MedusaHeads, SelfSpeculative, StreamingAttention,
-                             TidalDecode)
+from rewriter import duo_gates
+from rewriter.passes import (DuoAttention, FuseAddRMSNorm, FuseQKV, FuseRoPE, FuseSwiGLU,
+                             Int4Weights, LayerSkip, HydraHeads, MedusaHeads, Quest,
+                             SelfSpeculative, StreamingAttention, TidalDecode)
 
 QUESTION = "What is the capital of France? Answer in one sentence."
 FUSIONS = [FuseQKV(), FuseSwiGLU(), FuseAddRMSNorm(), FuseRoPE()]
@@ -44,6 +45,8 @@ PIPELINES = {  # name -> (passes, dtype)
     # at decode, layers after the third attend to the 256 tokens the third attends to most
     "TidalDecode(selection_layers=[2], top_k=256)": ([TidalDecode(selection_layers=[2], top_k=256)],
                                                      torch.float32),
+    # at decode, layers after the second read the 16 pages of 16 tokens whose keys could score most
+    "Quest(page=16, budget=256)": ([Quest(page=16, budget=256)], torch.float32),
 }
 
 
@@ -85,6 +88,10 @@ def main():
         pipelines["MedusaHeads (shipped heads)"] = ([MedusaHeads(weights=args.model)], torch.float32)
         pipelines["HydraHeads (shipped heads)"] = (
             [HydraHeads(weights=args.model, draft_vocab=4096)], torch.float32)
+    if args.model in duo_gates.SHIPPED:  # DuoAttention's calibrated gates ship too
+        # half the KV heads, those with the lowest gates, keep a sink + window ring
+        pipelines["DuoAttention(sparsity=0.5)"] = ([DuoAttention(args.model, sparsity=0.5)],
+                                                   torch.float32)
     for i, (name, (passes, dtype)) in enumerate(pipelines.items()):
         if dtype not in copies:
             copies[dtype] = copy.deepcopy(model).to(dtype)
