@@ -45,6 +45,7 @@ class CacheSpec:
     window: Optional[int]
     sinks: Optional[int] = None
     full_heads: Optional[tuple] = None  # DuoAttention: KV heads kept whole beside the ring
+    page: Optional[int] = None  # Quest: per-page key bounds (max, min) kept beside the cache
 
     @property
     def ring(self) -> bool:
@@ -81,7 +82,9 @@ class CacheSpec:
     def bytes_for(self, tokens: int, dtype: torch.dtype) -> int:
         """Bytes this cache holds for one sequence of ``tokens`` tokens."""
         per_head = 2 * self.head_dim * dtype.itemsize
-        return sum(per_head * heads * min(tokens, slots) for _, heads, slots in self.parts(tokens))
+        bounds = per_head * self.num_kv_heads * -(-tokens // self.page) if self.page else 0
+        return bounds + sum(per_head * heads * min(tokens, slots)
+                            for _, heads, slots in self.parts(tokens))
 
 
 def attention_params(node: fx.Node) -> dict:
@@ -99,6 +102,10 @@ def cache_table(gm: fx.GraphModule) -> dict[int, CacheSpec]:
             raise RewriterError(f"{n.name}: two attention ops name cache {p['layer']} (their "
                                 f"layer attribute); each layer's attention needs its own")
         params = {k: p[k] for k in CACHE_PARAMS}
+        select = op_arguments("attention", tuple(n.args), dict(n.kwargs))["select"]
+        if select is not None and select.target is OPS["select_pages"]:  # Quest's bounds
+            params["page"] = op_arguments("select_pages", tuple(select.args),
+                                          dict(select.kwargs))["page"]
         if params["full_heads"] is not None:
             params["full_heads"] = tuple(params["full_heads"])
         table[p["layer"]] = CacheSpec(id=p["layer"], **params)
@@ -110,7 +117,9 @@ def describe(table: dict[int, CacheSpec], dtype: torch.dtype) -> dict:
     the caches that grow with the sequence, ``bounded_bytes`` what the rings hold at most."""
     return {"dtype": str(dtype).removeprefix("torch."),
             "bytes_per_token": sum(s.bytes_per_token(dtype) * (s.num_kv_heads - s.ring_heads)
-                                   // s.num_kv_heads for s in table.values()),
+                                   // s.num_kv_heads + (s.bytes_per_token(dtype) // s.page
+                                                        if s.page else 0)
+                                   for s in table.values()),
             "bounded_bytes": sum(s.bytes_per_token(dtype) * s.ring_heads // s.num_kv_heads
                                  * (s.sinks + s.window + 1) for s in table.values() if s.ring),
             "caches": [asdict(s) for s in table.values()]}

@@ -78,6 +78,8 @@ def lower(ir: IR, last_only: bool, backend: str = "torch",
         name = _SHORT.get(node.target) if node.op == "call_function" else None
         if name == "attention":
             params = attention_params(node)
+            bound = op_arguments("attention", tuple(node.args), dict(node.kwargs))  # by name,
+            # whether an artifact passed them by position or by keyword
             if not params["causal"]:
                 raise RewriterError(f"{node.name}: the runtime needs causal attention")
             new.target = attention
@@ -87,19 +89,19 @@ def lower(ir: IR, last_only: bool, backend: str = "torch",
                                                  "scale", "window")}
             if params["sinks"] is not None:  # StreamingAttention: the layer's cache is a ring
                 new.kwargs = {**new.kwargs, "sinks": params["sinks"]}
-                rotary = node.kwargs.get("rotary")  # StreamingLLM's sink positions
+                rotary = bound["rotary"]  # StreamingLLM's sink positions
                 if rotary is not None:
                     new.kwargs = {**new.kwargs, "rotary": env[rotary]}
             if params["full_heads"] is not None:  # DuoAttention: these heads keep a full cache
                 new.kwargs = {**new.kwargs, "full_heads": tuple(params["full_heads"])}
-            if node.kwargs.get("select") is not None:  # TidalDecode, Quest: the selected tokens
-                new.kwargs = {**new.kwargs, "select": env[node.kwargs["select"]]}
-                source = node.kwargs["select"]
+            if bound["select"] is not None:  # TidalDecode, Quest: the selected tokens
+                source = bound["select"]
+                new.kwargs = {**new.kwargs, "select": env[source]}
                 if source.target is OPS["select_pages"]:  # Quest: keep the page bounds
                     new.kwargs = {**new.kwargs, "page": op_arguments(
                         "select_pages", tuple(source.args), dict(source.kwargs))["page"]}
-            if node.kwargs.get("cos") is not None:  # FuseRoPE: rotate inside attention
-                cos, sin = node.kwargs["cos"], node.kwargs["sin"]
+            if bound["cos"] is not None:  # FuseRoPE: rotate inside attention
+                cos, sin = bound["cos"], bound["sin"]
                 if backend == "torch":  # the Triton kernels read float32 tables
                     cos, sin = cast(cos, node.args[0]), cast(sin, node.args[0])
                 else:

@@ -39,7 +39,8 @@ def refresh_bounds(step, cache_id: int, page: int, k_cache: Tensor) -> None:
     end = start + (1 if step.static else step.length)  # [B] cache positions written: [start, end)
     first = (start - pad).clamp(min=0) // page  # [B] first real page touched
     last = (end - 1 - pad).clamp(min=0) // page
-    count = 1 if step.static else int((last - first).max()) + 1
+    # pages a step touches: one for a one-token step (no host sync), else the most any row does
+    count = 1 if step.static or step.length == 1 else int((last - first).max()) + 1
     slots = pad[:, None] + first[:, None] * page + torch.arange(count * page, device=device)  # [B, n]
     real = (slots < end[:, None]) & (slots >= pad[:, None])  # [B, count*page]
     index = slots.clamp(max=length - 1)[:, None, :, None].expand(b, h, -1, d)
@@ -63,7 +64,7 @@ def select_pages(step, q: Tensor, k: Tensor, cache_id: int, num_heads: int, num_
     b = q.shape[0]
     device = q.device
     if cache_id not in step.cache.bounds:  # nothing written before: the token sees itself
-        return torch.full((b, num_kv_heads, 1, budget), -1, dtype=torch.int64, device=device)
+        return torch.full((b, num_kv_heads, 1, 1), -1, dtype=torch.int64, device=device)
     high, low = step.cache.bounds[cache_id]  # written by this layer's earlier steps
     pages = high.shape[2]
     pad = step.pad if step.pad is not None else torch.zeros(b, dtype=torch.int64, device=device)
@@ -74,5 +75,7 @@ def select_pages(step, q: Tensor, k: Tensor, cache_id: int, num_heads: int, num_
     qh = q.view(b, 1, num_heads, head_dim).transpose(1, 2)  # [B, Hq, 1, D]
     scores = page_scores(qh.float(), high[:, :, None].float(), low[:, :, None].float(),
                          valid[:, None, None])  # [B, Hkv, 1, P]
-    tokens = pages_to_tokens(scores, valid[:, None, None], page, budget, seen.reshape(b, 1, 1))
+    # never wider than the cache: a budget past it would make every step read more than dense
+    width = min(budget, pages * page)
+    tokens = pages_to_tokens(scores, valid[:, None, None], page, width, seen.reshape(b, 1, 1))
     return torch.where(tokens >= 0, tokens + pad.reshape(b, 1, 1, 1), -1)  # real -> cache

@@ -72,8 +72,23 @@ def test_a_ragged_batch_equals_each_row_alone_and_static_steps_agree():
     together = opt.generate(ROWS, **KW)
     for i, row in enumerate(ROWS):
         assert torch.equal(together[i, -12:], opt.generate([row], **KW)[0, -12:])
+    assert not torch.equal(together, rewriter.optimize(_model()).generate(ROWS, **KW))
     opt.static_decode = True
     assert torch.equal(opt.generate(ROWS, **KW), together)
+
+
+def test_a_budget_past_the_cache_reads_no_more_than_the_cache():
+    opt = rewriter.optimize(_model(), passes=[Quest(page=4, budget=1 << 20, dense_layers=1)])
+    seen = []
+    import rewriter.runtime.page_selection as ps
+    original = ps.pages_to_tokens
+    ps.pages_to_tokens = lambda *a: seen.append(a[3]) or original(*a)
+    try:
+        got = opt.generate([ROWS[0]], **KW)
+    finally:
+        ps.pages_to_tokens = original
+    assert seen and max(seen) <= opt._cache.max_len
+    assert torch.equal(got, rewriter.optimize(_model()).generate([ROWS[0]], **KW))
 
 
 def test_the_bounds_follow_the_cache_and_count_as_memory():
@@ -87,13 +102,20 @@ def test_the_bounds_follow_the_cache_and_count_as_memory():
     assert set(cache.bounds) == {1, 2}
     k_bytes = sum(t.numel() * t.element_size() for t in [*cache.k.values(), *cache.v.values()])
     assert cache.nbytes == k_bytes + 4 * high.numel() * high.element_size()
+    # what kv_bytes_per_token reports is what the cache allocates, bounds included
+    assert opt.kv_bytes_per_token(cache.max_len) == cache.nbytes // cache.max_len
 
 
 def test_artifact_round_trip_and_the_command_line(tmp_path):
     opt = rewriter.optimize(_model(), passes=[from_spec("quest:page=2,budget=4,dense_layers=1"),
                                               FuseQKV(), FuseRoPE()])
     opt.save(tmp_path / "a")
-    assert torch.equal(rewriter.load(tmp_path / "a").generate(ROWS, **KW), opt.generate(ROWS, **KW))
+    loaded = rewriter.load(tmp_path / "a")
+    assert torch.equal(loaded.generate(ROWS, **KW), opt.generate(ROWS, **KW))
+    selections = loaded.ir.graph.find_nodes(op="call_function", target=OPS["select_pages"])
+    assert sorted(n.meta["layer"] for n in selections) == [1, 2]
+    got = loaded.generate([[5]], max_new_tokens=12, eos_token_id=[])
+    assert torch.equal(got[0], reference_greedy(loaded, [5], 12))
 
 
 def test_the_triton_backend_equals_torch():
