@@ -29,7 +29,7 @@ from rewriter.errors import PassError
 from rewriter.ir.core import IR
 from rewriter.ops import MAX_INT, OPS, op_arguments
 from rewriter.pass_manager import Pass
-from rewriter.passes.streaming import rotary_frequencies
+from rewriter.passes.streaming import ring_attention_nodes, rotary_frequencies
 from rewriter.values import is_int
 
 
@@ -86,17 +86,7 @@ class DuoAttention(Pass):
                 for i, row in enumerate(self.table)]
 
     def run(self, ir: IR) -> IR:
-        if ir.info.get("decoding") is not None:
-            raise PassError(f"{self!r} cannot follow a speculative strategy "
-                            f"({ir.info['decoding']['strategy']}): rejected drafts are rolled "
-                            f"back by length, and a ring cache has overwritten what they replaced")
-        if any(ir.graph.find_nodes(op="call_function", target=OPS[op])
-               for op in ("select_tokens", "select_pages")):
-            raise PassError(f"{self!r} cannot follow TidalDecode or Quest: their selection "
-                            f"reads whole caches, and a ring drops what it would name")
-        nodes = list(ir.graph.find_nodes(op="call_function", target=OPS["attention"]))
-        if not nodes:
-            raise PassError(f"{self!r}: the IR has no rw.attention op to rewrite")
+        nodes = ring_attention_nodes(self, ir)
         self._check_model(ir)
         for n in nodes:
             self._check_fits(n, op_arguments("attention", tuple(n.args), dict(n.kwargs)))

@@ -48,17 +48,7 @@ class StreamingAttention(Pass):
         self.layers = sorted(set(int(i) for i in layers)) if layers is not None else None
 
     def run(self, ir: IR) -> IR:
-        if ir.info.get("decoding") is not None:
-            raise PassError(f"{self!r} cannot follow a speculative strategy "
-                            f"({ir.info['decoding']['strategy']}): rejected drafts are rolled "
-                            f"back by length, and a ring cache has overwritten what they replaced")
-        if any(ir.graph.find_nodes(op="call_function", target=OPS[op])
-               for op in ("select_tokens", "select_pages")):
-            raise PassError(f"{self!r} cannot follow TidalDecode or Quest: their selection "
-                            f"reads whole caches, and a ring drops what it would name")
-        nodes = list(ir.graph.find_nodes(op="call_function", target=OPS["attention"]))
-        if not nodes:
-            raise PassError(f"{self!r}: the IR has no rw.attention op to rewrite")
+        nodes = ring_attention_nodes(self, ir)
         by_layer = {op_arguments("attention", tuple(n.args), dict(n.kwargs))["layer"]: n for n in nodes}
         chosen = self.layers if self.layers is not None else sorted(by_layer)
         missing = [i for i in chosen if i not in by_layer]
@@ -82,6 +72,25 @@ class StreamingAttention(Pass):
                 n.kwargs = {**n.kwargs, "rotary": freq}
             n.meta.pop("val", None)
         return ir
+
+
+def ring_attention_nodes(p: Pass, ir: IR) -> list:
+    """The attention ops a pass that gives layers a ring (StreamingAttention, DuoAttention)
+    may rewrite; ``PassError`` when the IR has none, or holds what a ring cannot serve: a
+    speculative strategy (it rolls back by length) or a token selection (it reads whole
+    caches)."""
+    if ir.info.get("decoding") is not None:
+        raise PassError(f"{p!r} cannot follow a speculative strategy "
+                        f"({ir.info['decoding']['strategy']}): rejected drafts are rolled "
+                        f"back by length, and a ring cache has overwritten what they replaced")
+    if any(ir.graph.find_nodes(op="call_function", target=OPS[op])
+           for op in ("select_tokens", "select_pages")):
+        raise PassError(f"{p!r} cannot follow TidalDecode or Quest: their selection "
+                        f"reads whole caches, and a ring drops what it would name")
+    nodes = list(ir.graph.find_nodes(op="call_function", target=OPS["attention"]))
+    if not nodes:
+        raise PassError(f"{p!r}: the IR has no rw.attention op to rewrite")
+    return nodes
 
 
 def rotary_frequencies(attn, args: dict):
