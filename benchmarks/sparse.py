@@ -4,21 +4,24 @@
                                 [--depths 0.1 0.5 0.9] [--trials 4] [--windows 128 512]
                                 [--sinks 4] [--top-k 64 128] [--selection-layers 0]
                                 [--quest-budget 64 128] [--quest-page 16] [--quest-dense-layers 2]
+                                [--recent 0 64] [--kv-length 4096]
                                 [--duo-gates default] [--duo-sparsity 0.5 0.75]
                                 [--ppl-length 1024] [--ppl-chunks 4]
                                 [--batch 1 8] [--new 32] [--json benchmarks/results/sparse.json]
 
 Pipelines: dense attention, ``StreamingAttention(sinks, window)`` for each window,
-``TidalDecode(selection_layers, top_k)`` for each top_k, ``Quest(page, budget)`` for each
-``--quest-budget``, and with ``--duo-gates``
+``TidalDecode(selection_layers, top_k, recent)`` for each top_k and recent window,
+``Quest(page, budget, recent)`` for each ``--quest-budget`` and recent window, and with
+``--duo-gates``
 ``DuoAttention(gates)`` at its threshold and at each ``--duo-sparsity`` (the gates file's
 sinks and window).
 Columns: pass-key accuracy by context length and by depth (where in the context the key
 lies: StreamingLLM is the control that must fail when the key falls outside its window),
 held-out perplexity (second half of each chunk scored one decode step at a time, so the
-cache policy shows) and its ratio to dense, KV memory allocated for one sequence of the
-longest length, KV bytes a decode step reads there, and decode tokens/s at that length for
-each batch size (medians of 3 after a warm-up), with the ratio to dense.
+cache policy shows) and its ratio to dense, KV memory allocated for one sequence of
+``--kv-length`` tokens (default: the longest pass-key length), KV bytes a decode step reads
+there, and decode tokens/s at that length for each batch size (medians of 3 after a
+warm-up), with the ratio to dense.
 """
 from __future__ import annotations
 
@@ -49,19 +52,20 @@ def load(name: str):
 
 def kv_read_bytes(engine, tokens: int) -> int:
     """KV bytes one decode step reads with ``tokens`` in the cache, batch 1: a dense cache
-    reads every token, a ring its slots, a TidalDecode layer its ``top_k + 1`` (selection
-    layers read everything; their second read of the keys, to select, is not counted)."""
+    reads every token, a ring its slots, a TidalDecode layer its ``top_k + recent + 1``
+    (selection layers read everything; their second read of the keys, to select, is not
+    counted), a Quest layer its ``budget + recent + 1`` and every page's bounds."""
     dtype = engine._dtype()
     selected, bounds = {}, {}
     for n in engine.ir.gm.graph.find_nodes(op="call_function", target=OPS["attention"]):
         args = op_arguments("attention", tuple(n.args), dict(n.kwargs))
         sel = args["select"]
         if sel is not None and sel.target is OPS["select_tokens"]:
-            selected[args["layer"]] = op_arguments("select_tokens", tuple(sel.args),
-                                                   dict(sel.kwargs))["top_k"] + 1
-        elif sel is not None:  # Quest: budget tokens and its own, and every page's bounds
+            p = op_arguments("select_tokens", tuple(sel.args), dict(sel.kwargs))
+            selected[args["layer"]] = p["top_k"] + p["recent"] + 1
+        elif sel is not None:  # Quest: budget and recent tokens, its own, every page's bounds
             p = op_arguments("select_pages", tuple(sel.args), dict(sel.kwargs))
-            selected[args["layer"]] = p["budget"] + 1
+            selected[args["layer"]] = p["budget"] + p["recent"] + 1
             bounds[args["layer"]] = 2 * -(-tokens // p["page"])  # max and min, per page
     total = 0
     for i, s in cache_table(engine.ir.gm).items():
@@ -93,7 +97,8 @@ def decode_rate(engine, batch: int, length: int, new: int, runs: int = 3) -> flo
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
-    ap.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024])
+    ap.add_argument("--lengths", type=int, nargs="*", default=[256, 512, 1024],
+                    help="pass-key prompt lengths (none: no pass key)")
     ap.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
     ap.add_argument("--trials", type=int, default=4)
     ap.add_argument("--windows", type=int, nargs="*", default=[128, 512])
@@ -102,6 +107,9 @@ def main():
     ap.add_argument("--selection-layers", type=int, nargs="+", default=[0])
     ap.add_argument("--quest-budget", type=int, nargs="*", default=[],
                     help="token budgets, one Quest row each")
+    ap.add_argument("--recent", type=int, nargs="+", default=[0],
+                    help="local windows kept beside TidalDecode's and Quest's selections, "
+                         "one row each")
     ap.add_argument("--quest-page", type=int, default=16)
     ap.add_argument("--quest-dense-layers", type=int, default=2)
     ap.add_argument("--duo-gates", default=None,
@@ -110,7 +118,10 @@ def main():
                     help="fractions of KV heads made streaming, one DuoAttention row each")
     ap.add_argument("--ppl-length", type=int, default=1024)
     ap.add_argument("--ppl-chunks", type=int, default=4)
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--kv-length", type=int, default=None,
+                    help="tokens in the cache for the KV and decode-speed figures (default: "
+                         "the longest pass-key length, else the perplexity length)")
+    ap.add_argument("--batch", type=int, nargs="*", default=[1, 8])
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--json", default="benchmarks/results/sparse.json")
     args = ap.parse_args()
@@ -120,17 +131,18 @@ def main():
         pipelines[f"StreamingAttention(sinks={args.sinks}, window={w})"] = [
             StreamingAttention(sinks=args.sinks, window=w)]
     for k in args.top_k:
-        pipelines[f"TidalDecode(selection_layers={args.selection_layers}, top_k={k})"] = [
-            TidalDecode(selection_layers=args.selection_layers, top_k=k)]
+        for r in args.recent:
+            p = TidalDecode(selection_layers=args.selection_layers, top_k=k, recent=r)
+            pipelines[repr(p)] = [p]
     for b in args.quest_budget:
-        pipelines[f"Quest(page={args.quest_page}, budget={b}, dense_layers="
-                  f"{args.quest_dense_layers})"] = [
-            Quest(page=args.quest_page, budget=b, dense_layers=args.quest_dense_layers)]
+        for r in args.recent:
+            p = Quest(page=args.quest_page, budget=b, dense_layers=args.quest_dense_layers, recent=r)
+            pipelines[repr(p)] = [p]
     if args.duo_gates:  # the gates' threshold (0.5), then each sparsity
         pipelines["DuoAttention(threshold=0.5)"] = [DuoAttention(args.duo_gates)]
     for f in args.duo_sparsity if args.duo_gates else []:
         pipelines[f"DuoAttention(sparsity={f})"] = [DuoAttention(args.duo_gates, sparsity=f)]
-    longest = max(args.lengths)
+    longest = args.kv_length or max(args.lengths, default=args.ppl_length)
     chunks = heldout_chunks(tok, args.ppl_chunks, args.ppl_length)
     results = {"model": args.model, "machine": platform.processor() or platform.machine(),
                "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
@@ -139,8 +151,9 @@ def main():
         engine = rewriter.optimize(model, passes=passes, tokenizer=tok)
         started = time.perf_counter()
         by_length = passkey_accuracy(engine, tok, args.lengths, args.depths, args.trials)
-        by_depth = {d: passkey_accuracy(engine, tok, [longest], [d], args.trials).get(longest)
-                    for d in args.depths}
+        deepest = max(args.lengths, default=None)
+        by_depth = {d: passkey_accuracy(engine, tok, [deepest], [d], args.trials).get(deepest)
+                    for d in args.depths} if deepest else {}
         ppl = perplexity(engine, chunks)
         rates = {b: decode_rate(engine, b, longest, args.new) for b in args.batch}
         row = {"pipeline": name, "passkey_by_length": by_length, "passkey_by_depth": by_depth,
@@ -154,7 +167,7 @@ def main():
     for r in results["rows"]:
         table.append([r["pipeline"],
                       *(f"{r['passkey_by_length'].get(n, float('nan')):.2f}" for n in args.lengths),
-                      *(f"{r['passkey_by_depth'][d]:.2f}" for d in args.depths),
+                      *(f"{r['passkey_by_depth'][d]:.2f}" for d in args.depths if args.lengths),
                       f"{r['perplexity']:.2f}", f"{r['perplexity'] / dense['perplexity']:.3f}",
                       f"{r['kv_bytes'] / 2**10:.0f}", f"{dense['kv_bytes'] / r['kv_bytes']:.2f}x",
                       f"{r['kv_read_bytes'] / 2**10:.0f}",
@@ -165,7 +178,8 @@ def main():
           f"{args.ppl_chunks} x {args.ppl_length} tokens, KV figures for one sequence of "
           f"{longest} tokens, {torch.get_num_threads()} threads\n")
     print(tabulate(table, headers=["pipeline", *(f"key@{n}" for n in args.lengths),
-                                   *(f"key@depth {d}" for d in args.depths), "ppl", "ppl ratio",
+                                   *(f"key@depth {d}" for d in args.depths if args.lengths),
+                                   "ppl", "ppl ratio",
                                    "KV KiB", "less KV", "KV read KiB/step", "less read",
                                    *(f"tok/s b={b} @{longest}" for b in args.batch)]))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

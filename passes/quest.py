@@ -5,8 +5,10 @@ first ``dense_layers`` ones, ``rw.select_pages`` on that layer's own (rotated) q
 the keys are cut into pages of ``page`` tokens, each bounded by its per-channel minimum and
 maximum key, and a query keeps the ``budget // page`` pages with the largest upper bound
 of ``q·k`` (the largest over its KV head's query group, so a group reads one set of pages).
-The attention gets the selection as its ``select`` input, as TidalDecode's later layers do,
-and attends to those tokens and the current one.
+With ``recent=R`` the R tokens just before the query are always read as well (a local
+window beside the pages, which next-token prediction leans on; the pages are chosen among
+the keys before it). The attention gets the selection as its ``select`` input, as
+TidalDecode's later layers do, and attends to those tokens and the current one.
 
 The KV-cache runtime keeps the whole cache and, beside it, each page's bounds, updated as
 keys are written (``runtime.page_selection``); it selects at decode only (a prompt is
@@ -25,7 +27,7 @@ from rewriter.values import is_int
 
 
 class Quest(Pass):
-    def __init__(self, page: int = 16, budget: int = 256, dense_layers: int = 2):
+    def __init__(self, page: int = 16, budget: int = 256, dense_layers: int = 2, recent: int = 0):
         if not is_int(page) or not 1 <= page <= MAX_INT:
             raise ValueError(f"Quest: page must be an integer >= 1, got {page!r}")
         if not is_int(budget) or not page <= budget <= MAX_INT:
@@ -33,7 +35,10 @@ class Quest(Pass):
                              f"({page} tokens), got {budget!r}")
         if not is_int(dense_layers) or not 0 <= dense_layers <= MAX_INT:
             raise ValueError(f"Quest: dense_layers must be an integer >= 0, got {dense_layers!r}")
+        if not is_int(recent) or not 0 <= recent <= MAX_INT:
+            raise ValueError(f"Quest: recent must be an integer >= 0, got {recent!r}")
         self.page, self.budget, self.dense_layers = int(page), int(budget), int(dense_layers)
+        self.recent = int(recent)
 
     def run(self, ir: IR) -> IR:
         if ir.info.get("decoding") is not None:
@@ -59,7 +64,8 @@ class Quest(Pass):
                 selection = ir.graph.call_function(OPS["select_pages"], (args["q"], args["k"]), {
                     "layer": args["layer"], "num_heads": args["num_heads"],
                     "num_kv_heads": args["num_kv_heads"], "head_dim": args["head_dim"],
-                    "page": self.page, "budget": self.budget})
+                    "page": self.page, "budget": self.budget,
+                    **({"recent": self.recent} if self.recent else {})})
             selection.meta.update({k: n.meta[k] for k in ("layer", "role", "_scope") if k in n.meta})
             n.kwargs = {**n.kwargs, "select": selection}
             n.meta.pop("val", None)

@@ -5,8 +5,10 @@ them attend to.
 attention, ``rw.select_tokens`` on that layer's (rotated) q and k: the ``top_k`` earlier
 positions each KV head's query group attends to most. Every later layer, up to the next
 selection layer, gets that value as its attention's ``select`` input and attends to those
-tokens and the current one; layers before the first selection layer stay dense. The
-selection is an IR value, so the IR and dumps show which layer feeds which.
+tokens and the current one; layers before the first selection layer stay dense. With
+``recent=R`` the R tokens just before the query are always read as well (a local window;
+the top-k is chosen among the keys before it). The selection is an IR value, so the IR and
+dumps show which layer feeds which.
 
 The KV-cache runtime keeps the whole cache and selects at decode only: a prompt is
 attended densely (TidalDecode leaves prefill dense), so a decode step of a sparse layer
@@ -26,15 +28,17 @@ from rewriter.values import is_int
 
 
 class TidalDecode(Pass):
-    def __init__(self, selection_layers: Sequence[int] = (0,), top_k: int = 128):
+    def __init__(self, selection_layers: Sequence[int] = (0,), top_k: int = 128, recent: int = 0):
         if (isinstance(selection_layers, (str, bytes)) or not isinstance(selection_layers, (list, tuple))
                 or not selection_layers or not all(is_int(i) and i >= 0 for i in selection_layers)):
             raise ValueError(f"TidalDecode: selection_layers must be a non-empty list of layer "
                              f"indices, got {selection_layers!r}")
         if not is_int(top_k) or not 1 <= top_k <= MAX_INT:
             raise ValueError(f"TidalDecode: top_k must be an integer >= 1, got {top_k!r}")
+        if not is_int(recent) or not 0 <= recent <= MAX_INT:
+            raise ValueError(f"TidalDecode: recent must be an integer >= 0, got {recent!r}")
         self.selection_layers = sorted(set(int(i) for i in selection_layers))
-        self.top_k = int(top_k)
+        self.top_k, self.recent = int(top_k), int(recent)
 
     def run(self, ir: IR) -> IR:
         if ir.info.get("decoding") is not None:
@@ -67,7 +71,7 @@ class TidalDecode(Pass):
                     selection = ir.graph.call_function(OPS["select_tokens"], (args["q"], args["k"]), {
                         "layer": args["layer"], "num_heads": args["num_heads"],
                         "num_kv_heads": args["num_kv_heads"], "head_dim": args["head_dim"],
-                        "top_k": self.top_k})
+                        "top_k": self.top_k, **({"recent": self.recent} if self.recent else {})})
                 # its layer's node (the IR shows it there); layer spans skip integer values
                 selection.meta.update({k: n.meta[k] for k in ("layer", "role", "_scope") if k in n.meta})
         return ir

@@ -353,41 +353,47 @@ def selected_mask(select: Tensor, keys: int) -> Tensor:
     return mask
 
 
-def _select_tokens_fake(q, k, layer, num_heads, num_kv_heads, head_dim, top_k):
+def _select_tokens_fake(q, k, layer, num_heads, num_kv_heads, head_dim, top_k, recent=0):
     _attention_fake(q, k, k, layer, num_heads, num_kv_heads, head_dim, 1.0)
-    return q.new_empty((q.shape[0], num_kv_heads, q.shape[1], top_k), dtype=torch.int64)
+    return q.new_empty((q.shape[0], num_kv_heads, q.shape[1], top_k + recent), dtype=torch.int64)
 
 
 @_register(fake=_select_tokens_fake)
 def select_tokens(q: Tensor, k: Tensor, layer: int, num_heads: int, num_kv_heads: int,
-                  head_dim: int, top_k: int) -> Tensor:
+                  head_dim: int, top_k: int, recent: int = 0) -> Tensor:
     """TidalDecode's token selection: for every query and KV head, the ``top_k`` earlier
     positions its head group attends to most (softmax weights of the group's query heads,
-    summed), ``[B, Hkv, S, top_k]``, -1 where fewer exist. q ``[B, S, Hq*D]`` and k ``[B, S,
-    Hkv*D]`` are the selection layer's (rotated); ``layer`` names its cache, which the
-    runtime reads at decode (a prompt is attended densely and selects nothing)."""
+    summed), then the ``recent`` positions just before the query, always kept (a local
+    window; the top-k is chosen among the keys before it): ``[B, Hkv, S, top_k + recent]``,
+    -1 where fewer exist. q ``[B, S, Hq*D]`` and k ``[B, S, Hkv*D]`` are the selection
+    layer's (rotated); ``layer`` names its cache, which the runtime reads at decode (a
+    prompt is attended densely and selects nothing)."""
     b, s, _ = q.shape
     qh = q.view(b, s, num_heads, head_dim).transpose(1, 2)  # [B, Hq, S, D]
     kh = k.view(b, s, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, S, D]
-    earlier = torch.ones(s, s, dtype=torch.bool, device=q.device).tril(-1)  # [S, S]: j < i
-    return top_tokens(qh, kh, earlier, top_k)
+    i = torch.arange(s, device=q.device)
+    earlier = torch.ones(s, s, dtype=torch.bool, device=q.device).tril(-1 - recent)  # j < i - recent
+    chosen = top_tokens(qh, kh, earlier, top_k)  # [B, Hkv, S, top_k]
+    return with_recent(chosen, i.expand(b, num_kv_heads, s), recent)
 
 
-def _select_pages_fake(q, k, layer, num_heads, num_kv_heads, head_dim, page, budget):
+def _select_pages_fake(q, k, layer, num_heads, num_kv_heads, head_dim, page, budget, recent=0):
     _attention_fake(q, k, k, layer, num_heads, num_kv_heads, head_dim, 1.0)
-    return q.new_empty((q.shape[0], num_kv_heads, q.shape[1], budget), dtype=torch.int64)
+    return q.new_empty((q.shape[0], num_kv_heads, q.shape[1], budget + recent), dtype=torch.int64)
 
 
 @_register(fake=_select_pages_fake)
 def select_pages(q: Tensor, k: Tensor, layer: int, num_heads: int, num_kv_heads: int,
-                 head_dim: int, page: int, budget: int) -> Tensor:
+                 head_dim: int, page: int, budget: int, recent: int = 0) -> Tensor:
     """Quest's page selection: earlier keys in pages of ``page`` tokens, each page bounded
     by the per-channel minimum and maximum of its keys; a query scores a page by the upper
     bound of ``q·k`` over it (``sum_d max(q_d min_d, q_d max_d)``, the largest over its KV
-    head's query group) and keeps the ``budget // page`` best pages: ``[B, Hkv, S, budget]``
-    earlier positions, -1 where fewer exist. q ``[B, S, Hq*D]`` and k ``[B, S, Hkv*D]`` are
-    the layer's own (rotated); the runtime keeps the bounds beside the cache and selects at
-    decode only (a prompt is attended densely)."""
+    head's query group) and keeps the ``budget // page`` best pages, then the ``recent``
+    positions just before it, always kept (a local window; pages are chosen among those
+    with a key before it, and contribute only keys before it): ``[B, Hkv, S, budget +
+    recent]`` earlier positions, -1 where fewer exist. q ``[B, S, Hq*D]`` and k ``[B, S,
+    Hkv*D]`` are the layer's own (rotated); the runtime keeps the bounds beside the cache
+    and selects at decode only (a prompt is attended densely)."""
     b, s, _ = q.shape
     qh = q.view(b, s, num_heads, head_dim).transpose(1, 2).float()  # [B, Hq, S, D]
     kh = k.view(b, s, num_kv_heads, head_dim).transpose(1, 2).float()  # [B, Hkv, S, D]
@@ -399,12 +405,27 @@ def select_pages(q: Tensor, k: Tensor, layer: int, num_heads: int, num_kv_heads:
     i = torch.arange(s, device=q.device)[:, None]  # [S, 1] queries
     p = torch.arange(pages, device=q.device)[None]  # [1, P]
     last = torch.minimum((p + 1) * page, i) - 1  # [S, P]: page p's last key before query i
-    valid = last >= p * page  # the page holds an earlier key
+    # bounds cover every earlier key of the page (as the runtime's, kept as keys are written);
+    # a page is a candidate if it holds a key before the local window
+    valid = p * page < i - recent
     idx = last.clamp(min=0).view(1, 1, -1, 1).expand(b, num_kv_heads, -1, head_dim)
     hi = high.gather(2, idx).view(b, num_kv_heads, s, pages, head_dim)  # [B, Hkv, S, P, D]
     lo = low.gather(2, idx).view(b, num_kv_heads, s, pages, head_dim)
-    return pages_to_tokens(page_scores(qh, hi, lo, valid), valid, page, budget,
-                           torch.arange(s, device=q.device))  # earlier keys only
+    end = (i[:, 0] - recent).expand(b, num_kv_heads, s)  # [B, Hkv, S]: pages give keys before it
+    chosen = pages_to_tokens(page_scores(qh, hi, lo, valid), valid, page, budget, end)
+    return with_recent(chosen, i[:, 0].expand(b, num_kv_heads, s), recent)
+
+
+def with_recent(chosen: Tensor, end: Tensor, recent: int, start: Optional[Tensor] = None) -> Tensor:
+    """``chosen`` ``[B, Hkv, S, k]`` followed by the ``recent`` positions before ``end``
+    (broadcast to ``[B, Hkv, S]``): ``[B, Hkv, S, k + recent]``, -1 for those before
+    ``start`` (default 0: the row's first real token)."""
+    if recent == 0:
+        return chosen
+    window = end[..., None] - recent + torch.arange(recent, device=chosen.device)  # [B, Hkv, S, r]
+    first = 0 if start is None else start[..., None]
+    window = torch.where(window >= first, window, -1).expand(*chosen.shape[:-1], recent)
+    return torch.cat([chosen, window], dim=-1)
 
 
 def page_scores(qh: Tensor, hi: Tensor, lo: Tensor, valid: Tensor) -> Tensor:
@@ -545,9 +566,10 @@ ATTRIBUTES: dict[str, dict[str, callable]] = {
     "linear_int4": {"group_size": _int(2)},
     "next_tokens": {"count": _int(1)},
     "select_tokens": {"layer": _int(0), "num_heads": _int(1), "num_kv_heads": _int(1),
-                      "head_dim": _int(1), "top_k": _int(1)},
+                      "head_dim": _int(1), "top_k": _int(1), "recent": _int(0)},
     "select_pages": {"layer": _int(0), "num_heads": _int(1), "num_kv_heads": _int(1),
-                     "head_dim": _int(1), "page": _int(1), "budget": _int(1)},
+                     "head_dim": _int(1), "page": _int(1), "budget": _int(1),
+                     "recent": _int(0)},
     "attention": {"layer": _int(0), "num_heads": _int(1), "num_kv_heads": _int(1),
                   "head_dim": _int(1), "scale": _finite_positive, "causal": _bool,
                   "window": _optional(_int(1)), "sinks": _optional(_int(0)),

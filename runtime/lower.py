@@ -111,13 +111,14 @@ def lower(ir: IR, last_only: bool, backend: str = "torch",
             p = op_arguments("select_tokens", tuple(node.args), dict(node.kwargs))
             new.target = select_tokens
             new.args = (step, env[node.args[0]], env[node.args[1]], p["layer"])
-            new.kwargs = {k: p[k] for k in ("num_heads", "num_kv_heads", "head_dim", "top_k")}
+            new.kwargs = {k: p[k] for k in ("num_heads", "num_kv_heads", "head_dim", "top_k",
+                                            "recent")}
         elif name == "select_pages":  # reads its layer's page bounds: the step is an input
             p = op_arguments("select_pages", tuple(node.args), dict(node.kwargs))
             new.target = select_pages
             new.args = (step, env[node.args[0]], env[node.args[1]], p["layer"])
             new.kwargs = {k: p[k] for k in ("num_heads", "num_kv_heads", "head_dim", "page",
-                                            "budget")}
+                                            "budget", "recent")}
         elif name is not None:
             new.target = table[name]
             if name == "rope" and backend == "torch":

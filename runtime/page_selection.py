@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from rewriter.ops import page_scores, pages_to_tokens
+from rewriter.ops import page_scores, pages_to_tokens, with_recent
 
 
 def refresh_bounds(step, cache_id: int, page: int, k_cache: Tensor) -> None:
@@ -56,26 +56,29 @@ def refresh_bounds(step, cache_id: int, page: int, k_cache: Tensor) -> None:
 
 
 def select_pages(step, q: Tensor, k: Tensor, cache_id: int, num_heads: int, num_kv_heads: int,
-                 head_dim: int, page: int, budget: int) -> Optional[Tensor]:
-    """``[B, Hkv, 1, budget]`` cache positions for a one-token step (-1: none): the best
-    pages written before it, by their bounds; None for a longer step."""
+                 head_dim: int, page: int, budget: int, recent: int = 0) -> Optional[Tensor]:
+    """``[B, Hkv, 1, budget + recent]`` cache positions for a one-token step (-1: none): the
+    best pages written before its last ``recent`` tokens, by their bounds, then those
+    tokens; None for a longer step."""
     if step.length != 1 or step.tree is not None:
         return None
     b = q.shape[0]
     device = q.device
     if cache_id not in step.cache.bounds:  # nothing written before: the token sees itself
-        return torch.full((b, num_kv_heads, 1, 1), -1, dtype=torch.int64, device=device)
+        return torch.full((b, num_kv_heads, 1, 1 + recent), -1, dtype=torch.int64, device=device)
     high, low = step.cache.bounds[cache_id]  # written by this layer's earlier steps
     pages = high.shape[2]
     pad = step.pad if step.pad is not None else torch.zeros(b, dtype=torch.int64, device=device)
     current = step.pos.expand(b) if step.static else torch.full((b,), step.start, device=device)
     seen = current - pad  # [B] real tokens before this one
     p = torch.arange(pages, device=device)
-    valid = p[None] * page < seen[:, None]  # [B, P]
+    before = seen - recent  # [B] the pages give real tokens before the local window
+    valid = p[None] * page < before[:, None]  # [B, P]
     qh = q.view(b, 1, num_heads, head_dim).transpose(1, 2)  # [B, Hq, 1, D]
     scores = page_scores(qh.float(), high[:, :, None].float(), low[:, :, None].float(),
                          valid[:, None, None])  # [B, Hkv, 1, P]
     # never wider than the cache: a budget past it would make every step read more than dense
     width = min(budget, pages * page)
-    tokens = pages_to_tokens(scores, valid[:, None, None], page, width, seen.reshape(b, 1, 1))
+    tokens = pages_to_tokens(scores, valid[:, None, None], page, width, before.reshape(b, 1, 1))
+    tokens = with_recent(tokens, seen.reshape(b, 1, 1), recent)  # [B, Hkv, 1, width + recent]
     return torch.where(tokens >= 0, tokens + pad.reshape(b, 1, 1, 1), -1)  # real -> cache

@@ -11,20 +11,24 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rewriter.ops import top_tokens
+from rewriter.ops import top_tokens, with_recent
 
 
 def select_tokens(step, q: Tensor, k: Tensor, cache_id: int, num_heads: int, num_kv_heads: int,
-                  head_dim: int, top_k: int) -> Optional[Tensor]:
-    """``[B, Hkv, 1, top_k]`` cache positions for a one-token step (-1: none), read from
-    cache ``cache_id`` after its layer wrote the step's key; None for a longer step."""
+                  head_dim: int, top_k: int, recent: int = 0) -> Optional[Tensor]:
+    """``[B, Hkv, 1, top_k + recent]`` cache positions for a one-token step (-1: none): the
+    top-k read from cache ``cache_id`` (after its layer wrote the step's key) among the
+    tokens before the last ``recent``, then those; None for a longer step."""
     if step.length != 1 or step.tree is not None:
         return None
     b = q.shape[0]
     keys = step.cache.k[cache_id][:, :, :step.end]  # [B, Hkv, end, D]
     qh = q.view(b, 1, num_heads, head_dim).transpose(1, 2)  # [B, Hq, 1, D]
-    allowed = step.once("selectable", lambda: _selectable(step, b))  # [B, 1, 1, end]
-    return top_tokens(qh, keys, allowed, top_k)
+    allowed = step.once(("selectable", recent), lambda: _selectable(step, b, recent))  # [B, 1, 1, end]
+    chosen = top_tokens(qh, keys, allowed, top_k)  # [B, Hkv, 1, top_k]
+    current = _current(step, b, 1)  # [B, 1, 1]
+    start = step.pad.reshape(b, 1, 1) if step.pad is not None else None
+    return with_recent(chosen, current, recent, start)
 
 
 def selected_attention(step, qh: Tensor, k_cache: Tensor, v_cache: Tensor, select: Tensor,
@@ -46,12 +50,13 @@ def selected_attention(step, qh: Tensor, k_cache: Tensor, v_cache: Tensor, selec
                                           enable_gqa=gqa)
 
 
-def _selectable(step, b: int) -> Tensor:
-    """``[B, 1, 1, end]``: the cached keys before the step's token, padding excluded."""
+def _selectable(step, b: int, recent: int) -> Tensor:
+    """``[B, 1, 1, end]``: the cached keys before the step's last ``recent`` tokens, padding
+    excluded."""
     device = step.cache.device
     kj = torch.arange(step.end, device=device)
     current = step.pos if step.static else torch.as_tensor(step.start, device=device)
-    ok = (kj[None] < current.reshape(-1, 1)).expand(b, -1)  # [B, end]
+    ok = (kj[None] < current.reshape(-1, 1) - recent).expand(b, -1)  # [B, end]
     if step.pad is not None:
         ok = ok & (kj[None] >= step.pad[:, None])
     return ok[:, None, None]

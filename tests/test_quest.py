@@ -54,11 +54,26 @@ def test_a_budget_covering_every_token_equals_dense(config):
     assert torch.equal(quest.generate(ROWS, **KW), dense.generate(ROWS, **KW))
 
 
-@pytest.mark.parametrize("page,budget,dense_layers", [(2, 4, 1), (3, 3, 0), (4, 8, 2)])
-def test_decode_steps_equal_the_whole_sequence_graph(page, budget, dense_layers):
+def test_recent_keeps_the_last_tokens_and_pages_come_from_before_them():
+    k = torch.tensor([0.0, 5.0, 1.0, 1.0, 9.0, -3.0, 0.5, 0.0]).view(1, 8, 1)
+    q = torch.ones(1, 8, 1)
+    sel = REFERENCE["select_pages"](q, k, 0, 1, 1, 1, 2, 2, 3)[0, 0]  # one page + 3 recent
+    assert sel.shape == (8, 5)
+    # query 7: tokens 4-6 are recent; of the pages holding a key before 4 ({0,1} max 5,
+    # {2,3} max 1) the best gives its keys before 4; page {4,5} (max 9) is not a candidate
+    assert sel[7].tolist() == [0, 1, 4, 5, 6]
+    assert sel[6].tolist() == [0, 1, 3, 4, 5]  # {0,1} (max 5) beats {2,3} (max 1)
+    assert sel[4].tolist() == [0, -1, 1, 2, 3]  # page {0,1} gives only its key before 1
+    assert sel[2].tolist() == [-1, -1, -1, 0, 1]  # nothing before the window
+    assert sel[0].tolist() == [-1] * 5
+
+
+@pytest.mark.parametrize("page,budget,dense_layers,recent",
+                         [(2, 4, 1, 0), (3, 3, 0, 0), (4, 8, 2, 0), (2, 2, 0, 3), (4, 4, 1, 5)])
+def test_decode_steps_equal_the_whole_sequence_graph(page, budget, dense_layers, recent):
     model = _model()
     opt = rewriter.optimize(model, passes=[Quest(page=page, budget=budget,
-                                                 dense_layers=dense_layers)])
+                                                 dense_layers=dense_layers, recent=recent)])
     prompts = [[5], [17], [99]]  # one token: every later step is a decode step
     got = opt.generate(prompts, max_new_tokens=20, eos_token_id=[])
     for i, row in enumerate(prompts):
@@ -67,8 +82,9 @@ def test_decode_steps_equal_the_whole_sequence_graph(page, budget, dense_layers)
     assert not torch.equal(got, dense)
 
 
-def test_a_ragged_batch_equals_each_row_alone_and_static_steps_agree():
-    opt = rewriter.optimize(_model(), passes=[Quest(page=2, budget=4, dense_layers=1)])
+@pytest.mark.parametrize("recent", [0, 3])
+def test_a_ragged_batch_equals_each_row_alone_and_static_steps_agree(recent):
+    opt = rewriter.optimize(_model(), passes=[Quest(page=2, budget=4, dense_layers=1, recent=recent)])
     together = opt.generate(ROWS, **KW)
     for i, row in enumerate(ROWS):
         assert torch.equal(together[i, -12:], opt.generate([row], **KW)[0, -12:])

@@ -36,10 +36,23 @@ def test_top_k_covering_every_token_equals_dense(config):
     assert torch.equal(tidal.generate(ROWS, **KW), dense.generate(ROWS, **KW))
 
 
-@pytest.mark.parametrize("layers,top_k", [([0], 2), ([0, 1], 3)])
-def test_decode_steps_equal_the_whole_sequence_graph(layers, top_k):
+def test_recent_keeps_the_last_tokens_and_the_top_k_comes_from_before_them():
+    from rewriter.ops import REFERENCE
+    k = torch.tensor([9.0, 0.0, 5.0, 1.0, 8.0, 7.0]).view(1, 6, 1)  # one head, D=1
+    q = torch.ones(1, 6, 1)  # attends most to the largest key
+    sel = REFERENCE["select_tokens"](q, k, 0, 1, 1, 1, 1, 2)[0, 0]  # top 1 + 2 recent
+    assert sel.shape == (6, 3)
+    assert sel[5].tolist() == [0, 3, 4]  # 3 and 4 recent; the best before them is 0 (9.0)
+    assert sel[4].tolist() == [0, 2, 3]
+    assert sel[2].tolist() == [-1, 0, 1]
+    assert sel[1].tolist() == [-1, -1, 0]
+
+
+@pytest.mark.parametrize("layers,top_k,recent", [([0], 2, 0), ([0, 1], 3, 0), ([0], 2, 3)])
+def test_decode_steps_equal_the_whole_sequence_graph(layers, top_k, recent):
     model = make_model("llama-gqa-3l", initializer_range=0.2)
-    opt = rewriter.optimize(model, passes=[TidalDecode(selection_layers=layers, top_k=top_k)])
+    opt = rewriter.optimize(model, passes=[TidalDecode(selection_layers=layers, top_k=top_k,
+                                                       recent=recent)])
     dense = rewriter.optimize(model)
     prompts = [[5], [17], [99]]  # one token: every later step is a decode step
     got = opt.generate(prompts, max_new_tokens=16, eos_token_id=[])
@@ -48,9 +61,10 @@ def test_decode_steps_equal_the_whole_sequence_graph(layers, top_k):
     assert not torch.equal(got, dense.generate(prompts, max_new_tokens=16, eos_token_id=[]))
 
 
-def test_a_ragged_batch_equals_each_row_alone_and_static_steps_agree():
+@pytest.mark.parametrize("recent", [0, 2])
+def test_a_ragged_batch_equals_each_row_alone_and_static_steps_agree(recent):
     model = make_model("llama-gqa-3l", initializer_range=0.2)
-    opt = rewriter.optimize(model, passes=[TidalDecode(selection_layers=[0], top_k=3)])
+    opt = rewriter.optimize(model, passes=[TidalDecode(selection_layers=[0], top_k=3, recent=recent)])
     together = opt.generate(ROWS, **KW)
     for i, row in enumerate(ROWS):
         assert torch.equal(together[i, -12:], opt.generate([row], **KW)[0, -12:])
