@@ -6,6 +6,7 @@
                                 [--quest-budget 64 128] [--quest-page 16] [--quest-dense-layers 2]
                                 [--recent 0 64] [--kv-length 4096]
                                 [--duo-gates default] [--duo-sparsity 0.5 0.75]
+                                [--duo-sinks 16] [--duo-window 240]
                                 [--ppl-length 1024] [--ppl-chunks 4]
                                 [--batch 1 8] [--new 32] [--json benchmarks/results/sparse.json]
 
@@ -116,6 +117,10 @@ def main():
                     help="a gates file (or shipped name) for DuoAttention rows; none: no rows")
     ap.add_argument("--duo-sparsity", type=float, nargs="*", default=[0.5],
                     help="fractions of KV heads made streaming, one DuoAttention row each")
+    ap.add_argument("--duo-sinks", type=int, default=None,
+                    help="DuoAttention's streaming heads' sinks (default: the gates file's)")
+    ap.add_argument("--duo-window", type=int, default=None,
+                    help="DuoAttention's streaming heads' window (default: the gates file's)")
     ap.add_argument("--ppl-length", type=int, default=1024)
     ap.add_argument("--ppl-chunks", type=int, default=4)
     ap.add_argument("--kv-length", type=int, default=None,
@@ -138,10 +143,13 @@ def main():
         for r in args.recent:
             p = Quest(page=args.quest_page, budget=b, dense_layers=args.quest_dense_layers, recent=r)
             pipelines[repr(p)] = [p]
+    ring = dict(sinks=args.duo_sinks, window=args.duo_window)  # None: the gates file's
+    shown = "".join(f", {k}={v}" for k, v in ring.items() if v is not None)
     if args.duo_gates:  # the gates' threshold (0.5), then each sparsity
-        pipelines["DuoAttention(threshold=0.5)"] = [DuoAttention(args.duo_gates)]
+        pipelines[f"DuoAttention(threshold=0.5{shown})"] = [DuoAttention(args.duo_gates, **ring)]
     for f in args.duo_sparsity if args.duo_gates else []:
-        pipelines[f"DuoAttention(sparsity={f})"] = [DuoAttention(args.duo_gates, sparsity=f)]
+        pipelines[f"DuoAttention(sparsity={f}{shown})"] = [
+            DuoAttention(args.duo_gates, sparsity=f, **ring)]
     longest = args.kv_length or max(args.lengths, default=args.ppl_length)
     chunks = heldout_chunks(tok, args.ppl_chunks, args.ppl_length)
     results = {"model": args.model, "machine": platform.processor() or platform.machine(),
