@@ -4,7 +4,8 @@ reads (``Quest``, ``rewriter.ops.select_pages``).
 Each cache with a page selection keeps, per row and KV head, the per-channel maximum and
 minimum key of every page of ``page`` cache positions (``KVCache.bounds``, ``[B, Hkv, P,
 D]`` each), updated after every write for the pages it touched, over the row's real keys
-only (left padding and positions not yet written count as absent). A one-token step scores
+only (left padding and positions not yet written count as absent): a prompt recomputes
+the pages it wrote, a one-token step folds its key into its page's bounds. A one-token step scores
 the pages written before it and reads ``budget`` tokens per KV head plus its own; a prompt
 is attended densely and selects nothing.
 """
@@ -36,11 +37,13 @@ def refresh_bounds(step, cache_id: int, page: int, k_cache: Tensor) -> None:
         raise NotImplementedError("page bounds with per-row steps (speculative decoding)")
     pad = step.pad if step.pad is not None else torch.zeros(b, dtype=torch.int64, device=device)
     start = step.pos.expand(b) if step.static else torch.full((b,), step.start, device=device)
-    end = start + (1 if step.static else step.length)  # [B] cache positions written: [start, end)
+    if step.static or step.length == 1:
+        _add_key(high, low, k_cache, start, pad, page)
+        return
+    end = start + step.length  # [B] cache positions written: [start, end)
     first = (start - pad).clamp(min=0) // page  # [B] first real page touched
     last = (end - 1 - pad).clamp(min=0) // page
-    # pages a step touches: one for a one-token step (no host sync), else the most any row does
-    count = 1 if step.static or step.length == 1 else int((last - first).max()) + 1
+    count = int((last - first).max()) + 1  # the most pages any row touched
     slots = pad[:, None] + first[:, None] * page + torch.arange(count * page, device=device)  # [B, n]
     real = (slots < end[:, None]) & (slots >= pad[:, None])  # [B, count*page]
     index = slots.clamp(max=length - 1)[:, None, :, None].expand(b, h, -1, d)
@@ -53,6 +56,20 @@ def refresh_bounds(step, cache_id: int, page: int, k_cache: Tensor) -> None:
     where = where[:, None, :, None].expand(b, h, count, d)
     high.scatter_(2, where, hi)
     low.scatter_(2, where, lo)
+
+
+def _add_key(high: Tensor, low: Tensor, k_cache: Tensor, pos: Tensor, pad: Tensor,
+             page: int) -> None:
+    """A one-token step: fold the key each row wrote at cache position ``pos`` ``[B]`` into
+    its page's bounds (or start them, for the first key of a page), reading that key only,
+    not the page again; no host sync."""
+    b, h, _, d = k_cache.shape
+    real = pos - pad  # [B] the row's real tokens before this one
+    at = (real // page).clamp(0, high.shape[2] - 1)[:, None, None, None].expand(b, h, 1, d)
+    key = k_cache.gather(2, pos[:, None, None, None].expand(b, h, 1, d))  # [B, Hkv, 1, D]
+    opens = (real % page == 0)[:, None, None, None]  # a new page: earlier bounds are stale
+    high.scatter_(2, at, torch.where(opens, key, torch.maximum(high.gather(2, at), key)))
+    low.scatter_(2, at, torch.where(opens, key, torch.minimum(low.gather(2, at), key)))
 
 
 def select_pages(step, q: Tensor, k: Tensor, cache_id: int, num_heads: int, num_kv_heads: int,

@@ -93,6 +93,16 @@ def test_a_ragged_batch_equals_each_row_alone_and_static_steps_agree(recent):
     assert torch.equal(opt.generate(ROWS, **KW), together)
 
 
+def test_a_reused_cache_keeps_no_bounds_of_the_request_before():
+    # decode steps fold their key into their page's bounds; a page opened by a later
+    # request must not keep an earlier request's keys
+    passes = lambda: [Quest(page=2, budget=2, dense_layers=0)]  # noqa: E731
+    used = rewriter.optimize(_model(), passes=passes())
+    used.generate([ROWS[0]], max_new_tokens=20, eos_token_id=[])
+    fresh = rewriter.optimize(_model(), passes=passes())
+    assert torch.equal(used.generate([[5]], **KW), fresh.generate([[5]], **KW))
+
+
 def test_a_budget_past_the_cache_reads_no_more_than_the_cache():
     opt = rewriter.optimize(_model(), passes=[Quest(page=4, budget=1 << 20, dense_layers=1)])
     seen = []
