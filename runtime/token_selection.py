@@ -38,7 +38,7 @@ def selected_attention(step, qh: Tensor, k_cache: Tensor, v_cache: Tensor, selec
     b, hkv, _, k = select.shape
     d = k_cache.shape[-1]
     current = _current(step, b, hkv)  # [B, Hkv, 1]
-    index = torch.cat([select[:, :, 0].clamp(min=0), current], dim=-1)  # [B, Hkv, k + 1]
+    index = selection_index(step, select).clamp(min=0)  # [B, Hkv, k + 1]
     gather = index[..., None].expand(b, hkv, k + 1, d)
     keys = k_cache.gather(2, gather)  # [B, Hkv, k + 1, D]
     values = v_cache.gather(2, gather)
@@ -48,6 +48,13 @@ def selected_attention(step, qh: Tensor, k_cache: Tensor, v_cache: Tensor, selec
         mask = mask.repeat_interleave(qh.shape[1] // hkv, dim=1)
     return F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale,
                                           enable_gqa=gqa)
+
+
+def selection_index(step, select: Tensor) -> Tensor:
+    """``[B, Hkv, k + 1]``: the positions ``select`` ``[B, Hkv, 1, k]`` names (-1: none),
+    then the step's own; what a decode step with a selection reads."""
+    b, hkv = select.shape[:2]
+    return torch.cat([select[:, :, 0], _current(step, b, hkv)], dim=-1)
 
 
 def _selectable(step, b: int, recent: int) -> Tensor:

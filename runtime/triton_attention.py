@@ -13,7 +13,9 @@ from rewriter.codegen.rope import rope_into_cache
 from .attention import Step, write_kv
 from .attention import cached_attention as torch_cached_attention
 from .duo_cache import split_attention
+from .page_selection import refresh_bounds
 from .ring_cache import ring_attention
+from .token_selection import selection_index
 
 
 def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, cache_id: int, num_heads: int,
@@ -28,19 +30,18 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, cache_id: int,
     (V with it) and q by the attention kernel: no launch of its own for either. A step
     whose rows start at different positions (speculative decoding after ragged acceptance),
     or a token tree under a sliding window, runs the torch path; a tree at one start runs
-    the prefill kernel with each node's ancestors as a bit set."""
+    the prefill kernel with each node's ancestors as a bit set. A decode step with a
+    selection (``select``: TidalDecode, Quest) passes the decode kernel its per-KV-head
+    position lists, so it reads those keys only."""
     if full_heads is not None:  # DuoAttention: full heads here, the others in a ring
         return split_attention(cached_attention, step, q, k, v, cache_id, full_heads, num_heads,
                                num_kv_heads, head_dim, scale, window, sinks, cos, sin, rotary)
     if sinks is not None:  # a sink + window ring: the torch path (runtime.ring_cache)
         return ring_attention(step, q, k, v, cache_id, num_heads, num_kv_heads, head_dim, scale,
                               window, sinks, cos, sin, rotary)
-    if select is not None or page is not None:  # selected tokens: the torch path gathers them
+    if step.per_row or (step.tree is not None and (window is not None or page is not None)):
         return torch_cached_attention(step, q, k, v, cache_id, num_heads, num_kv_heads,
                                       head_dim, scale, window, cos, sin, select=select, page=page)
-    if step.per_row or (step.tree is not None and window is not None):
-        return torch_cached_attention(step, q, k, v, cache_id, num_heads, num_kv_heads,
-                                      head_dim, scale, window, cos, sin)
     b, s, _ = q.shape
     k_cache, v_cache = step.cache.k[cache_id], step.cache.v[cache_id]
     split = lambda x: x.view(b, s, num_kv_heads, head_dim).transpose(1, 2)  # noqa: E731  [B, Hkv, S, D]
@@ -49,11 +50,15 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, cache_id: int,
                         v=v, v_cache=v_cache)  # K rotated and V, one launch
     else:
         write_kv(step, k_cache, v_cache, split(k), split(v))
+    if page is not None:  # Quest: the bounds of the pages just written
+        refresh_bounds(step, cache_id, page, k_cache)
     start = step.pad if step.pad is not None else step.once("zeros", lambda: _zeros(b, q.device))
     if s == 1 and step.tree is None:
         end = step.once("end", lambda: step.pos + 1) if step.static else step.end
+        # TidalDecode, Quest: the kernel reads only the selected positions and this one
+        index = None if select is None else selection_index(step, select)  # [B, Hkv, k + 1]
         out = decode_attention(q.view(b, num_heads, head_dim), k_cache, v_cache, end, scale,
-                               start=start, window=window or 0, cos=cos, sin=sin)
+                               start=start, window=window or 0, cos=cos, sin=sin, index=index)
         return out.view(b, 1, num_heads * head_dim)
     tree = step.once("tree_bits", lambda: tree_bits(step.tree)) if step.tree is not None else None
     return prefill_attention(q, k_cache, v_cache, num_heads, scale, q_start=step.start,

@@ -144,9 +144,12 @@ def test_artifact_round_trip_and_the_command_line(tmp_path):
     assert torch.equal(got[0], reference_greedy(loaded, [5], 12))
 
 
-def test_the_triton_backend_equals_torch():
+@pytest.mark.parametrize("recent,rope", [(0, False), (3, True)])
+def test_the_triton_backend_equals_torch(recent, rope):
+    # decode steps pass the kernel the selected positions (with FuseRoPE, keys rotated as written)
     model = _model()
-    passes = lambda: [Quest(page=2, budget=4, dense_layers=1), FuseQKV()]  # noqa: E731
+    passes = lambda: [Quest(page=2, budget=4, dense_layers=1, recent=recent), FuseQKV(),  # noqa: E731
+                      *([FuseRoPE()] if rope else [])]
     ref = rewriter.optimize(model, passes=passes())
     tri = rewriter.optimize(model, passes=passes(), backend="triton")
     kw = dict(max_new_tokens=6, eos_token_id=[])

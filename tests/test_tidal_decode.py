@@ -107,10 +107,13 @@ def test_conflicts_are_refused_by_name():
 
 
 @pytest.mark.slow
-def test_triton_backend_equals_torch():
+@pytest.mark.parametrize("recent,rope", [(0, False), (2, True)])
+def test_triton_backend_equals_torch(recent, rope):
+    # decode steps pass the kernel the selected positions (with FuseRoPE, keys rotated as written)
     pytest.importorskip("triton")
     model = make_model("llama-gqa-3l", initializer_range=0.2)
-    passes = lambda: [TidalDecode(selection_layers=[0], top_k=3), FuseQKV()]  # noqa: E731
+    passes = lambda: [TidalDecode(selection_layers=[0], top_k=3, recent=recent), FuseQKV(),  # noqa: E731
+                      *([FuseRoPE()] if rope else [])]
     ref = rewriter.optimize(model, passes=passes())
     tri = rewriter.optimize(model, passes=passes(), backend="triton")
     kw = dict(max_new_tokens=6, eos_token_id=[])
