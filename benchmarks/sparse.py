@@ -55,7 +55,9 @@ def kv_read_bytes(engine, tokens: int) -> int:
     """KV bytes one decode step reads with ``tokens`` in the cache, batch 1: a dense cache
     reads every token, a ring its slots, a TidalDecode layer its ``top_k + recent + 1``
     (selection layers read everything; their second read of the keys, to select, is not
-    counted), a Quest layer its ``budget + recent + 1`` and every page's bounds."""
+    counted), a Quest layer its ``budget + recent + 1`` (the budget in whole pages) and the
+    bounds of every page so far (at the cache's dtype: a step also converts them to float32
+    to score, which is not counted)."""
     dtype = engine._dtype()
     selected, bounds = {}, {}
     for n in engine.ir.gm.graph.find_nodes(op="call_function", target=OPS["attention"]):
@@ -66,7 +68,7 @@ def kv_read_bytes(engine, tokens: int) -> int:
             selected[args["layer"]] = p["top_k"] + p["recent"] + 1
         elif sel is not None:  # Quest: budget and recent tokens, its own, every page's bounds
             p = op_arguments("select_pages", tuple(sel.args), dict(sel.kwargs))
-            selected[args["layer"]] = p["budget"] + p["recent"] + 1
+            selected[args["layer"]] = p["budget"] // p["page"] * p["page"] + p["recent"] + 1
             bounds[args["layer"]] = 2 * -(-tokens // p["page"])  # max and min, per page
     total = 0
     for i, s in cache_table(engine.ir.gm).items():

@@ -627,6 +627,10 @@ def check_arguments(name: str, args: tuple, kwargs: dict, is_tensor=None) -> dic
     if name == "attention" and bound["select"] is not None and bound["sinks"] is not None:
         raise ValueError("rw.attention: select (TidalDecode) and sinks (a ring cache) do not "
                          "go together: the ring has dropped what a selection may name")
+    if name == "attention" and bound["select"] is not None and bound["window"] is not None:
+        raise ValueError(f"rw.attention: select (TidalDecode, Quest) and window="
+                         f"{bound['window']} do not go together: the selection replaces the "
+                         f"causal window")
     if name == "attention" and bound["rotary"] is not None and bound["sinks"] is None:
         raise ValueError("rw.attention: rotary (StreamingLLM's sink positions) needs sinks")
     if name == "attention":

@@ -5,9 +5,10 @@ Each cache with a page selection keeps, per row and KV head, the per-channel max
 minimum key of every page of ``page`` cache positions (``KVCache.bounds``, ``[B, Hkv, P,
 D]`` each), updated after every write for the pages it touched, over the row's real keys
 only (left padding and positions not yet written count as absent): a prompt recomputes
-the pages it wrote, a one-token step folds its key into its page's bounds. A one-token step scores
-the pages written before it and reads ``budget`` tokens per KV head plus its own; a prompt
-is attended densely and selects nothing.
+the pages it wrote, a one-token step folds its key into its page's bounds. A one-token step
+scores the pages written before it (the bounds of pages up to its position) and reads
+``budget + recent`` tokens per KV head plus its own; a prompt is attended densely and
+selects nothing.
 """
 from __future__ import annotations
 
@@ -81,9 +82,13 @@ def select_pages(step, q: Tensor, k: Tensor, cache_id: int, num_heads: int, num_
         return None
     b = q.shape[0]
     device = q.device
+    recent = min(recent, step.end)  # never wider than the positions the step can see
     if cache_id not in step.cache.bounds:  # nothing written before: the token sees itself
         return torch.full((b, num_kv_heads, 1, 1 + recent), -1, dtype=torch.int64, device=device)
     high, low = step.cache.bounds[cache_id]  # written by this layer's earlier steps
+    if not step.static:  # score the pages up to this step only, not every allocated one
+        used = -(-step.end // page)
+        high, low = high[:, :, :used], low[:, :, :used]
     pages = high.shape[2]
     pad = step.pad if step.pad is not None else torch.zeros(b, dtype=torch.int64, device=device)
     current = step.pos.expand(b) if step.static else torch.full((b,), step.start, device=device)

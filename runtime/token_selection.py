@@ -22,6 +22,7 @@ def select_tokens(step, q: Tensor, k: Tensor, cache_id: int, num_heads: int, num
     if step.length != 1 or step.tree is not None:
         return None
     b = q.shape[0]
+    top_k, recent = min(top_k, step.end), min(recent, step.end)  # never wider than the cache
     keys = step.cache.k[cache_id][:, :, :step.end]  # [B, Hkv, end, D]
     qh = q.view(b, 1, num_heads, head_dim).transpose(1, 2)  # [B, Hq, 1, D]
     allowed = step.once(("selectable", recent), lambda: _selectable(step, b, recent))  # [B, 1, 1, end]

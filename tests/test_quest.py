@@ -82,15 +82,17 @@ def test_decode_steps_equal_the_whole_sequence_graph(page, budget, dense_layers,
     assert not torch.equal(got, dense)
 
 
-@pytest.mark.parametrize("recent", [0, 3])
+@pytest.mark.parametrize("recent", [0, 4])
 def test_a_ragged_batch_equals_each_row_alone_and_static_steps_agree(recent):
+    # a one-token row: its local window reaches into its left padding, which it must not see
     opt = rewriter.optimize(_model(), passes=[Quest(page=2, budget=4, dense_layers=1, recent=recent)])
-    together = opt.generate(ROWS, **KW)
-    for i, row in enumerate(ROWS):
+    rows = [*ROWS, [7]]
+    together = opt.generate(rows, **KW)
+    for i, row in enumerate(rows):
         assert torch.equal(together[i, -12:], opt.generate([row], **KW)[0, -12:])
-    assert not torch.equal(together, rewriter.optimize(_model()).generate(ROWS, **KW))
+    assert not torch.equal(together, rewriter.optimize(_model()).generate(rows, **KW))
     opt.static_decode = True
-    assert torch.equal(opt.generate(ROWS, **KW), together)
+    assert torch.equal(opt.generate(rows, **KW), together)
 
 
 def test_a_reused_cache_keeps_no_bounds_of_the_request_before():
@@ -115,6 +117,12 @@ def test_a_budget_past_the_cache_reads_no_more_than_the_cache():
         ps.pages_to_tokens = original
     assert seen and max(seen) <= opt._cache.max_len
     assert torch.equal(got, rewriter.optimize(_model()).generate([ROWS[0]], **KW))
+
+
+def test_a_window_past_the_cache_reads_the_cache_and_equals_dense():
+    # recent is capped at the positions a step can see, not allocated as asked
+    opt = rewriter.optimize(_model(), passes=[Quest(page=4, budget=4, dense_layers=0, recent=1 << 30)])
+    assert torch.equal(opt.generate(ROWS, **KW), rewriter.optimize(_model()).generate(ROWS, **KW))
 
 
 def test_the_bounds_follow_the_cache_and_count_as_memory():
@@ -146,7 +154,8 @@ def test_artifact_round_trip_and_the_command_line(tmp_path):
 
 @pytest.mark.parametrize("recent,rope", [(0, False), (3, True)])
 def test_the_triton_backend_equals_torch(recent, rope):
-    # decode steps pass the kernel the selected positions (with FuseRoPE, keys rotated as written)
+    # decode steps pass the kernel the selected positions (FuseRoPE fuses only the dense
+    # layer: a Quest layer's q and k have a second user, its page selection)
     model = _model()
     passes = lambda: [Quest(page=2, budget=4, dense_layers=1, recent=recent), FuseQKV(),  # noqa: E731
                       *([FuseRoPE()] if rope else [])]

@@ -61,15 +61,33 @@ def test_decode_steps_equal_the_whole_sequence_graph(layers, top_k, recent):
     assert not torch.equal(got, dense.generate(prompts, max_new_tokens=16, eos_token_id=[]))
 
 
-@pytest.mark.parametrize("recent", [0, 2])
+@pytest.mark.parametrize("recent", [0, 4])
 def test_a_ragged_batch_equals_each_row_alone_and_static_steps_agree(recent):
+    # a one-token row: its local window reaches into its left padding, which it must not see
     model = make_model("llama-gqa-3l", initializer_range=0.2)
     opt = rewriter.optimize(model, passes=[TidalDecode(selection_layers=[0], top_k=3, recent=recent)])
-    together = opt.generate(ROWS, **KW)
-    for i, row in enumerate(ROWS):
+    rows = [*ROWS, [7]]
+    together = opt.generate(rows, **KW)
+    for i, row in enumerate(rows):
         assert torch.equal(together[i, -12:], opt.generate([row], **KW)[0, -12:])
     opt.static_decode = True
-    assert torch.equal(opt.generate(ROWS, **KW), together)
+    assert torch.equal(opt.generate(rows, **KW), together)
+
+
+def test_a_window_or_top_k_past_the_cache_equals_dense_and_a_causal_window_is_refused():
+    from rewriter.ops import check_arguments, op_arguments
+    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    dense = rewriter.optimize(model).generate(ROWS, **KW)
+    for top_k, recent in [(1, 1 << 30), (1 << 30, 0)]:  # capped at the cache, not allocated
+        opt = rewriter.optimize(model, passes=[TidalDecode(selection_layers=[0], top_k=top_k,
+                                                           recent=recent)])
+        assert torch.equal(opt.generate(ROWS, **KW), dense)
+    ir = rewriter.optimize(model, passes=[TidalDecode(selection_layers=[0], top_k=2)]).ir
+    (attn,) = [n for n in ir.graph.find_nodes(op="call_function", target=OPS["attention"])
+               if n.kwargs.get("select") is not None][:1]
+    with pytest.raises(ValueError, match="select .* window=4"):
+        bound = op_arguments("attention", tuple(attn.args), dict(attn.kwargs))
+        check_arguments("attention", (), {**bound, "window": 4})
 
 
 def test_selected_mask_names_the_selection_and_the_query_itself():
