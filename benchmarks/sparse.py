@@ -124,7 +124,7 @@ def main():
     ap.add_argument("--duo-window", type=int, default=None,
                     help="DuoAttention's streaming heads' window (default: the gates file's)")
     ap.add_argument("--ppl-length", type=int, default=1024)
-    ap.add_argument("--ppl-chunks", type=int, default=4)
+    ap.add_argument("--ppl-chunks", type=int, default=4, help="0: no perplexity")
     ap.add_argument("--kv-length", type=int, default=None,
                     help="tokens in the cache for the KV and decode-speed figures (default: "
                          "the longest pass-key length, else the perplexity length)")
@@ -153,7 +153,7 @@ def main():
         pipelines[f"DuoAttention(sparsity={f}{shown})"] = [
             DuoAttention(args.duo_gates, sparsity=f, **ring)]
     longest = args.kv_length or max(args.lengths, default=args.ppl_length)
-    chunks = heldout_chunks(tok, args.ppl_chunks, args.ppl_length)
+    chunks = heldout_chunks(tok, args.ppl_chunks, args.ppl_length) if args.ppl_chunks else []
     results = {"model": args.model, "machine": platform.processor() or platform.machine(),
                "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
                "args": vars(args), "rows": []}
@@ -164,7 +164,7 @@ def main():
         deepest = max(args.lengths, default=None)
         by_depth = {d: passkey_accuracy(engine, tok, [deepest], [d], args.trials).get(deepest)
                     for d in args.depths} if deepest else {}
-        ppl = perplexity(engine, chunks)
+        ppl = perplexity(engine, chunks) if chunks else float("nan")
         rates = {b: decode_rate(engine, b, longest, args.new) for b in args.batch}
         row = {"pipeline": name, "passkey_by_length": by_length, "passkey_by_depth": by_depth,
                "perplexity": ppl, "kv_bytes": engine.kv_bytes_per_token(longest) * longest,
