@@ -43,10 +43,12 @@ PIPELINES = {  # name -> (passes, dtype)
     "StreamingAttention(sinks=4, window=252)": ([StreamingAttention(sinks=4, window=252)],
                                                 torch.float32),
     # at decode, layers after the third attend to the 256 tokens the third attends to most
-    "TidalDecode(selection_layers=[2], top_k=256)": ([TidalDecode(selection_layers=[2], top_k=256)],
-                                                     torch.float32),
-    # at decode, layers after the second read the 16 pages of 16 tokens whose keys could score most
-    "Quest(page=16, budget=256)": ([Quest(page=16, budget=256)], torch.float32),
+    "TidalDecode(selection_layers=[2], top_k=256, recent=64)": (
+        [TidalDecode(selection_layers=[2], top_k=256, recent=64)], torch.float32),
+    # at decode, layers after the second read the 16 pages of 16 tokens whose keys could score
+    # most, and the 64 tokens before the current one
+    "Quest(page=16, budget=256, recent=64)": ([Quest(page=16, budget=256, recent=64)],
+                                              torch.float32),
 }
 
 
