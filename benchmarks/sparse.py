@@ -153,7 +153,7 @@ def main():
         pipelines[f"DuoAttention(sparsity={f}{shown})"] = [
             DuoAttention(args.duo_gates, sparsity=f, **ring)]
     longest = args.kv_length or max(args.lengths, default=args.ppl_length)
-    chunks = heldout_chunks(tok, args.ppl_chunks, args.ppl_length) if args.ppl_chunks else []
+    chunks = heldout_chunks(tok, args.ppl_chunks, args.ppl_length) if args.ppl_chunks else None
     results = {"model": args.model, "machine": platform.processor() or platform.machine(),
                "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
                "args": vars(args), "rows": []}
@@ -164,7 +164,7 @@ def main():
         deepest = max(args.lengths, default=None)
         by_depth = {d: passkey_accuracy(engine, tok, [deepest], [d], args.trials).get(deepest)
                     for d in args.depths} if deepest else {}
-        ppl = perplexity(engine, chunks) if chunks else float("nan")
+        ppl = perplexity(engine, chunks) if args.ppl_chunks else float("nan")
         rates = {b: decode_rate(engine, b, longest, args.new) for b in args.batch}
         row = {"pipeline": name, "passkey_by_length": by_length, "passkey_by_depth": by_depth,
                "perplexity": ppl, "kv_bytes": engine.kv_bytes_per_token(longest) * longest,
