@@ -190,7 +190,8 @@ def test_conflicts_are_refused_by_name():
 
 @pytest.mark.parametrize("kwargs,match", [({"page": 0}, "page"), ({"budget": 3, "page": 4}, "budget"),
                                           ({"dense_layers": -1}, "dense_layers"),
-                                          ({"page": 2.5}, "page")])
+                                          ({"page": 2.5}, "page"), ({"recent": -1}, "recent"),
+                                          ({"recent": True}, "recent"), ({"recent": 2**31}, "recent")])
 def test_bad_parameters_name_themselves(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Quest(**kwargs)

@@ -120,6 +120,9 @@ def test_conflicts_are_refused_by_name():
         rewriter.optimize(model, passes=[TidalDecode(selection_layers=[9])])
     with pytest.raises(ValueError, match="top_k"):
         TidalDecode(top_k=0)
+    for recent in (-1, True, 1.5, 2**31):
+        with pytest.raises(ValueError, match="recent must be an integer >= 0"):
+            TidalDecode(recent=recent)
     with pytest.raises(ValueError, match="selection_layers"):
         TidalDecode(selection_layers=[])
 
