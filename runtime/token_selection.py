@@ -38,13 +38,11 @@ def selected_attention(step, qh: Tensor, k_cache: Tensor, v_cache: Tensor, selec
     (-1: none) and the step's own token: ``k + 1`` keys read per KV head, not the cache."""
     b, hkv, _, k = select.shape
     d = k_cache.shape[-1]
-    current = _current(step, b, hkv)  # [B, Hkv, 1]
-    index = selection_index(step, select).clamp(min=0)  # [B, Hkv, k + 1]
-    gather = index[..., None].expand(b, hkv, k + 1, d)
+    index = selection_index(step, select)  # [B, Hkv, k + 1]
+    gather = index.clamp(min=0)[..., None].expand(b, hkv, k + 1, d)
     keys = k_cache.gather(2, gather)  # [B, Hkv, k + 1, D]
     values = v_cache.gather(2, gather)
-    seen = torch.cat([select[:, :, 0] >= 0, torch.ones_like(current, dtype=torch.bool)], -1)
-    mask = seen[:, :, None, :]  # [B, Hkv, 1, k + 1]
+    mask = (index >= 0)[:, :, None, :]  # [B, Hkv, 1, k + 1]: -1 entries unseen
     if gqa:
         mask = mask.repeat_interleave(qh.shape[1] // hkv, dim=1)
     return F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale,
