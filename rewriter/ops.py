@@ -462,13 +462,17 @@ def top_tokens(qh: Tensor, kh: Tensor, allowed: Tensor, top_k: int) -> Tensor:
     allowed ones."""
     b, hq, s, d = qh.shape
     hkv, t = kh.shape[1], kh.shape[2]
-    keys = kh.repeat_interleave(hq // hkv, dim=1)  # [B, Hq, T, D]
-    scores = (qh.float() @ keys.float().transpose(-1, -2)) / math.sqrt(d)  # [B, Hq, S, T]
-    weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num(0.0)
-    weights = weights.view(b, hkv, hq // hkv, s, t).sum(2)  # [B, Hkv, S, T]
+    g = hq // hkv
+    # Query head h reads KV head h // g: one product per KV head over its whole group, so
+    # the keys are read once, not copied g times (the cache is what a decode step is bound by).
+    qg = qh.float().reshape(b, hkv, g * s, d)  # [B, Hkv, G*S, D]
+    scores = (qg @ kh.float().transpose(-1, -2)).view(b, hkv, g, s, t) / math.sqrt(d)
+    seen = allowed.expand(b, 1, s, t)[:, :, None]  # [B, 1, 1, S, T]
+    weights = scores.masked_fill(~seen, float("-inf")).softmax(-1).nan_to_num(0.0)
+    weights = weights.sum(2)  # [B, Hkv, S, T]
     k = min(top_k, t)
     best, idx = weights.topk(k, dim=-1)  # [B, Hkv, S, k]
-    ok = allowed.expand(b, 1, s, t).expand(b, hkv, s, t).gather(-1, idx)
+    ok = seen[:, :, 0].expand(b, hkv, s, t).gather(-1, idx)
     idx = torch.where(ok, idx, -1)
     return F.pad(idx, (0, top_k - k), value=-1)
 
