@@ -30,7 +30,7 @@ from rewriter.ops import OPS
 from .generate import Batch, decode_loop, prepare, score_loop
 from .kv_cache import KVCache, bounded, cache_table
 from .programs import build_programs
-from .settings import GenerationSettings, is_int, token_ids
+from .settings import PREFILL_CHUNK, GenerationSettings, is_int, token_ids
 from .speculative import speculative_loop
 from .tree_decoding import tree_loop
 
@@ -99,16 +99,18 @@ class Engine:
                  attention_mask: Optional[Tensor] = None, do_sample: bool = False,
                  temperature: float = 1.0, top_k: Optional[int] = 50, top_p: float = 1.0,
                  seed: Optional[int] = None, eos_token_id=None, pad_token_id: Optional[int] = None,
-                 progress: bool = False) -> Tensor:
+                 progress: bool = False, prefill_chunk: int = PREFILL_CHUNK) -> Tensor:
         """Prompt + new tokens, ``[B, S + n]``, like ``transformers`` ``generate``.
 
         ``input_ids`` is a ``[B, S]`` tensor (with ``attention_mask`` marking padding, left
         or right) or a list of token-id lists of any lengths. Rows that end (an
         ``eos_token_id``) are filled with ``pad_token_id``; generation stops when all have.
-        Every argument is checked (``GenerationSettings``) before anything runs.
+        The prompt runs in steps of at most ``prefill_chunk`` tokens (a long prompt's
+        attention masks then stay small). Every argument is checked
+        (``GenerationSettings``) before anything runs.
         """
         settings = GenerationSettings(max_new_tokens, do_sample, temperature, top_k, top_p,
-                                      seed, eos_token_id, pad_token_id)
+                                      seed, eos_token_id, pad_token_id, prefill_chunk)
         batch, steps = self._start(input_ids, attention_mask, settings)
         if progress:
             from tqdm import tqdm
@@ -120,11 +122,12 @@ class Engine:
                attention_mask: Optional[Tensor] = None, do_sample: bool = False,
                temperature: float = 1.0, top_k: Optional[int] = 50, top_p: float = 1.0,
                seed: Optional[int] = None, eos_token_id=None,
-               pad_token_id: Optional[int] = None) -> Iterator[Tensor]:
+               pad_token_id: Optional[int] = None,
+               prefill_chunk: int = PREFILL_CHUNK) -> Iterator[Tensor]:
         """Yield each step's new tokens, ``[B]``, as they are made (arguments: ``generate``).
         The arguments are checked here, when ``stream`` is called, not at the first token."""
         settings = GenerationSettings(max_new_tokens, do_sample, temperature, top_k, top_p,
-                                      seed, eos_token_id, pad_token_id)
+                                      seed, eos_token_id, pad_token_id, prefill_chunk)
         return self._start(input_ids, attention_mask, settings)[1]
 
     def chat(self, messages: Messages, max_new_tokens: int = 256, **generation) -> str:

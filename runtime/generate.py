@@ -1,8 +1,8 @@
 """Prefill, decode and the generation loop over a static KV cache.
 
 ``prepare`` turns prompts (a tensor with an optional attention mask, or lists of token
-ids of different lengths) into one left-padded batch. ``decode_loop`` runs prefill once
-and then one decode step per token, yielding each step's tokens ``[B]``; rows that have
+ids of different lengths) into one left-padded batch. ``decode_loop`` runs the prompt
+(``run_prompt``: in steps of at most ``prefill_chunk`` tokens) and then one decode step per token, yielding each step's tokens ``[B]``; rows that have
 produced an end-of-sequence token get ``pad_token_id`` from then on.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ import warnings
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, fx
@@ -19,7 +19,7 @@ from torch import Tensor, fx
 from .attention import StaticStep, Step
 from .kv_cache import KVCache
 from .sampling import next_token
-from .settings import GenerationSettings, whole
+from .settings import PREFILL_CHUNK, GenerationSettings, whole
 
 INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
@@ -145,8 +145,9 @@ def decode_loop(prefill: fx.GraphModule, decode: fx.GraphModule, cache: KVCache,
         finished = torch.zeros(b, dtype=torch.bool, device=batch.ids.device)
         positions = batch.positions[:, -1:]  # [B, 1]
         decoder = StaticDecoder(decode, cache, batch.pad, cuda_graph) if static else None
-        logits = _run(prefill, Step(cache, 0, s, batch.pad), batch.ids, batch.positions)
-        stats.update(forward_passes=1, layer_evals=layers)
+        logits, calls = run_prompt(prefill, cache, batch.ids, batch.positions, batch.pad,
+                                   settings.prefill_chunk)
+        stats.update(forward_passes=calls, layer_evals=calls * layers)
         for i in range(max_new_tokens):
             chosen = next_token(logits[:, -1], settings, generator)  # [B]
             token = chosen
@@ -169,7 +170,23 @@ def decode_loop(prefill: fx.GraphModule, decode: fx.GraphModule, cache: KVCache,
         cache.busy = False
 
 
-def _run(program: fx.GraphModule, step: Step, ids: Tensor, positions: Tensor) -> Tensor:
+def run_prompt(program: Callable, cache: KVCache, ids: Tensor, positions: Tensor,
+               pad: Optional[Tensor], chunk: int, start: int = 0):
+    """Run ``program`` (a prefill program) over the prompt ``ids`` ``[B, S]`` written at
+    cache positions ``[start, start + S)``, in steps of at most ``chunk`` tokens: (the last
+    step's output, the number of steps). The steps are near-equal (a 2049-token prompt
+    with chunk 2048 runs as 1025 + 1024, never as 2048 + 1), so no prompt step is a
+    one-token step, which token selections treat as decoding."""
+    s = ids.shape[1]
+    steps = -(-s // chunk)
+    cuts = [start + s * i // steps for i in range(steps + 1)]  # cache positions
+    for a, b in zip(cuts, cuts[1:]):
+        out = _run(program, Step(cache, a, b - a, pad), ids[:, a - start:b - start],
+                   positions[:, a - start:b - start])
+    return out, steps
+
+
+def _run(program: Callable, step: Step, ids: Tensor, positions: Tensor):
     # Entered per call, not around the loop: a generator suspended inside the context
     # would leave inference mode on in the caller's code between tokens.
     with torch.inference_mode():
@@ -241,7 +258,8 @@ def score_loop(prefill: fx.GraphModule, decode: fx.GraphModule, cache: KVCache,
     positions = torch.arange(s, device=ids.device).expand(b, s)  # [B, S]
     cache.busy = True
     try:
-        logits = _run(prefill, Step(cache, 0, prefix, None), ids[:, :prefix], positions[:, :prefix])
+        logits, _ = run_prompt(prefill, cache, ids[:, :prefix], positions[:, :prefix], None,
+                               PREFILL_CHUNK)
         scores = [logits[:, -1].float().log_softmax(-1).gather(-1, ids[:, prefix, None])]
         for t in range(prefix, s - 1):
             logits = _run(decode, Step(cache, t, 1, None), ids[:, t:t + 1], positions[:, t:t + 1])

@@ -6,7 +6,7 @@
 ``Engine.generate`` and ``Engine.stream`` build one from their keyword arguments and hand
 that one object to the decode loop and the sampler; strategies built on the loop take it
 as it is. Defaults are Hugging Face's (``max_new_tokens=20, temperature=1.0, top_k=50,
-top_p=1.0``).
+top_p=1.0``); ``prefill_chunk=2048`` bounds the prompt tokens of one forward call.
 
 What is refused, with a ``ValueError`` that names the parameter:
 - an integer parameter that is not an ``int``: ``bool`` is refused (``True`` is not token
@@ -18,7 +18,7 @@ What is refused, with a ``ValueError`` that names the parameter:
   limit, as in Hugging Face), ``temperature >= 1e-4`` (a smaller one overflows the
   scaled logits: greedy decoding is its limit) and ``top_p`` in (0, 1] when sampling
   (greedy decoding ignores them, as Hugging Face does, but they must still be numbers),
-  eos ids in ``[0, vocab_size)`` once the model is known
+  ``prefill_chunk >= 16``, eos ids in ``[0, vocab_size)`` once the model is known
   (``pad_token_id`` may be any int64: it only marks output positions), ``seed`` what
   ``torch.Generator.manual_seed`` takes (64 bits, signed or not).
 
@@ -46,6 +46,8 @@ _INT64_RANGE = (-(2 ** 63), 2 ** 63)
 # Sampling divides float32 logits by the temperature: below this, logits of a few hundred
 # already overflow to inf and the probabilities become NaN.
 MIN_TEMPERATURE = 1e-4
+# Prompt tokens per prefill step (``GenerationSettings.prefill_chunk``).
+PREFILL_CHUNK = 2048
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,11 @@ class GenerationSettings:
     # the output (ended rows, the left padding of list prompts) and never reaches the
     # model, so any int will do (-1 as a marker, as Hugging Face users do).
     pad_token_id: Optional[int] = None
+    # The prompt is run in steps of at most this many tokens: the attention masks and
+    # scores of a step grow with its length times the cache's, so an 8k-token prompt in
+    # one step needs gigabytes that 2048-token steps do not. Each token attends to the
+    # same keys either way.
+    prefill_chunk: int = PREFILL_CHUNK
 
     def __post_init__(self):
         # Every field is stored as the plain Python value it was checked as: a numpy or
@@ -73,6 +80,9 @@ class GenerationSettings:
         put("do_sample", bool(self.do_sample))
         put("temperature", real("temperature", self.temperature))
         put("top_p", real("top_p", self.top_p))
+        # >= 16: a prompt longer than one chunk is cut into near-equal steps of more than 8
+        # tokens, so no prompt step is a one-token step, which selections treat as decode.
+        put("prefill_chunk", whole("prefill_chunk", self.prefill_chunk, minimum=16))
         if self.top_k is not None:
             put("top_k", whole("top_k", self.top_k, minimum=0))
         if self.seed is not None:

@@ -32,7 +32,7 @@ from torch import Tensor
 from rewriter.decoding import Strategy
 
 from .attention import Step
-from .generate import Batch, _run
+from .generate import Batch, _run, run_prompt
 from .kv_cache import KVCache
 from .sampling import next_token, warp
 from .settings import GenerationSettings
@@ -104,9 +104,9 @@ class _Rounds:
     def first(self) -> Tensor:
         """Prefill the prompts; the first new token of every row ``[B]``."""
         batch = self.batch
-        logits = _run(self.programs["prefill"], Step(self.cache, 0, batch.ids.shape[1], batch.pad),
-                      batch.ids, batch.positions)
-        self.stats.update(forward_passes=1, layer_evals=self.full)
+        logits, calls = run_prompt(self.programs["prefill"], self.cache, batch.ids,
+                                   batch.positions, batch.pad, self.s.prefill_chunk)
+        self.stats.update(forward_passes=calls, layer_evals=calls * self.full)
         return next_token(logits[:, -1], self.s, self.generator)
 
     def start(self, length: list[int], offset: int):

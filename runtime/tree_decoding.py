@@ -39,7 +39,7 @@ from rewriter.errors import RewriterError
 from rewriter.tree import make_tree
 
 from .attention import Step
-from .generate import Batch
+from .generate import Batch, run_prompt
 from .kv_cache import KVCache
 from .sampling import next_token, warp
 from .settings import GenerationSettings
@@ -82,9 +82,9 @@ class _TreeRounds(_Rounds):
 
     def first(self) -> Tensor:
         batch = self.batch
-        logits, h = self._call("tree_prefill", Step(self.cache, 0, batch.ids.shape[1], batch.pad),
-                               batch.ids, batch.positions)
-        self.stats.update(forward_passes=1, layer_evals=self.full)
+        (logits, h), calls = run_prompt(self.programs["tree_prefill"], self.cache, batch.ids,
+                                        batch.positions, batch.pad, self.s.prefill_chunk)
+        self.stats.update(forward_passes=calls, layer_evals=calls * self.full)
         token = next_token(logits[:, -1], self.s, self.generator)
         self.draft_from(h[:, -1:], token)
         return token
