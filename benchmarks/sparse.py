@@ -21,8 +21,9 @@ lies: StreamingLLM is the control that must fail when the key falls outside its 
 held-out perplexity (second half of each chunk scored one decode step at a time, so the
 cache policy shows) and its ratio to dense, KV memory allocated for one sequence of
 ``--kv-length`` tokens (default: the longest pass-key length), KV bytes a decode step reads
-there, and decode tokens/s at that length for each batch size (medians of 3 after a
-warm-up), with the ratio to dense.
+there, and decode tokens/s at that length for each batch size (the median of ``--new``
+decode steps timed one by one after one prefill, the first 2 not counted), with the
+ratio to dense.
 """
 from __future__ import annotations
 
@@ -81,20 +82,20 @@ def kv_read_bytes(engine, tokens: int) -> int:
     return total
 
 
-def decode_rate(engine, batch: int, length: int, new: int, runs: int = 3) -> float:
-    """Decode tokens/s after a ``length - new`` token prompt: the time from the first new
-    token (which the prefill makes) to the last, over ``new - 1`` decode steps (median)."""
-    prompt = torch.randint(1, 1000, (batch, length - new), generator=torch.Generator().manual_seed(0))
-    engine.generate(prompt, max_new_tokens=2, eos_token_id=[])
+def decode_rate(engine, batch: int, length: int, new: int, warmup: int = 2) -> float:
+    """Decode tokens/s after a ``length - new - 1`` token prompt, from the median time of one
+    decode step: one prefill, then ``new`` steps timed one by one, the first ``warmup``
+    not counted. One prefill per figure, not one per run: at 8k tokens and batch 8 the
+    prompt costs minutes on a CPU, a decode step well under a second."""
+    prompt = torch.randint(1, 1000, (batch, length - new - 1), generator=torch.Generator().manual_seed(0))
+    steps = engine.stream(prompt, max_new_tokens=new + 1, eos_token_id=[])
+    next(steps)  # prefill: its token is the first one
     times = []
-    for _ in range(runs):
-        steps = engine.stream(prompt, max_new_tokens=new, eos_token_id=[])
-        next(steps)  # prefill
+    for _ in range(new):
         start = time.perf_counter()
-        for _ in steps:
-            pass
+        next(steps)
         times.append(time.perf_counter() - start)
-    return batch * (new - 1) / statistics.median(times)
+    return batch / statistics.median(times[warmup:])
 
 
 def main():
