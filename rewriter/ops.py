@@ -434,9 +434,13 @@ def page_scores(qh: Tensor, hi: Tensor, lo: Tensor, valid: Tensor) -> Tensor:
     KV head's query group (-inf for pages without keys)."""
     b, hq, s, d = qh.shape
     hkv = hi.shape[1]
-    qg = qh.view(b, hkv, hq // hkv, s, 1, d)  # [B, Hkv, G, S, 1, D]
-    bound = torch.maximum(qg * hi[:, :, None], qg * lo[:, :, None]).sum(-1)  # [B, Hkv, G, S, P]
-    return bound.amax(2).masked_fill(~valid, float("-inf"))
+    qg = qh.view(b, hkv, hq // hkv, s, d).transpose(2, 3)  # [B, Hkv, S, G, D]
+    # max(q*hi, q*lo) per channel is q*hi where q >= 0 and q*lo where q < 0 (hi >= lo): two
+    # products, not two [.., P, D] temporaries. Pages without keys (bounds -inf/+inf) may
+    # come out NaN; they are not valid and are masked.
+    bound = (qg.clamp(min=0) @ hi.transpose(-1, -2)
+             + qg.clamp(max=0) @ lo.transpose(-1, -2))  # [B, Hkv, S, G, P]
+    return bound.amax(3).masked_fill(~valid, float("-inf"))
 
 
 def pages_to_tokens(scores: Tensor, valid: Tensor, page: int, budget: int, end: Tensor,
