@@ -32,11 +32,12 @@ from .rope import rope_operands, rope_rows
 
 @triton.jit
 def decode_attention_split_kernel(
-        q_ptr, k_ptr, v_ptr, start_ptr, index_ptr, part_ptr, lse_ptr, end_ptr, cos_ptr, sin_ptr,
-        end, n_cand, chunk, scale, window, sinks, group, head_dim, half,
+        q_ptr, q2_ptr, k_ptr, v_ptr, start_ptr, index_ptr, part_ptr, lse_ptr, end_ptr, cos_ptr,
+        sin_ptr, end, n_cand, chunk, scale, window, sinks, n_sink, group, head_dim, half,
         q_sb, q_sh, k_sb, k_sh, k_sl, v_sb, v_sh, v_sl, i_sb, i_sh,
         p_sb, p_sh, p_ss, l_sb, l_sh, cs_sb,
         HAS_INDEX: tl.constexpr, END_FROM_PTR: tl.constexpr, HAS_ROPE: tl.constexpr,
+        HAS_SINK_Q: tl.constexpr,
         DOT_F32: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     if END_FROM_PTR:  # a device value: the same launch serves every step of a CUDA graph
         end = tl.load(end_ptr)
@@ -54,6 +55,11 @@ def decode_attention_split_kernel(
                       sin_ptr, (b * cs_sb + 0 * heads)[:, None], d, half)
     if DOT_F32:
         q = q.to(tl.float32)
+    if HAS_SINK_Q:  # a ring's sinks are scored by their own query (StreamingLLM positions)
+        q2 = tl.load(q2_ptr + b * q_sb + heads[:, None] * q_sh + d[None, :],
+                     mask=gmask[:, None] & dmask[None, :], other=0.0)  # [G, D]
+        if DOT_F32:
+            q2 = q2.to(tl.float32)
     first = tl.load(start_ptr + b)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     lsum = tl.zeros([BLOCK_G], tl.float32)
@@ -78,6 +84,10 @@ def decode_attention_split_kernel(
         if DOT_F32:
             k, v = k.to(tl.float32), v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [G, N]
+        if HAS_SINK_Q:
+            if t0 < n_sink:  # only the first blocks of a ring's slots hold sinks
+                s2 = tl.dot(q2, tl.trans(k), input_precision="ieee") * scale
+                s = tl.where((pos < n_sink)[None, :], s2, s)
         s = tl.where(valid[None, :], s, float("-inf"))
         m, lsum, acc = online_softmax_step(s, v, m, lsum, acc)
     out = acc / tl.where(lsum > 0, lsum, 1.0)[:, None]
@@ -111,11 +121,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      sinks: int = 0, index: Optional[torch.Tensor] = None,
                      splits: Optional[int] = None, block_n: int = 32,
                      out: Optional[torch.Tensor] = None, cos: Optional[torch.Tensor] = None,
-                     sin: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     sin: Optional[torch.Tensor] = None, q_sink: Optional[torch.Tensor] = None,
+                     sink_slots: int = 0) -> torch.Tensor:
     """Attention of ``q`` ``[B, Hq, D]`` over cache positions ``[0, end)`` of
     ``k_cache``/``v_cache`` ``[B, Hkv, L, D]`` -> ``[B, Hq, D]``. ``end`` may be a
     one-element device tensor (read by the kernel; the work then spans the whole cache).
-    With ``cos``/``sin`` ``[B, 1, R]``, q is first rotated as ``rw.rope`` does."""
+    With ``cos``/``sin`` ``[B, 1, R]``, q is first rotated as ``rw.rope`` does. With
+    ``q_sink`` (shaped like ``q``), positions below ``sink_slots`` are scored by it
+    instead: a sink + window ring whose sinks sit at StreamingLLM's positions
+    (``runtime.ring_cache``)."""
     b, hq, dim = q.shape
     hkv = k_cache.shape[1]
     end_ptr = end if isinstance(end, torch.Tensor) else None
@@ -127,6 +141,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"decode_attention: block_n={block_n}; it must be a power of two >= 16 "
                          "(the p @ v product is a tl.dot over it)")
+    if q_sink is not None and (q_sink.shape != q.shape or q_sink.stride() != q.stride()
+                               or cos is not None):
+        raise ValueError(f"decode_attention: q_sink {list(q_sink.shape)} must be laid out like "
+                         f"q {list(q.shape)}, already rotated (no cos/sin)")
     if start is None:
         start = torch.zeros(b, dtype=torch.int32, device=q.device)
     n_cand = index.shape[-1] if index is not None else end
@@ -139,12 +157,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     idx = index if index is not None else start  # any int tensor: unused without HAS_INDEX
     cos2, sin2, half = rope_operands(cos, sin, b, 1, dim, q, "decode_attention")  # [B, R]
     decode_attention_split_kernel[(b, hkv, splits)](
-        q, k_cache, v_cache, start, idx, part, lse, end_ptr if end_ptr is not None else start,
-        cos2, sin2, end, n_cand, chunk, scale, window, sinks,
+        q, q if q_sink is None else q_sink, k_cache, v_cache, start, idx, part, lse,
+        end_ptr if end_ptr is not None else start, cos2, sin2, end, n_cand, chunk, scale,
+        window, sinks, sink_slots if q_sink is not None else 0,
         hq // hkv, dim, half, q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         idx.stride(0), idx.stride(1) if index is not None else 0,
         *part.stride()[:3], *lse.stride()[:2], cos2.stride(0),
         HAS_INDEX=index is not None, END_FROM_PTR=end_ptr is not None, HAS_ROPE=cos is not None,
+        HAS_SINK_Q=q_sink is not None,
         DOT_F32=interpreted(),
         BLOCK_G=max(16, triton.next_power_of_2(hq // hkv)),  # a tensor-core tile's rows
         BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(dim)))  # tl.dot's least K
@@ -157,7 +177,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def decode_attention_reference(q, k_cache, v_cache, end, scale, start=None, window=0, sinks=0,
-                               index=None):
+                               index=None, q_sink=None, sink_slots=0):
     """The same attention with a dense mask, in float32 torch."""
     b, hq, dim = q.shape
     hkv = k_cache.shape[1]
@@ -176,5 +196,8 @@ def decode_attention_reference(q, k_cache, v_cache, end, scale, start=None, wind
     k = k_cache[:, :, :end].float().repeat_interleave(group, 1)  # [B, Hq, end, D]
     v = v_cache[:, :, :end].float().repeat_interleave(group, 1)
     scores = torch.einsum("bhd,bhtd->bht", q.float(), k) * scale
+    if q_sink is not None:  # positions below sink_slots scored by the sink query
+        sink_scores = torch.einsum("bhd,bhtd->bht", q_sink.float(), k) * scale
+        scores = torch.where(pos < sink_slots, sink_scores, scores)
     scores = scores.masked_fill(~visible.repeat_interleave(group, 1), float("-inf"))
     return torch.einsum("bht,bhtd->bhd", scores.softmax(-1), v).to(q.dtype)

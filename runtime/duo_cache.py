@@ -23,10 +23,12 @@ from .ring_cache import ring_attention
 def split_attention(attend: Callable, step, q: Tensor, k: Tensor, v: Tensor, cache_id: int,
                     full_heads: Sequence[int], num_heads: int, num_kv_heads: int, head_dim: int,
                     scale: float, window: int, sinks: int, cos: Optional[Tensor] = None,
-                    sin: Optional[Tensor] = None, rotary: Optional[Tensor] = None) -> Tensor:
+                    sin: Optional[Tensor] = None, rotary: Optional[Tensor] = None,
+                    kernel: Optional[Callable] = None) -> Tensor:
     """q ``[B, S, Hq*D]``, k/v ``[B, S, Hkv*D]`` -> ``[B, S, Hq*D]``: KV heads
     ``full_heads`` and their query groups through ``attend`` (a backend's cached attention)
-    on cache ``cache_id``, the others through the ring ``ring_part(cache_id)``."""
+    on cache ``cache_id``, the others through the ring ``ring_part(cache_id)`` (one-token
+    steps through ``kernel``, a backend's decode kernel, when given)."""
     if cos is not None:  # FuseRoPE: rotate once, before the heads are split
         q, k = KERNELS["rope"](q, cos, sin, head_dim), KERNELS["rope"](k, cos, sin, head_dim)
     b, s, _ = q.shape
@@ -43,7 +45,7 @@ def split_attention(attend: Callable, step, q: Tensor, k: Tensor, v: Tensor, cac
                    len(full_q), len(full_kv), head_dim, scale, None)
     ring = ring_attention(step, pick(qh, ring_q), pick(kh, ring_kv), pick(vh, ring_kv),
                           ring_part(cache_id), len(ring_q), len(ring_kv), head_dim, scale,
-                          window, sinks, rotary=rotary)
+                          window, sinks, rotary=rotary, kernel=kernel)
     out = torch.empty_like(qh)  # [B, S, Hq, D]
     out.index_copy_(2, full_q, whole.view(b, s, -1, head_dim))
     out.index_copy_(2, ring_q, ring.view(b, s, -1, head_dim))

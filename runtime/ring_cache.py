@@ -22,13 +22,13 @@ mask is computed from it (on the device, so a CUDA-graph decode step can use it 
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rewriter.ops import sink_attention
+from rewriter.ops import REFERENCE, sink_attention
 
 from .kernels import KERNELS
 
@@ -36,10 +36,12 @@ from .kernels import KERNELS
 def ring_attention(step, q: Tensor, k: Tensor, v: Tensor, cache_id: int, num_heads: int,
                    num_kv_heads: int, head_dim: int, scale: float, window: int, sinks: int,
                    cos: Optional[Tensor] = None, sin: Optional[Tensor] = None,
-                   rotary: Optional[Tensor] = None) -> Tensor:
+                   rotary: Optional[Tensor] = None, kernel: Optional[Callable] = None) -> Tensor:
     """``rw.attention`` with ``sinks``: q ``[B, S, Hq*D]``, k/v ``[B, S, Hkv*D]`` ->
     ``[B, S, Hq*D]``, K/V kept in the ring of cache ``cache_id``; with ``rotary`` the
-    sinks at StreamingLLM's positions (``rewriter.ops.sink_attention``)."""
+    sinks at StreamingLLM's positions (``rewriter.ops.sink_attention``). ``kernel`` (a
+    backend's ``decode_attention``) serves one-token steps: it reads the visible slots
+    through a per-row index and scores the sinks with the query rotated back."""
     if cos is not None:
         q, k = KERNELS["rope"](q, cos, sin, head_dim), KERNELS["rope"](k, cos, sin, head_dim)
     b, s, _ = q.shape
@@ -59,6 +61,10 @@ def ring_attention(step, q: Tensor, k: Tensor, v: Tensor, cache_id: int, num_hea
                          lambda: slot_contents(first + 1, sinks, window, size))  # [B, C]
         mask = step.once(("ring_decode", window, sinks),
                          lambda: visible(r_new, held, window, sinks)[:, None])  # [B, 1, 1, C]
+        if kernel is not None and step.tree is None:
+            out = _kernel_decode(kernel, step, qh, k_ring, v_ring, mask, scale, rotary, r_new,
+                                 sinks, window, head_dim, size)
+            return out.reshape(b, 1, num_heads * head_dim)  # [B, 1, Hq*D]
         out = _attend(qh, k_ring[:, :, :size], v_ring[:, :, :size], mask, scale, gqa, rotary,
                       held, r_new, sinks, window, head_dim)
     else:
@@ -88,6 +94,29 @@ def _attend(qh: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float
     is_sink = ((held >= 0) & (held < sinks))[:, None, None]  # [B, 1, 1, K]
     shift = (r_new - (sinks + window - 1)).clamp(min=0)  # [B, S]
     return sink_attention(qh, keys, values, mask, scale, is_sink, shift, rotary, head_dim)
+
+
+def _kernel_decode(kernel: Callable, step, qh: Tensor, k_ring: Tensor, v_ring: Tensor,
+                   mask: Tensor, scale: float, rotary: Optional[Tensor], r_new: Tensor,
+                   sinks: int, window: int, head_dim: int, size: int) -> Tensor:
+    """One token through a decode kernel: qh ``[B, Hq, 1, D]`` over the ring's slots that
+    ``mask`` ``[B, 1, 1, C]`` shows, named by an index ``[B, Hkv, C]`` (-1: not read) ->
+    ``[B, Hq, D]``. With ``rotary`` the sink slots are scored by the query rotated back by
+    how far it is past a full ring, which is what ``sink_attention`` computes."""
+    b, hq, _, d = qh.shape
+    hkv = k_ring.shape[1]
+    q = qh[:, :, 0].contiguous()  # [B, Hq, D]
+    index = step.once(("ring_index", window, sinks), lambda: torch.where(
+        mask[:, :, 0], torch.arange(size, device=mask.device), -1))  # [B, 1, C]
+    q_sink = None
+    if rotary is not None:
+        shift = (r_new - (sinks + window - 1)).clamp(min=0)  # [B, 1]
+        cos, sin = REFERENCE["rotary"](shift, rotary, 1.0)  # [B, 1, R]
+        back = REFERENCE["rope"](q.view(b, 1, hq * d), cos, -sin, head_dim)  # [B, 1, Hq*D]
+        q_sink = back.view(b, hq, d).contiguous()
+    start = torch.zeros(b, dtype=torch.int64, device=q.device)
+    return kernel(q, k_ring, v_ring, size, scale, start=start,
+                  index=index.expand(b, hkv, size), q_sink=q_sink, sink_slots=min(sinks, size))
 
 
 def first_real_index(step, batch: int) -> Tensor:

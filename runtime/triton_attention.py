@@ -32,13 +32,17 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, cache_id: int,
     or a token tree under a sliding window, runs the torch path; a tree at one start runs
     the prefill kernel with each node's ancestors as a bit set. A decode step with a
     selection (``select``: TidalDecode, Quest) passes the decode kernel its per-KV-head
-    position lists, so it reads those keys only."""
+    position lists, so it reads those keys only. A sink + window ring (``StreamingAttention``,
+    DuoAttention's streaming heads) runs its one-token steps through the decode kernel too,
+    over the ring's visible slots, the sinks scored by the query rotated back; its writes
+    and longer steps are the torch path's (``runtime.ring_cache``)."""
     if full_heads is not None:  # DuoAttention: full heads here, the others in a ring
         return split_attention(cached_attention, step, q, k, v, cache_id, full_heads, num_heads,
-                               num_kv_heads, head_dim, scale, window, sinks, cos, sin, rotary)
-    if sinks is not None:  # a sink + window ring: the torch path (runtime.ring_cache)
+                               num_kv_heads, head_dim, scale, window, sinks, cos, sin, rotary,
+                               kernel=decode_attention)
+    if sinks is not None:  # a sink + window ring (runtime.ring_cache): decode by the kernel
         return ring_attention(step, q, k, v, cache_id, num_heads, num_kv_heads, head_dim, scale,
-                              window, sinks, cos, sin, rotary)
+                              window, sinks, cos, sin, rotary, kernel=decode_attention)
     if step.per_row or (step.tree is not None and (window is not None or page is not None)):
         return torch_cached_attention(step, q, k, v, cache_id, num_heads, num_kv_heads,
                                       head_dim, scale, window, cos, sin, select=select, page=page)

@@ -35,6 +35,8 @@ def _launch_everything():
     q, kc = torch.randn(2, 8, 64, dtype=torch.bfloat16), torch.randn(2, 2, 300, 64, dtype=torch.bfloat16)
     index = torch.randint(-1, 300, (2, 2, 40))
     decode_attention(q, kc, kc, 300, 0.125, window=32, sinks=4, index=index)
+    ring = torch.arange(260).expand(2, 2, 260)  # a sink + window ring's decode step
+    decode_attention(q, kc, kc, 260, 0.125, index=ring, q_sink=q.clone(), sink_slots=4)
     k = torch.randn(2, 1, 2 * 64)
     rope.rope_into_cache(k, torch.randn(2, 1, 64), torch.randn(2, 1, 64), 64,
                          torch.zeros(2, 2, 16, 64), torch.tensor([5]))
@@ -64,6 +66,7 @@ def test_every_kernel_the_backend_launches_compiles_for_sm90_without_spills():
                     ("rope_kernel", "START_FROM_PTR", "True"),
                     ("rope_kernel", "HAS_V", "True"),
                     ("decode_attention_split_kernel", "HAS_ROPE", "True"),
+                    ("decode_attention_split_kernel", "HAS_SINK_Q", "True"),
                     ("prefill_attention_kernel", "HAS_ROPE", "True"),
                     ("prefill_attention_kernel", "BLOCK_M", "64"),
                     ("decode_attention_split_kernel", "DOT_F32", "False")]:

@@ -113,6 +113,25 @@ def test_decode_attention_per_head_token_lists():
                                rtol=1e-5, atol=1e-5)
 
 
+def test_decode_attention_scores_sink_slots_with_their_own_query():
+    # a sink + window ring: slots below sink_slots hold the sinks, scored by q rotated back
+    b, hq, hkv, dim, size = 2, 6, 2, 16, 40
+    k, v = cache(b, hkv, size + 1, dim)
+    q, q_sink = torch.randn(b, hq, dim), torch.randn(b, hq, dim)
+    index = torch.arange(size).expand(b, hkv, size).clone()
+    index[1, :, 30:] = -1  # a ring not yet full in row 1
+    out = poisoned((b, hq, dim))
+    decode_attention(q, k, v, size, 0.25, index=index, q_sink=q_sink, sink_slots=3, splits=2,
+                     block_n=16, out=out)
+    want = decode_attention_reference(q, k, v, size, 0.25, index=index, q_sink=q_sink,
+                                      sink_slots=3)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    plain = decode_attention_reference(q, k, v, size, 0.25, index=index)
+    assert not torch.allclose(want, plain, atol=1e-3)  # the sink query changes the answer
+    with pytest.raises(ValueError, match="q_sink"):
+        decode_attention(q, k, v, size, 0.25, q_sink=q_sink[:, :3], sink_slots=3)
+
+
 def test_decode_attention_refuses_blocks_the_gpu_cannot_compile():
     q, (k, v) = torch.randn(1, 4, 16), cache(1, 2, 40, 16)
     for block_n in (8, 24):  # tl.dot needs K >= 16; tl.arange a power of two

@@ -146,12 +146,23 @@ def test_a_tampered_split_is_refused_on_load(tmp_path):
         rewriter.load(tmp_path / "a")
 
 
-def test_the_triton_backend_equals_torch():
+def test_the_triton_backend_equals_torch(monkeypatch):
+    from rewriter.runtime import triton_attention
+    kernel, sink_queries = triton_attention.decode_attention, []
+
+    def counted(*args, **kw):
+        sink_queries.append(kw.get("q_sink") is not None)
+        return kernel(*args, **kw)
+
+    monkeypatch.setattr(triton_attention, "decode_attention", counted)
     model = _model()
     want = duo(model).generate(ROWS, **KW)
     triton = rewriter.optimize(model, passes=[DuoAttention(MIXED, sinks=2, window=4)],
                                backend="triton")
     assert torch.equal(triton.generate(ROWS, **KW), want)
+    # per decode step: layer 0's full head and ring, layer 1's ring, layer 2's full heads
+    steps = KW["max_new_tokens"] - 1
+    assert sink_queries.count(True) == 2 * steps and sink_queries.count(False) == 2 * steps
 
 
 def test_threshold_and_sparsity_choose_the_full_heads():

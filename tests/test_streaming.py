@@ -161,14 +161,23 @@ def test_a_sinks_attribute_without_a_window_is_refused_when_verified():
 
 
 @pytest.mark.slow
-def test_triton_backend_equals_torch():
+def test_triton_backend_equals_torch(monkeypatch):
     pytest.importorskip("triton")
+    from rewriter.runtime import triton_attention
+    kernel, sink_queries = triton_attention.decode_attention, []
+
+    def counted(*args, **kw):  # a ring's decode step: the kernel, with the rotated-back query
+        sink_queries.append(kw.get("q_sink") is not None)
+        return kernel(*args, **kw)
+
+    monkeypatch.setattr(triton_attention, "decode_attention", counted)
     model = make_model("llama-gqa-3l", initializer_range=0.2)
     passes = lambda: [StreamingAttention(sinks=2, window=4), FuseQKV(), FuseRoPE()]  # noqa: E731
     ref = rewriter.optimize(model, passes=passes())
     tri = rewriter.optimize(model, passes=passes(), backend="triton")
     kw = dict(max_new_tokens=8, eos_token_id=[])
     assert torch.equal(tri.generate(ROWS, **kw), ref.generate(ROWS, **kw))
+    assert len(sink_queries) == 3 * 7 and all(sink_queries)  # 3 layers x 7 decode steps
 
 
 @pytest.mark.parametrize("fused", [False, True])
