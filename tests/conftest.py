@@ -14,6 +14,11 @@ if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "1"
 import transformers as T
 
+# Under pytest-xdist (``-n auto``: one worker per core) each worker gets its share of the
+# cores, so the workers' torch thread pools do not fight over them.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 warnings.filterwarnings("ignore", message=".*(bos|eos)_token_id.*")
 
 # Two configs per family, covering GQA/MQA, head dims that are not powers of two, odd
