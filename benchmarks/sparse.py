@@ -133,6 +133,8 @@ def main():
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--json", default="benchmarks/results/sparse.json")
     args = ap.parse_args()
+    if args.new < 3:
+        ap.error(f"--new {args.new}: at least 3 decode steps (the first 2 are a warm-up)")
     model, tok = load(args.model)
     pipelines = {"dense": []}
     for w in args.windows:
@@ -154,6 +156,9 @@ def main():
         pipelines[f"DuoAttention(sparsity={f}{shown})"] = [
             DuoAttention(args.duo_gates, sparsity=f, **ring)]
     longest = args.kv_length or max(args.lengths, default=args.ppl_length)
+    if args.batch and longest <= args.new + 1:
+        ap.error(f"a {longest}-token cache leaves no prompt before {args.new + 1} new tokens "
+                 f"(--kv-length, --new)")
     chunks = heldout_chunks(tok, args.ppl_chunks, args.ppl_length) if args.ppl_chunks else None
     results = {"model": args.model, "machine": platform.processor() or platform.machine(),
                "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),

@@ -85,7 +85,8 @@ def decode_attention_split_kernel(
             k, v = k.to(tl.float32), v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [G, N]
         if HAS_SINK_Q:
-            if t0 < n_sink:  # only the first blocks of a ring's slots hold sinks
+            # the blocks that hold a sink (a ring's first slots): a second product there only
+            if tl.min(tl.where(valid, pos, n_sink), axis=0) < n_sink:
                 s2 = tl.dot(q2, tl.trans(k), input_precision="ieee") * scale
                 s = tl.where((pos < n_sink)[None, :], s2, s)
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -142,9 +143,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"decode_attention: block_n={block_n}; it must be a power of two >= 16 "
                          "(the p @ v product is a tl.dot over it)")
     if q_sink is not None and (q_sink.shape != q.shape or q_sink.stride() != q.stride()
+                               or q_sink.dtype != q.dtype or q_sink.device != q.device
                                or cos is not None):
-        raise ValueError(f"decode_attention: q_sink {list(q_sink.shape)} must be laid out like "
-                         f"q {list(q.shape)}, already rotated (no cos/sin)")
+        raise ValueError(f"decode_attention: q_sink {list(q_sink.shape)} {q_sink.dtype} must be "
+                         f"laid out like q {list(q.shape)} {q.dtype}, on its device, already "
+                         f"rotated (no cos/sin)")
+    if (q_sink is None) != (sink_slots == 0) or not 0 <= sink_slots <= k_cache.shape[2]:
+        raise ValueError(f"decode_attention: sink_slots={sink_slots} needs a q_sink and must lie "
+                         f"in [1, {k_cache.shape[2]}] (0 without one)")
     if start is None:
         start = torch.zeros(b, dtype=torch.int32, device=q.device)
     n_cand = index.shape[-1] if index is not None else end

@@ -178,6 +178,8 @@ def run_prompt(program: Callable, cache: KVCache, ids: Tensor, positions: Tensor
     with chunk 2048 runs as 1025 + 1024, never as 2048 + 1), so no prompt step is a
     one-token step, which token selections treat as decoding."""
     s = ids.shape[1]
+    if s < 1 or chunk < 1:
+        raise ValueError(f"run_prompt: a prompt of {s} tokens in chunks of {chunk}; both must be >= 1")
     steps = -(-s // chunk)
     cuts = [start + s * i // steps for i in range(steps + 1)]  # cache positions
     for a, b in zip(cuts, cuts[1:]):

@@ -17,7 +17,8 @@ import transformers as T
 # Under pytest-xdist (``-n auto``: one worker per core) each worker gets its share of the
 # cores, so the workers' torch thread pools do not fight over them.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, (cores or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 warnings.filterwarnings("ignore", message=".*(bos|eos)_token_id.*")
 

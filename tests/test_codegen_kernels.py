@@ -128,8 +128,18 @@ def test_decode_attention_scores_sink_slots_with_their_own_query():
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     plain = decode_attention_reference(q, k, v, size, 0.25, index=index)
     assert not torch.allclose(want, plain, atol=1e-3)  # the sink query changes the answer
+    # the sinks anywhere in the position list: a reversed ring reads them in its last block
+    flipped = index.flip(-1).contiguous()
+    decode_attention(q, k, v, size, 0.25, index=flipped, q_sink=q_sink, sink_slots=3, splits=2,
+                     block_n=16, out=out)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="q_sink"):
         decode_attention(q, k, v, size, 0.25, q_sink=q_sink[:, :3], sink_slots=3)
+    with pytest.raises(ValueError, match="q_sink"):
+        decode_attention(q, k, v, size, 0.25, q_sink=q_sink.double(), sink_slots=3)
+    for bad in (dict(sink_slots=3), dict(q_sink=q_sink), dict(q_sink=q_sink, sink_slots=-1)):
+        with pytest.raises(ValueError, match="sink_slots"):
+            decode_attention(q, k, v, size, 0.25, **bad)
 
 
 def test_decode_attention_refuses_blocks_the_gpu_cannot_compile():

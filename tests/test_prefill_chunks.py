@@ -79,3 +79,18 @@ def test_a_bad_prefill_chunk_is_refused_by_name(bad):
     engine = rewriter.optimize(_model())
     with pytest.raises(ValueError, match="prefill_chunk"):
         engine.generate(ROWS, prefill_chunk=bad, **KW)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dense", "ring", "quest"])
+def test_triton_chunked_prompts_equal_torch_in_one_step(name):
+    # The Triton prefill kernel at a later start, with left padding; K rotated into the cache there
+    pytest.importorskip("triton")
+    from rewriter.passes import FuseQKV, FuseRoPE
+    model = _model()
+    fused = [] if name == "quest" else [FuseQKV(), FuseRoPE()]  # Quest reads the unrotated q/k
+    rows, kw = [r[:40] for r in ROWS], dict(max_new_tokens=4, eos_token_id=[])
+    torch_ = rewriter.optimize(model, passes=[*PIPELINES[name], *fused])
+    triton = rewriter.optimize(model, passes=[*PIPELINES[name], *fused], backend="triton")
+    assert torch.equal(triton.generate(rows, prefill_chunk=16, **kw),
+                       torch_.generate(rows, prefill_chunk=4096, **kw))
