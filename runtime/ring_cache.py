@@ -110,11 +110,13 @@ def _kernel_decode(kernel: Callable, step, qh: Tensor, k_ring: Tensor, v_ring: T
         mask[:, :, 0], torch.arange(size, device=mask.device), -1))  # [B, 1, C]
     q_sink = None
     if rotary is not None:
-        shift = (r_new - (sinks + window - 1)).clamp(min=0)  # [B, 1]
-        cos, sin = REFERENCE["rotary"](shift, rotary, 1.0)  # [B, 1, R]
+        # the rotation back, once a step per frequency table (a model constant, so its id
+        # names it for the step): the layers' tables are usually one
+        cos, sin = step.once(("ring_back", window, sinks, id(rotary)), lambda: REFERENCE["rotary"](
+            (r_new - (sinks + window - 1)).clamp(min=0), rotary, 1.0))  # [B, 1, R]
         back = REFERENCE["rope"](q.view(b, 1, hq * d), cos, -sin, head_dim)  # [B, 1, Hq*D]
         q_sink = back.view(b, hq, d).contiguous()
-    start = torch.zeros(b, dtype=torch.int64, device=q.device)
+    start = step.once("ring_start", lambda: torch.zeros(b, dtype=torch.int64, device=q.device))
     return kernel(q, k_ring, v_ring, size, scale, start=start,
                   index=index.expand(b, hkv, size), q_sink=q_sink, sink_slots=min(sinks, size))
 
