@@ -124,6 +124,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--top-k", type=int, default=50)
     r.add_argument("--top-p", type=float, default=1.0)
     r.add_argument("--seed", type=int, default=None)
+    r.add_argument("--prefill-chunk", type=int, default=2048,
+                   help="prompt tokens per forward step (long prompts run in several)")
     r.add_argument("--no-stream", action="store_true",
                    help="print the result at the end, with a progress bar meanwhile")
     r.add_argument("--backend", choices=["torch", "triton"], default=None,
@@ -239,7 +241,8 @@ def cmd_optimize(args) -> int:
 def cmd_run(args) -> int:
     from .runtime.settings import GenerationSettings
     kw = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
-              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+              prefill_chunk=args.prefill_chunk)
     GenerationSettings(**kw)  # bad parameters fail before the model loads
     ids = _parse_ids(args.ids) if args.ids is not None else None
     engine = _engine(args.model, args.trust_code, args.backend, args.dtype)

@@ -46,7 +46,7 @@ def test_optimize_writes_an_artifact_with_the_pass(artifact, capsys):
 
 def test_run_prints_the_engines_tokens(artifact, capsys):
     expect = rewriter.load(artifact).generate([[1, 2, 3]], max_new_tokens=5)[0].tolist()
-    for extra in ([], ["--no-stream"]):
+    for extra in ([], ["--no-stream"], ["--prefill-chunk", "16"]):
         assert main(["run", str(artifact), "--ids", "1,2,3", "--max-new-tokens", "5", *extra]) == 0
         assert capsys.readouterr().out.split() == [str(t) for t in expect]
 

@@ -123,6 +123,7 @@ BAD = [
     ("run {ckpt} --ids 1,2 --do-sample --top-p nan", "top_p must be finite"),
     ("run {ckpt} --ids 1,2 --do-sample --top-p 1.5", "top_p must be in (0, 1]"),
     ("run {ckpt} --ids 1,2 --max-new-tokens 0", "max_new_tokens must be >= 1"),
+    ("run {ckpt} --ids 1,2 --prefill-chunk 8", "prefill_chunk must be >= 16"),
     ("run {ckpt} --ids 1,2 --max-new-tokens 1e3", "invalid int value: '1e3'"),
     ("run {ckpt} --ids 1,2 --seed abc", "argument --seed: invalid int value"),
     ("run {ckpt} --ids 1,2 --do-sample --seed 100000000000000000000000", "seed must be <"),
