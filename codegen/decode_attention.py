@@ -165,7 +165,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     decode_attention_split_kernel[(b, hkv, splits)](
         q, q if q_sink is None else q_sink, k_cache, v_cache, start, idx, part, lse,
         end_ptr if end_ptr is not None else start, cos2, sin2, end, n_cand, chunk, scale,
-        window, sinks, sink_slots if q_sink is not None else 0,
+        window, sinks, sink_slots,
         hq // hkv, dim, half, q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         idx.stride(0), idx.stride(1) if index is not None else 0,
         *part.stride()[:3], *lse.stride()[:2], cos2.stride(0),

@@ -2,8 +2,9 @@
 
 ``prepare`` turns prompts (a tensor with an optional attention mask, or lists of token
 ids of different lengths) into one left-padded batch. ``decode_loop`` runs the prompt
-(``run_prompt``: in steps of at most ``prefill_chunk`` tokens) and then one decode step per token, yielding each step's tokens ``[B]``; rows that have
-produced an end-of-sequence token get ``pad_token_id`` from then on.
+(``run_prompt``: in steps of at most ``prefill_chunk`` tokens), then one decode step per
+token, yielding each step's tokens ``[B]``; rows that have produced an end-of-sequence
+token get ``pad_token_id`` from then on.
 """
 from __future__ import annotations
 

@@ -116,7 +116,9 @@ def _kernel_decode(kernel: Callable, step, qh: Tensor, k_ring: Tensor, v_ring: T
             (r_new - (sinks + window - 1)).clamp(min=0), rotary, 1.0))  # [B, 1, R]
         back = REFERENCE["rope"](q.view(b, 1, hq * d), cos, -sin, head_dim)  # [B, 1, Hq*D]
         q_sink = back.view(b, hq, d).contiguous()
-    start = step.once("ring_start", lambda: torch.zeros(b, dtype=torch.int64, device=q.device))
+    # no padding in the ring's slots: every row starts at slot 0 (the same value, under the
+    # same key, as the Triton backend's other decode steps)
+    start = step.once("zeros", lambda: torch.zeros(b, dtype=torch.int64, device=q.device))
     return kernel(q, k_ring, v_ring, size, scale, start=start,
                   index=index.expand(b, hkv, size), q_sink=q_sink, sink_slots=min(sinks, size))
 

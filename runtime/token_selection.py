@@ -37,7 +37,6 @@ def selected_attention(step, qh: Tensor, k_cache: Tensor, v_cache: Tensor, selec
     """qh ``[B, Hq, 1, D]`` over the cache positions ``select`` ``[B, Hkv, 1, k]`` names
     (-1: none) and the step's own token: ``k + 1`` keys read per KV head, not the cache."""
     b, hkv, _, k = select.shape
-    d = k_cache.shape[-1]
     index = selection_index(step, select)  # [B, Hkv, k + 1]
     rows = _flat_rows(index, k_cache.shape[2])  # [B*Hkv*(k + 1)]
     keys = _take(k_cache, rows, k + 1)  # [B, Hkv, k + 1, D]
