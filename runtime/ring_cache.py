@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rewriter.ops import REFERENCE, sink_attention
+from rewriter.ops import REFERENCE
 
 from .kernels import KERNELS
 
@@ -85,15 +85,49 @@ def _attend(qh: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float
             rotary: Optional[Tensor], held: Tensor, r_new: Tensor, sinks: int, window: int,
             head_dim: int) -> Tensor:
     """qh ``[B, Hq, S, D]`` over keys/values ``[B, Hkv, K, D]`` whose real indices are
-    ``held`` ``[B, K]``: SDPA, or with ``rotary`` StreamingLLM's sink positions."""
-    if rotary is None:
+    ``held`` ``[B, K]``: SDPA, with ``rotary`` at StreamingLLM's sink positions."""
+    if rotary is None or sinks == 0:
         return F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale,
                                               enable_gqa=gqa)
-    groups = qh.shape[1] // keys.shape[1]
-    keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
-    is_sink = ((held >= 0) & (held < sinks))[:, None, None]  # [B, 1, 1, K]
+    return _sink_sdpa(qh, keys, values, mask, scale, rotary, held, r_new, sinks, window,
+                      head_dim)
+
+
+def _sink_sdpa(qh: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float,
+               rotary: Tensor, held: Tensor, r_new: Tensor, sinks: int, window: int,
+               head_dim: int) -> Tensor:
+    """``rewriter.ops.sink_attention`` as one SDPA call, so a long prompt step never holds
+    its ``[B, Hq, S, K]`` scores. A sink's score needs the query rotated back (per query),
+    so each query carries its ``sinks`` sink scores as extra features and each sink key a
+    one-hot in those features and zeros in its own: ``[q, s] . [0, e_j] = s_j`` and
+    ``[q, s] . [k, 0] = q . k``. The values get as many zero features, since SDPA's fast
+    CPU path wants values as wide as keys (``E + sinks`` features cost about 5% more than
+    plain SDPA; keys wider than values fall to its math path, 3x slower)."""
+    b, hq, s, d = qh.shape
+    hkv, n = keys.shape[1], keys.shape[2]
+    is_sink = (held >= 0) & (held < sinks)  # [B, K]
+    # the sink keys, by real index (a row may not have written them all yet: those columns
+    # carry no one-hot, so their scores are never used)
+    column = torch.where(is_sink, torch.arange(n, device=held.device), n)  # [B, K]
+    at = torch.full((b, sinks + 1), n, dtype=torch.int64, device=held.device)
+    at.scatter_reduce_(1, torch.where(is_sink, held, sinks), column, "amin")
+    sink_k = keys.gather(2, at[:, None, :sinks, None].clamp(max=n - 1)
+                         .expand(b, hkv, sinks, d))  # [B, Hkv, sinks, D]
     shift = (r_new - (sinks + window - 1)).clamp(min=0)  # [B, S]
-    return sink_attention(qh, keys, values, mask, scale, is_sink, shift, rotary, head_dim)
+    cos, sin = REFERENCE["rotary"](shift, rotary, 1.0)  # [B, S, R]
+    flat = qh.transpose(1, 2).reshape(b, s, hq * d)  # [B, S, Hq*D]
+    back = REFERENCE["rope"](flat, cos, -sin, head_dim).view(b, s, hkv, hq // hkv, d)
+    back = back.permute(0, 2, 3, 1, 4).reshape(b, hkv, hq // hkv * s, d)  # [B, Hkv, G*S, D]
+    sink_scores = (back @ sink_k.transpose(-1, -2)).view(b, hq, s, sinks)  # [B, Hq, S, sinks]
+    one_hot = F.one_hot(torch.where(is_sink, held, sinks), sinks + 1)[..., :sinks]  # [B, K, sinks]
+    keep = (~is_sink)[:, None, :, None]  # [B, 1, K, 1]
+    wide_k = torch.cat([keys * keep, one_hot[:, None].to(keys.dtype).expand(b, hkv, n, sinks)],
+                       dim=-1)  # [B, Hkv, K, D + sinks]
+    wide_v = F.pad(values, (0, sinks))  # [B, Hkv, K, D + sinks]
+    wide_q = torch.cat([qh, sink_scores.to(qh.dtype)], dim=-1)  # [B, Hq, S, D + sinks]
+    out = F.scaled_dot_product_attention(wide_q, wide_k, wide_v, attn_mask=mask, scale=scale,
+                                         enable_gqa=hq != hkv)
+    return out[..., :d]  # [B, Hq, S, D]
 
 
 def _kernel_decode(kernel: Callable, step, qh: Tensor, k_ring: Tensor, v_ring: Tensor,

@@ -17,7 +17,8 @@ from rewriter.ops import OPS
 from rewriter.passes import FuseQKV, FuseRoPE, MedusaHeads, SelfSpeculative, StreamingAttention
 from rewriter.passes import from_spec
 from rewriter.runtime.kv_cache import KVCache, cache_table
-from rewriter.runtime.ring_cache import slot_contents
+from rewriter.ops import sink_attention
+from rewriter.runtime.ring_cache import _sink_sdpa, _step_mask, slot_contents
 
 from conftest import make_model, reference_greedy
 
@@ -96,6 +97,34 @@ def test_slot_contents_follow_the_ring():
     got = slot_contents(torch.tensor([0, 1, 2, 4, 5, 6, 7]), 2, 3).tolist()
     assert got == [[-1, -1, -1, -1, -1], [0, -1, -1, -1, -1], [0, 1, -1, -1, -1],
                    [0, 1, 2, 3, -1], [0, 1, 2, 3, 4], [0, 1, 5, 3, 4], [0, 1, 5, 6, 4]]
+
+
+@pytest.mark.parametrize("first", [[0, 0], [-5, 30], [3, 100], [-40, 1]])
+@pytest.mark.parametrize("heads", [(4, 2), (3, 3)])
+def test_the_ring_step_with_sinks_is_the_reference_sink_attention(first, heads):
+    # the one SDPA call a ring step makes (sink scores carried as extra query features)
+    # against the reference's explicit scores: rows still writing their padding, rows
+    # whose sinks are not all written yet, rows far past a full ring; GQA and not
+    torch.manual_seed(0)
+    (hq, hkv), sinks, window, d, s = heads, 3, 6, 16, 20
+    first = torch.tensor(first)
+    r_new = first[:, None] + torch.arange(s)  # [B, S]
+    held = torch.cat([slot_contents(first, sinks, window), r_new], dim=1)  # [B, C + S]
+    mask = _step_mask(first, r_new, sinks, window, sinks + window)
+    q = torch.randn(2, hq, s, d)
+    k, v = torch.randn(2, hkv, sinks + window + s, d), torch.randn(2, hkv, sinks + window + s, d)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
+    is_sink = ((held >= 0) & (held < sinks))[:, None, None]
+    shift = (r_new - (sinks + window - 1)).clamp(min=0)
+    g = hq // hkv
+    want = sink_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), mask, 0.3,
+                          is_sink, shift, inv_freq, d)
+    got = _sink_sdpa(q, k, v, mask, 0.3, inv_freq, held, r_new, sinks, window, d)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    plain = sink_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), mask, 0.3,
+                           is_sink, torch.zeros_like(shift), inv_freq, d)
+    if bool((shift > 0).any()):  # the sinks' positions matter in this case
+        assert not torch.allclose(got, plain, rtol=1e-3, atol=1e-3)
 
 
 def test_the_ring_holds_exactly_the_sinks_and_the_window():
