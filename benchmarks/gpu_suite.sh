@@ -2,16 +2,18 @@
 # The GPU work, in as few device calls as possible (each call is at most 10 minutes):
 #
 #   bash benchmarks/gpu_suite.sh tests      # GPU tests + the kernel tests on the GPU      (~3 min)
+#   bash benchmarks/gpu_suite.sh capture    # why the Triton step is not a CUDA graph       (~1 min)
 #   bash benchmarks/gpu_suite.sh kernels    # benchmarks/kernels.py timing                  (~3 min)
 #   bash benchmarks/gpu_suite.sh decode     # benchmarks/decode.py --device cuda, 1B        (~6 min)
 #   bash benchmarks/gpu_suite.sh smollm2 F  # decode.py and speculative.py on SmolLM2's GGUF F
+#   bash benchmarks/gpu_suite.sh sparse F   # sparse.py decode speed at 8k on F, both backends (~8 min)
 #
 # Results and logs go to $OUT (the device tool's folder) or benchmarks/results/gpu. The
 # device image brings its own torch and triton and has no network, so the project is
 # installed without dependencies and without build isolation (nothing is downloaded);
 # packages the image lacks (gguf, pydot) come as wheels in .gpu/w when present.
 set -uo pipefail
-stage=${1:?usage: gpu_suite.sh tests|gpu-tests|kernels|decode|smollm2 GGUF}
+stage=${1:?usage: gpu_suite.sh tests|gpu-tests|capture|kernels|decode|smollm2 GGUF|sparse GGUF}
 out=${OUT:-benchmarks/results/gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -35,6 +37,8 @@ export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
       python3 -m pytest -q -p no:warnings -p no:logging --tb=short tests/test_codegen_kernels.py ;;
     gpu-tests)
       python3 -m pytest -q -p no:warnings -p no:logging --tb=short -m gpu tests ;;
+    capture)
+      python3 benchmarks/capture_probe.py --json "$out/capture.json" ;;
     kernels)
       python3 benchmarks/kernels.py --json "$out/kernels.json" ;;
     decode)
@@ -47,6 +51,15 @@ export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
       for s in medusa hydra self; do  # one process each: a failure costs one strategy
         timeout 110 python3 benchmarks/speculative.py --device cuda --backend triton --model "$gguf" \
           --heads smollm2 --strategies $s --dtype bfloat16 --batch 1 4 --json "$out/spec_$s.json"
+      done ;;
+    sparse)
+      gguf=${2:?the SmolLM2 GGUF file}
+      for backend in torch triton; do  # the CPU record's settings (docs/benchmarks.md)
+        timeout 280 python3 benchmarks/sparse.py --model "$gguf" --device cuda --dtype bfloat16 \
+          --backend $backend --lengths --ppl-chunks 0 --kv-length 8192 --batch 1 8 --new 32 \
+          --windows 252 --sinks 4 --top-k 512 --selection-layers 2 8 14 20 --recent 128 256 \
+          --quest-budget 768 --quest-dense-layers 2 --duo-gates smollm2 --duo-sinks 16 \
+          --duo-window 240 --duo-sparsity 0.5 --json "$out/sparse_$backend.json"
       done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

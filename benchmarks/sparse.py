@@ -9,6 +9,7 @@
                                 [--duo-sinks 16] [--duo-window 240]
                                 [--ppl-length 1024] [--ppl-chunks 4]
                                 [--batch 1 8] [--new 32] [--json benchmarks/results/sparse.json]
+                                [--device cuda] [--backend triton] [--dtype bfloat16]
 
 Pipelines: dense attention, ``StreamingAttention(sinks, window)`` for each window,
 ``TidalDecode(selection_layers, top_k, recent)`` for each top_k and recent window,
@@ -91,9 +92,12 @@ def decode_rate(engine, batch: int, length: int, new: int, warmup: int = 2) -> f
     steps = engine.stream(prompt, max_new_tokens=new + 1, eos_token_id=[])
     next(steps)  # prefill: its token is the first one
     times = []
+    cuda = engine._device().type == "cuda"
     for _ in range(new):
         start = time.perf_counter()
         next(steps)
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return batch / statistics.median(times[warmup:])
 
@@ -132,10 +136,14 @@ def main():
     ap.add_argument("--batch", type=int, nargs="*", default=[1, 8])
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--json", default="benchmarks/results/sparse.json")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--backend", default="torch", choices=["torch", "triton"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
     if args.new < 3:
         ap.error(f"--new {args.new}: at least 3 decode steps (the first 2 are a warm-up)")
     model, tok = load(args.model)
+    model = model.to(args.device, getattr(torch, args.dtype))
     pipelines = {"dense": []}
     for w in args.windows:
         pipelines[f"StreamingAttention(sinks={args.sinks}, window={w})"] = [
@@ -160,11 +168,13 @@ def main():
         ap.error(f"a {longest}-token cache leaves no prompt before {args.new + 1} new tokens "
                  f"(--kv-length, --new)")
     chunks = heldout_chunks(tok, args.ppl_chunks, args.ppl_length) if args.ppl_chunks else None
-    results = {"model": args.model, "machine": platform.processor() or platform.machine(),
+    machine = (torch.cuda.get_device_name() if args.device == "cuda"
+               else platform.processor() or platform.machine())
+    results = {"model": args.model, "machine": machine,
                "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
                "args": vars(args), "rows": []}
     for name, passes in pipelines.items():
-        engine = rewriter.optimize(model, passes=passes, tokenizer=tok)
+        engine = rewriter.optimize(model, passes=passes, tokenizer=tok, backend=args.backend)
         started = time.perf_counter()
         by_length = passkey_accuracy(engine, tok, args.lengths, args.depths, args.trials)
         deepest = max(args.lengths, default=None)
@@ -190,7 +200,8 @@ def main():
                       f"{dense['kv_read_bytes'] / r['kv_read_bytes']:.2f}x",
                       *(f"{r['tok_s'][b]:.0f} ({r['tok_s'][b] / dense['tok_s'][b]:.2f}x)"
                         for b in args.batch)])
-    print(f"\n{args.model}, {args.trials} trials per depth, perplexity over "
+    print(f"\n{args.model} on {machine} ({args.device}, {args.backend} backend, {args.dtype}), "
+          f"{args.trials} trials per depth, perplexity over "
           f"{args.ppl_chunks} x {args.ppl_length} tokens, KV figures for one sequence of "
           f"{longest} tokens, {torch.get_num_threads()} threads\n")
     print(tabulate(table, headers=["pipeline", *(f"key@{n}" for n in args.lengths),

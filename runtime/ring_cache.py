@@ -65,8 +65,8 @@ def ring_attention(step, q: Tensor, k: Tensor, v: Tensor, cache_id: int, num_hea
             out = _kernel_decode(kernel, step, qh, k_ring, v_ring, mask, scale, rotary, r_new,
                                  sinks, window, head_dim, size)
             return out.reshape(b, 1, num_heads * head_dim)  # [B, 1, Hq*D]
-        out = _attend(qh, k_ring[:, :, :size], v_ring[:, :, :size], mask, scale, gqa, rotary,
-                      held, r_new, sinks, window, head_dim)
+        out = _attend(step, qh, k_ring[:, :, :size], v_ring[:, :, :size], mask, scale, gqa,
+                      rotary, held, r_new, sinks, window, head_dim)
     else:
         # Several tokens: an early one may need a key a later one overwrites, so they read
         # the ring as it was plus the step's own keys, and are written after.
@@ -74,54 +74,67 @@ def ring_attention(step, q: Tensor, k: Tensor, v: Tensor, cache_id: int, num_hea
         values = torch.cat([v_ring[:, :, :size], new_v], dim=2)
         mask = step.once(("ring_step", window, sinks), lambda: _step_mask(first, r_new, sinks,
                                                                           window, size))
-        held = torch.cat([slot_contents(first, sinks, window, size), r_new], dim=1)  # [B, C + S]
-        out = _attend(qh, keys, values, mask, scale, gqa, rotary, held, r_new, sinks, window,
-                      head_dim)
+        held = step.once(("ring_step_held", window, sinks), lambda: torch.cat(
+            [slot_contents(first, sinks, window, size), r_new], dim=1))  # [B, C + S]
+        out = _attend(step, qh, keys, values, mask, scale, gqa, rotary, held, r_new, sinks,
+                      window, head_dim)
         _write(k_ring, v_ring, new_k, new_v, r_new, first + s, sinks, window, size)
     return out.transpose(1, 2).reshape(b, s, num_heads * head_dim)  # [B, S, Hq*D]
 
 
-def _attend(qh: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float, gqa: bool,
-            rotary: Optional[Tensor], held: Tensor, r_new: Tensor, sinks: int, window: int,
-            head_dim: int) -> Tensor:
+def _attend(step, qh: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float,
+            gqa: bool, rotary: Optional[Tensor], held: Tensor, r_new: Tensor, sinks: int,
+            window: int, head_dim: int) -> Tensor:
     """qh ``[B, Hq, S, D]`` over keys/values ``[B, Hkv, K, D]`` whose real indices are
     ``held`` ``[B, K]``: SDPA, with ``rotary`` at StreamingLLM's sink positions."""
     if rotary is None or sinks == 0:
         return F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale,
                                               enable_gqa=gqa)
-    return _sink_sdpa(qh, keys, values, mask, scale, rotary, held, r_new, sinks, window,
-                      head_dim)
+    # what depends on the step only (the same in every ring layer), made once a step
+    lay = step.once(("ring_sinks", window, sinks, held.shape[1], id(rotary), keys.dtype),
+                    lambda: sink_layout(held, r_new, sinks, window, rotary, keys.dtype))
+    return sink_sdpa(qh, keys, values, mask, scale, lay, head_dim)
 
 
-def _sink_sdpa(qh: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float,
-               rotary: Tensor, held: Tensor, r_new: Tensor, sinks: int, window: int,
-               head_dim: int) -> Tensor:
+def sink_layout(held: Tensor, r_new: Tensor, sinks: int, window: int, rotary: Tensor,
+                dtype: torch.dtype) -> dict:
+    """The parts of ``sink_sdpa`` fixed by the step: for keys whose real indices are
+    ``held`` ``[B, K]`` and queries at ``r_new`` ``[B, S]``, each sink's column (``at``
+    ``[B, sinks]``), the sink keys' one-hot features and the window keys' mask, and the
+    rotation that takes each query back to StreamingLLM's sink positions."""
+    n = held.shape[1]
+    is_sink = (held >= 0) & (held < sinks)  # [B, K]
+    column = torch.where(is_sink, torch.arange(n, device=held.device), n)  # [B, K]
+    # a row may not have written every sink yet: that sink's column stays n (clamped to a
+    # real column below), and no key carries its one-hot, so its score is never used
+    at = torch.full((len(held), sinks + 1), n, dtype=torch.int64, device=held.device)
+    at.scatter_reduce_(1, torch.where(is_sink, held, sinks), column, "amin")
+    one_hot = F.one_hot(torch.where(is_sink, held, sinks), sinks + 1)[..., :sinks]  # [B, K, sinks]
+    shift = (r_new - (sinks + window - 1)).clamp(min=0)  # [B, S]
+    cos, sin = REFERENCE["rotary"](shift, rotary, 1.0)  # [B, S, R]
+    return dict(at=at[:, :sinks].clamp(max=n - 1), features=one_hot[:, None].to(dtype),
+                keep=(~is_sink)[:, None, :, None].to(dtype), cos=cos, sin=sin)
+
+
+def sink_sdpa(qh: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float, lay: dict,
+              head_dim: int) -> Tensor:
     """``rewriter.ops.sink_attention`` as one SDPA call, so a long prompt step never holds
     its ``[B, Hq, S, K]`` scores. A sink's score needs the query rotated back (per query),
     so each query carries its ``sinks`` sink scores as extra features and each sink key a
     one-hot in those features and zeros in its own: ``[q, s] . [0, e_j] = s_j`` and
     ``[q, s] . [k, 0] = q . k``. The values get as many zero features, since SDPA's fast
     CPU path wants values as wide as keys (``E + sinks`` features cost about 5% more than
-    plain SDPA; keys wider than values fall to its math path, 3x slower)."""
+    plain SDPA; keys wider than values fall to its math path, 3x slower). ``lay`` is
+    ``sink_layout``'s."""
     b, hq, s, d = qh.shape
     hkv, n = keys.shape[1], keys.shape[2]
-    is_sink = (held >= 0) & (held < sinks)  # [B, K]
-    # the sink keys, by real index (a row may not have written them all yet: those columns
-    # carry no one-hot, so their scores are never used)
-    column = torch.where(is_sink, torch.arange(n, device=held.device), n)  # [B, K]
-    at = torch.full((b, sinks + 1), n, dtype=torch.int64, device=held.device)
-    at.scatter_reduce_(1, torch.where(is_sink, held, sinks), column, "amin")
-    sink_k = keys.gather(2, at[:, None, :sinks, None].clamp(max=n - 1)
-                         .expand(b, hkv, sinks, d))  # [B, Hkv, sinks, D]
-    shift = (r_new - (sinks + window - 1)).clamp(min=0)  # [B, S]
-    cos, sin = REFERENCE["rotary"](shift, rotary, 1.0)  # [B, S, R]
+    sinks = lay["at"].shape[1]
+    sink_k = keys.gather(2, lay["at"][:, None, :, None].expand(b, hkv, sinks, d))  # [B, Hkv, sinks, D]
     flat = qh.transpose(1, 2).reshape(b, s, hq * d)  # [B, S, Hq*D]
-    back = REFERENCE["rope"](flat, cos, -sin, head_dim).view(b, s, hkv, hq // hkv, d)
+    back = REFERENCE["rope"](flat, lay["cos"], -lay["sin"], head_dim).view(b, s, hkv, hq // hkv, d)
     back = back.permute(0, 2, 3, 1, 4).reshape(b, hkv, hq // hkv * s, d)  # [B, Hkv, G*S, D]
     sink_scores = (back @ sink_k.transpose(-1, -2)).view(b, hq, s, sinks)  # [B, Hq, S, sinks]
-    one_hot = F.one_hot(torch.where(is_sink, held, sinks), sinks + 1)[..., :sinks]  # [B, K, sinks]
-    keep = (~is_sink)[:, None, :, None]  # [B, 1, K, 1]
-    wide_k = torch.cat([keys * keep, one_hot[:, None].to(keys.dtype).expand(b, hkv, n, sinks)],
+    wide_k = torch.cat([keys * lay["keep"], lay["features"].expand(b, hkv, n, sinks)],
                        dim=-1)  # [B, Hkv, K, D + sinks]
     wide_v = F.pad(values, (0, sinks))  # [B, Hkv, K, D + sinks]
     wide_q = torch.cat([qh, sink_scores.to(qh.dtype)], dim=-1)  # [B, Hq, S, D + sinks]

@@ -18,7 +18,7 @@ from rewriter.passes import FuseQKV, FuseRoPE, MedusaHeads, SelfSpeculative, Str
 from rewriter.passes import from_spec
 from rewriter.runtime.kv_cache import KVCache, cache_table
 from rewriter.ops import sink_attention
-from rewriter.runtime.ring_cache import _sink_sdpa, _step_mask, slot_contents
+from rewriter.runtime.ring_cache import _step_mask, sink_layout, sink_sdpa, slot_contents
 
 from conftest import make_model, reference_greedy
 
@@ -119,7 +119,8 @@ def test_the_ring_step_with_sinks_is_the_reference_sink_attention(first, heads):
     g = hq // hkv
     want = sink_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), mask, 0.3,
                           is_sink, shift, inv_freq, d)
-    got = _sink_sdpa(q, k, v, mask, 0.3, inv_freq, held, r_new, sinks, window, d)
+    lay = sink_layout(held, r_new, sinks, window, inv_freq, k.dtype)
+    got = sink_sdpa(q, k, v, mask, 0.3, lay, d)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     plain = sink_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), mask, 0.3,
                            is_sink, torch.zeros_like(shift), inv_freq, d)
