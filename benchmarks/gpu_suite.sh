@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # The GPU work, in as few device calls as possible (each call is at most 10 minutes):
 #
+#   bash benchmarks/gpu_suite.sh stash      # only keep the GGUF parts this call carried
 #   bash benchmarks/gpu_suite.sh tests      # GPU tests + the kernel tests on the GPU      (~3 min)
 #   bash benchmarks/gpu_suite.sh capture    # why the Triton step is not a CUDA graph       (~1 min)
 #   bash benchmarks/gpu_suite.sh kernels    # benchmarks/kernels.py timing                  (~3 min)
 #   bash benchmarks/gpu_suite.sh decode     # benchmarks/decode.py --device cuda, 1B        (~6 min)
-#   bash benchmarks/gpu_suite.sh smollm2 F  # decode.py and speculative.py on SmolLM2's GGUF F
-#   bash benchmarks/gpu_suite.sh sparse F   # sparse.py decode speed at 8k on F, both backends (~8 min)
+#   bash benchmarks/gpu_suite.sh smollm2 [F] # decode.py and speculative.py on SmolLM2's GGUF F
+#                                            # (default: the parts carried so far, gpu_prepare.sh)
+#   bash benchmarks/gpu_suite.sh sparse [F]  # sparse.py decode speed at 8k on F, both backends (~8 min)
 #
 # Results and logs go to $OUT (the device tool's folder) or benchmarks/results/gpu. The
 # device image brings its own torch and triton and has no network, so the project is
 # installed without dependencies and without build isolation (nothing is downloaded);
-# packages the image lacks (gguf, pydot) come as wheels in .gpu/w when present.
+# packages the image lacks (gguf, pydot, ...) come as wheels in .gpu/w when present
+# (benchmarks/gpu_prepare.sh builds .gpu; name it in the run's carry).
 set -uo pipefail
-stage=${1:?usage: gpu_suite.sh tests|gpu-tests|capture|kernels|decode|smollm2 GGUF|sparse GGUF}
+stage=${1:?usage: gpu_suite.sh stash|tests|gpu-tests|capture|kernels|decode|smollm2 [GGUF]|sparse [GGUF]}
 out=${OUT:-benchmarks/results/gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -29,9 +32,26 @@ setup() {
 }
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 
+stash() {  # keep the GGUF parts this call carried (gpu_prepare.sh) for later calls
+  mkdir -p /tmp/gpu_parts
+  if ls .gpu/p/* >/dev/null 2>&1; then cp .gpu/p/* /tmp/gpu_parts/; fi
+  echo "GGUF parts held: $(cd /tmp/gpu_parts && ls | tr '\n' ' ')"
+}
+
+smollm2() {  # the GGUF file: the argument, or the parts held in /tmp/gpu_parts
+  if [ -n "${1:-}" ]; then echo "$1"; return; fi
+  [ -f /tmp/gpu_parts/SHA256 ] || { echo "no GGUF file: give one, or carry its parts" >&2; return 1; }
+  cat /tmp/gpu_parts/part_* > /tmp/smollm2.gguf
+  [ "$(sha256sum /tmp/smollm2.gguf | awk '{print $1}')" = "$(cat /tmp/gpu_parts/SHA256)" ] \
+    || { echo "the GGUF parts held do not add up to the file (SHA-256): carry the rest" >&2; return 1; }
+  echo /tmp/smollm2.gguf
+}
+
 {
+  stash
   setup || exit 1
   case "$stage" in
+    stash) ;;
     tests)
       python3 -m pytest -q -p no:warnings -p no:logging --tb=short -m gpu tests
       python3 -m pytest -q -p no:warnings -p no:logging --tb=short tests/test_codegen_kernels.py ;;
@@ -45,7 +65,7 @@ export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
       python3 benchmarks/decode.py --device cuda --model llama-1b --batch 1 --prompt 128 \
         --new 128 --repeat 3 --json "$out/decode.json" ;;
     smollm2)
-      gguf=${2:?the SmolLM2 GGUF file}
+      gguf=$(smollm2 "${2:-}") || exit 1
       timeout 200 python3 benchmarks/decode.py --device cuda --model "$gguf" --dtype bfloat16 \
         --batch 1 --prompt 128 --new 128 --repeat 3 --json "$out/decode_smollm2.json"
       for s in medusa hydra self; do  # one process each: a failure costs one strategy
@@ -53,7 +73,7 @@ export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
           --heads smollm2 --strategies $s --dtype bfloat16 --batch 1 4 --json "$out/spec_$s.json"
       done ;;
     sparse)
-      gguf=${2:?the SmolLM2 GGUF file}
+      gguf=$(smollm2 "${2:-}") || exit 1
       for backend in torch triton; do  # the CPU record's settings (docs/benchmarks.md)
         timeout 280 python3 benchmarks/sparse.py --model "$gguf" --device cuda --dtype bfloat16 \
           --backend $backend --lengths --ppl-chunks 0 --kv-length 8192 --batch 1 8 --new 32 \
