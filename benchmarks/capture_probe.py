@@ -70,17 +70,18 @@ def _try_capture(engine, mode: str, log: list) -> dict:
         kwargs["capture_error_mode"] = mode
         return real_graph(cuda_graph, **kwargs)
 
-    original_call = generate.StaticDecoder.__call__
+    original_run = generate._run
 
-    def call(self, *args, **kwargs):
+    def run(*args, **kwargs):  # the step's own error, before the capture's end reports its own
         try:
-            return original_call(self, *args, **kwargs)
+            return original_run(*args, **kwargs)
         except Exception:
-            failure["traceback"] = traceback.format_exc()
+            if torch.cuda.is_current_stream_capturing() and "traceback" not in failure:
+                failure["traceback"] = traceback.format_exc()
             raise
 
     generate.torch.cuda.graph = graph
-    generate.StaticDecoder.__call__ = call
+    generate._run = run
     log.clear()
     try:
         with warnings.catch_warnings(record=True) as caught, _recording(log):
@@ -93,9 +94,10 @@ def _try_capture(engine, mode: str, log: list) -> dict:
         return dict(mode=mode, error=f"{type(e).__name__}: {e}", **failure)
     finally:
         generate.torch.cuda.graph = real_graph
-        generate.StaticDecoder.__call__ = original_call
+        generate._run = original_run
     in_capture = [r for r in log if r["capturing"]]
     return dict(mode=mode, captured=not fell_back, warnings=fell_back, tokens=out.tolist(),
+                step_error=failure.get("traceback"),
                 launches=len(log), launches_in_capture=len(in_capture),
                 compiled_in_capture=[r for r in in_capture if r.get("compiled")],
                 errors_in_capture=[r for r in in_capture if "error" in r][:5])
@@ -144,9 +146,13 @@ def main(argv=None) -> int:
                                               FuseRoPE()], backend="triton")
     findings = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                     triton=triton.__version__, captures=[])
+    engine.static_decode = False
+    eager = engine.generate([[3, 17, 42, 5, 99, 8], [1, 2, 3]], max_new_tokens=8,
+                            eos_token_id=[]).tolist()
     log: list = []
     for mode in ("global", "thread_local", "relaxed"):
         result = _try_capture(engine, mode, log)
+        result["same_tokens_as_eager"] = result.get("tokens") == eager
         findings["captures"].append(result)
         print(json.dumps({k: v for k, v in result.items() if k != "tokens"}, indent=1))
     findings["host_sync_in_eager_step"] = _sync_check(engine)

@@ -39,7 +39,7 @@ stash() {  # keep the GGUF parts this call carried (gpu_prepare.sh) for later ca
 }
 
 smollm2() {  # the GGUF file: the argument, or the parts held in /tmp/gpu_parts
-  if [ -n "${1:-}" ]; then echo "$1"; return; fi
+  if [ -n "${1:-}" ]; then printf '%s\n' "$1"; return; fi
   [ -f /tmp/gpu_parts/SHA256 ] || { echo "no GGUF file: give one, or carry its parts" >&2; return 1; }
   cat /tmp/gpu_parts/part_* > /tmp/smollm2.gguf
   [ "$(sha256sum /tmp/smollm2.gguf | awk '{print $1}')" = "$(cat /tmp/gpu_parts/SHA256)" ] \
@@ -75,7 +75,7 @@ smollm2() {  # the GGUF file: the argument, or the parts held in /tmp/gpu_parts
     sparse)
       gguf=$(smollm2 "${2:-}") || exit 1
       for backend in torch triton; do  # the CPU record's settings (docs/benchmarks.md)
-        timeout 280 python3 benchmarks/sparse.py --model "$gguf" --device cuda --dtype bfloat16 \
+        timeout 250 python3 benchmarks/sparse.py --model "$gguf" --device cuda --dtype bfloat16 \
           --backend $backend --lengths --ppl-chunks 0 --kv-length 8192 --batch 1 8 --new 32 \
           --windows 252 --sinks 4 --top-k 512 --selection-layers 2 8 14 20 --recent 128 256 \
           --quest-budget 768 --quest-dense-layers 2 --duo-gates smollm2 --duo-sinks 16 \

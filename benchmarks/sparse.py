@@ -53,6 +53,18 @@ def load(name: str):
     return load_model(name)
 
 
+def to_dtype(model, device: str, dtype: torch.dtype):
+    """``model`` on ``device`` in ``dtype``, its rotary frequencies kept in float32 (as a
+    model loaded in ``dtype`` has them: in bfloat16 the angles at 8k positions would be off
+    by radians)."""
+    freqs = {n: b for n, b in model.named_buffers() if n.endswith("inv_freq")}
+    model = model.to(device, dtype)
+    for name, b in freqs.items():
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, b.to(device, torch.float32))
+    return model
+
+
 def kv_read_bytes(engine, tokens: int) -> int:
     """KV bytes one decode step reads with ``tokens`` in the cache, batch 1: a dense cache
     reads every token, a ring its slots, a TidalDecode layer its ``top_k + recent + 1``
@@ -143,7 +155,7 @@ def main():
     if args.new < 3:
         ap.error(f"--new {args.new}: at least 3 decode steps (the first 2 are a warm-up)")
     model, tok = load(args.model)
-    model = model.to(args.device, getattr(torch, args.dtype))
+    model = to_dtype(model, args.device, getattr(torch, args.dtype))
     pipelines = {"dense": []}
     for w in args.windows:
         pipelines[f"StreamingAttention(sinks={args.sinks}, window={w})"] = [
@@ -188,6 +200,8 @@ def main():
                "seconds": time.perf_counter() - started}
         results["rows"].append(row)
         print(f"{name}: {row['seconds']:.0f} s", flush=True)
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=1, default=str))  # so far
     dense = results["rows"][0]
     table = []
     for r in results["rows"]:

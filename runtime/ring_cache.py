@@ -91,53 +91,65 @@ def _attend(step, qh: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale:
         return F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale,
                                               enable_gqa=gqa)
     # what depends on the step only (the same in every ring layer), made once a step
-    lay = step.once(("ring_sinks", window, sinks, held.shape[1], id(rotary), keys.dtype),
-                    lambda: sink_layout(held, r_new, sinks, window, rotary, keys.dtype))
+    lay = step.once(("ring_sinks", window, sinks, held.shape[1], id(rotary), keys.dtype, head_dim),
+                    lambda: sink_layout(held, r_new, sinks, window, rotary, keys.dtype,
+                                        head_dim))
     return sink_sdpa(qh, keys, values, mask, scale, lay, head_dim)
 
 
 def sink_layout(held: Tensor, r_new: Tensor, sinks: int, window: int, rotary: Tensor,
-                dtype: torch.dtype) -> dict:
+                dtype: torch.dtype, head_dim: int) -> dict:
     """The parts of ``sink_sdpa`` fixed by the step: for keys whose real indices are
     ``held`` ``[B, K]`` and queries at ``r_new`` ``[B, S]``, each sink's column (``at``
-    ``[B, sinks]``), the sink keys' one-hot features and the window keys' mask, and the
-    rotation that takes each query back to StreamingLLM's sink positions."""
+    ``[B, sinks]``) and which query sees it, the keys' extra features (a one-hot for
+    a sink, zeros for the others) and the window keys' mask, and the rotation that takes
+    each query back to StreamingLLM's sink positions."""
     n = held.shape[1]
     is_sink = (held >= 0) & (held < sinks)  # [B, K]
     column = torch.where(is_sink, torch.arange(n, device=held.device), n)  # [B, K]
-    # a row may not have written every sink yet: that sink's column stays n (clamped to a
-    # real column below), and no key carries its one-hot, so its score is never used
     at = torch.full((len(held), sinks + 1), n, dtype=torch.int64, device=held.device)
     at.scatter_reduce_(1, torch.where(is_sink, held, sinks), column, "amin")
+    at = at[:, :sinks]  # n where the row has not written that sink yet
+    # the extra features, padded so keys are a multiple of 8 wide (SDPA's fused kernels ask
+    # for it on GPUs; zeros change no score)
+    extra = -(-(head_dim + sinks) // 8) * 8 - head_dim
     one_hot = F.one_hot(torch.where(is_sink, held, sinks), sinks + 1)[..., :sinks]  # [B, K, sinks]
+    features = F.pad(one_hot, (0, extra - sinks))[:, None].to(dtype)  # [B, 1, K, extra]
     shift = (r_new - (sinks + window - 1)).clamp(min=0)  # [B, S]
     cos, sin = REFERENCE["rotary"](shift, rotary, 1.0)  # [B, S, R]
-    return dict(at=at[:, :sinks].clamp(max=n - 1), features=one_hot[:, None].to(dtype),
+    # which query sees which sink: written (at < n) and not after the query (causal; a
+    # padding query, r < 0, sees none)
+    seen = (at < n)[:, None] & (torch.arange(sinks, device=held.device) <= r_new[..., None])
+    return dict(at=at.clamp(max=n - 1), seen=seen[:, None], features=features,  # seen [B, 1, S, sinks]
                 keep=(~is_sink)[:, None, :, None].to(dtype), cos=cos, sin=sin)
 
 
 def sink_sdpa(qh: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float, lay: dict,
               head_dim: int) -> Tensor:
     """``rewriter.ops.sink_attention`` as one SDPA call, so a long prompt step never holds
-    its ``[B, Hq, S, K]`` scores. A sink's score needs the query rotated back (per query),
-    so each query carries its ``sinks`` sink scores as extra features and each sink key a
-    one-hot in those features and zeros in its own: ``[q, s] . [0, e_j] = s_j`` and
-    ``[q, s] . [k, 0] = q . k``. The values get as many zero features, since SDPA's fast
-    CPU path wants values as wide as keys (``E + sinks`` features cost about 5% more than
-    plain SDPA; keys wider than values fall to its math path, 3x slower). ``lay`` is
-    ``sink_layout``'s."""
+    its ``[B, Hq, S, K]`` scores (on a CPU, whose SDPA kernel takes a mask and GQA). A
+    sink's score needs the query rotated back (per query), so each query carries its
+    ``sinks`` sink scores as extra features and each sink key a one-hot in those features
+    and zeros in its own: ``[q, s] . [0, e_j] = s_j`` and ``[q, s] . [k, 0] = q . k``. The
+    values get as many zero features, since SDPA's fast CPU path wants values as wide as
+    keys (a few features more cost about 5% over plain SDPA; keys wider than values fall
+    to its math path, 3x slower). ``lay`` is ``sink_layout``'s."""
     b, hq, s, d = qh.shape
     hkv, n = keys.shape[1], keys.shape[2]
-    sinks = lay["at"].shape[1]
+    sinks, extra = lay["at"].shape[1], lay["features"].shape[-1]
     sink_k = keys.gather(2, lay["at"][:, None, :, None].expand(b, hkv, sinks, d))  # [B, Hkv, sinks, D]
     flat = qh.transpose(1, 2).reshape(b, s, hq * d)  # [B, S, Hq*D]
     back = REFERENCE["rope"](flat, lay["cos"], -lay["sin"], head_dim).view(b, s, hkv, hq // hkv, d)
     back = back.permute(0, 2, 3, 1, 4).reshape(b, hkv, hq // hkv * s, d)  # [B, Hkv, G*S, D]
     sink_scores = (back @ sink_k.transpose(-1, -2)).view(b, hq, s, sinks)  # [B, Hq, S, sinks]
-    wide_k = torch.cat([keys * lay["keep"], lay["features"].expand(b, hkv, n, sinks)],
-                       dim=-1)  # [B, Hkv, K, D + sinks]
-    wide_v = F.pad(values, (0, sinks))  # [B, Hkv, K, D + sinks]
-    wide_q = torch.cat([qh, sink_scores.to(qh.dtype)], dim=-1)  # [B, Hq, S, D + sinks]
+    # a sink the query does not see is masked, but its score multiplies zeros in every
+    # other column: an overflow (inf) there would make NaN of the query's whole row
+    sink_scores = torch.where(lay["seen"], sink_scores, 0)
+    wide_k = torch.cat([keys * lay["keep"], lay["features"].expand(b, hkv, n, extra)],
+                       dim=-1)  # [B, Hkv, K, D + extra]
+    wide_v = F.pad(values, (0, extra))  # [B, Hkv, K, D + extra]
+    wide_q = torch.cat([qh, F.pad(sink_scores.to(qh.dtype), (0, extra - sinks))],
+                       dim=-1)  # [B, Hq, S, D + extra]
     out = F.scaled_dot_product_attention(wide_q, wide_k, wide_v, attn_mask=mask, scale=scale,
                                          enable_gqa=hq != hkv)
     return out[..., :d]  # [B, Hq, S, D]

@@ -10,6 +10,7 @@ import torch
 import rewriter
 from rewriter import gguf as rg
 from rewriter.cli import main
+from rewriter.eval import heldout_chunks, perplexity
 
 try:
     importlib.metadata.distribution(rg.SMOLLM2_PACKAGE)
@@ -81,9 +82,18 @@ def test_int4_weights_are_the_q4_1_files_own(opt, hf):
     # every layer's 7 matrices were Q4_1: their codes come back exactly, in float32
     assert q.ir.info["int4"]["linears"] == 7 * 30 and q.ir.info["int4"]["max_abs_error"] == 0.0
     assert q.chat(QUESTIONS[0], max_new_tokens=16) == opt.chat(QUESTIONS[0], max_new_tokens=16)
-    # bfloat16 on the CPU int4 kernel: lossy (measured in docs/benchmarks.md); still answers
+    # bfloat16, for the CPU int4 kernel: the codes are still the file's own, but the kernel
+    # reads scales and zeros in bfloat16, which moves every weight a little (up to 0.03):
+    # lossy, so its cost is measured against dense bfloat16 rather than one greedy answer,
+    # which flips on some CPUs and not on others (docs/benchmarks.md)
     fast = rewriter.from_pretrained("smollm2", dtype="bfloat16", passes=[Int4Weights()])
-    assert "Paris" in fast.chat(QUESTIONS[0], max_new_tokens=16)
+    codes = [n.target for n in q.ir.gm.graph.find_nodes(op="get_attr")
+             if n.target.endswith("int4_codes")]
+    assert len(codes) == 7 * 30
+    assert all(torch.equal(q.ir.weight(c), fast.ir.weight(c)) for c in codes)
+    dense = rewriter.from_pretrained("smollm2", dtype="bfloat16")
+    chunks = heldout_chunks(opt.tokenizer, 2, 192)
+    assert perplexity(fast, chunks) < 1.03 * perplexity(dense, chunks)
 
 
 def test_self_speculative_answers_equal_plain_greedy(opt):

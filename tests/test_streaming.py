@@ -18,7 +18,8 @@ from rewriter.passes import FuseQKV, FuseRoPE, MedusaHeads, SelfSpeculative, Str
 from rewriter.passes import from_spec
 from rewriter.runtime.kv_cache import KVCache, cache_table
 from rewriter.ops import sink_attention
-from rewriter.runtime.ring_cache import _step_mask, sink_layout, sink_sdpa, slot_contents
+from rewriter.runtime.ring_cache import (_step_mask, sink_layout, sink_sdpa, slot_contents,
+                                         visible)
 
 from conftest import make_model, reference_greedy
 
@@ -99,33 +100,64 @@ def test_slot_contents_follow_the_ring():
                    [0, 1, 2, 3, -1], [0, 1, 2, 3, 4], [0, 1, 5, 3, 4], [0, 1, 5, 6, 4]]
 
 
-@pytest.mark.parametrize("first", [[0, 0], [-5, 30], [3, 100], [-40, 1]])
-@pytest.mark.parametrize("heads", [(4, 2), (3, 3)])
-def test_the_ring_step_with_sinks_is_the_reference_sink_attention(first, heads):
-    # the one SDPA call a ring step makes (sink scores carried as extra query features)
-    # against the reference's explicit scores: rows still writing their padding, rows
-    # whose sinks are not all written yet, rows far past a full ring; GQA and not
-    torch.manual_seed(0)
-    (hq, hkv), sinks, window, d, s = heads, 3, 6, 16, 20
+def ring_step_inputs(first: list[int], s: int, sinks: int, window: int, size: int):
+    """``(r_new, held, mask)`` as ``ring_attention`` builds them for a step of ``s`` tokens
+    whose rows start at real index ``first``, over a ring of ``size`` slots."""
     first = torch.tensor(first)
     r_new = first[:, None] + torch.arange(s)  # [B, S]
-    held = torch.cat([slot_contents(first, sinks, window), r_new], dim=1)  # [B, C + S]
-    mask = _step_mask(first, r_new, sinks, window, sinks + window)
+    if s == 1:  # written first, then read with the ring
+        held = slot_contents(first + 1, sinks, window, size)  # [B, C]
+        return r_new, held, visible(r_new, held, window, sinks)[:, None]
+    held = torch.cat([slot_contents(first, sinks, window, size), r_new], dim=1)  # [B, C + S]
+    return r_new, held, _step_mask(first, r_new, sinks, window, size)
+
+
+@pytest.mark.parametrize("s, first", [(20, [0, 0]), (20, [-5, 30]), (20, [-40, 1]), (2, [0, 1]),
+                                      (1, [3, 100]), (1, [0, 1])])
+@pytest.mark.parametrize("heads, size", [((4, 2), 9), ((3, 3), 9), ((6, 2), 7), ((4, 2), 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_ring_step_with_sinks_is_the_reference_sink_attention(s, first, heads, size, dtype):
+    # the one SDPA call a ring step makes (sink scores carried as extra query features)
+    # against the reference's explicit scores in float32: rows still writing their
+    # padding, rows whose sinks are not all written yet (first 0 or 1 with 3 sinks), rows
+    # far past a full ring, one-token steps, rings shorter than sinks + window and than
+    # the sinks; GQA and not; partial rotary (12 of 16 features)
+    torch.manual_seed(0)
+    (hq, hkv), sinks, window, d = heads, 3, 6, 16
+    r_new, held, mask = ring_step_inputs(first, s, sinks, window, size)
     q = torch.randn(2, hq, s, d)
-    k, v = torch.randn(2, hkv, sinks + window + s, d), torch.randn(2, hkv, sinks + window + s, d)
-    inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
+    k, v = torch.randn(2, hkv, held.shape[1], d), torch.randn(2, hkv, held.shape[1], d)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, 12, 2).float() / 12)
     is_sink = ((held >= 0) & (held < sinks))[:, None, None]
     shift = (r_new - (sinks + window - 1)).clamp(min=0)
     g = hq // hkv
     want = sink_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), mask, 0.3,
                           is_sink, shift, inv_freq, d)
-    lay = sink_layout(held, r_new, sinks, window, inv_freq, k.dtype)
-    got = sink_sdpa(q, k, v, mask, 0.3, lay, d)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    lay = sink_layout(held, r_new, sinks, window, inv_freq, dtype, d)
+    got = sink_sdpa(q.to(dtype), k.to(dtype), v.to(dtype), mask, 0.3, lay, d).float()
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0, atol=4e-2)
+    torch.testing.assert_close(got, want, **tol)
     plain = sink_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), mask, 0.3,
                            is_sink, torch.zeros_like(shift), inv_freq, d)
-    if bool((shift > 0).any()):  # the sinks' positions matter in this case
+    seen = mask.expand(2, 1, s, -1) & is_sink[:, :, 0]  # [B, 1, S, K]: a query scoring a sink
+    if bool(((shift > 0)[:, None, :, None] & seen).any()):  # the sinks' positions matter here
         assert not torch.allclose(got, plain, rtol=1e-3, atol=1e-3)
+
+
+def test_a_sink_score_a_query_cannot_see_does_not_spoil_its_row():
+    # sinks 0..2, a step of two tokens. Row 0: its first query sees neither sink 1 (the last
+    # column, the step's next token) nor sink 2 (not written; its stand-in is that column).
+    # Row 1: its first query is padding and sees only itself, not sink 0 (the last column).
+    # In float16 the sink scores with that key overflow (a float16 product; SDPA scores in
+    # float32): they must not reach the queries that do not see those sinks
+    r_new, held, mask = ring_step_inputs([0, -1], 2, 3, 6, 9)
+    k = torch.ones(2, 1, held.shape[1], 8, dtype=torch.float16)
+    k[:, :, -1] = 3e4
+    lay = sink_layout(held, r_new, 3, 6, torch.zeros(4), torch.float16, 8)
+    q = torch.ones(2, 1, 2, 8, dtype=torch.float16)
+    v = torch.randn(2, 1, held.shape[1], 8).half()
+    out = sink_sdpa(q, k, v, mask, 1.0, lay, 8)  # [B, H, S, D]
+    assert torch.isfinite(out[:, :, 0]).all()
 
 
 def test_the_ring_holds_exactly_the_sinks_and_the_window():
