@@ -22,6 +22,7 @@ from tabulate import tabulate
 from torch.profiler import ProfilerActivity, profile
 
 import rewriter
+from rewriter.checkpoints import cast
 from rewriter.passes import from_spec
 
 GROUPS = {  # first match wins
@@ -55,7 +56,7 @@ def main():
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
     from quickstart import load
     model, tok = load(args.model)
-    model = model.to(getattr(torch, args.dtype))
+    model = cast(model, getattr(torch, args.dtype))
     opt = rewriter.optimize(model, [from_spec(s) for s in args.passes], tokenizer=tok)
     ids = [opt.tokenizer.encode("Once upon a time, in a small village by the sea,").ids]
     opt.generate(ids, max_new_tokens=8, eos_token_id=[])  # warm-up: lowering, allocations

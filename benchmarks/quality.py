@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 import rewriter
+from rewriter.checkpoints import cast
 from rewriter.eval import EvalSettings, evaluate, format_table, settings_dict
 from rewriter.passes import (FuseAddRMSNorm, FuseQKV, FuseRoPE, FuseSwiGLU, Int4Weights, LayerSkip,
                              SelfSpeculative)
@@ -53,7 +54,7 @@ def main():
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
     from quickstart import load
     model, tok = load(args.model)
-    model = model.to(getattr(torch, args.dtype))
+    model = cast(model, getattr(torch, args.dtype))
     long_context = args.model != "default"  # SmolLM2: 8192 tokens; the default model: 1024
     settings = EvalSettings(
         passkey_lengths=(1024, 2048, 4096, 8192) if long_context else (256, 512, 1024),

@@ -40,6 +40,7 @@ import torch
 from tabulate import tabulate
 
 import rewriter
+from rewriter.checkpoints import cast
 from rewriter.eval import heldout_chunks, passkey_accuracy, perplexity
 from rewriter.ops import OPS, op_arguments
 from rewriter.passes import DuoAttention, Quest, StreamingAttention, TidalDecode
@@ -51,18 +52,6 @@ def load(name: str):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
     from quickstart import load as load_model
     return load_model(name)
-
-
-def to_dtype(model, device: str, dtype: torch.dtype):
-    """``model`` on ``device`` in ``dtype``, its rotary frequencies kept in float32 (as a
-    model loaded in ``dtype`` has them: in bfloat16 the angles at 8k positions would be off
-    by radians)."""
-    freqs = {n: b for n, b in model.named_buffers() if n.endswith("inv_freq")}
-    model = model.to(device, dtype)
-    for name, b in freqs.items():
-        owner, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(owner), leaf, b.to(device, torch.float32))
-    return model
 
 
 def kv_read_bytes(engine, tokens: int) -> int:
@@ -155,7 +144,7 @@ def main():
     if args.new < 3:
         ap.error(f"--new {args.new}: at least 3 decode steps (the first 2 are a warm-up)")
     model, tok = load(args.model)
-    model = to_dtype(model, args.device, getattr(torch, args.dtype))
+    model = cast(model, getattr(torch, args.dtype), args.device)
     pipelines = {"dense": []}
     for w in args.windows:
         pipelines[f"StreamingAttention(sinks={args.sinks}, window={w})"] = [

@@ -38,6 +38,7 @@ import torch
 from tabulate import tabulate
 
 import rewriter
+from rewriter.checkpoints import cast
 from rewriter.calibrate import predicted_speedup, verify_cost
 from rewriter.corpus import load_corpus
 from rewriter.eval import CHAT_PROMPTS
@@ -126,7 +127,7 @@ def main():
     rows, curves, head_rows = [], [], []
     for dtype in args.dtype:
         model, tok = load(args.model)
-        model = model.to(device=args.device, dtype=getattr(torch, dtype))
+        model = cast(model, getattr(torch, dtype), args.device)
         plain = rewriter.optimize(model, tokenizer=tok, backend=args.backend)
         tok = plain.tokenizer
         calib = code_prompts(tok, 2, 256)

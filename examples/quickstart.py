@@ -22,6 +22,7 @@ import time
 import torch
 
 import rewriter
+from rewriter.checkpoints import cast
 from rewriter.eval import EvalSettings, evaluate, format_table
 from rewriter.heads import SHIPPED
 from rewriter import duo_gates
@@ -96,7 +97,7 @@ def main():
                                                    torch.float32)
     for i, (name, (passes, dtype)) in enumerate(pipelines.items()):
         if dtype not in copies:
-            copies[dtype] = copy.deepcopy(model).to(dtype)
+            copies[dtype] = cast(copy.deepcopy(model), dtype)
         engines[name] = rewriter.optimize(copies[dtype], passes, tokenizer=tokenizer,
                                           dump=f"{args.dump}/{i}" if args.dump else None)
     print(first_layer(engines["fusions (lossless)"].ir), "\n")

@@ -231,6 +231,20 @@ def default_model():
     return model, tokenizer
 
 
+def cast(model, dtype=None, device=None):
+    """``model`` moved to ``device`` and ``dtype``, its rotary frequencies (``inv_freq``
+    buffers) kept in float32, as a model loaded in ``dtype`` has them: a plain
+    ``model.to(torch.bfloat16)`` rounds them too, and at 8k positions the angles are then
+    off by radians. ``None`` keeps the model's dtype or device."""
+    import torch
+    freqs = {n: b for n, b in model.named_buffers() if n.rpartition(".")[2].endswith("inv_freq")}
+    model = model.to(device=device, dtype=dtype)
+    for name, buffer in freqs.items():
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, buffer.to(device=device, dtype=torch.float32))
+    return model
+
+
 def llama_1b(num_hidden_layers: int = 22, device="cpu", dtype=None, seed: int = 0):
     """A TinyLlama-shaped Llama (1.1B parameters at 22 layers) with seeded random weights:
     the GPU benchmarks' model, since nothing can be downloaded. Fewer layers keep every
@@ -241,7 +255,7 @@ def llama_1b(num_hidden_layers: int = 22, device="cpu", dtype=None, seed: int = 
     config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
                          num_hidden_layers=num_hidden_layers, num_attention_heads=32,
                          num_key_value_heads=4, max_position_embeddings=2048)
-    return LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
+    return cast(LlamaForCausalLM(config), dtype, device).eval()
 
 
 def load_model(path: PathLike, dtype=None):
@@ -251,7 +265,7 @@ def load_model(path: PathLike, dtype=None):
     dtype = gguf.check_dtype(dtype)
     if str(path) == "default":
         model, tokenizer = default_model()
-        return (model.to(dtype) if dtype is not None else model), tokenizer
+        return cast(model, dtype), tokenizer
     if gguf.is_gguf(path):
         return gguf.load_gguf_model(path, dtype), gguf.load_gguf_tokenizer(path)
     return load_hf_model(path, dtype), load_tokenizer(path)
