@@ -6,9 +6,11 @@ Reads every Q4_1 matrix of the GGUF file (its codes, float16 steps ``d`` and min
 ``m``: ``w = code * d + m``) and rebuilds the table torch's CPU int4 kernel multiplies with,
 ``w = (code - 8) * scale + zero`` in bfloat16, two ways:
 
-- ``as lowered``: the scales and minimums rounded to bfloat16 (as ``Int4Weights`` stores
-  them in a bfloat16 IR), then ``zero = min + 8 * scale`` from those, rounded again;
-- ``float32 IR``: the scale and ``zero`` computed from the file's values, each rounded once.
+- ``as lowered``: what ``Int4Weights`` and the lowering do for a bfloat16 model: the
+  bfloat16 weights quantized (scales and minimums stored in bfloat16), then the kernel's
+  ``zero = min + 8 * scale`` made from those and rounded to bfloat16 again;
+- ``float32 IR``: quantized from the float32 weights, before the cast, scales and minimums
+  kept in float32, the kernel's scale and zero each rounded to bfloat16 once.
 
 Prints the max and RMS error against the file's weights, and the minimums' magnitude (a
 large minimum loses the most to bfloat16's 8-bit mantissa). No model is run.
@@ -24,6 +26,8 @@ import torch
 from tabulate import tabulate
 
 from rewriter.gguf import smollm2_file
+from rewriter.int4 import quantize, unpack
+from rewriter.runtime.kernels import int4_scale_zeros
 
 BLOCK = 20  # bytes of a Q4_1 block: float16 d, float16 m, 16 bytes of 32 codes
 
@@ -38,12 +42,20 @@ def q4_1_blocks(tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(m)
 
 
-def tables(d: torch.Tensor, m: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """The kernel's ``(scale, zero)`` per block, as read back in float32, for each way."""
-    bf = torch.bfloat16
-    scale, low = d.to(bf).float(), m.to(bf).float()
-    return {"as lowered": (scale, (low + 8 * scale).to(bf).float()),
-            "float32 IR": (scale, (m + 8 * d).to(bf).float())}
+def tables(weight: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """For the file's weights ``[blocks, 32]`` (one group a row), each way's ``(codes,
+    scale, zero)``, ``[blocks, 32]`` and ``[blocks]``, as the kernel reads them back."""
+    ways = {}
+    # as lowered: Int4Weights quantizes the bfloat16 model's weights (scales and mins in
+    # bfloat16), the lowering builds the kernel's table from those
+    codes, scales, mins = quantize(weight.to(torch.bfloat16), 32)
+    ways["as lowered"] = (codes, int4_scale_zeros(scales, mins))
+    # float32 IR: quantized before the cast, scales and mins kept in float32, the table
+    # rounded to bfloat16 once
+    codes, scales, mins = quantize(weight, 32)
+    ways["float32 IR"] = (codes, int4_scale_zeros(scales, mins).to(torch.bfloat16))
+    return {way: (unpack(c).float(), t[0, :, 0].float(), t[0, :, 1].float())  # t: [1, blocks, 2]
+            for way, (c, t) in ways.items()}
 
 
 def main() -> None:
@@ -52,27 +64,30 @@ def main() -> None:
     args = ap.parse_args()
     import gguf
     reader = gguf.GGUFReader(str(smollm2_file()))
-    worst, squares, count, matrices = {}, {}, 0, 0
+    worst, squares, changed, count, matrices = {}, {}, {}, 0, 0
     minimums = []
     for tensor in reader.tensors:
         if tensor.tensor_type != gguf.GGMLQuantizationType.Q4_1:
             continue
         codes, d, m = q4_1_blocks(tensor)
         weight = codes * d[:, None] + m[:, None]  # [blocks, 32], the file's own
-        for way, (scale, zero) in tables(d, m).items():
-            error = (codes - 8) * scale[:, None] + zero[:, None] - weight
+        for way, (code, scale, zero) in tables(weight).items():
+            error = (code - 8) * scale[:, None] + zero[:, None] - weight
+            changed[way] = changed.get(way, 0) + int((code != codes).sum())
             worst[way] = max(worst.get(way, 0.0), error.abs().max().item())
             squares[way] = squares.get(way, 0.0) + float(error.double().pow(2).sum())
         minimums.append(m.abs())
         count, matrices = count + weight.numel(), matrices + 1
     lows = torch.cat(minimums)
-    rows = [[way, f"{worst[way]:.4f}", f"{(squares[way] / count) ** 0.5:.5f}"] for way in worst]
+    rows = [[way, changed[way], f"{worst[way]:.4f}", f"{(squares[way] / count) ** 0.5:.5f}"]
+            for way in worst]
     print(f"{matrices} Q4_1 matrices, {count} weights; |minimum| max {lows.max().item():.2f}, "
           f"{int((lows > 3).sum())} groups above 3")
-    print(tabulate(rows, headers=["tables", "max error", "RMS error"]))
+    print(tabulate(rows, headers=["tables", "codes unlike the file's", "max error", "RMS error"]))
     out = {"matrices": matrices, "weights": count, "max_abs_minimum": lows.max().item(),
            "groups_minimum_above_3": int((lows > 3).sum()),
-           "ways": {way: {"max": worst[way], "rms": (squares[way] / count) ** 0.5} for way in worst}}
+           "ways": {way: {"codes_changed": changed[way], "max": worst[way],
+                          "rms": (squares[way] / count) ** 0.5} for way in worst}}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1))
 

@@ -89,9 +89,16 @@ def int4_cpu_ok(codes: Tensor, scales: Tensor, group_size: int) -> bool:
 def int4_cpu_tables(codes: Tensor, scales: Tensor, mins: Tensor) -> tuple[Tensor, Tensor]:
     """``(packed, scale_zeros)`` for ``linear_int4_cpu`` from ``rw.linear_int4``'s weights."""
     packed = torch._convert_weight_to_int4pack_for_cpu(unpack(codes).to(torch.int32), 1)
+    return packed, int4_scale_zeros(scales, mins)
+
+
+def int4_scale_zeros(scales: Tensor, mins: Tensor) -> Tensor:
+    """The CPU int4 kernel's ``[G, out, 2]`` table of ``(scale, zero)`` in ``scales``'
+    dtype from ``[out, G]`` scales and minimums: ``zero = min + 8 * scale`` (its codes are
+    read as ``code - 8``), computed in float32 and rounded once."""
     zeros = mins.float() + 8 * scales.float()  # [out, G]
     table = torch.stack((scales.float(), zeros), dim=-1).transpose(0, 1)  # [G, out, 2]
-    return packed, table.to(scales.dtype).contiguous()
+    return table.to(scales.dtype).contiguous()
 
 
 KERNELS = {**REFERENCE, "linear": linear, "rms_norm": rms_norm, "rope": rope, "add_rms_norm": add_rms_norm}

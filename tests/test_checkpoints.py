@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import rewriter
-from rewriter.checkpoints import cast, llama_1b, load_hf_model, load_model, load_tokenizer
+from rewriter.checkpoints import cast, load_hf_model, load_model, load_tokenizer
 from rewriter.errors import CheckpointError, RewriterError
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -68,19 +68,18 @@ def test_the_shipped_default_model_loads():
     assert opt.generate([[1, 2, 3]], max_new_tokens=2).shape == (1, 5)
 
 
-
 def test_a_model_cast_to_bfloat16_keeps_its_rotary_frequencies_in_float32(tmp_path):
     # as a checkpoint loaded in bfloat16 has them (model.to would round them too: at 8k
     # positions the angles would be off by radians), on every path that casts a built model
     tiny_llama().save_pretrained(tmp_path)
     loaded = load_hf_model(tmp_path, torch.bfloat16)
-    for model in (cast(tiny_llama(), torch.bfloat16), loaded, llama_1b(1, dtype=torch.bfloat16),
-                  load_model("default", "bfloat16")[0]):
+    for model in (cast(tiny_llama(), torch.bfloat16), loaded, load_model("default", "bfloat16")[0]):
         freqs = {n: b for n, b in model.named_buffers() if n.endswith("inv_freq")}
         assert freqs and all(b.dtype == torch.float32 for b in freqs.values())
         assert model.model.embed_tokens.weight.dtype == torch.bfloat16
     want = loaded.model.rotary_emb.inv_freq
     assert torch.equal(cast(tiny_llama(), torch.bfloat16).model.rotary_emb.inv_freq, want)
+
 
 # ------------------------------------------------------------------ weights unlike the config
 
