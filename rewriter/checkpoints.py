@@ -237,7 +237,8 @@ def cast(model, dtype=None, device=None):
     ``model.to(torch.bfloat16)`` rounds them too, and at 8k positions the angles are then
     off by radians. ``None`` keeps the model's dtype or device."""
     import torch
-    freqs = {n: b for n, b in model.named_buffers(remove_duplicate=False) if n.rpartition(".")[2].endswith("inv_freq")}
+    freqs = {n: b for n, b in model.named_buffers(remove_duplicate=False)
+             if n.rpartition(".")[2].endswith("inv_freq")}  # and original_inv_freq
     model = model.to(device=device, dtype=dtype)
     for name, buffer in freqs.items():
         owner, _, leaf = name.rpartition(".")
