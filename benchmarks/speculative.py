@@ -1,7 +1,7 @@
 """Self-speculative decoding and draft heads against our own plain decode, in the same run.
 
     python benchmarks/speculative.py [--model smollm2|default] [--dtype float32 bfloat16]
-                                     [--batch 1 4] [--new 64] [--max-draft 4] [--budget 24]
+                                     [--batch 1 4] [--new 64] [--samples 8] [--max-draft 4] [--budget 24]
                                      [--strategies self medusa hydra] [--heads PATH] [--draft-vocab 4096]
                                      [--max-nodes 32] [--device cpu|cuda] [--backend torch|triton]
                                      [--json benchmarks/results/speculative.json]
@@ -56,26 +56,32 @@ def code_prompts(tok, n: int, length: int) -> list[list[int]]:
     return [ids[i * length:(i + 1) * length] for i in range(n)]
 
 
-def timed(engine, prompts, new: int, runs: int = 3, eos: bool = False):
-    """(tokens, tokens/s, stats). With ``eos`` generation stops at the model's end of
-    sequence, as a chat answer does (text after it is not what anyone decodes, and drafts
-    of it flatter the heads), and tokens/s counts the tokens up to it."""
+def timed(engine, batches, new: int, runs: int = 3, eos: bool = False):
+    """(tokens of each batch, tokens/s, stats) over ``batches`` (lists of prompts, generated
+    one after another; a run is all of them). With ``eos`` generation stops at the model's
+    end of sequence, as a chat answer does (text after it is not what anyone decodes, and
+    drafts of it flatter the heads), and tokens/s counts the tokens up to it."""
     stop = {} if eos else {"eos_token_id": []}
-    engine.generate(prompts, max_new_tokens=4, **stop)
+    engine.generate(batches[0], max_new_tokens=4, **stop)
     engine.stats.clear()
-    times, out = [], None
+    times, outs = [], []
     for _ in range(runs):
         sync()
         start = time.perf_counter()
-        out = engine.generate(prompts, max_new_tokens=new, **stop)
+        outs = [engine.generate(prompts, max_new_tokens=new, **stop) for prompts in batches]
         sync()
         times.append(time.perf_counter() - start)
-    made = len(prompts) * new
+    made = sum(len(prompts) * new for prompts in batches)
     if eos:
         ids = set(rewriter.runtime.settings.GenerationSettings().for_model(engine.config).eos_token_id)
         made = sum(next((i + 1 for i, t in enumerate(row) if t in ids), len(row))
+                   for prompts, out in zip(batches, outs)
                    for row in out[:, max(map(len, prompts)):].tolist())
-    return out, made / statistics.median(times), dict(engine.stats)
+    return outs, made / statistics.median(times), dict(engine.stats)
+
+
+def same(outs, refs) -> bool:
+    return len(outs) == len(refs) and all(torch.equal(a, b) for a, b in zip(outs, refs))
 
 
 def baseline(plain, prompts, new: int, eos: bool = False):
@@ -108,6 +114,9 @@ def main():
     ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--samples", type=int, default=8,
+                    help="batches of prompts per kind, generated one after another (accepted "
+                         "lengths from a single prompt vary by half a token)")
     ap.add_argument("--max-draft", type=int, default=4)
     ap.add_argument("--budget", type=int, default=24, help="sub-layers the calibration tries")
     ap.add_argument("--strategies", nargs="+", default=["self", "medusa", "hydra"],
@@ -161,7 +170,7 @@ def main():
                                      skip.get("skip_attention", []), skip.get("skip_mlp", []),
                                      args.max_draft)
             for b in args.batch:
-                for kind, prompts in prompt_sets(plain, tok, b).items():
+                for kind, prompts in prompt_sets(plain, tok, b, args.samples).items():
                     ref, base_rate, eager = baseline(plain, prompts, args.new)
                     out, rate, st = timed(spec, prompts, args.new)
                     run = {"dtype": dtype, "skip_set": name, "skip": skip, "batch": b, "prompts": kind,
@@ -170,7 +179,7 @@ def main():
                            "accepted_per_round": st["accepted"] / st["row_rounds"],
                            "forward_per_token": st["forward_passes"] / st["tokens"],
                            "draft_per_token": st["draft_passes"] / st["tokens"],
-                           "same_tokens": bool(torch.equal(out, ref)), "predicted": pred,
+                           "same_tokens": same(out, ref), "predicted": pred,
                            "calibration_s": calib_s if name == "calibrated" else None,
                            "calibration_note": note}
                     results["runs"].append(run)
@@ -216,7 +225,7 @@ def heads_rows(model, tok, plain, args, dtype, results, rows, arch):
         med = rewriter.optimize(model, tokenizer=tok, passes=[p], backend=args.backend)
         tree = med.ir.info["decoding"]["tree"]
         for b in args.batch:
-            for kind, prompts in prompt_sets(plain, tok, b).items():
+            for kind, prompts in prompt_sets(plain, tok, b, args.samples).items():
                 ref, base_rate, eager = baseline(plain, prompts, args.new, eos=kind == "chat")
                 out, rate, st = timed(med, prompts, args.new, eos=kind == "chat")
                 run = {"dtype": dtype, "strategy": arch, "draft_vocab": vocab, "batch": b,
@@ -225,7 +234,7 @@ def heads_rows(model, tok, plain, args, dtype, results, rows, arch):
                        "heads_tok_s": rate, "speedup": rate / base_rate,
                        "accepted_length": 1 + st["accepted"] / st["row_rounds"],
                        "forward_per_token": st["forward_passes"] / st["tokens"],
-                       "same_tokens": bool(torch.equal(out, ref))}
+                       "same_tokens": same(out, ref), "samples": len(prompts)}
                 results["runs"].append(run)
                 rows.append([dtype, arch, vocab or "full", len(tree), b, kind, f"{base_rate:.1f}",
                              f"{eager:.1f}" if eager else "-",
@@ -260,10 +269,16 @@ def load(name: str):
     return load_model(name)
 
 
-def prompt_sets(plain, tok, batch: int) -> dict:
-    sets = {"code": code_prompts(tok, batch, 128)}
+def prompt_sets(plain, tok, batch: int, samples: int) -> dict:
+    """Per kind, ``samples`` batches of ``batch`` prompts: distinct code chunks; chat
+    questions, as many distinct batches as there are questions for."""
+    code = code_prompts(tok, batch * samples, 128)
+    sets = {"code": [code[i * batch:(i + 1) * batch] for i in range(samples)]}
     if plain.text.chat_template is not None:
-        sets["chat"] = [chat_prompt(tok, plain.text, q) for q in CHAT_PROMPTS[:batch]]
+        n = max(1, min(samples, len(CHAT_PROMPTS) // batch))
+        questions = [CHAT_PROMPTS[j % len(CHAT_PROMPTS)] for j in range(n * batch)]
+        sets["chat"] = [[chat_prompt(tok, plain.text, q) for q in questions[i * batch:(i + 1) * batch]]
+                        for i in range(n)]
     return sets
 
 

@@ -160,7 +160,12 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--new-tokens", type=int, default=96, help="greedy tokens per prompt")
     t.add_argument("--epochs", type=int, default=2)
     t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--loss", choices=("tokens", "teacher"), default="tokens",
+                   help="teacher: learn the model's whole next-token distribution (Hydra++)")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--work-dir", default=None,
+                   help="cached data and checkpoints (default OUT.work/); reuse one to "
+                        "train other heads on the same data")
     t.add_argument("--dtype", choices=DTYPES, default="bfloat16",
                    help="the frozen model's dtype while training (bfloat16: fast on a CPU "
                         "with AMX or AVX-512, and on GPUs)")
@@ -200,7 +205,8 @@ def cmd_train_heads(args) -> int:
     model, tokenizer = load_model(args.model, args.dtype)
     report = train_heads(model.to(device), tokenizer, args.out, num_heads=args.num_heads,
                          prompts=args.prompts, new_tokens=args.new_tokens, epochs=args.epochs,
-                         lr=args.lr, seed=args.seed, progress=_bars(), arch=args.arch)
+                         lr=args.lr, seed=args.seed, progress=_bars(), arch=args.arch,
+                         loss=args.loss, work_dir=args.work_dir)
     print(json.dumps(report, indent=1))
     return 0
 

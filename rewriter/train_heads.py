@@ -11,7 +11,10 @@
    input) and cached in ``work_dir`` with the tokens: a resumed run reuses both.
 3. **Training**: only the heads' residual blocks learn; the LM head is shared and frozen.
    Head ``k`` at position ``t`` (from the prompt's last token on) learns the token at
-   ``t + k + 2``, cross-entropy weighted ``0.8**k`` (Medusa's decay); a Hydra head also
+   ``t + k + 2``, cross-entropy weighted ``0.8**k`` (Medusa's decay). The target is the
+   token itself (``loss="tokens"``) or, as Hydra++ trains, the model's whole distribution
+   there (``loss="teacher"``: the LM head on the cached hidden state at ``t + k + 1``,
+   so it costs no model call); a Hydra head also
    reads the embeddings of the tokens at ``t + 1 .. t + k + 1`` (teacher forcing: the
    path verification accepts is the model's own text). AdamW, cosine decay,
    seeded; a checkpoint in ``work_dir`` after every few hundred steps, from which an
@@ -39,6 +42,7 @@ from rewriter.corpus import load_corpus
 RANKS = 10  # rank accuracies stored per head
 CHECKPOINT_EVERY = 200  # steps
 DECAY = 0.8
+LOSSES = ("tokens", "teacher")
 
 
 def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int = 4,
@@ -46,12 +50,14 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
                 new_tokens: int = 96, epochs: int = 2, lr: float = 1e-3, batch: int = 256,
                 seed: int = 0, work_dir: Optional[Union[str, os.PathLike]] = None,
                 generate_batch: int = 16, progress: bool = True, chat: bool = True,
-                arch: str = "medusa") -> dict:
+                arch: str = "medusa", loss: str = "tokens") -> dict:
     """Train heads for ``model`` (a Hugging Face causal LM, frozen) and write them to ``out``
     (``rewriter.heads`` format); returns what was done and measured. ``arch``: "medusa"
-    or "hydra"."""
+    or "hydra"; ``loss``: "tokens" or "teacher" (see the module's docstring)."""
     if arch not in heads_file.ARCHS:
         raise ValueError(f"train_heads: arch must be one of {heads_file.ARCHS}, got {arch!r}")
+    if loss not in LOSSES:
+        raise ValueError(f"train_heads: loss must be one of {LOSSES}, got {loss!r}")
     if type(num_heads) is not int or not 1 <= num_heads <= heads_file.MAX_HEADS:
         raise ValueError(f"train_heads: num_heads must be an int in [1, {heads_file.MAX_HEADS}], "
                          f"got {num_heads!r}")
@@ -79,14 +85,14 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
         data[split]["end"] = _ends(data[split], new_tokens, _eos_ids(model, tokenizer))
         data_seconds = None if seconds is None or data_seconds is None else data_seconds + seconds
     w, b, trained = _train(data["train"], lm_head, embed, num_heads, epochs, lr, batch, seed,
-                           work, settings, progress)
+                           work, settings, progress, loss)
     accuracy = rank_accuracy(data["heldout"], lm_head, w, b, embed)
     report = {**trained, "seconds_data": data_seconds and round(data_seconds, 1),
               "settings": {k: v for k, v in settings.items() if k != "model"},
               "train_tokens": int((data["train"]["end"] - data["train"]["start"]).sum()),
               "heldout_top1": [round(a[0], 4) for a in accuracy],
               "heldout_top5": [round(sum(a[:5]), 4) for a in accuracy],
-              "device": str(lm_head.device), "arch": arch}
+              "device": str(lm_head.device), "arch": arch, "loss": loss}
     w = [t.to(torch.bfloat16) for t in w] if arch == "hydra" else w.to(torch.bfloat16)
     heads_file.Heads(w, b.to(torch.bfloat16), lm_head.shape[0], heads_file.probe_of(lm_head),
                      accuracy, report, produced(data["train"], lm_head.shape[0]), arch).save(out)
@@ -292,6 +298,20 @@ def _path(data: dict, pairs: Tensor, num_heads: int) -> Tensor:
     return tokens[pairs[:, :1].expand_as(t), t]
 
 
+def _teacher_positions(pairs: Tensor, num_heads: int) -> Tensor:
+    """``[P, K]`` where the model predicted head ``k``'s target: position ``t + k + 1``
+    (past a row's end the target is masked and the position clamped when read)."""
+    return pairs[:, 1:2] + torch.arange(num_heads)[None] + 1
+
+
+def _teacher(hidden: Tensor, rows: Tensor, at: Tensor, head: Tensor, device) -> Tensor:
+    """The model's next-token distributions ``[b, K, V]`` at positions ``at`` ``[b, K]`` of
+    ``rows`` ``[b, 1]``, from the cached hidden states and the (frozen) LM head."""
+    h = hidden[rows.expand_as(at), at.clamp(max=hidden.shape[1] - 1)].to(device)  # [b, K, H]
+    with torch.no_grad():
+        return torch.softmax((h.to(head.dtype) @ head.t()).float(), -1)
+
+
 def heads_forward(h: Tensor, w, b: Tensor, embed: Optional[Tensor], path: Optional[Tensor]) -> Tensor:
     """Every head's output before the LM head, ``[b, K, H]``: Medusa's (``embed`` None) or
     Hydra's on the path's embeddings."""
@@ -301,13 +321,15 @@ def heads_forward(h: Tensor, w, b: Tensor, embed: Optional[Tensor], path: Option
 
 
 def _train(data: dict, lm_head: Tensor, embed: Optional[Tensor], num_heads: int, epochs: int,
-           lr: float, batch: int, seed: int, work: Path, settings: dict, progress: bool):
+           lr: float, batch: int, seed: int, work: Path, settings: dict, progress: bool,
+           loss_kind: str = "tokens"):
     from safetensors.torch import load_file
     device = lm_head.device
     hidden_size = lm_head.shape[1]
     pairs = _samples(data, num_heads)
     targets = _targets(data, pairs, num_heads)
     path = _path(data, pairs, num_heads) if embed is not None else None
+    teacher_at = _teacher_positions(pairs, num_heads) if loss_kind == "teacher" else None
     if embed is None:
         w = torch.zeros(num_heads, hidden_size, hidden_size, device=device, requires_grad=True)
         params = [w]
@@ -325,7 +347,8 @@ def _train(data: dict, lm_head: Tensor, embed: Optional[Tensor], num_heads: int,
     ckpt = work / "checkpoint.safetensors"
     key = json.dumps({**settings, "num_heads": num_heads, "epochs": epochs, "lr": lr,
                       "batch": batch, "arch": "medusa" if embed is None else "hydra",
-                      "samples": 2}, sort_keys=True)  # 2: rows end at their text's end
+                      "samples": 2, **({"loss": loss_kind} if loss_kind != "tokens" else {})},
+                     sort_keys=True)  # samples 2: rows end at their text's end
     step, seconds, resumed_loss = 0, 0.0, float("nan")
     if ckpt.is_file():
         from safetensors import safe_open
@@ -363,9 +386,14 @@ def _train(data: dict, lm_head: Tensor, embed: Optional[Tensor], num_heads: int,
         with torch.autocast(device.type, dtype=torch.bfloat16):
             r = heads_forward(h, w, b, embed, path[idx].to(device) if path is not None else None)  # [b, K, H]
             logits = r @ head.t().to(r.dtype) if device.type != "cpu" else r.to(torch.bfloat16) @ head.t()
-        ce = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten(),
-                                               ignore_index=-100, reduction="none").view_as(y)
         valid = (y != -100).float()
+        if teacher_at is None:
+            ce = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten(),
+                                                   ignore_index=-100, reduction="none").view_as(y)
+        else:
+            probs = _teacher(data["hidden"], p[:, :1], teacher_at[idx], head, device)  # [b, K, V]
+            ce = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), probs.flatten(0, 1),
+                                                   reduction="none").view_as(y) * valid
         loss = ((ce * valid).sum(0) / valid.sum(0).clamp_min(1) * weight).sum()
         opt.zero_grad()
         loss.backward()

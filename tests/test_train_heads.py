@@ -125,3 +125,30 @@ def test_generating_the_data_resumes_after_an_interruption(tmp_path, monkeypatch
         assert torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["start"], b["start"])
     assert not (tmp_path / "b.safetensors.work" / "train.partial.safetensors").exists()
 
+
+
+def test_the_teacher_is_the_models_distribution_at_each_heads_target(tmp_path):
+    """``loss="teacher"``: head k at position t learns the model's distribution over the
+    token at t + k + 2; on greedy continuations its argmax is that token."""
+    model, tok = default_model()
+    kw = {**SMALL, "num_heads": 3, "work_dir": tmp_path / "work"}
+    th.train_heads(model, tok, tmp_path / "tokens.safetensors", **kw)
+    report = th.train_heads(model, tok, tmp_path / "teacher.safetensors", **kw, loss="teacher")
+    assert report["loss"] == "teacher"
+    a = heads_file.load(tmp_path / "tokens.safetensors")
+    b = heads_file.load(tmp_path / "teacher.safetensors")
+    assert not torch.equal(a.w, b.w)  # the checkpoint of the other loss was not resumed
+    from safetensors.torch import load_file
+    data = load_file(str(tmp_path / "work" / "train.safetensors"))
+    data["end"] = th._ends(data, SMALL["new_tokens"], th._eos_ids(model, tok))
+    pairs = th._samples(data, 3)
+    targets = th._targets(data, pairs, 3)
+    head = model.get_output_embeddings().weight.detach()
+    probs = th._teacher(data["hidden"], pairs[:, :1], th._teacher_positions(pairs, 3), head, "cpu")
+    assert probs.shape == (len(pairs), 3, head.shape[0])
+    torch.testing.assert_close(probs.sum(-1), torch.ones(len(pairs), 3))
+    valid = targets != -100
+    agree = (probs.argmax(-1) == targets)[valid].float().mean()
+    assert valid.sum() > 50 and agree > 0.98  # shifted by one position it would be near 0
+    with pytest.raises(ValueError, match="loss"):
+        th.train_heads(model, tok, tmp_path / "c.safetensors", **SMALL, loss="kl")
