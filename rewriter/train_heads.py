@@ -147,11 +147,12 @@ def _dataset(model, tokenizer, work: Path, split: str, n: int, settings: dict,
     started = time.perf_counter()
     prompts = make_prompts(tokenizer, split, n, settings["prompt_tokens"], settings["seed"],
                            settings["chat"])
-    tokens, start = _continue(model, tokenizer, prompts, settings["new_tokens"], generate_batch,
-                              progress, split, work / f"{split}.partial.safetensors", key)
+    tokens, start, before = _continue(model, tokenizer, prompts, settings["new_tokens"],
+                                      generate_batch, progress, split,
+                                      work / f"{split}.partial.safetensors", key)
     hidden = _hidden_states(model, tokens, progress, split)
     data = {"tokens": tokens, "start": start, "hidden": hidden}
-    seconds = time.perf_counter() - started
+    seconds = before + time.perf_counter() - started  # an interrupted run's time counts too
     save_file(data, str(f), metadata={"settings": key, "seconds": f"{seconds:.3f}"})
     (work / f"{split}.partial.safetensors").unlink(missing_ok=True)
     return data, seconds
@@ -201,14 +202,17 @@ def _questions(rel: str, source: str) -> list[str]:
 
 
 def _continue(model, tokenizer, prompts, new_tokens: int, generate_batch: int, progress: bool,
-              split: str, partial: Optional[Path] = None, key: str = "") -> tuple[Tensor, Tensor]:
+              split: str, partial: Optional[Path] = None,
+              key: str = "") -> tuple[Tensor, Tensor, float]:
     """Prompts continued greedily by the model (through the runtime): ``[N, L]`` right-padded
-    rows and where each row's continuation starts. The rows made so far are saved to
-    ``partial`` after every batch, and a run interrupted while generating resumes there."""
+    rows, where each row's continuation starts, and the seconds earlier runs spent on them.
+    The rows made so far are saved to ``partial`` after every batch with the time they
+    took, and a run interrupted while generating resumes there."""
     import rewriter
+    began = time.perf_counter()
     engine = rewriter.optimize(model)
     width = max(map(len, prompts))
-    rows = _partial_rows(partial, key) if partial is not None else []
+    rows, before = _partial_rows(partial, key) if partial is not None else ([], 0.0)
     bar = _bar(progress, len(prompts), f"generate ({split})", "prompt")
     bar.update(len(rows))
     for i in range(len(rows), len(prompts), generate_batch):
@@ -219,7 +223,7 @@ def _continue(model, tokenizer, prompts, new_tokens: int, generate_batch: int, p
             rows.append(list(p) + row[w:].tolist())
         bar.update(len(chunk))
         if partial is not None:
-            _save_rows(partial, rows, key)
+            _save_rows(partial, rows, key, before + time.perf_counter() - began)
     bar.close()
     # right-pad to one width: position t of a row is its t-th token (no left padding)
     length = width + new_tokens
@@ -227,33 +231,39 @@ def _continue(model, tokenizer, prompts, new_tokens: int, generate_batch: int, p
     for r, row in enumerate(rows):
         tokens[r, :len(row)] = torch.tensor(row)
     start = torch.tensor([len(p) for p in prompts])  # first generated position
-    return tokens, start
+    return tokens, start, before
 
 
-def _save_rows(path: Path, rows: list, key: str) -> None:
+def _save_rows(path: Path, rows: list, key: str, seconds: float) -> None:
     from safetensors.torch import save_file
     flat = torch.tensor([t for r in rows for t in r], dtype=torch.int64)
     lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
     tmp = path.with_name(path.name + ".tmp")
-    save_file({"flat": flat, "lengths": lengths}, str(tmp), metadata={"settings": key})
+    save_file({"flat": flat, "lengths": lengths}, str(tmp),
+              metadata={"settings": key, "seconds": f"{seconds:.3f}"})
     os.replace(tmp, path)
 
 
-def _partial_rows(path: Path, key: str) -> list:
-    """The rows a generation interrupted earlier made (same settings and model), or []."""
+def _partial_rows(path: Path, key: str) -> tuple[list, float]:
+    """The rows a generation interrupted earlier made (same settings and model) and the
+    seconds it spent, or ([], 0.0)."""
     if not path.is_file():
-        return []
+        return [], 0.0
     from safetensors import safe_open
     try:
         with safe_open(str(path), framework="pt") as f:
-            if (f.metadata() or {}).get("settings") != key:
-                return []
+            meta = f.metadata() or {}
+            if meta.get("settings") != key:
+                return [], 0.0
             flat, lengths = f.get_tensor("flat"), f.get_tensor("lengths")
+        seconds = float(meta.get("seconds", "0"))
     except Exception:  # a torn or foreign file: generate again
-        return []
+        return [], 0.0
     if int(lengths.sum()) != flat.numel() or bool((lengths < 0).any()):
-        return []
-    return [r.tolist() for r in torch.split(flat, lengths.tolist())]
+        return [], 0.0
+    if not (math.isfinite(seconds) and seconds >= 0):  # a time it cannot have taken
+        seconds = 0.0
+    return [r.tolist() for r in torch.split(flat, lengths.tolist())], seconds
 
 
 def _hidden_states(model, tokens: Tensor, progress: bool, split: str, chunk: int = 8) -> Tensor:
@@ -306,7 +316,9 @@ def _teacher_positions(pairs: Tensor, num_heads: int) -> Tensor:
 
 def _teacher(hidden: Tensor, rows: Tensor, at: Tensor, head: Tensor, device) -> Tensor:
     """The model's next-token distributions ``[b, K, V]`` at positions ``at`` ``[b, K]`` of
-    ``rows`` ``[b, 1]``, from the cached hidden states and the (frozen) LM head."""
+    ``rows`` ``[b, 1]``, from the cached hidden states and the (frozen) LM head. (Its
+    cross-entropy includes the teacher's own entropy: a "teacher" run's loss is not
+    comparable with a "tokens" run's.)"""
     h = hidden[rows.expand_as(at), at.clamp(max=hidden.shape[1] - 1)].to(device)  # [b, K, H]
     with torch.no_grad():
         return torch.softmax((h.to(head.dtype) @ head.t()).float(), -1)
@@ -391,9 +403,10 @@ def _train(data: dict, lm_head: Tensor, embed: Optional[Tensor], num_heads: int,
             ce = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten(),
                                                    ignore_index=-100, reduction="none").view_as(y)
         else:
-            probs = _teacher(data["hidden"], p[:, :1], teacher_at[idx], head, device)  # [b, K, V]
+            # the model's LM head in its own dtype: a float32 model's teacher is not rounded
+            probs = _teacher(data["hidden"], p[:, :1], teacher_at[idx], lm_head, device)  # [b, K, V]
             ce = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), probs.flatten(0, 1),
-                                                   reduction="none").view_as(y) * valid
+                                                   reduction="none").view_as(y)
         loss = ((ce * valid).sum(0) / valid.sum(0).clamp_min(1) * weight).sum()
         opt.zero_grad()
         loss.backward()

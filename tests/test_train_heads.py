@@ -1,5 +1,7 @@
 """Training draft heads: seeded, resumable after an interruption, a loadable file with
 rank accuracies and token counts, and the CLI."""
+import shutil
+
 import pytest
 import torch
 
@@ -112,12 +114,16 @@ def test_generating_the_data_resumes_after_an_interruption(tmp_path, monkeypatch
     made, real_partial = [], th._partial_rows
 
     def partial(*args):
-        rows = real_partial(*args)
-        made.append(len(rows))
-        return rows
+        rows, seconds = real_partial(*args)
+        made.append((len(rows), seconds))
+        return rows, seconds
     monkeypatch.setattr(th, "_partial_rows", partial)
     th.train_heads(model, tok, tmp_path / "b.safetensors", **kw)
-    assert made == [4, 0]  # train resumed after its saved rows; held-out made afresh
+    assert [n for n, _ in made] == [4, 0]  # train resumed after its saved rows; held-out afresh
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "b.safetensors.work" / "train.safetensors"), "pt") as f:
+        total = float(f.metadata()["seconds"])
+    assert made[0][1] > 0 and total > made[0][1]  # the interrupted run's time is counted
     from safetensors.torch import load_file
     for split in ("train", "heldout"):
         a = load_file(str(tmp_path / "a.safetensors.work" / f"{split}.safetensors"))
@@ -152,3 +158,35 @@ def test_the_teacher_is_the_models_distribution_at_each_heads_target(tmp_path):
     assert valid.sum() > 50 and agree > 0.98  # shifted by one position it would be near 0
     with pytest.raises(ValueError, match="loss"):
         th.train_heads(model, tok, tmp_path / "c.safetensors", **SMALL, loss="kl")
+
+
+def test_teacher_training_on_one_hot_distributions_is_token_training(tmp_path, monkeypatch):
+    """The soft cross-entropy of the teacher run, fed one-hot distributions of the targets,
+    trains what the token run trains; fed the tokens one position off, it does not: the
+    teacher reaches ``_train`` at the right rows, positions and samples of each batch."""
+    from safetensors.torch import load_file
+    model, tok = default_model()
+    kw = {**SMALL, "num_heads": 3, "epochs": 8, "lr": 0.2, "work_dir": tmp_path / "work"}
+    th.train_heads(model, tok, tmp_path / "tokens.safetensors", **kw)
+    tokens = load_file(str(tmp_path / "work" / "train.safetensors"))["tokens"]
+    vocab = model.get_output_embeddings().weight.shape[0]
+
+    def teacher(shift):
+        def one_hot(hidden, rows, at, head, device):  # the token ``shift`` after ``at``
+            nxt = tokens[rows.expand_as(at), (at + shift).clamp(max=tokens.shape[1] - 1)]
+            return torch.nn.functional.one_hot(nxt, vocab).float()
+        return one_hot
+    a = heads_file.load(tmp_path / "tokens.safetensors")
+    scale = a.w.float().abs().max()
+    assert scale > 0.01  # trained far enough for a misplaced teacher to show
+    for shift, close in ((1, True), (2, False)):
+        work = tmp_path / f"work{shift}"  # the data, not the other run's finished checkpoint
+        work.mkdir()
+        for split in ("train", "heldout"):
+            shutil.copy(tmp_path / "work" / f"{split}.safetensors", work)
+        monkeypatch.setattr(th, "_teacher", teacher(shift))
+        th.train_heads(model, tok, tmp_path / f"t{shift}.safetensors", **{**kw, "work_dir": work},
+                       loss="teacher")
+        b = heads_file.load(tmp_path / f"t{shift}.safetensors")
+        gap = (a.w.float() - b.w.float()).abs().max() / scale
+        assert (gap < 0.02) == close, (shift, gap)
