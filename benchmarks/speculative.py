@@ -15,7 +15,9 @@ head's held-out top-1 / top-5 accuracy and the training it took (from the heads 
 the tree chosen (``tree="auto"``: measured verify cost and accuracies) and its predicted
 tokens per round, then tokens/s against plain decode, mean accepted length (tokens per
 round per row: accepted drafts + the model's own) and whether the tokens equal plain
-greedy decoding's, with the full vocabulary projection and with the trimmed one.
+greedy decoding's, with the full vocabulary projection and with the trimmed one. At a
+batch where the auto tree verifies only its first nodes (``batch_nodes``), the whole tree
+is timed too: "n of N" nodes.
 
 For each dtype: the verify cost curve (the decode program over S tokens against one, batch
 1 and the largest batch), then for each skip set — LayerSkip's evenly spread one
@@ -40,6 +42,7 @@ from tabulate import tabulate
 
 import rewriter
 from rewriter.checkpoints import cast
+from rewriter.decoding import strategy_of
 from rewriter.calibrate import predicted_speedup, verify_cost
 from rewriter.corpus import load_corpus
 from rewriter.eval import CHAT_PROMPTS
@@ -237,26 +240,37 @@ def heads_rows(model, tok, plain, args, dtype, results, rows, arch):
     for vocab in (None, args.draft_vocab):
         p = cls(weights=weights, draft_vocab=vocab, max_nodes=args.max_nodes, tree=given)
         med = rewriter.optimize(model, tokenizer=tok, passes=[p], backend=args.backend)
-        tree = med.ir.info["decoding"]["tree"]
+        record = med.ir.info["decoding"]
+        tree, capped = record["tree"], record.get("batch_nodes")
         for b in args.batch:
+            whole = len(tree)
+            nodes = strategy_of(med.ir.info).nodes_at(b)  # the tree's first nodes at b rows
             for kind, prompts in prompt_sets(plain, tok, b, args.samples).items():
                 ref, base_rate, eager = baseline(plain, prompts, args.new, eos=kind == "chat")
-                out, rate, st = timed(med, prompts, args.new, eos=kind == "chat")
-                run = {"dtype": dtype, "strategy": arch, "draft_vocab": vocab, "batch": b,
-                       "prompts": kind, "tree": tree, "report": p.report,
-                       "plain_tok_s": base_rate, "plain_eager_tok_s": eager,
-                       "heads_tok_s": rate, "speedup": rate / base_rate,
-                       "accepted_length": 1 + st["accepted"] / st["row_rounds"],
-                       "forward_per_token": st["forward_passes"] / st["tokens"],
-                       "same_tokens": same(out, ref), "samples": len(prompts)}
-                results["runs"].append(run)
-                rows.append([dtype, arch, vocab or "full", len(tree), b, kind, f"{base_rate:.1f}",
-                             f"{eager:.1f}" if eager else "-",
-                             f"{rate:.1f}", f"{rate / base_rate:.2f}x",
-                             f"{run['accepted_length']:.2f}",
-                             f"{p.report['expected_tokens']:.2f}" if p.report else
-                             f"{expected_tokens(make_tree(tree, len(trained.accuracy)), trained.accuracy):.2f}",
-                             run["same_tokens"]])
+                # at a batch the tree is capped for, the whole tree is timed too (the cap's gain)
+                for n in [nodes] + ([whole] if nodes != whole else []):
+                    if n == whole and capped:
+                        record.pop("batch_nodes")
+                    try:
+                        out, rate, st = timed(med, prompts, args.new, eos=kind == "chat")
+                    finally:
+                        if capped:
+                            record["batch_nodes"] = capped
+                    run = {"dtype": dtype, "strategy": arch, "draft_vocab": vocab, "batch": b,
+                           "prompts": kind, "tree": tree, "nodes": n, "report": p.report,
+                           "plain_tok_s": base_rate, "plain_eager_tok_s": eager,
+                           "heads_tok_s": rate, "speedup": rate / base_rate,
+                           "accepted_length": 1 + st["accepted"] / st["row_rounds"],
+                           "forward_per_token": st["forward_passes"] / st["tokens"],
+                           "same_tokens": same(out, ref), "samples": len(prompts)}
+                    results["runs"].append(run)
+                    predicted = expected_tokens(make_tree(tree, len(trained.accuracy)).prefix(n + 1),
+                                                trained.accuracy)
+                    rows.append([dtype, arch, vocab or "full", f"{n} of {whole}", b, kind,
+                                 f"{base_rate:.1f}", f"{eager:.1f}" if eager else "-",
+                                 f"{rate:.1f}", f"{rate / base_rate:.2f}x",
+                                 f"{run['accepted_length']:.2f}", f"{predicted:.2f}",
+                                 run["same_tokens"]])
 
 
 def print_heads(args, results, rows) -> None:

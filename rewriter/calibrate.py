@@ -87,20 +87,21 @@ def predicted_speedup(ir: IR, prompts, skip_layers, skip_attention, skip_mlp, ma
                                            + verify[max_draft + 1])}
 
 
-def verify_cost(ir: IR, most: int, runs: int = 15) -> list[float]:
-    """``[0, 1, c(2), ..., c(most)]``: the decode program's time over S tokens at batch 1
-    after a 64-token prompt, divided by its time over one token (medians of ``runs``)."""
+def verify_cost(ir: IR, most: int, runs: int = 15, batch: int = 1) -> list[float]:
+    """``[0, 1, c(2), ..., c(most)]``: the decode program's time over S tokens a row at
+    ``batch`` rows after a 64-token prompt, divided by its time over one token a row
+    (medians of ``runs``)."""
     from rewriter.runtime.attention import Step
     from rewriter.runtime.kv_cache import KVCache, cache_table
     from rewriter.runtime.lower import lower
     program = lower(ir, False, "torch", {})
     weight = max((t for t in ir.weights().values() if t.is_floating_point()), key=torch.Tensor.numel)
-    cache = KVCache(cache_table(ir.gm), 1, 64 + most, weight.dtype, weight.device)
+    cache = KVCache(cache_table(ir.gm), batch, 64 + most, weight.dtype, weight.device)
     times: dict[int, list[float]] = {s: [] for s in range(1, most + 1)}
     for r in range(runs + 1):  # interleaved, so drifts hit every length alike
         for s in times:
-            ids = torch.zeros(1, s, dtype=torch.long, device=weight.device)
-            positions = torch.arange(64, 64 + s, device=weight.device)[None]
+            ids = torch.zeros(batch, s, dtype=torch.long, device=weight.device)
+            positions = torch.arange(64, 64 + s, device=weight.device)[None].expand(batch, s)
             _sync(weight.device)
             t = time.perf_counter()
             with torch.inference_mode():
@@ -112,9 +113,10 @@ def verify_cost(ir: IR, most: int, runs: int = 15) -> list[float]:
     return [0.0] + [statistics.median(times[s]) / one for s in times]
 
 
-def heads_cost(ir: IR, num_heads: int, hydra: bool, runs: int = 15) -> float:
-    """One call of the draft heads' program (Medusa: all heads on one row; Hydra: one head on
-    four paths, a level's typical call) over one decode step, at batch 1 (medians)."""
+def heads_cost(ir: IR, num_heads: int, hydra: bool, runs: int = 15, batch: int = 1) -> float:
+    """One call of the draft heads' program (Medusa: all heads on a row; Hydra: one head on
+    four paths a row, a level's typical call) over one decode step, at ``batch`` rows
+    (medians)."""
     from rewriter.runtime.attention import Step
     from rewriter.runtime.kv_cache import KVCache, cache_table
     from rewriter.runtime.lower import logits_node, lower, lower_heads
@@ -123,12 +125,12 @@ def heads_cost(ir: IR, num_heads: int, hydra: bool, runs: int = 15) -> float:
     weight = max((t for t in ir.weights().values() if t.is_floating_point()), key=torch.Tensor.numel)
     h = logits_node(ir).args[0].meta["val"]
     rows = 4 if hydra else 1
-    x = torch.zeros(1, rows, h.shape[-1], dtype=h.dtype, device=weight.device)
-    args = (x, torch.zeros(1, rows, num_heads, dtype=torch.long, device=weight.device)) \
+    x = torch.zeros(batch, rows, h.shape[-1], dtype=h.dtype, device=weight.device)
+    args = (x, torch.zeros(batch, rows, num_heads, dtype=torch.long, device=weight.device)) \
         if hydra else (x,)
-    cache = KVCache(cache_table(ir.gm), 1, 65, weight.dtype, weight.device)
-    ids = torch.zeros(1, 1, dtype=torch.long, device=weight.device)
-    positions = torch.full((1, 1), 64, device=weight.device)
+    cache = KVCache(cache_table(ir.gm), batch, 65, weight.dtype, weight.device)
+    ids = torch.zeros(batch, 1, dtype=torch.long, device=weight.device)
+    positions = torch.full((batch, 1), 64, device=weight.device)
     step_t, head_t = [], []
     for r in range(runs + 1):
         with torch.inference_mode():

@@ -11,7 +11,10 @@ with ``runtime.speculative``. ``MedusaHeads`` records::
 
     {"strategy": "medusa", "arch": "medusa" or "hydra", "num_heads": 4, "tree": [[0], [1], [0, 0], ..],
      "draft_vocab": 4096 or None, "acceptance": "exact" or "typical",
-     "posterior_threshold": 0.09, "posterior_alpha": 0.3}
+     "posterior_threshold": 0.09, "posterior_alpha": 0.3, "batch_nodes": [[4, 3], [8, 0]]}
+
+(``batch_nodes``, optional: from a batch of 4 rows on verify only the tree's first 3 nodes,
+from 8 on none, which decodes plainly; a larger batch makes verifying many tokens dearer.)
 
 and the runtime lowers ``tree_prefill``, ``verify`` (logits and hidden states) and
 ``heads`` and generates with ``runtime.tree_decoding``. Artifacts keep the record, so a
@@ -41,6 +44,15 @@ class Strategy:
     acceptance: str = "exact"
     posterior_threshold: float = 0.09
     posterior_alpha: float = 0.3
+    batch_nodes: tuple = ()  # ((batch, nodes), ..): from that batch on, the tree's first nodes
+
+    def nodes_at(self, batch: int) -> int:
+        """The tree nodes a round verifies at ``batch`` rows."""
+        nodes = len(self.tree)
+        for b, n in self.batch_nodes:
+            if batch >= b:
+                nodes = n
+        return nodes
 
     def cache_slack(self) -> int:
         """Cache positions a generation may need past prompt + new tokens: a row that is
@@ -52,10 +64,13 @@ class Strategy:
 
     def record(self) -> dict:
         if self.name == "medusa":
-            return {"strategy": "medusa", "arch": self.arch, "num_heads": self.num_heads,
-                    "tree": [list(p) for p in self.tree], "draft_vocab": self.draft_vocab,
-                    "acceptance": self.acceptance, "posterior_threshold": self.posterior_threshold,
-                    "posterior_alpha": self.posterior_alpha}
+            r = {"strategy": "medusa", "arch": self.arch, "num_heads": self.num_heads,
+                 "tree": [list(p) for p in self.tree], "draft_vocab": self.draft_vocab,
+                 "acceptance": self.acceptance, "posterior_threshold": self.posterior_threshold,
+                 "posterior_alpha": self.posterior_alpha}
+            if self.batch_nodes:
+                r["batch_nodes"] = [list(x) for x in self.batch_nodes]
+            return r
         return {"strategy": self.name, "skip_layers": list(self.skip_layers),
                 "skip_attention": list(self.skip_attention), "skip_mlp": list(self.skip_mlp),
                 "max_draft": self.max_draft, "threshold": self.threshold}
@@ -70,7 +85,8 @@ def strategy_of(info: dict) -> Strategy:
         return Strategy("medusa", arch=r["arch"], num_heads=r["num_heads"], tree=tuple(map(tuple, r["tree"])),
                         draft_vocab=r["draft_vocab"], acceptance=r["acceptance"],
                         posterior_threshold=float(r["posterior_threshold"]),
-                        posterior_alpha=float(r["posterior_alpha"]))
+                        posterior_alpha=float(r["posterior_alpha"]),
+                        batch_nodes=tuple(map(tuple, r.get("batch_nodes", ()))))
     return Strategy(r["strategy"], tuple(r["skip_layers"]), tuple(r["skip_attention"]),
                     tuple(r["skip_mlp"]), r["max_draft"], float(r["threshold"]))
 
@@ -105,8 +121,8 @@ MEDUSA_KEYS = {"strategy", "arch", "num_heads", "tree", "draft_vocab", "acceptan
 def _check_medusa(r: dict) -> str | None:
     from rewriter.heads import MAX_HEADS
     from rewriter.tree import check_paths
-    if set(r) != MEDUSA_KEYS:
-        return f"an object with exactly the keys {sorted(MEDUSA_KEYS)}"
+    if set(r) - {"batch_nodes"} != MEDUSA_KEYS:
+        return f"an object with exactly the keys {sorted(MEDUSA_KEYS)} (and batch_nodes)"
     if r["arch"] not in ("medusa", "hydra"):
         return "arch: 'medusa' or 'hydra'"
     k = r["num_heads"]
@@ -126,6 +142,19 @@ def _check_medusa(r: dict) -> str | None:
         t = r[key]
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 < t <= 1.0:
             return f"{key}: a number in (0, 1]"
+    return _check_batch_nodes(r.get("batch_nodes", []), len(r["tree"]))
+
+
+def _check_batch_nodes(v, nodes: int) -> str | None:
+    what = (f"batch_nodes: a list of [batch, nodes] pairs, batches increasing from 2, nodes "
+            f"in [0, {nodes}]")
+    if not isinstance(v, list) or not all(
+            isinstance(x, list) and len(x) == 2 and all(_is_int(i) for i in x) for x in v):
+        return what
+    batches = [b for b, _ in v]
+    if batches != sorted(set(batches)) or (batches and batches[0] < 2) \
+            or not all(0 <= n <= nodes for _, n in v):
+        return what
     return None
 
 

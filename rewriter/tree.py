@@ -161,3 +161,19 @@ def choose_tree(accuracy: Sequence[Sequence[float]], cost: Sequence[float],
     return tree, {"expected_tokens": round(expected, 4),
                   "predicted_speedup": round(expected / (cost[tree.size] + heads(tree.depth)), 4),
                   "nodes": tree.size - 1, "head_cost": round(head_cost, 4)}
+
+
+def best_prefix(tree: Tree, accuracy: Sequence[Sequence[float]], cost: Sequence[float],
+                head_cost: float = 0.0, per_level: bool = False) -> tuple[int, float]:
+    """(nodes, predicted speed-up): how many of ``tree``'s first nodes to verify a round
+    when verifying costs ``cost`` (as ``choose_tree``'s, measured at another batch size),
+    0 when none pays for itself (plain decoding: no heads are called)."""
+    cost = [0.0] + list(itertools.accumulate((max(c, 1.0) for c in cost[1:]), max))
+    best, rate, total, depth = 0, 1.0, 1.0, 0
+    for m, p in enumerate(tree.paths[:len(cost) - 2], start=1):
+        total += _path_probability(p, accuracy)
+        depth = max(depth, len(p))
+        r = total / (cost[m + 1] + head_cost * (depth if per_level else 1))
+        if r > rate:
+            best, rate = m, r
+    return best, round(rate, 4)

@@ -11,7 +11,8 @@ from rewriter.errors import PassError
 from rewriter.passes import MedusaHeads, SelfSpeculative, from_spec
 from rewriter.runtime.attention import Step
 from rewriter.runtime.kv_cache import KVCache, cache_table
-from rewriter.tree import Tree, choose_tree, expected_tokens, make_tree
+from rewriter.decoding import check_record
+from rewriter.tree import Tree, best_prefix, choose_tree, expected_tokens, make_tree
 
 from conftest import CONFIGS, assert_same_distribution, make_model, oracle_drafts, varied_init
 
@@ -279,6 +280,11 @@ def test_auto_tree_comes_from_accuracies_and_measured_cost(tmp_path):
     med = rewriter.optimize(model, passes=[p])
     assert 1 <= len(med.ir.info["decoding"]["tree"]) <= 6
     assert p.report["expected_tokens"] > 1 and len(p.report["verify_cost"]) == 7
+    # and how many of its first nodes a round verifies at 2, 4 and 8 rows
+    record = med.ir.info["decoding"]
+    assert [b for b, _ in record["batch_nodes"]] == [2, 4, 8] and check_record(record) is None
+    assert all(0 <= n <= len(record["tree"]) for _, n in record["batch_nodes"])
+    assert set(p.report["batches"]) == {2, 4, 8}
 
 
 def test_hostile_heads_files_get_named_errors(tmp_path):
@@ -412,3 +418,68 @@ def test_records_that_disagree_with_the_graphs_draft_vocabulary_are_refused(tmp_
     big.ir.weight("medusa.vocab")[0] = 999  # an id outside the vocabulary
     with pytest.raises(RewriterError, match="distinct int64 token ids"):
         build_programs(big.ir, "torch", {})
+
+
+# ---------------------------------------------------------------------------- larger batches
+def test_best_prefix_verifies_fewer_nodes_as_verifying_gets_dearer():
+    acc = [[0.6, 0.15, 0.05], [0.4, 0.1], [0.3]]
+    tree, _ = choose_tree(acc, [0] + [1.0] * 40, max_nodes=8)
+    n = tree.size - 1
+
+    def brute(cost, head_cost=0.0):  # every prefix's rate; 0 nodes: plain decoding, rate 1
+        rates = [1.0] + [expected_tokens(tree.prefix(m + 1), acc) / (cost[m + 1] + head_cost)
+                         for m in range(1, n + 1)]
+        return max(range(n + 1), key=lambda m: (rates[m], -m))
+    cheap = [0] + [1.0] * 40
+    assert best_prefix(tree, acc, cheap) == (n, pytest.approx(expected_tokens(tree, acc), abs=1e-3))
+    dear = [0] + [1.0 + 0.25 * s for s in range(40)]
+    m, rate = best_prefix(tree, acc, dear)
+    assert 0 < m < n and m == brute(dear) and rate > 1
+    assert best_prefix(tree, acc, [0] + [1.0 + 2.0 * s for s in range(40)]) == (0, 1.0)
+    assert best_prefix(tree, acc, cheap, head_cost=2.0)[0] == 0  # the heads cost more than they save
+
+
+def _check_batch_nodes(med, plain, one_row_drafts: int):
+    """``batch_nodes`` caps the nodes of a batch of 2 (IDS) and leaves one row's tree whole;
+    tokens stay plain greedy's."""
+    record = med.ir.info["decoding"]
+    for nodes in (2, 0):
+        record["batch_nodes"] = [[2, nodes]]
+        assert check_record(record) is None
+        med.stats.clear()
+        assert torch.equal(med.generate(IDS, **KW), plain.generate(IDS, **KW)), nodes
+        s = med.stats
+        assert s["drafted"] <= nodes * s["row_rounds"] and (s["drafted"] > 0) == (nodes > 0)
+        if nodes == 0:  # plain decoding through the verify program: no head is called
+            assert s["head_passes"] == 0 and s["accepted"] == 0
+    med.stats.clear()
+    assert torch.equal(med.generate(IDS[:1], **KW), plain.generate(IDS[:1], **KW))
+    # the whole tree (rounds near the last token draft fewer): more than the cap of 2
+    assert 2 * med.stats["rounds"] < med.stats["drafted"] <= one_row_drafts * med.stats["rounds"]
+
+
+def test_batch_nodes_cap_the_tree_in_larger_batches_and_stay_lossless(tmp_path):
+    plain, med = pair("llama-gqa-3l")
+    _check_batch_nodes(med, plain, len(WIDE))
+    med.ir.info["decoding"]["batch_nodes"] = [[2, 3], [4, 0]]
+    med.save(tmp_path / "a")
+    assert rewriter.load(tmp_path / "a").ir.info["decoding"]["batch_nodes"] == [[2, 3], [4, 0]]
+
+
+def test_hydra_batch_nodes_cap_the_levels_drafted(tmp_path):
+    from rewriter.passes import HydraHeads
+    from test_hydra_heads import hydra_heads
+    model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
+    path = hydra_heads(model, tmp_path / "h.safetensors")
+    plain = rewriter.optimize(model)
+    hyd = rewriter.optimize(model, passes=[HydraHeads(weights=str(path), tree=WIDE)])
+    _check_batch_nodes(hyd, plain, len(WIDE))
+
+
+@pytest.mark.parametrize("bad", [[[1, 2]], [[4, 9]], [[4, 1], [2, 0]], [[2, -1]], [[2]], "x",
+                                 [[2, True]]])
+def test_bad_batch_nodes_are_refused(bad):
+    from rewriter.decoding import Strategy
+    record = Strategy("medusa", num_heads=3, tree=tuple(map(tuple, WIDE))).record()
+    assert check_record({**record, "batch_nodes": [[2, 8], [4, 0]]}) is None
+    assert "batch_nodes" in check_record({**record, "batch_nodes": bad})
