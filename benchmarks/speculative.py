@@ -16,8 +16,8 @@ the tree chosen (``tree="auto"``: measured verify cost and accuracies) and its p
 tokens per round, then tokens/s against plain decode, mean accepted length (tokens per
 round per row: accepted drafts + the model's own) and whether the tokens equal plain
 greedy decoding's, with the full vocabulary projection and with the trimmed one. At a
-batch where the auto tree verifies only its first nodes (``batch_nodes``), the whole tree
-is timed too: "n of N" nodes.
+batch where the auto tree verifies only a sub-tree (``batch_trees``; none: plain decoding),
+the whole tree is timed too: "n of N" nodes.
 
 For each dtype: the verify cost curve (the decode program over S tokens against one, batch
 1 and the largest batch), then for each skip set — LayerSkip's evenly spread one
@@ -49,7 +49,7 @@ from rewriter.eval import CHAT_PROMPTS
 from rewriter.passes import HydraHeads, MedusaHeads, SelfSpeculative
 from rewriter.passes.layer_skip import kept_positions
 from rewriter.runtime.chat import chat_prompt
-from rewriter.tree import MAX_NODES, choose_tree, expected_tokens, make_tree
+from rewriter.tree import MAX_NODES, Tree, choose_tree, expected_tokens
 
 
 def code_prompts(tok, n: int, length: int) -> list[list[int]]:
@@ -241,31 +241,33 @@ def heads_rows(model, tok, plain, args, dtype, results, rows, arch):
         p = cls(weights=weights, draft_vocab=vocab, max_nodes=args.max_nodes, tree=given)
         med = rewriter.optimize(model, tokenizer=tok, passes=[p], backend=args.backend)
         record = med.ir.info["decoding"]
-        tree, capped = record["tree"], record.get("batch_nodes")
+        tree, capped = record["tree"], record.get("batch_trees")
         for b in args.batch:
             whole = len(tree)
-            nodes = strategy_of(med.ir.info).nodes_at(b)  # the tree's first nodes at b rows
+            sub = strategy_of(med.ir.info).tree_at(b)  # the paths verified at b rows
+            nodes = len(sub)
             for kind, prompts in prompt_sets(plain, tok, b, args.samples).items():
                 ref, base_rate, eager = baseline(plain, prompts, args.new, eos=kind == "chat")
                 # at a batch the tree is capped for, the whole tree is timed too (the cap's gain)
                 for n in [nodes] + ([whole] if nodes != whole else []):
-                    if n == whole and capped:
-                        record.pop("batch_nodes")
                     try:
+                        if n == whole and capped:
+                            record.pop("batch_trees")
                         out, rate, st = timed(med, prompts, args.new, eos=kind == "chat")
                     finally:
                         if capped:
-                            record["batch_nodes"] = capped
+                            record["batch_trees"] = capped
                     run = {"dtype": dtype, "strategy": arch, "draft_vocab": vocab, "batch": b,
                            "prompts": kind, "tree": tree, "nodes": n, "report": p.report,
                            "plain_tok_s": base_rate, "plain_eager_tok_s": eager,
                            "heads_tok_s": rate, "speedup": rate / base_rate,
-                           "accepted_length": 1 + st["accepted"] / st["row_rounds"],
-                           "forward_per_token": st["forward_passes"] / st["tokens"],
+                           "accepted_length": 1 + st["accepted"] / st["row_rounds"]
+                           if st["row_rounds"] else 1.0,  # plain decoding has no rounds
+                           "forward_per_token": st["forward_passes"] / max(st["tokens"], 1),
                            "same_tokens": same(out, ref), "samples": len(prompts)}
                     results["runs"].append(run)
-                    predicted = expected_tokens(make_tree(tree, len(trained.accuracy)).prefix(n + 1),
-                                                trained.accuracy)
+                    paths = sub if n == nodes else tree
+                    predicted = expected_tokens(Tree(tuple(map(tuple, paths))), trained.accuracy)
                     rows.append([dtype, arch, vocab or "full", f"{n} of {whole}", b, kind,
                                  f"{base_rate:.1f}", f"{eager:.1f}" if eager else "-",
                                  f"{rate:.1f}", f"{rate / base_rate:.2f}x",

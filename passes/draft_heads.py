@@ -29,9 +29,9 @@ rows for the ``N`` tokens the model produced most often on the training text
 VocabTrim). The graph
 then returns ``(logits, draft)``. The decoding record (``rewriter.decoding``) holds the
 tree (``rewriter.tree``): given, or chosen from the heads' measured accuracies and the
-verify cost measured here (``tree="auto"``; then also how many of its first nodes a round
-verifies at 2, 4 and 8 rows, where verifying many tokens costs more: none at all, plain
-decoding, when nothing pays). The output is the model's: greedy tokens
+verify cost measured here (``tree="auto"``; then also the sub-tree of its likeliest nodes a
+round verifies at 2, 4 and 8 rows, where verifying many tokens costs more: none at all,
+plain decoding, when nothing pays). The output is the model's: greedy tokens
 equal plain greedy decoding's, sampling follows its distribution; ``acceptance="typical"``
 (Medusa's typical acceptance) is the explicit lossy option.
 """
@@ -48,7 +48,7 @@ from rewriter.errors import PassError
 from rewriter.ir.core import IR
 from rewriter.pass_manager import Pass
 from rewriter.passes.fusion import call, is_op
-from rewriter.tree import MAX_NODES, best_prefix, chain, choose_tree, make_tree
+from rewriter.tree import MAX_NODES, best_subtree, chain, choose_tree, make_tree
 
 ROLE = "draft_head"
 
@@ -124,12 +124,12 @@ class MedusaHeads(Pass):
                          self._vocab(weight), self.name)
         else:
             insert(ir, head, self._weights(weight), self._vocab(weight), self.name)
-        tree, batch_nodes = self._tree(ir)
+        tree, batch_trees = self._tree(ir)
         vocab = None if self.draft_vocab is None else min(self.draft_vocab, weight.shape[0])
         strategy = Strategy("medusa", arch=self.ARCH, num_heads=self.num_heads, tree=tree.paths,
                             draft_vocab=vocab, acceptance=self.acceptance,
                             posterior_threshold=self.posterior_threshold,
-                            posterior_alpha=self.posterior_alpha, batch_nodes=batch_nodes)
+                            posterior_alpha=self.posterior_alpha, batch_trees=batch_trees)
         why = check_record(strategy.record())
         if why:
             raise PassError(f"{self!r}: the decoding record needs {why}")
@@ -161,8 +161,8 @@ class MedusaHeads(Pass):
         return counts.topk(n).indices.sort().values
 
     def _tree(self, ir: IR) -> tuple:
-        """The tree and, when chosen here, how many of its first nodes a round verifies at
-        larger batches (``Strategy.batch_nodes``): there verifying many tokens is dearer."""
+        """The tree and, when chosen here, the sub-trees a round verifies at larger batches
+        (``Strategy.batch_trees``): there verifying many tokens is dearer."""
         if self.tree != "auto":
             return make_tree(self.tree, self.num_heads), ()
         accuracy = self.heads.accuracy if self.heads is not None else []
@@ -175,15 +175,15 @@ class MedusaHeads(Pass):
         tree, self.report = choose_tree(accuracy, cost, self.max_nodes, per_call, per_level=hydra)
         self.report = {**self.report, "verify_cost": [round(c, 3) for c in cost[1:]],
                        "batches": {}}
-        batch_nodes = []
+        batch_trees = []
         for b in BATCHES:
             cost_b = verify_cost(ir, tree.size, runs=5, batch=b)
-            m, rate = best_prefix(tree, accuracy, cost_b,
-                                  heads_cost(ir, self.num_heads, hydra, runs=5, batch=b), hydra)
-            batch_nodes.append((b, m))
-            self.report["batches"][b] = {"nodes": m, "predicted_speedup": rate,
-                                         "verify_cost": [round(c, 3) for c in cost_b[1:]]}
-        return tree, tuple(batch_nodes)
+            sub, rate = best_subtree(tree, accuracy, cost_b,
+                                     heads_cost(ir, self.num_heads, hydra, runs=5, batch=b), hydra)
+            batch_trees.append((b, sub.paths))
+            self.report["batches"][str(b)] = {"nodes": sub.size - 1, "predicted_speedup": rate,
+                                              "verify_cost": [round(c, 3) for c in cost_b[1:]]}
+        return tree, tuple(batch_trees)
 
 
 class HydraHeads(MedusaHeads):

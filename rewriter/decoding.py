@@ -11,9 +11,10 @@ with ``runtime.speculative``. ``MedusaHeads`` records::
 
     {"strategy": "medusa", "arch": "medusa" or "hydra", "num_heads": 4, "tree": [[0], [1], [0, 0], ..],
      "draft_vocab": 4096 or None, "acceptance": "exact" or "typical",
-     "posterior_threshold": 0.09, "posterior_alpha": 0.3, "batch_nodes": [[4, 3], [8, 0]]}
+     "posterior_threshold": 0.09, "posterior_alpha": 0.3,
+     "batch_trees": [[4, [[0], [1], [0, 0]]], [8, []]]}
 
-(``batch_nodes``, optional: from a batch of 4 rows on verify only the tree's first 3 nodes,
+(``batch_trees``, optional: from a batch of 4 rows on verify only those nodes of the tree,
 from 8 on none, which decodes plainly; a larger batch makes verifying many tokens dearer.)
 
 and the runtime lowers ``tree_prefill``, ``verify`` (logits and hidden states) and
@@ -44,15 +45,15 @@ class Strategy:
     acceptance: str = "exact"
     posterior_threshold: float = 0.09
     posterior_alpha: float = 0.3
-    batch_nodes: tuple = ()  # ((batch, nodes), ..): from that batch on, the tree's first nodes
+    batch_trees: tuple = ()  # ((batch, paths), ..): from that batch on, a sub-tree (or none)
 
-    def nodes_at(self, batch: int) -> int:
-        """The tree nodes a round verifies at ``batch`` rows."""
-        nodes = len(self.tree)
-        for b, n in self.batch_nodes:
+    def tree_at(self, batch: int) -> tuple:
+        """The paths a round verifies at ``batch`` rows: the tree, or a sub-tree of it."""
+        paths = self.tree
+        for b, sub in self.batch_trees:
             if batch >= b:
-                nodes = n
-        return nodes
+                paths = sub
+        return paths
 
     def cache_slack(self) -> int:
         """Cache positions a generation may need past prompt + new tokens: a row that is
@@ -68,8 +69,8 @@ class Strategy:
                  "tree": [list(p) for p in self.tree], "draft_vocab": self.draft_vocab,
                  "acceptance": self.acceptance, "posterior_threshold": self.posterior_threshold,
                  "posterior_alpha": self.posterior_alpha}
-            if self.batch_nodes:
-                r["batch_nodes"] = [list(x) for x in self.batch_nodes]
+            if self.batch_trees:
+                r["batch_trees"] = [[b, [list(p) for p in sub]] for b, sub in self.batch_trees]
             return r
         return {"strategy": self.name, "skip_layers": list(self.skip_layers),
                 "skip_attention": list(self.skip_attention), "skip_mlp": list(self.skip_mlp),
@@ -86,7 +87,8 @@ def strategy_of(info: dict) -> Strategy:
                         draft_vocab=r["draft_vocab"], acceptance=r["acceptance"],
                         posterior_threshold=float(r["posterior_threshold"]),
                         posterior_alpha=float(r["posterior_alpha"]),
-                        batch_nodes=tuple(map(tuple, r.get("batch_nodes", ()))))
+                        batch_trees=tuple((b, tuple(map(tuple, sub)))
+                                          for b, sub in r.get("batch_trees", ())))
     return Strategy(r["strategy"], tuple(r["skip_layers"]), tuple(r["skip_attention"]),
                     tuple(r["skip_mlp"]), r["max_draft"], float(r["threshold"]))
 
@@ -121,8 +123,8 @@ MEDUSA_KEYS = {"strategy", "arch", "num_heads", "tree", "draft_vocab", "acceptan
 def _check_medusa(r: dict) -> str | None:
     from rewriter.heads import MAX_HEADS
     from rewriter.tree import check_paths
-    if set(r) - {"batch_nodes"} != MEDUSA_KEYS:
-        return f"an object with exactly the keys {sorted(MEDUSA_KEYS)} (and batch_nodes)"
+    if set(r) - {"batch_trees"} != MEDUSA_KEYS:
+        return f"an object with exactly the keys {sorted(MEDUSA_KEYS)} (and batch_trees)"
     if r["arch"] not in ("medusa", "hydra"):
         return "arch: 'medusa' or 'hydra'"
     k = r["num_heads"]
@@ -142,19 +144,26 @@ def _check_medusa(r: dict) -> str | None:
         t = r[key]
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 < t <= 1.0:
             return f"{key}: a number in (0, 1]"
-    return _check_batch_nodes(r.get("batch_nodes", []), len(r["tree"]))
+    return _check_batch_trees(r.get("batch_trees", []), r["tree"], k)
 
 
-def _check_batch_nodes(v, nodes: int) -> str | None:
-    what = (f"batch_nodes: a list of [batch, nodes] pairs, batches increasing from 2, nodes "
-            f"in [0, {nodes}]")
-    if not isinstance(v, list) or not all(
-            isinstance(x, list) and len(x) == 2 and all(_is_int(i) for i in x) for x in v):
+def _check_batch_trees(v, tree: list, num_heads: int) -> str | None:
+    from rewriter.tree import check_paths
+    what = "batch_trees: a list of [batch, paths] pairs, batches increasing from 2"
+    if not isinstance(v, list) or not all(isinstance(x, list) and len(x) == 2 and _is_int(x[0])
+                                          for x in v):
         return what
     batches = [b for b, _ in v]
-    if batches != sorted(set(batches)) or (batches and batches[0] < 2) \
-            or not all(0 <= n <= nodes for _, n in v):
+    if batches != sorted(set(batches)) or (batches and batches[0] < 2):
         return what
+    for b, sub in v:
+        if sub == []:  # plain decoding from this batch on
+            continue
+        why = check_paths(sub, num_heads)
+        if why:
+            return f"batch_trees: batch {b}: {why}"
+        if sub != sorted(sub, key=lambda p: (len(p), p)) or not all(p in tree for p in sub):
+            return f"batch_trees: batch {b}: paths of the tree, ordered by depth, then ranks"
     return None
 
 

@@ -163,17 +163,20 @@ def choose_tree(accuracy: Sequence[Sequence[float]], cost: Sequence[float],
                   "nodes": tree.size - 1, "head_cost": round(head_cost, 4)}
 
 
-def best_prefix(tree: Tree, accuracy: Sequence[Sequence[float]], cost: Sequence[float],
-                head_cost: float = 0.0, per_level: bool = False) -> tuple[int, float]:
-    """(nodes, predicted speed-up): how many of ``tree``'s first nodes to verify a round
-    when verifying costs ``cost`` (as ``choose_tree``'s, measured at another batch size),
-    0 when none pays for itself (plain decoding: no heads are called)."""
+def best_subtree(tree: Tree, accuracy: Sequence[Sequence[float]], cost: Sequence[float],
+                 head_cost: float = 0.0, per_level: bool = False) -> tuple[Tree, float]:
+    """(sub-tree, predicted speed-up): the nodes of ``tree`` worth verifying a round when
+    verifying costs ``cost`` (as ``choose_tree``'s, measured at another batch size): its
+    ``m`` likeliest nodes (a child is never likelier than its parent, so they form a tree)
+    for the best ``m``; no node at all (plain decoding, rate 1) when none pays for itself."""
     cost = [0.0] + list(itertools.accumulate((max(c, 1.0) for c in cost[1:]), max))
+    likeliest = sorted(tree.paths, key=lambda p: (-_path_probability(p, accuracy), len(p), p))
     best, rate, total, depth = 0, 1.0, 1.0, 0
-    for m, p in enumerate(tree.paths[:len(cost) - 2], start=1):
+    for m, p in enumerate(likeliest[:len(cost) - 2], start=1):
         total += _path_probability(p, accuracy)
         depth = max(depth, len(p))
         r = total / (cost[m + 1] + head_cost * (depth if per_level else 1))
         if r > rate:
             best, rate = m, r
-    return best, round(rate, 4)
+    chosen = set(likeliest[:best])
+    return Tree(tuple(p for p in tree.paths if p in chosen)), round(rate, 4)

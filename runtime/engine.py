@@ -176,7 +176,7 @@ class Engine:
         if strategy.name == "self_speculative":
             return batch, speculative_loop(programs, cache, batch, settings, generator,
                                            self.stats, strategy)
-        if strategy.name == "medusa":
+        if strategy.name == "medusa" and strategy.tree_at(batch.ids.shape[0]):
             vocab = self.ir.weight("medusa.vocab") if strategy.draft_vocab is not None else None
             return batch, tree_loop(programs, cache, batch, settings, generator, self.stats,
                                     strategy, vocab)

@@ -61,14 +61,14 @@ def tree_loop(programs: dict, cache: KVCache, batch: Batch, settings: Generation
 class _TreeRounds(_Rounds):
     def __init__(self, programs, cache, batch, settings, generator, stats, strategy, vocab):
         super().__init__(programs, cache, batch, settings, generator, stats, strategy)
-        # verifying many tokens costs more in a larger batch: the strategy may verify only
-        # the tree's first nodes from some batch on (none: plain decoding through verify)
-        whole = make_tree(strategy.tree, strategy.num_heads)
-        self.tree = whole.prefix(strategy.nodes_at(batch.ids.shape[0]) + 1)
+        # verifying many tokens costs more in a larger batch: from some batch on the
+        # strategy may verify a sub-tree (the engine decodes plainly where it is empty)
+        self.tree = make_tree(strategy.tree_at(batch.ids.shape[0]), strategy.num_heads)
         self.max_draft = self.tree.size - 1
         self.vocab = vocab  # draft index -> token id (a trimmed draft vocabulary), or None
         self.layouts: dict[int, dict] = {}
-        self.top = max((p[-1] for p in self.tree.paths), default=0) + 1  # ranks drafted
+        ranks = max(p[-1] for p in self.tree.paths) + 1
+        self.top = ranks
         self.nodes: Optional[Tensor] = None  # [B, n] the tree's tokens (column 0: the root)
         self.levels = _levels(self.tree.layout(self.device), self.tree.depth) \
             if strategy.arch == "hydra" else None
@@ -98,9 +98,6 @@ class _TreeRounds(_Rounds):
     def draft_from(self, h: Tensor, root: Tensor) -> None:
         """The tree's tokens after hidden states ``h`` ``[B, 1, H]`` and the model's next
         token ``root`` ``[B]``."""
-        if self.max_draft == 0:  # nothing to draft: no head is called
-            self.nodes = root[:, None]
-            return
         if self.levels is not None:
             return self._hydra(h, root)
         d = self._call("heads", h)[:, 0]  # [B, K, V or Vd]

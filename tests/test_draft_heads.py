@@ -12,7 +12,7 @@ from rewriter.passes import MedusaHeads, SelfSpeculative, from_spec
 from rewriter.runtime.attention import Step
 from rewriter.runtime.kv_cache import KVCache, cache_table
 from rewriter.decoding import check_record
-from rewriter.tree import Tree, best_prefix, choose_tree, expected_tokens, make_tree
+from rewriter.tree import Tree, best_subtree, choose_tree, expected_tokens, make_tree
 
 from conftest import CONFIGS, assert_same_distribution, make_model, oracle_drafts, varied_init
 
@@ -282,9 +282,8 @@ def test_auto_tree_comes_from_accuracies_and_measured_cost(tmp_path):
     assert p.report["expected_tokens"] > 1 and len(p.report["verify_cost"]) == 7
     # and how many of its first nodes a round verifies at 2, 4 and 8 rows
     record = med.ir.info["decoding"]
-    assert [b for b, _ in record["batch_nodes"]] == [2, 4, 8] and check_record(record) is None
-    assert all(0 <= n <= len(record["tree"]) for _, n in record["batch_nodes"])
-    assert set(p.report["batches"]) == {2, 4, 8}
+    assert [b for b, _ in record["batch_trees"]] == [2, 4, 8] and check_record(record) is None
+    assert set(p.report["batches"]) == {"2", "4", "8"}
 
 
 def test_hostile_heads_files_get_named_errors(tmp_path):
@@ -421,65 +420,98 @@ def test_records_that_disagree_with_the_graphs_draft_vocabulary_are_refused(tmp_
 
 
 # ---------------------------------------------------------------------------- larger batches
-def test_best_prefix_verifies_fewer_nodes_as_verifying_gets_dearer():
+def test_best_subtree_keeps_the_likeliest_nodes_as_verifying_gets_dearer():
     acc = [[0.6, 0.15, 0.05], [0.4, 0.1], [0.3]]
     tree, _ = choose_tree(acc, [0] + [1.0] * 40, max_nodes=8)
     n = tree.size - 1
+    likeliest = sorted(tree.paths, key=lambda p: -expected_tokens(Tree((p,)), acc))
 
-    def brute(cost, head_cost=0.0):  # every prefix's rate; 0 nodes: plain decoding, rate 1
-        rates = [1.0] + [expected_tokens(tree.prefix(m + 1), acc) / (cost[m + 1] + head_cost)
-                         for m in range(1, n + 1)]
-        return max(range(n + 1), key=lambda m: (rates[m], -m))
+    def brute(cost, head_cost=0.0, per_level=False):  # every m likeliest; 0: plain, rate 1
+        def rate(m):
+            sub = Tree(tuple(likeliest[:m]))
+            return expected_tokens(sub, acc) / (cost[m + 1] + head_cost * (sub.depth if per_level else 1))
+        return max(range(n + 1), key=lambda m: (rate(m) if m else 1.0, -m))
     cheap = [0] + [1.0] * 40
-    assert best_prefix(tree, acc, cheap) == (n, pytest.approx(expected_tokens(tree, acc), abs=1e-3))
-    dear = [0] + [1.0 + 0.25 * s for s in range(40)]
-    m, rate = best_prefix(tree, acc, dear)
-    assert 0 < m < n and m == brute(dear) and rate > 1
-    assert best_prefix(tree, acc, [0] + [1.0 + 2.0 * s for s in range(40)]) == (0, 1.0)
-    assert best_prefix(tree, acc, cheap, head_cost=2.0)[0] == 0  # the heads cost more than they save
+    assert best_subtree(tree, acc, cheap) == (tree, pytest.approx(expected_tokens(tree, acc), abs=1e-3))
+    dear = [0] + [1.0 + 0.1 * s for s in range(40)]
+    sub, rate = best_subtree(tree, acc, dear)
+    assert 0 < sub.size - 1 < n and sub.size - 1 == brute(dear) and rate > 1
+    assert set(sub.paths) == set(likeliest[:sub.size - 1])  # not the first nodes: (0, 0) before (2,)
+    assert (0, 0) in sub.paths and sub == make_tree(list(sub.paths), 3)  # a tree, in its order
+    assert best_subtree(tree, acc, [0] + [1.0 + 2.0 * s for s in range(40)]) == (Tree(()), 1.0)
+    assert best_subtree(tree, acc, cheap, head_cost=2.0)[0] == Tree(())  # heads cost too much
+    # Hydra pays its head cost once per level: deep sub-trees cost more
+    flat = [0] + [1.0 + 0.05 * s for s in range(40)]
+    once, levels = best_subtree(tree, acc, flat, 0.3), best_subtree(tree, acc, flat, 0.3, True)
+    assert levels[0].size - 1 == brute(flat, 0.3, True) and once[0].size - 1 == brute(flat, 0.3)
+    assert levels[0].depth < once[0].depth
 
 
-def _check_batch_nodes(med, plain, one_row_drafts: int):
-    """``batch_nodes`` caps the nodes of a batch of 2 (IDS) and leaves one row's tree whole;
-    tokens stay plain greedy's."""
+def _check_batch_trees(med, plain, levels_of_whole: int):
+    """``batch_trees`` gives a batch of 2 (IDS) a sub-tree, or plain decoding, and leaves one
+    row's tree whole; tokens stay plain greedy's."""
     record = med.ir.info["decoding"]
-    for nodes in (2, 0):
-        record["batch_nodes"] = [[2, nodes]]
+    for sub in ([[0], [0, 0]], []):
+        record["batch_trees"] = [[2, sub]]
         assert check_record(record) is None
         med.stats.clear()
-        assert torch.equal(med.generate(IDS, **KW), plain.generate(IDS, **KW)), nodes
+        assert torch.equal(med.generate(IDS, **KW), plain.generate(IDS, **KW)), sub
         s = med.stats
-        assert s["drafted"] <= nodes * s["row_rounds"] and (s["drafted"] > 0) == (nodes > 0)
-        if nodes == 0:  # plain decoding through the verify program: no head is called
-            assert s["head_passes"] == 0 and s["accepted"] == 0
+        assert s["drafted"] <= len(sub) * s["row_rounds"] and (s["drafted"] > 0) == bool(sub)
+        if sub:  # one head call a round (Medusa) or one a level (Hydra: 2 levels here)
+            assert 0 < s["head_passes"] <= (s["rounds"] + 1) * (2 if levels_of_whole > 1 else 1)
+        else:  # plain decoding: one forward a token, no head
+            assert s["head_passes"] == 0 and s["forward_passes"] == KW["max_new_tokens"]
     med.stats.clear()
     assert torch.equal(med.generate(IDS[:1], **KW), plain.generate(IDS[:1], **KW))
-    # the whole tree (rounds near the last token draft fewer): more than the cap of 2
-    assert 2 * med.stats["rounds"] < med.stats["drafted"] <= one_row_drafts * med.stats["rounds"]
+    s = med.stats  # the whole tree (rounds near the last token draft fewer): more than 2
+    assert 2 * s["rounds"] < s["drafted"] <= len(WIDE) * s["rounds"]
+    assert s["head_passes"] > (s["rounds"] + 1) * (2 if levels_of_whole > 1 else 0)
 
 
-def test_batch_nodes_cap_the_tree_in_larger_batches_and_stay_lossless(tmp_path):
+def test_batch_trees_give_larger_batches_a_sub_tree_and_stay_lossless(tmp_path):
     plain, med = pair("llama-gqa-3l")
-    _check_batch_nodes(med, plain, len(WIDE))
-    med.ir.info["decoding"]["batch_nodes"] = [[2, 3], [4, 0]]
+    _check_batch_trees(med, plain, 1)
+    med.ir.info["decoding"]["batch_trees"] = [[2, [[0], [1], [0, 0]]], [4, []]]
     med.save(tmp_path / "a")
-    assert rewriter.load(tmp_path / "a").ir.info["decoding"]["batch_nodes"] == [[2, 3], [4, 0]]
+    loaded = rewriter.load(tmp_path / "a")
+    assert loaded.ir.info["decoding"]["batch_trees"] == [[2, [[0], [1], [0, 0]]], [4, []]]
+    four = torch.cat([IDS, IDS.flip(1)])
+    assert torch.equal(loaded.generate(four, **KW), plain.generate(four, **KW))
+    assert loaded.stats["head_passes"] == 0
 
 
-def test_hydra_batch_nodes_cap_the_levels_drafted(tmp_path):
+def test_hydra_batch_trees_draft_only_their_levels(tmp_path):
     from rewriter.passes import HydraHeads
     from test_hydra_heads import hydra_heads
     model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
     path = hydra_heads(model, tmp_path / "h.safetensors")
     plain = rewriter.optimize(model)
     hyd = rewriter.optimize(model, passes=[HydraHeads(weights=str(path), tree=WIDE)])
-    _check_batch_nodes(hyd, plain, len(WIDE))
+    _check_batch_trees(hyd, plain, 3)
 
 
-@pytest.mark.parametrize("bad", [[[1, 2]], [[4, 9]], [[4, 1], [2, 0]], [[2, -1]], [[2]], "x",
-                                 [[2, True]]])
-def test_bad_batch_nodes_are_refused(bad):
+@pytest.mark.parametrize("bad", [[[1, [[0]]]], [[4, [[5]]]], [[4, [[0]]], [2, []]], [[2, [[0, 0]]]],
+                                 [[2, [[1], [0]]]], [[2]], "x", [[True, []]], [[2, "x"]]])
+def test_bad_batch_trees_are_refused(bad):
     from rewriter.decoding import Strategy
     record = Strategy("medusa", num_heads=3, tree=tuple(map(tuple, WIDE))).record()
-    assert check_record({**record, "batch_nodes": [[2, 8], [4, 0]]}) is None
-    assert "batch_nodes" in check_record({**record, "batch_nodes": bad})
+    assert check_record({**record, "batch_trees": [[2, [[0], [0, 0]]], [4, []]]}) is None
+    assert "batch_trees" in check_record({**record, "batch_trees": bad})
+
+
+def test_auto_tree_gives_larger_batches_the_sub_trees_their_costs_pay_for(tmp_path, monkeypatch):
+    """Wiring: costs measured at each batch choose that batch's sub-tree (here: batch 1 and
+    2 verify cheaply, 4 dearly, 8 so dearly that nothing pays)."""
+    from rewriter import calibrate
+    model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
+    path = random_heads(model, tmp_path / "h.safetensors")
+    slope = {1: 0.0, 2: 0.0, 4: 0.3, 8: 5.0}
+    monkeypatch.setattr(calibrate, "verify_cost", lambda ir, most, runs=15, batch=1:
+                        [0.0] + [1.0 + slope[batch] * s for s in range(most)])
+    monkeypatch.setattr(calibrate, "heads_cost", lambda *a, **k: 0.0)
+    med = rewriter.optimize(model, passes=[MedusaHeads(weights=str(path), max_nodes=6)])
+    record = med.ir.info["decoding"]
+    trees = dict((b, sub) for b, sub in record["batch_trees"])
+    assert len(record["tree"]) == 6 and trees[2] == record["tree"]
+    assert 0 < len(trees[4]) < 6 and trees[8] == []
