@@ -53,7 +53,7 @@ from rewriter.tree import MAX_NODES, best_subtree, chain, choose_tree, make_tree
 ROLE = "draft_head"
 
 
-BATCHES = (2, 4, 8)  # batch sizes the tree's node count is chosen for, beside 1
+BATCHES = (2, 4, 8)  # batch sizes (beside 1) that get their own sub-tree of the auto tree
 
 
 class MedusaHeads(Pass):
