@@ -15,9 +15,11 @@ head's held-out top-1 / top-5 accuracy and the training it took (from the heads 
 the tree chosen (``tree="auto"``: measured verify cost and accuracies) and its predicted
 tokens per round, then tokens/s against plain decode, mean accepted length (tokens per
 round per row: accepted drafts + the model's own) and whether the tokens equal plain
-greedy decoding's, with the full vocabulary projection and with the trimmed one. At a
-batch where the auto tree verifies only a sub-tree (``batch_trees``; none: plain decoding),
-the whole tree is timed too: "n of N" nodes.
+greedy decoding's, with the full vocabulary projection and with the trimmed one. "n of N":
+the auto tree's N nodes, or the n of its sub-tree at that batch (``batch_trees``; none:
+plain decoding), verified as they are, then adaptively ("adaptive: x": the mean nodes a
+round verified when the runtime re-chooses the sub-tree from the heads' accuracies on
+these prompts, ``runtime.tree_adapt``), in the same run.
 
 For each dtype: the verify cost curve (the decode program over S tokens against one, batch
 1 and the largest batch), then for each skip set — LayerSkip's evenly spread one
@@ -31,10 +33,13 @@ the answer, tokens/s counting the answer's tokens); medians of 3 runs after a wa
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import platform
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -66,24 +71,44 @@ def timed(engine, batches, new: int, runs: int = 3, eos: bool = False):
     one after another; a run is all of them). With ``eos`` generation stops at the model's
     end of sequence, as a chat answer does (text after it is not what anyone decodes, and
     drafts of it flatter the heads), and tokens/s counts the tokens up to it."""
+    return timed_together([(engine, contextlib.nullcontext)], batches, new, runs, eos)[0]
+
+
+def timed_together(variants, batches, new: int, runs: int = 3, eos: bool = False) -> list:
+    """``timed`` for several ``(engine, setting)`` variants (``setting()``: a context in
+    which the engine runs as that variant), their runs interleaved (A, B, A, B, ..) so
+    that a drift of the machine's speed hits every variant alike; each run starts with
+    the next variant, so none is always timed right after another."""
     stop = {} if eos else {"eos_token_id": []}
-    for prompts in batches:  # every batch's shapes, before any is timed
-        engine.generate(prompts, max_new_tokens=4, **stop)
-    engine.stats.clear()
-    times, outs = [], []
-    for _ in range(runs):
-        sync()
-        start = time.perf_counter()
-        outs = [engine.generate(prompts, max_new_tokens=new, **stop) for prompts in batches]
-        sync()
-        times.append(time.perf_counter() - start)
-    made = sum(len(prompts) * new for prompts in batches)
-    if eos:
-        ids = set(rewriter.runtime.settings.GenerationSettings().for_model(engine.config).eos_token_id)
-        made = sum(next((i + 1 for i, t in enumerate(row) if t in ids), len(row))
-                   for prompts, out in zip(batches, outs)
-                   for row in out[:, max(map(len, prompts)):].tolist())
-    return outs, made / statistics.median(times), dict(engine.stats)
+    for engine, setting in variants:
+        with setting():
+            for prompts in batches:  # every batch's shapes, before any is timed
+                engine.generate(prompts, max_new_tokens=4, **stop)
+    times = [[] for _ in variants]
+    outs: list = [None] * len(variants)
+    stats = [Counter() for _ in variants]
+    for run in range(runs):
+        for j in range(len(variants)):
+            i = (run + j) % len(variants)
+            engine, setting = variants[i]
+            with setting():
+                engine.stats.clear()
+                sync()
+                start = time.perf_counter()
+                outs[i] = [engine.generate(prompts, max_new_tokens=new, **stop) for prompts in batches]
+                sync()
+                times[i].append(time.perf_counter() - start)
+                stats[i].update(engine.stats)
+    got = []
+    for (engine, _), out, t, st in zip(variants, outs, times, stats):
+        made = sum(len(prompts) * new for prompts in batches)
+        if eos:
+            ids = set(rewriter.runtime.settings.GenerationSettings().for_model(engine.config).eos_token_id)
+            made = sum(next((i + 1 for i, tok in enumerate(row) if tok in ids), len(row))
+                       for prompts, o in zip(batches, out)
+                       for row in o[:, max(map(len, prompts)):].tolist())
+        got.append((out, made / statistics.median(t), dict(st)))
+    return got
 
 
 def same(outs, refs) -> str:
@@ -96,14 +121,18 @@ def baseline(plain, prompts, new: int, eos: bool = False):
     decode replays a captured graph and the speculative strategies do not yet, so both
     baselines are kept."""
     ref, rate, _ = timed(plain, prompts, new, eos=eos)
+    return ref, rate, eager_baseline(plain, prompts, new, eos)
+
+
+def eager_baseline(plain, prompts, new: int, eos: bool = False):
+    """Plain tok/s without the CUDA graph on a GPU; None elsewhere."""
     if not torch.cuda.is_available() or next(iter(plain.ir.weights().values())).device.type != "cuda":
-        return ref, rate, None
+        return None
     plain.static_decode = False
     try:
-        _, eager, _ = timed(plain, prompts, new, eos=eos)
+        return timed(plain, prompts, new, eos=eos)[1]
     finally:
         plain.static_decode = None
-    return ref, rate, eager
 
 
 def sync() -> None:
@@ -130,7 +159,7 @@ def main():
                     choices=["self", "medusa", "hydra"])
     ap.add_argument("--heads", default=None, help="heads file (default: the model's shipped heads; "
                                                    "with one of medusa, hydra)")
-    ap.add_argument("--draft-vocab", type=int, default=4096, help="trimmed draft vocabulary")
+    ap.add_argument("--draft-vocab", type=int, default=4096, help="trimmed draft vocabulary (0: none)")
     ap.add_argument("--max-nodes", type=int, default=32, help="largest tree the choice considers")
     ap.add_argument("--tree-nodes", type=int, default=None,
                     help="a fixed tree of this many nodes, each heads file's best by its own "
@@ -237,42 +266,61 @@ def heads_rows(model, tok, plain, args, dtype, results, rows, arch):
     given = "auto"
     if args.tree_nodes is not None:  # the same budget for every heads file: its own best-first tree
         given = choose_tree(trained.accuracy, [1.0] * (args.tree_nodes + 2), args.tree_nodes)[0].record()
-    for vocab in (None, args.draft_vocab):
+    for vocab in (None, args.draft_vocab) if args.draft_vocab else (None,):
         p = cls(weights=weights, draft_vocab=vocab, max_nodes=args.max_nodes, tree=given)
         med = rewriter.optimize(model, tokenizer=tok, passes=[p], backend=args.backend)
         record = med.ir.info["decoding"]
-        tree, capped = record["tree"], record.get("batch_trees")
+        tree, adapt = record["tree"], record.get("adapt")
         for b in args.batch:
             whole = len(tree)
             sub = strategy_of(med.ir.info).tree_at(b)  # the paths verified at b rows
             nodes = len(sub)
             for kind, prompts in prompt_sets(plain, tok, b, args.samples).items():
-                ref, base_rate, eager = baseline(plain, prompts, args.new, eos=kind == "chat")
-                # at a batch the tree is capped for, the whole tree is timed too (the cap's gain)
-                for n in [nodes] + ([whole] if nodes != whole else []):
-                    try:
-                        if n == whole and capped:
-                            record.pop("batch_trees")
-                        out, rate, st = timed(med, prompts, args.new, eos=kind == "chat")
-                    finally:
-                        if capped:
-                            record["batch_trees"] = capped
+                # plain decode; the pass's tree (or its sub-tree at b rows) as it is; and
+                # re-chosen as the heads' accuracies on these prompts come in
+                # (runtime.tree_adapt): runs interleaved
+                modes = [False] + ([True] if adapt else [])
+                variants = [(plain, contextlib.nullcontext)] + [
+                    (med, functools.partial(_adapting, record, adapt if a else None)) for a in modes]
+                (ref, base_rate, _), *timings = timed_together(variants, prompts, args.new,
+                                                               eos=kind == "chat")
+                eager = eager_baseline(plain, prompts, args.new, eos=kind == "chat")
+                for adaptive, (out, rate, st) in zip(modes, timings):
+                    n = nodes
+                    verified = st.get("drafted", 0) / st["row_rounds"] if st.get("row_rounds") else 0.0
                     run = {"dtype": dtype, "strategy": arch, "draft_vocab": vocab, "batch": b,
-                           "prompts": kind, "tree": tree, "nodes": n, "report": p.report,
+                           "prompts": kind, "tree": tree, "nodes": n, "adaptive": adaptive,
+                           "nodes_verified": verified, "tree_changes": st.get("tree_changes", 0),
+                           "report": p.report,
                            "plain_tok_s": base_rate, "plain_eager_tok_s": eager,
                            "heads_tok_s": rate, "speedup": rate / base_rate,
-                           "accepted_length": 1 + st["accepted"] / st["row_rounds"]
-                           if st["row_rounds"] else 1.0,  # plain decoding has no rounds
+                           "accepted_length": 1 + st.get("accepted", 0) / st["row_rounds"]
+                           if st.get("row_rounds") else 1.0,  # plain decoding has no rounds
                            "forward_per_token": st["forward_passes"] / max(st["tokens"], 1),
                            "same_tokens": same(out, ref), "samples": len(prompts)}
                     results["runs"].append(run)
-                    paths = sub if n == nodes else tree
-                    predicted = expected_tokens(Tree(tuple(map(tuple, paths))), trained.accuracy)
-                    rows.append([dtype, arch, vocab or "full", f"{n} of {whole}", b, kind,
+                    predicted = expected_tokens(Tree(tuple(map(tuple, sub))), trained.accuracy)
+                    rows.append([dtype, arch, vocab or "full",
+                                 f"{n} of {whole}" + (f", adaptive: {verified:.1f}" if adaptive else ""),
+                                 b, kind,
                                  f"{base_rate:.1f}", f"{eager:.1f}" if eager else "-",
                                  f"{rate:.1f}", f"{rate / base_rate:.2f}x",
                                  f"{run['accepted_length']:.2f}", f"{predicted:.2f}",
                                  run["same_tokens"]])
+
+
+@contextlib.contextmanager
+def _adapting(record: dict, adapt):
+    """The decoding record with ``adapt`` (None: without it, the fixed tree), then as it was."""
+    kept = record.pop("adapt", None)
+    if adapt is not None:
+        record["adapt"] = adapt
+    try:
+        yield
+    finally:
+        record.pop("adapt", None)
+        if kept is not None:
+            record["adapt"] = kept
 
 
 def print_heads(args, results, rows) -> None:

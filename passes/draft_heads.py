@@ -31,7 +31,9 @@ then returns ``(logits, draft)``. The decoding record (``rewriter.decoding``) ho
 tree (``rewriter.tree``): given, or chosen from the heads' measured accuracies and the
 verify cost measured here (``tree="auto"``; then also the sub-tree of its likeliest nodes a
 round verifies at 2, 4 and 8 rows, where verifying many tokens costs more: none at all,
-plain decoding, when nothing pays). The output is the model's: greedy tokens
+plain decoding, when nothing pays; with ``adapt=True``, the default, the record keeps the
+accuracies and costs, and the runtime re-chooses the sub-tree from what the heads guess
+right on the text it decodes: ``runtime.tree_adapt``). The output is the model's: greedy tokens
 equal plain greedy decoding's, sampling follows its distribution; ``acceptance="typical"``
 (Medusa's typical acceptance) is the explicit lossy option.
 """
@@ -48,7 +50,7 @@ from rewriter.errors import PassError
 from rewriter.ir.core import IR
 from rewriter.pass_manager import Pass
 from rewriter.passes.fusion import call, is_op
-from rewriter.tree import MAX_NODES, best_subtree, chain, choose_tree, make_tree
+from rewriter.tree import MAX_NODES, MAX_RANK, best_subtree, chain, choose_tree, make_tree
 
 ROLE = "draft_head"
 
@@ -62,7 +64,7 @@ class MedusaHeads(Pass):
     def __init__(self, num_heads: Optional[int] = None, weights: Optional[str] = None,
                  draft_vocab: Optional[int] = None, tree="auto", max_nodes: int = 32,
                  acceptance: str = "exact", posterior_threshold: float = 0.09,
-                 posterior_alpha: float = 0.3):
+                 posterior_alpha: float = 0.3, adapt: bool = True):
         if num_heads is not None and (type(num_heads) is not int
                                       or not 1 <= num_heads <= heads_file.MAX_HEADS):
             raise ValueError(f"{type(self).__name__}: num_heads must be an int in [1, "
@@ -104,6 +106,9 @@ class MedusaHeads(Pass):
                     or not math.isfinite(v):
                 raise ValueError(f"{type(self).__name__}: {name} must be a number in (0, 1], got {v!r}")
         self.posterior_threshold, self.posterior_alpha = float(posterior_threshold), float(posterior_alpha)
+        if not isinstance(adapt, bool):
+            raise ValueError(f"{type(self).__name__}: adapt must be True or False, got {adapt!r}")
+        self.adapt = adapt
         self.report: Optional[dict] = None  # the tree choice: expected tokens, cost curve
 
     def run(self, ir: IR) -> IR:
@@ -124,12 +129,15 @@ class MedusaHeads(Pass):
                          self._vocab(weight), self.name)
         else:
             insert(ir, head, self._weights(weight), self._vocab(weight), self.name)
-        tree, batch_trees = self._tree(ir)
+        tree, batch_trees, costs = self._tree(ir)
         vocab = None if self.draft_vocab is None else min(self.draft_vocab, weight.shape[0])
         strategy = Strategy("medusa", arch=self.ARCH, num_heads=self.num_heads, tree=tree.paths,
                             draft_vocab=vocab, acceptance=self.acceptance,
                             posterior_threshold=self.posterior_threshold,
-                            posterior_alpha=self.posterior_alpha, batch_trees=batch_trees)
+                            posterior_alpha=self.posterior_alpha, batch_trees=batch_trees,
+                            accuracy=tuple(tuple(a[:MAX_RANK]) for a in self.heads.accuracy)
+                            if costs else (),
+                            costs=costs)
         why = check_record(strategy.record())
         if why:
             raise PassError(f"{self!r}: the decoding record needs {why}")
@@ -162,12 +170,13 @@ class MedusaHeads(Pass):
 
     def _tree(self, ir: IR) -> tuple:
         """The tree and, when chosen here, the sub-trees a round verifies at larger batches
-        (``Strategy.batch_trees``): there verifying many tokens is dearer."""
+        (``Strategy.batch_trees``: there verifying many tokens is dearer) and, with
+        ``adapt``, the measured costs (``Strategy.costs``)."""
         if self.tree != "auto":
-            return make_tree(self.tree, self.num_heads), ()
+            return make_tree(self.tree, self.num_heads), (), ()
         accuracy = self.heads.accuracy if self.heads is not None else []
         if not accuracy:  # untrained heads: nothing to choose from
-            return chain(self.num_heads), ()
+            return chain(self.num_heads), (), ()
         from rewriter.calibrate import heads_cost, verify_cost  # times the runtime's programs
         cost = verify_cost(ir, self.max_nodes + 1, runs=5)
         hydra = self.ARCH == "hydra"
@@ -175,15 +184,22 @@ class MedusaHeads(Pass):
         tree, self.report = choose_tree(accuracy, cost, self.max_nodes, per_call, per_level=hydra)
         self.report = {**self.report, "verify_cost": [round(c, 3) for c in cost[1:]],
                        "batches": {}}
+        costs = [(1, round(per_call, 4), tuple(round(c, 4) for c in cost[1:tree.size + 1]))]
+        if self.report["predicted_speedup"] < 1:
+            # no tree pays even at one row (where verifying 2 tokens costs 1.5 decode steps,
+            # as float32 on some CPUs): the tree is kept in the record, every batch decodes
+            # plainly, and larger batches, where verifying costs more, need no measuring
+            return tree, ((1, ()),), tuple(costs) if self.adapt else ()
         batch_trees = []
         for b in BATCHES:
             cost_b = verify_cost(ir, tree.size, runs=5, batch=b)
-            sub, rate = best_subtree(tree, accuracy, cost_b,
-                                     heads_cost(ir, self.num_heads, hydra, runs=5, batch=b), hydra)
+            heads_b = heads_cost(ir, self.num_heads, hydra, runs=5, batch=b)
+            sub, rate = best_subtree(tree, accuracy, cost_b, heads_b, hydra)
             batch_trees.append((b, sub.paths))
+            costs.append((b, round(heads_b, 4), tuple(round(c, 4) for c in cost_b[1:])))
             self.report["batches"][str(b)] = {"nodes": sub.size - 1, "predicted_speedup": rate,
                                               "verify_cost": [round(c, 3) for c in cost_b[1:]]}
-        return tree, tuple(batch_trees)
+        return tree, tuple(batch_trees), tuple(costs) if self.adapt else ()
 
 
 class HydraHeads(MedusaHeads):

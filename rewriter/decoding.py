@@ -15,7 +15,14 @@ with ``runtime.speculative``. ``MedusaHeads`` records::
      "batch_trees": [[4, [[0], [1], [0, 0]]], [8, []]]}
 
 (``batch_trees``, optional: from a batch of 4 rows on verify only those nodes of the tree,
-from 8 on none, which decodes plainly; a larger batch makes verifying many tokens dearer.)
+from 8 on none, which decodes plainly; a larger batch makes verifying many tokens dearer.
+``[1, []]`` first: even one row decodes plainly, where no tree pays on the machine.)
+
+(``adapt``, optional: ``{"accuracy": [[..], ..], "costs": [[1, 0.11, [1.0, 1.01, ..]], ..]}``,
+the heads' held-out rank accuracies and, from each batch size on, one heads call's cost and
+verifying 1, 2, .. tokens' cost, in decode steps. With it the runtime learns the heads'
+accuracies on the text it decodes and re-chooses the sub-tree it verifies:
+``runtime.tree_adapt``.)
 
 and the runtime lowers ``tree_prefill``, ``verify`` (logits and hidden states) and
 ``heads`` and generates with ``runtime.tree_decoding``. Artifacts keep the record, so a
@@ -46,6 +53,8 @@ class Strategy:
     posterior_threshold: float = 0.09
     posterior_alpha: float = 0.3
     batch_trees: tuple = ()  # ((batch, paths), ..): from that batch on, a sub-tree (or none)
+    accuracy: tuple = ()  # the heads' rank accuracies [K][R]: the adaptive tree's prior
+    costs: tuple = ()  # ((batch, heads call, (verify 1, 2, .. tokens)), ..) in decode steps
 
     def tree_at(self, batch: int) -> tuple:
         """The paths a round verifies at ``batch`` rows: the tree, or a sub-tree of it."""
@@ -54,6 +63,15 @@ class Strategy:
             if batch >= b:
                 paths = sub
         return paths
+
+    def costs_at(self, batch: int) -> tuple | None:
+        """(one heads call, verifying 1, 2, .. tokens) in decode steps at ``batch`` rows:
+        measured at the largest batch size not above it; None without ``costs``."""
+        chosen = None
+        for b, heads, verify in self.costs:
+            if batch >= b:
+                chosen = (heads, verify)
+        return chosen
 
     def cache_slack(self) -> int:
         """Cache positions a generation may need past prompt + new tokens: a row that is
@@ -71,6 +89,9 @@ class Strategy:
                  "posterior_alpha": self.posterior_alpha}
             if self.batch_trees:
                 r["batch_trees"] = [[b, [list(p) for p in sub]] for b, sub in self.batch_trees]
+            if self.costs:
+                r["adapt"] = {"accuracy": [list(a) for a in self.accuracy],
+                              "costs": [[b, h, list(c)] for b, h, c in self.costs]}
             return r
         return {"strategy": self.name, "skip_layers": list(self.skip_layers),
                 "skip_attention": list(self.skip_attention), "skip_mlp": list(self.skip_mlp),
@@ -88,7 +109,10 @@ def strategy_of(info: dict) -> Strategy:
                         posterior_threshold=float(r["posterior_threshold"]),
                         posterior_alpha=float(r["posterior_alpha"]),
                         batch_trees=tuple((b, tuple(map(tuple, sub)))
-                                          for b, sub in r.get("batch_trees", ())))
+                                          for b, sub in r.get("batch_trees", ())),
+                        accuracy=tuple(tuple(a) for a in r.get("adapt", {}).get("accuracy", ())),
+                        costs=tuple((b, float(h), tuple(c))
+                                    for b, h, c in r.get("adapt", {}).get("costs", ())))
     return Strategy(r["strategy"], tuple(r["skip_layers"]), tuple(r["skip_attention"]),
                     tuple(r["skip_mlp"]), r["max_draft"], float(r["threshold"]))
 
@@ -123,8 +147,8 @@ MEDUSA_KEYS = {"strategy", "arch", "num_heads", "tree", "draft_vocab", "acceptan
 def _check_medusa(r: dict) -> str | None:
     from rewriter.heads import MAX_HEADS
     from rewriter.tree import check_paths
-    if set(r) - {"batch_trees"} != MEDUSA_KEYS:
-        return f"an object with exactly the keys {sorted(MEDUSA_KEYS)} (and batch_trees)"
+    if set(r) - {"batch_trees", "adapt"} != MEDUSA_KEYS:
+        return f"an object with exactly the keys {sorted(MEDUSA_KEYS)} (and batch_trees, adapt)"
     if r["arch"] not in ("medusa", "hydra"):
         return "arch: 'medusa' or 'hydra'"
     k = r["num_heads"]
@@ -144,17 +168,18 @@ def _check_medusa(r: dict) -> str | None:
         t = r[key]
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 < t <= 1.0:
             return f"{key}: a number in (0, 1]"
-    return _check_batch_trees(r.get("batch_trees", []), r["tree"], k)
+    return (_check_batch_trees(r.get("batch_trees", []), r["tree"], k)
+            or ("adapt" in r and _check_adapt(r["adapt"], len(r["tree"]), k)) or None)
 
 
 def _check_batch_trees(v, tree: list, num_heads: int) -> str | None:
     from rewriter.tree import check_paths
-    what = "batch_trees: a list of [batch, paths] pairs, batches increasing from 2"
+    what = "batch_trees: a list of [batch, paths] pairs, batches increasing from 1"
     if not isinstance(v, list) or not all(isinstance(x, list) and len(x) == 2 and _is_int(x[0])
                                           for x in v):
         return what
     batches = [b for b, _ in v]
-    if batches != sorted(set(batches)) or (batches and batches[0] < 2):
+    if batches != sorted(set(batches)) or (batches and batches[0] < 1):
         return what
     for b, sub in v:
         if sub == []:  # plain decoding from this batch on
@@ -165,6 +190,35 @@ def _check_batch_trees(v, tree: list, num_heads: int) -> str | None:
         if sub != sorted(sub, key=lambda p: (len(p), p)) or not all(p in tree for p in sub):
             return f"batch_trees: batch {b}: paths of the tree, ordered by depth, then ranks"
     return None
+
+
+def _check_adapt(v, nodes: int, num_heads: int) -> str | None:
+    from rewriter.tree import MAX_NODES, MAX_RANK
+    if not isinstance(v, dict) or set(v) != {"accuracy", "costs"}:
+        return "adapt: an object with the keys accuracy and costs"
+    acc = v["accuracy"]
+    if not isinstance(acc, list) or len(acc) != num_heads or not all(
+            isinstance(a, list) and 1 <= len(a) <= MAX_RANK and all(_is_number(x, 0, 1) for x in a)
+            and sum(a) <= 1 + 1e-6 for a in acc):
+        return (f"adapt: accuracy: {num_heads} lists (one a head) of at most {MAX_RANK} "
+                f"rank accuracies in [0, 1], each summing to at most 1")
+    costs = v["costs"]
+    what = (f"adapt: costs: a list of [batch, heads cost, [verify cost of 1 .. at least "
+            f"{nodes + 1} and at most {MAX_NODES + 1} tokens]], batches increasing from 1, "
+            f"costs positive numbers")
+    if not isinstance(costs, list) or not costs or not all(
+            isinstance(c, list) and len(c) == 3 and _is_int(c[0]) and _is_number(c[1], 0, 1e3)
+            and isinstance(c[2], list) and nodes + 1 <= len(c[2]) <= MAX_NODES + 1
+            and all(_is_number(x, 1e-3, 1e3) for x in c[2]) for c in costs):
+        return what
+    batches = [c[0] for c in costs]
+    if batches[0] != 1 or batches != sorted(set(batches)):
+        return what
+    return None
+
+
+def _is_number(v, low: float, high: float) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and low <= v <= high
 
 
 def _is_int(v) -> bool:

@@ -54,6 +54,9 @@ class Engine:
         # Cost counters over every generate/stream call: forward_passes, layer_evals, tokens
         # (see ``decode_loop``); reset with ``stats.clear()``.
         self.stats: Counter = Counter()
+        # The draft-head tree each (batch size, decoding strategy) verifies, learnt from the
+        # text decoded so far (``runtime.tree_adapt``); clear it to start from the pass's.
+        self.trees: dict = {}
         # Stored kernel sources (kernel name -> source) to run as they are; set by
         # ``rewriter.load(..., trust_code=True)`` only.
         self.trusted_kernels: dict[str, str] = {}
@@ -179,7 +182,7 @@ class Engine:
         if strategy.name == "medusa" and strategy.tree_at(batch.ids.shape[0]):
             vocab = self.ir.weight("medusa.vocab") if strategy.draft_vocab is not None else None
             return batch, tree_loop(programs, cache, batch, settings, generator, self.stats,
-                                    strategy, vocab)
+                                    strategy, vocab, self.trees)
         cuda = device.type == "cuda"
         static = self.static_decode if self.static_decode is not None else cuda
         return batch, decode_loop(programs["prefill"], programs["decode"], cache, batch, settings,

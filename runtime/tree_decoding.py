@@ -24,7 +24,9 @@ A round, for every row at once (each row at its own cache length ``length[b]``):
    overwritten). The heads then run on the hidden state of the path's last node.
 
 The loop around it (columns, EOS, rows that are done, the cache bound) is
-``runtime.speculative``'s.
+``runtime.speculative``'s. With the pass's measured costs in the record, the sub-tree a
+round verifies is re-chosen every few rounds from the accuracies the heads show on this
+text (``runtime.tree_adapt``).
 """
 from __future__ import annotations
 
@@ -44,42 +46,61 @@ from .kv_cache import KVCache
 from .sampling import next_token, warp
 from .settings import GenerationSettings
 from .speculative import _Rounds
+from .tree_adapt import AdaptiveTree
 
 
 def tree_loop(programs: dict, cache: KVCache, batch: Batch, settings: GenerationSettings,
               generator: Optional[torch.Generator], stats: Counter, strategy: Strategy,
-              vocab: Optional[Tensor]) -> Iterator[Tensor]:
-    """Yield the next token of every row, ``[B]``, like ``generate.decode_loop``."""
+              vocab: Optional[Tensor], trees: Optional[dict] = None) -> Iterator[Tensor]:
+    """Yield the next token of every row, ``[B]``, like ``generate.decode_loop``. ``trees``:
+    the adaptive trees learnt so far, by (batch size, strategy), kept across calls."""
     cache.busy = True
     try:
         yield from _TreeRounds(programs, cache, batch, settings, generator, stats, strategy,
-                               vocab).run()
+                               vocab, trees if trees is not None else {}).run()
     finally:
         cache.busy = False
 
 
 class _TreeRounds(_Rounds):
-    def __init__(self, programs, cache, batch, settings, generator, stats, strategy, vocab):
+    def __init__(self, programs, cache, batch, settings, generator, stats, strategy, vocab,
+                 trees: dict):
         super().__init__(programs, cache, batch, settings, generator, stats, strategy)
+        b = batch.ids.shape[0]
+        self.whole = make_tree(strategy.tree, strategy.num_heads)
+        self.hydra = strategy.arch == "hydra"
+        # ranks drafted at each depth: the whole tree's, so the counts cover every sub-tree
+        self.ranks = [1 + max(p[-1] for p in self.whole.paths if len(p) == d + 1)
+                      for d in range(self.whole.depth)]
+        self.vocab = vocab  # draft index -> token id (a trimmed draft vocabulary), or None
+        self.nodes: Optional[Tensor] = None  # [B, n] the tree's tokens (column 0: the root)
+        self.drafted = None  # the heads' ranked tokens behind ``nodes`` (``observe``)
+        self.adapt = None
+        if strategy.costs_at(b) is not None:  # learnt over this and earlier generations
+            self.adapt = trees.setdefault((b, strategy), AdaptiveTree(self.whole, strategy, b))
+        self.ended = [False] * b  # rows whose accepted text holds an end of sequence
         # verifying many tokens costs more in a larger batch: from some batch on the
         # strategy may verify a sub-tree (the engine decodes plainly where it is empty)
-        self.tree = make_tree(strategy.tree_at(batch.ids.shape[0]), strategy.num_heads)
-        self.max_draft = self.tree.size - 1
-        self.vocab = vocab  # draft index -> token id (a trimmed draft vocabulary), or None
-        self.layouts: dict[int, dict] = {}
-        ranks = max(p[-1] for p in self.tree.paths) + 1
-        self.top = ranks
-        self.nodes: Optional[Tensor] = None  # [B, n] the tree's tokens (column 0: the root)
-        self.levels = _levels(self.tree.layout(self.device), self.tree.depth) \
-            if strategy.arch == "hydra" else None
+        start = make_tree(strategy.tree_at(b), strategy.num_heads)
+        self.use(self.adapt.current if self.adapt is not None and self.adapt.current else start)
         for s in cache.table.values():
-            if s.window is not None and s.window <= self.tree.depth:
-                raise RewriterError(f"a tree of depth {self.tree.depth} needs attention "
+            if s.window is not None and s.window <= self.whole.depth:
+                raise RewriterError(f"a tree of depth {self.whole.depth} needs attention "
                                     f"windows longer than that; cache {s.id} has {s.window}")
+
+    def use(self, tree) -> None:
+        """Verify ``tree`` (a sub-tree of the whole, maybe the root alone) from now on."""
+        self.tree = tree
+        self.max_draft = tree.size - 1
+        self.layouts: dict[int, dict] = {}
+        self.levels = _levels(tree.layout(self.device), tree.depth) \
+            if self.hydra and tree.size > 1 else None
 
     def layout(self, m: int) -> dict:
         if m not in self.layouts:
-            self.layouts[m] = self.tree.prefix(m).layout(self.device)
+            lay = self.tree.prefix(m).layout(self.device)
+            lay["paths"] = _node_paths(lay["parent"].tolist())
+            self.layouts[m] = lay
         return self.layouts[m]
 
     def first(self) -> Tensor:
@@ -98,11 +119,15 @@ class _TreeRounds(_Rounds):
     def draft_from(self, h: Tensor, root: Tensor) -> None:
         """The tree's tokens after hidden states ``h`` ``[B, 1, H]`` and the model's next
         token ``root`` ``[B]``."""
-        if self.levels is not None:
+        if self.tree.size == 1:  # plain rounds: nothing to draft
+            self.nodes, self.drafted = root[:, None], None
+            return
+        if self.hydra:
             return self._hydra(h, root)
         d = self._call("heads", h)[:, 0]  # [B, K, V or Vd]
         self.stats.update(head_passes=1)
-        ids = self._ids(d.topk(self.top, dim=-1).indices)  # [B, K, ranks]
+        ids = self._ids(d.topk(max(self.ranks), dim=-1).indices)  # [B, K, ranks]
+        self.drafted = ids
         lay = self.layout(self.tree.size)
         self.nodes = torch.cat([root[:, None], ids[:, lay["head"][1:], lay["rank"][1:]]], 1)
 
@@ -111,13 +136,15 @@ class _TreeRounds(_Rounds):
         nodes = torch.zeros(b, n, dtype=torch.int64, device=self.device)
         nodes[:, 0] = root
         k = self.strategy.num_heads
+        self.drafted = []  # per level: (the parents' node indices, their ranked tokens)
         for d, (parents, chains, children, slot, rank, top) in enumerate(self.levels):
             path = torch.zeros(b, len(parents), k, dtype=torch.int64, device=self.device)
             path[:, :, :d + 1] = nodes[:, chains]  # [B, P, d + 1]: root .. parent
             logits = self._call(f"head{d}", h.expand(b, len(parents), h.shape[-1]), path)  # [B, P, V]
             self.stats.update(head_passes=1)
-            ids = self._ids(logits.topk(top, dim=-1).indices)  # [B, P, top]
+            ids = self._ids(logits.topk(max(top, self.ranks[d]), dim=-1).indices)  # [B, P, ranks]
             nodes[:, children] = ids[:, slot, rank]
+            self.drafted.append((parents, ids))
         self.nodes = nodes
 
     def _ids(self, indices: Tensor) -> Tensor:
@@ -133,8 +160,9 @@ class _TreeRounds(_Rounds):
         if m > 1:
             tokens[:, 1:] = self.nodes[:, 1:m]  # [B, m - 1]
         start = self.start(length, 0)
+        tree = m > 1  # the root alone attends as a plain decode step does: no mask to build
         step = Step(self.cache, start, m, self.batch.pad, end=max(length) + m,
-                    tree=lay["ancestors"], depth=lay["depth"])
+                    tree=lay["ancestors"] if tree else None, depth=lay["depth"] if tree else None)
         positions = (torch.tensor(length, device=self.device) - self.pad0)[:, None] \
             + lay["depth"][None]  # [B, m]
         logits, h = self._call("verify", step, tokens, positions)  # [B, m, V], [B, m, H]
@@ -142,12 +170,52 @@ class _TreeRounds(_Rounds):
                           drafted=(m - 1) * sum(not d for d in done))
         paths, bonus = self.accept(logits, tokens, lay)
         self.compact(length, paths)
-        ends = torch.tensor([p[-1] if p else 0 for p in paths], device=self.device)
         rows = [tokens[r, p].tolist() + [bonus[r]] for r, p in enumerate(paths)]
+        if self.adapt is not None:
+            self._adapt(tokens, paths, bonus, done, rows)
+        ends = torch.tensor([p[-1] if p else 0 for p in paths], device=self.device)
         keep = torch.tensor(done, device=self.device)
         nxt = torch.where(keep, last, torch.tensor(bonus, device=self.device))
         self.draft_from(h[torch.arange(b, device=self.device), ends][:, None], nxt)  # [B, 1, H]
         return nxt, rows
+
+    def _adapt(self, tokens: Tensor, paths: list[list[int]], bonus: list[int], done: list[bool],
+               rows: list[list[int]]) -> None:
+        """Count this round, then verify the tree the counts choose from the next round on."""
+        if self.drafted is not None:  # text past a row's end of sequence is not counted
+            self.observe(tokens, paths, bonus, [d or e for d, e in zip(done, self.ended)])
+        eos = set(self.s.eos_token_id)
+        self.ended = [e or any(t in eos for t in row) for e, row in zip(self.ended, rows)]
+        tree = self.adapt.next(self.tree)
+        self.adapt.current = tree
+        if tree != self.tree:
+            self.use(tree)
+            self.stats.update(tree_changes=1)
+
+    def observe(self, tokens: Tensor, paths: list[list[int]], bonus: list[int],
+                done: list[bool]) -> None:
+        """Count, for every head that drafted after a row's accepted path, the rank of the
+        model's token among its guesses there (``runtime.tree_adapt``)."""
+        rows = tokens.tolist()
+        if self.hydra:
+            levels = [(p.tolist(), ids.tolist()) for p, ids in self.drafted]
+        else:
+            drafted = self.drafted.tolist()  # [B][K][ranks]
+        for r, path in enumerate(paths):
+            if done[r]:
+                continue
+            nodes = [0, *path]
+            for d, node in enumerate(nodes):
+                if d >= len(self.ranks):
+                    break
+                target = rows[r][nodes[d + 1]] if d + 1 < len(nodes) else bonus[r]
+                if self.hydra:  # head d ran on the path only where the node has children
+                    if d >= len(levels) or node not in levels[d][0]:
+                        break
+                    guesses = levels[d][1][r][levels[d][0].index(node)]
+                else:
+                    guesses = drafted[r][d]
+                self.adapt.observe(d, guesses.index(target) if target in guesses else None)
 
     # -------------------------------------------------------------- acceptance
     def accept(self, logits: Tensor, tokens: Tensor, lay: dict) -> tuple[list[list[int]], list[int]]:
@@ -160,13 +228,14 @@ class _TreeRounds(_Rounds):
         target = logits.argmax(-1)  # [B, m]
         parent, depth = lay["parent"], lay["depth"]
         m = tokens.shape[1]
-        ok = torch.zeros_like(tokens, dtype=torch.bool)
-        ok[:, 0] = True
-        for i in range(1, m):  # parents come first: one pass in node order
-            ok[:, i] = ok[:, parent[i]] & (tokens[:, i] == target[:, parent[i]])
+        right = tokens == target[:, parent.clamp_min(0)]  # [B, m]: the model's choice after its parent
+        right[:, 0] = True  # the root: the model's own
+        # a node is accepted when it and every ancestor are right (one masked reduction,
+        # not a Python pass over the nodes: this runs every round)
+        ok = ~((~right)[:, None, :] & lay["ancestors"][None]).any(-1)  # [B, m]
         # siblings hold different tokens, so the accepted nodes form one path: its deepest
         best = torch.where(ok, depth[None] * m + torch.arange(m, device=self.device), -1).argmax(1)
-        paths = [self._path(int(e), lay) for e in best.tolist()]
+        paths = [lay["paths"][e] for e in best.tolist()]
         bonus = target[torch.arange(len(best), device=self.device), best]
         return paths, bonus.tolist()
 
@@ -219,14 +288,6 @@ class _TreeRounds(_Rounds):
                               self.strategy.posterior_alpha * torch.exp(-entropy))
         return bool(p[token] > limit)
 
-    @staticmethod
-    def _path(end: int, lay: dict) -> list[int]:
-        parent = lay["parent"].tolist()
-        path = []
-        while end > 0:
-            path.append(end)
-            end = parent[end]
-        return path[::-1]
 
     # -------------------------------------------------------------- cache
     def compact(self, length: list[int], paths: list[list[int]]) -> None:
@@ -240,6 +301,14 @@ class _TreeRounds(_Rounds):
             for t in store.values():
                 t[rows, :, dst] = t[rows, :, src]  # gathered first: sources lie past targets
         self.stats.update(kv_moves=len(moves))
+
+
+def _node_paths(parent: list[int]) -> list[list[int]]:
+    """Per node, the nodes from the root's child down to it (the root: none)."""
+    paths: list[list[int]] = [[]]
+    for i in range(1, len(parent)):
+        paths.append(paths[parent[i]] + [i])  # a parent comes before its children
+    return paths
 
 
 def _levels(lay: dict, depth: int) -> list[tuple]:

@@ -170,6 +170,16 @@ def oracle_drafts(monkeypatch, continuations, vocab: int) -> dict:
                 true = int(continuations[r][j]) if j < len(continuations[r]) else 0
                 nodes[r, i] = true if not any(path) else (true + 1 + path[-1]) % vocab
         self.nodes = nodes
+        self.drafted = None  # what the adaptive tree counts: head d's rank 0 is the true token
+        if not self.hydra and self.tree.size > 1:
+            drafted = torch.zeros(b, len(self.ranks), max(self.ranks), dtype=torch.int64)
+            for r in range(b):
+                for d in range(len(self.ranks)):
+                    j = self._oracle_pos[r] + d + 1
+                    true = int(continuations[r][j]) if j < len(continuations[r]) else 0
+                    drafted[r, d] = torch.tensor([true] + [(true + 1 + k) % vocab
+                                                           for k in range(1, max(self.ranks))])
+            self.drafted = drafted.to(root.device)
 
     monkeypatch.setattr(td._TreeRounds, "accept", accept)
     monkeypatch.setattr(td._TreeRounds, "draft_from", draft_from)

@@ -71,6 +71,7 @@ def test_drafting_level_by_level_fills_each_node_from_its_parents_path(tmp_path)
     from collections import Counter
     r.tree, r.stats = make_tree(WIDE, 3), Counter()
     r.levels = _levels(r.tree.layout(), r.tree.depth)
+    r.ranks = [1] * r.tree.depth  # the levels' own ranks suffice here
     g = torch.Generator().manual_seed(0)
     h = torch.randn(2, 1, model.config.hidden_size, generator=g)
     root = torch.tensor([5, 9])
