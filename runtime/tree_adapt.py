@@ -38,7 +38,7 @@ class AdaptiveTree:
     EVERY = 4  # rounds between choices
     PROBE = 16  # rounds on less than the whole tree before it is probed
     MAX_PROBE = 256
-    HALVE = 4096  # a head's observations at which its counts are halved
+    HALVE = 512  # a head's observations at which its counts are halved: a few generations
 
     def __init__(self, whole: Tree, strategy: Strategy, batch: int):
         self.whole = whole  # the pass's tree: every choice is a sub-tree of it

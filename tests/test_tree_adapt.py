@@ -61,6 +61,16 @@ def test_heads_that_miss_here_lose_their_nodes_and_ones_that_hit_win_them_back()
     assert back.size > 1 and all(p[0] == 0 for p in back.paths) and (0, 0) in back.paths
 
 
+def test_old_counts_weigh_less_so_a_change_of_text_is_followed():
+    a = AdaptiveTree(make_tree(WIDE, 3), strategy(), batch=1)
+    for _ in range(5000):
+        a.observe(0, None)  # code the heads cannot guess ...
+    assert a.accuracy()[0][0] < 0.05 and a.trials[0] < AdaptiveTree.HALVE
+    for _ in range(AdaptiveTree.HALVE):
+        a.observe(0, 0)  # ... then text where head 0 is always right
+    assert a.accuracy()[0][0] > 0.6
+
+
 def test_costs_come_from_the_largest_measured_batch_not_above():
     costs = ((1, 0.1, tuple(CHEAP)), (4, 0.3, tuple(2.0 for _ in CHEAP)))
     s = strategy(costs=costs)
