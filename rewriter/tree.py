@@ -47,7 +47,8 @@ class Tree:
 
     def layout(self, device=None) -> dict:
         """Tensors of the tree: ``parent``, ``depth``, ``head``, ``rank`` ``[n]`` (root: -1,
-        0, -1, -1) and ``ancestors`` ``[n, n]`` (True where node i may see node j)."""
+        0, -1, -1) and ``ancestors`` ``[n, n]`` (True where node i may see node j); lists:
+        each node's ``children``, and ``paths``, the nodes from the root's child down to it."""
         n = self.size
         index = {p: i + 1 for i, p in enumerate(self.paths)}
         parent = [-1] + [index.get(p[:-1], 0) for p in self.paths]
@@ -58,10 +59,18 @@ class Tree:
         return {"parent": t(parent), "depth": t([0] + [len(p) for p in self.paths]),
                 "head": t([-1] + [len(p) - 1 for p in self.paths]),
                 "rank": t([-1] + [p[-1] for p in self.paths]),
-                "ancestors": anc.to(device), "children": _children(parent)}
+                "ancestors": anc.to(device), "children": _children(parent),
+                "paths": _node_paths(parent)}
 
     def record(self) -> list:
         return [list(p) for p in self.paths]
+
+
+def _node_paths(parent: list[int]) -> list[list[int]]:
+    paths: list[list[int]] = [[]]  # the root: no node below it
+    for i in range(1, len(parent)):
+        paths.append(paths[parent[i]] + [i])  # a parent comes before its children
+    return paths
 
 
 def _children(parent: list[int]) -> list[list[int]]:

@@ -98,9 +98,7 @@ class _TreeRounds(_Rounds):
 
     def layout(self, m: int) -> dict:
         if m not in self.layouts:
-            lay = self.tree.prefix(m).layout(self.device)
-            lay["paths"] = _node_paths(lay["parent"].tolist())
-            self.layouts[m] = lay
+            self.layouts[m] = self.tree.prefix(m).layout(self.device)
         return self.layouts[m]
 
     def first(self) -> Tensor:
@@ -301,14 +299,6 @@ class _TreeRounds(_Rounds):
             for t in store.values():
                 t[rows, :, dst] = t[rows, :, src]  # gathered first: sources lie past targets
         self.stats.update(kv_moves=len(moves))
-
-
-def _node_paths(parent: list[int]) -> list[list[int]]:
-    """Per node, the nodes from the root's child down to it (the root: none)."""
-    paths: list[list[int]] = [[]]
-    for i in range(1, len(parent)):
-        paths.append(paths[parent[i]] + [i])  # a parent comes before its children
-    return paths
 
 
 def _levels(lay: dict, depth: int) -> list[tuple]:

@@ -56,6 +56,7 @@ def test_tree_layout_of_a_known_tree():
                            [1, 1, 0, 1, 0, 0], [1, 1, 0, 0, 1, 0], [1, 1, 0, 1, 0, 1]], dtype=torch.bool)
     assert torch.equal(lay["ancestors"], expect)
     assert lay["children"] == [[1, 2], [3, 4], [], [5], [], []]
+    assert lay["paths"] == [[], [1], [2], [1, 3], [1, 4], [1, 3, 5]]
     assert tree.prefix(3).paths == ((0,), (1,))
 
 
