@@ -29,7 +29,8 @@ rows for the ``N`` tokens the model produced most often on the training text
 VocabTrim). The graph
 then returns ``(logits, draft)``. The decoding record (``rewriter.decoding``) holds the
 tree (``rewriter.tree``): given, or chosen from the heads' measured accuracies and the
-verify cost measured here (``tree="auto"``; then also the sub-tree of its likeliest nodes a
+cost of a round measured here, its programs and its own work against a whole plain step
+(``tree="auto"``; ``rewriter.round_cost``; then also the sub-tree of its likeliest nodes a
 round verifies at 2, 4 and 8 rows, where verifying many tokens costs more: none at all,
 plain decoding, when nothing pays; with ``adapt=True``, the default, the record keeps the
 accuracies and costs, and the runtime re-chooses the sub-tree from what the heads guess
@@ -129,15 +130,9 @@ class MedusaHeads(Pass):
                          self._vocab(weight), self.name)
         else:
             insert(ir, head, self._weights(weight), self._vocab(weight), self.name)
+        self._vocab_size = None if self.draft_vocab is None else min(self.draft_vocab, weight.shape[0])
         tree, batch_trees, costs = self._tree(ir)
-        vocab = None if self.draft_vocab is None else min(self.draft_vocab, weight.shape[0])
-        strategy = Strategy("medusa", arch=self.ARCH, num_heads=self.num_heads, tree=tree.paths,
-                            draft_vocab=vocab, acceptance=self.acceptance,
-                            posterior_threshold=self.posterior_threshold,
-                            posterior_alpha=self.posterior_alpha, batch_trees=batch_trees,
-                            accuracy=tuple(tuple(a[:MAX_RANK]) for a in self.heads.accuracy)
-                            if costs else (),
-                            costs=costs)
+        strategy = self._strategy(tree, batch_trees, costs)
         why = check_record(strategy.record())
         if why:
             raise PassError(f"{self!r}: the decoding record needs {why}")
@@ -145,6 +140,15 @@ class MedusaHeads(Pass):
         ir.info["medusa"] = {"arch": self.ARCH, "weights": self.weights, "report": self.report,
                              "trained": self.heads.trained if self.heads else None}
         return ir
+
+    def _strategy(self, tree, batch_trees=(), costs=()) -> Strategy:
+        return Strategy("medusa", arch=self.ARCH, num_heads=self.num_heads, tree=tree.paths,
+                        draft_vocab=self._vocab_size, acceptance=self.acceptance,
+                        posterior_threshold=self.posterior_threshold,
+                        posterior_alpha=self.posterior_alpha, batch_trees=batch_trees,
+                        accuracy=tuple(tuple(a[:MAX_RANK]) for a in self.heads.accuracy)
+                        if costs else (),
+                        costs=costs)
 
     def _weights(self, lm: torch.Tensor):
         k, h = self.num_heads, lm.shape[1]
@@ -171,35 +175,56 @@ class MedusaHeads(Pass):
     def _tree(self, ir: IR) -> tuple:
         """The tree and, when chosen here, the sub-trees a round verifies at larger batches
         (``Strategy.batch_trees``: there verifying many tokens is dearer) and, with
-        ``adapt``, the measured costs (``Strategy.costs``)."""
+        ``adapt``, the measured costs (``Strategy.costs``).
+
+        The costs are the programs' (``calibrate``) plus what a round spends outside them,
+        against a whole plain step, timed through the runtime (``round_cost``)."""
         if self.tree != "auto":
             return make_tree(self.tree, self.num_heads), (), ()
         accuracy = self.heads.accuracy if self.heads is not None else []
         if not accuracy:  # untrained heads: nothing to choose from
             return chain(self.num_heads), (), ()
+        from rewriter import round_cost
         from rewriter.calibrate import heads_cost, verify_cost  # times the runtime's programs
-        cost = verify_cost(ir, self.max_nodes + 1, runs=5)
         hydra = self.ARCH == "hydra"
+        vocab = ir.weight("medusa.vocab") if self.draft_vocab is not None else None
+        measured = lambda tree, batches, costs: round_cost.measure(  # noqa: E731
+            ir, self._strategy(tree, costs=costs if self.adapt else ()), batches, vocab)
+        cost = verify_cost(ir, self.max_nodes + 1, runs=5)
         per_call = heads_cost(ir, self.num_heads, hydra, runs=5)
-        tree, self.report = choose_tree(accuracy, cost, self.max_nodes, per_call, per_level=hydra)
+        raw = ((1, round(per_call, 4), tuple(round(c, 4) for c in cost[1:])),)
+        tree, _ = choose_tree(accuracy, cost, self.max_nodes, per_call, per_level=hydra)
+        times = measured(tree, (1,), raw)[1]
+        heads_1, verify_1 = round_cost.adjust(per_call, cost[1:], times)
+        tree, self.report = choose_tree(accuracy, [0.0, *verify_1], self.max_nodes, heads_1,
+                                        per_level=hydra)
         self.report = {**self.report, "verify_cost": [round(c, 3) for c in cost[1:]],
-                       "batches": {}}
-        costs = [(1, round(per_call, 4), tuple(round(c, 4) for c in cost[1:tree.size + 1]))]
+                       "round_overhead": _overhead(times), "batches": {}}
+        costs = [(1, round(heads_1, 4), tuple(round(c, 4) for c in verify_1[:tree.size]))]
         if self.report["predicted_speedup"] < 1:
             # no tree pays even at one row (where verifying 2 tokens costs 1.5 decode steps,
             # as float32 on some CPUs): the tree is kept in the record, every batch decodes
             # plainly, and larger batches, where verifying costs more, need no measuring
             return tree, ((1, ()),), tuple(costs) if self.adapt else ()
+        by_batch = measured(tree, BATCHES, tuple(costs))
         batch_trees = []
         for b in BATCHES:
             cost_b = verify_cost(ir, tree.size, runs=5, batch=b)
-            heads_b = heads_cost(ir, self.num_heads, hydra, runs=5, batch=b)
-            sub, rate = best_subtree(tree, accuracy, cost_b, heads_b, hydra)
+            heads_b, verify_b = round_cost.adjust(
+                heads_cost(ir, self.num_heads, hydra, runs=5, batch=b), cost_b[1:], by_batch[b])
+            sub, rate = best_subtree(tree, accuracy, [0.0, *verify_b], heads_b, hydra)
             batch_trees.append((b, sub.paths))
-            costs.append((b, round(heads_b, 4), tuple(round(c, 4) for c in cost_b[1:])))
+            costs.append((b, round(heads_b, 4), tuple(round(c, 4) for c in verify_b)))
             self.report["batches"][str(b)] = {"nodes": sub.size - 1, "predicted_speedup": rate,
-                                              "verify_cost": [round(c, 3) for c in cost_b[1:]]}
+                                              "verify_cost": [round(c, 3) for c in cost_b[1:]],
+                                              "round_overhead": _overhead(by_batch[b])}
         return tree, tuple(batch_trees), tuple(costs) if self.adapt else ()
+
+
+def _overhead(times: dict) -> dict:
+    """A round's work outside its programs and a plain step's whole time, in decode programs."""
+    return {"round": round(times["fixed"] / times["decode"], 3),
+            "plain_step": round(times["plain"] / times["decode"], 3)}
 
 
 class HydraHeads(MedusaHeads):

@@ -20,7 +20,8 @@ from 8 on none, which decodes plainly; a larger batch makes verifying many token
 
 (``adapt``, optional: ``{"accuracy": [[..], ..], "costs": [[1, 0.11, [1.0, 1.01, ..]], ..]}``,
 the heads' held-out rank accuracies and, from each batch size on, one heads call's cost and
-verifying 1, 2, .. tokens' cost, in decode steps. With it the runtime learns the heads'
+a round's cost verifying 1, 2, .. tokens (its programs and its own work:
+``rewriter.round_cost``), in plain decode steps. With it the runtime learns the heads'
 accuracies on the text it decodes and re-chooses the sub-tree it verifies:
 ``runtime.tree_adapt``.)
 
@@ -54,7 +55,7 @@ class Strategy:
     posterior_alpha: float = 0.3
     batch_trees: tuple = ()  # ((batch, paths), ..): from that batch on, a sub-tree (or none)
     accuracy: tuple = ()  # the heads' rank accuracies [K][R]: the adaptive tree's prior
-    costs: tuple = ()  # ((batch, heads call, (verify 1, 2, .. tokens)), ..) in decode steps
+    costs: tuple = ()  # ((batch, heads call, (round of 1, 2, .. tokens)), ..) in plain steps
 
     def tree_at(self, batch: int) -> tuple:
         """The paths a round verifies at ``batch`` rows: the tree, or a sub-tree of it."""
@@ -65,7 +66,7 @@ class Strategy:
         return paths
 
     def costs_at(self, batch: int) -> tuple | None:
-        """(one heads call, verifying 1, 2, .. tokens) in decode steps at ``batch`` rows:
+        """(one heads call, a round verifying 1, 2, .. tokens) in plain steps at ``batch`` rows:
         measured at the largest batch size not above it; None without ``costs``."""
         chosen = None
         for b, heads, verify in self.costs:

@@ -44,7 +44,7 @@ class AdaptiveTree:
         self.whole = whole  # the pass's tree: every choice is a sub-tree of it
         self.hydra = strategy.arch == "hydra"
         self.heads_cost, verify = strategy.costs_at(batch)
-        self.cost = [0.0, *verify]  # cost[s]: verifying s tokens, in decode steps
+        self.cost = [0.0, *verify]  # cost[s]: a round verifying s tokens, in plain steps
         self.prior = [[a[r] if r < len(a) else 0.0 for r in range(MAX_RANK)]
                       for a in strategy.accuracy]  # [K][MAX_RANK]
         self.hits = [[0] * MAX_RANK for _ in self.prior]

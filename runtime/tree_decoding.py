@@ -166,8 +166,13 @@ class _TreeRounds(_Rounds):
         logits, h = self._call("verify", step, tokens, positions)  # [B, m, V], [B, m, H]
         self.stats.update(forward_passes=1, layer_evals=self.full,
                           drafted=(m - 1) * sum(not d for d in done))
-        paths, bonus = self.accept(logits, tokens, lay)
-        self.compact(length, paths)
+        if m > 1:
+            paths, bonus = self.accept(logits, tokens, lay)
+            self.compact(length, paths)
+        else:  # a plain round (the adaptive tree chose none): the model's token, chosen as
+            # plain decoding chooses it, with no acceptance or K/V moves to pay for
+            paths = [[] for _ in range(b)]
+            bonus = next_token(logits[:, 0], self.s, self.generator).tolist()
         rows = [tokens[r, p].tolist() + [bonus[r]] for r, p in enumerate(paths)]
         if self.adapt is not None:
             self._adapt(tokens, paths, bonus, done, rows)

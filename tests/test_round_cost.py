@@ -1,0 +1,81 @@
+"""A round's and a plain step's whole cost, timed through the runtime (``rewriter.round_cost``),
+and the pass that weighs trees by it."""
+from dataclasses import replace
+
+import pytest
+import torch
+
+import rewriter
+import rewriter.calibrate
+from rewriter import round_cost
+from rewriter.decoding import strategy_of
+from rewriter.errors import RewriterError
+from rewriter.passes import HydraHeads, MedusaHeads
+
+from conftest import make_model, varied_init
+from test_draft_heads import random_heads
+
+
+def test_program_costs_move_into_plain_steps_with_the_rounds_own_work_added():
+    # a decode program takes 2 s, a plain step 2.5 s, a round's work outside programs 0.5 s
+    heads, verify = round_cost.adjust(0.2, [1.0, 1.5, 3.0], {"decode": 2.0, "plain": 2.5, "fixed": 0.5})
+    assert heads == pytest.approx(0.16)
+    assert verify == pytest.approx([1.0, 1.4, 2.6])
+
+
+@pytest.mark.parametrize("cls", [MedusaHeads, HydraHeads])
+def test_both_loops_are_timed_and_the_record_is_left_as_it_was(cls, tmp_path):
+    from test_hydra_heads import hydra_heads
+    model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
+    path = (hydra_heads if cls is HydraHeads else random_heads)(model, tmp_path / "h.safetensors")
+    med = rewriter.optimize(model, passes=[cls(weights=str(path), tree=[[0], [1], [0, 0]])])
+    record = dict(med.ir.info["decoding"])
+    s = strategy_of(med.ir.info)
+    times = round_cost.measure(med.ir, s, (1, 3), new=8)
+    assert set(times) == {1, 3}
+    for t in times.values():
+        assert set(t) == {"decode", "plain", "round", "fixed"}
+        assert all(v >= 0 for v in t.values()) and t["decode"] > 0 and t["plain"] > 0
+        assert t["round"] > t["fixed"]  # the verify program runs inside every round
+    assert med.ir.info["decoding"] == record
+    with pytest.raises(RewriterError, match="heads"):  # a record the graph does not fit
+        round_cost.measure(med.ir, replace(s, num_heads=s.num_heads + 1), (1,), new=4)
+    assert med.ir.info["decoding"] == record
+
+
+def _fake_costs(monkeypatch, fixed: float):
+    """Programs that cost: verifying s tokens 1 + 0.02 s decode programs, a heads call 0.05;
+    a plain step is one decode program; a round spends ``fixed`` more."""
+    monkeypatch.setattr(rewriter.calibrate, "verify_cost",
+                        lambda ir, most, runs=15, batch=1: [0.0] + [1 + 0.02 * s for s in range(most)])
+    monkeypatch.setattr(rewriter.calibrate, "heads_cost", lambda *a, **k: 0.05)
+    times = {"decode": 1.0, "plain": 1.0, "round": 1.0 + fixed, "fixed": fixed}
+    calls = []
+
+    def measure(ir, strategy, batches, vocab=None, new=round_cost.NEW):
+        calls.append((strategy.tree, tuple(batches)))
+        return {b: times for b in batches}
+    monkeypatch.setattr(round_cost, "measure", measure)
+    return calls
+
+
+def test_a_rounds_own_work_that_eats_the_gain_makes_the_pass_decode_plainly(monkeypatch, tmp_path):
+    model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
+    path = random_heads(model, tmp_path / "h.safetensors")
+    calls = _fake_costs(monkeypatch, fixed=0.0)
+    cheap = rewriter.optimize(model, passes=[MedusaHeads(weights=str(path), max_nodes=8)])
+    record = cheap.ir.info["decoding"]
+    assert len(record["tree"]) >= 2 and record["batch_trees"][0][0] == 2
+    assert [b for _, b in calls] == [(1,), (2, 4, 8)]  # then the chosen tree at every batch
+    assert record["adapt"]["costs"][0][2][:3] == pytest.approx([1.0, 1.02, 1.04])
+
+    calls = _fake_costs(monkeypatch, fixed=1.5)  # heads guessing .5/.3 cannot pay for that
+    dear = rewriter.optimize(model, passes=[MedusaHeads(weights=str(path), max_nodes=8)])
+    record = dear.ir.info["decoding"]
+    assert record["batch_trees"] == [[1, []]]
+    assert record["adapt"]["costs"][0][2][0] == pytest.approx(2.5)
+    assert dear.ir.info["medusa"]["report"]["round_overhead"] == {"round": 1.5, "plain_step": 1.0}
+    assert [b for _, b in calls] == [(1,)]  # nothing pays at one row: no batch is measured
+    ids = torch.tensor([[3, 17, 42, 5]])
+    assert torch.equal(dear.generate(ids, max_new_tokens=6, eos_token_id=[]),
+                       rewriter.optimize(model).generate(ids, max_new_tokens=6, eos_token_id=[]))
