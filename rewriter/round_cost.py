@@ -132,13 +132,14 @@ def _iterations(loop, timed: dict, device, counter=None) -> list[tuple[float, fl
 
 
 class _Pinned(AdaptiveTree):
-    """Counts as the adaptive tree does, and always verifies the whole tree."""
+    """Counts and chooses as the adaptive tree does (its work is a round's), and always
+    verifies the whole tree."""
 
     def __init__(self, strategy: Strategy, batch: int):
         super().__init__(make_tree(strategy.tree, strategy.num_heads), strategy, batch)
 
-    def next(self, current):
-        self.rounds += 1
+    def next(self, current, accuracy=None):
+        super().next(current, accuracy)
         return current
 
 

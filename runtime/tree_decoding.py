@@ -38,7 +38,7 @@ from torch import Tensor
 
 from rewriter.decoding import Strategy
 from rewriter.errors import RewriterError
-from rewriter.tree import make_tree
+from rewriter.tree import MAX_RANK, make_tree
 
 from .attention import Step
 from .generate import Batch, run_prompt
@@ -79,6 +79,9 @@ class _TreeRounds(_Rounds):
         if strategy.costs_at(b) is not None:  # learnt over this and earlier generations
             self.adapt = trees.setdefault((b, strategy), AdaptiveTree(self.whole, strategy, b))
         self.ended = [False] * b  # rows whose accepted text holds an end of sequence
+        k = strategy.num_heads  # each row's counts in this generation (tree_adapt.row_accuracy)
+        self.row_hits = [[[0] * MAX_RANK for _ in range(k)] for _ in range(b)]
+        self.row_trials = [[0] * k for _ in range(b)]
         # verifying many tokens costs more in a larger batch: from some batch on the
         # strategy may verify a sub-tree (the engine decodes plainly where it is empty)
         start = make_tree(strategy.tree_at(b), strategy.num_heads)
@@ -175,7 +178,7 @@ class _TreeRounds(_Rounds):
             bonus = next_token(logits[:, 0], self.s, self.generator).tolist()
         rows = [tokens[r, p].tolist() + [bonus[r]] for r, p in enumerate(paths)]
         if self.adapt is not None:
-            self._adapt(tokens, paths, bonus, done, rows)
+            self._adapt(tokens, paths, bonus, done, rows, length)
         ends = torch.tensor([p[-1] if p else 0 for p in paths], device=self.device)
         keep = torch.tensor(done, device=self.device)
         nxt = torch.where(keep, last, torch.tensor(bonus, device=self.device))
@@ -183,13 +186,19 @@ class _TreeRounds(_Rounds):
         return nxt, rows
 
     def _adapt(self, tokens: Tensor, paths: list[list[int]], bonus: list[int], done: list[bool],
-               rows: list[list[int]]) -> None:
+               rows: list[list[int]], length: list[int]) -> None:
         """Count this round, then verify the tree the counts choose from the next round on."""
         if self.drafted is not None:  # text past a row's end of sequence is not counted
             self.observe(tokens, paths, bonus, [d or e for d, e in zip(done, self.ended)])
         eos = set(self.s.eos_token_id)
         self.ended = [e or any(t in eos for t in row) for e, row in zip(self.ended, rows)]
-        tree = self.adapt.next(self.tree)
+        # in a batch, the row with the fewest tokens decides when it ends: its counts choose
+        running = [r for r in range(len(rows)) if not done[r] and not self.ended[r]]
+        accuracy = None
+        if len(rows) > 1 and running:
+            lag = min(running, key=lambda r: length[r] + len(rows[r]))
+            accuracy = self.adapt.row_accuracy(self.row_hits[lag], self.row_trials[lag])
+        tree = self.adapt.next(self.tree, accuracy)
         self.adapt.current = tree
         if tree != self.tree:
             self.use(tree)
@@ -218,7 +227,11 @@ class _TreeRounds(_Rounds):
                     guesses = levels[d][1][r][levels[d][0].index(node)]
                 else:
                     guesses = drafted[r][d]
-                self.adapt.observe(d, guesses.index(target) if target in guesses else None)
+                rank = guesses.index(target) if target in guesses else None
+                self.adapt.observe(d, rank)
+                self.row_trials[r][d] += 1
+                if rank is not None and rank < MAX_RANK:
+                    self.row_hits[r][d][rank] += 1
 
     # -------------------------------------------------------------- acceptance
     def accept(self, logits: Tensor, tokens: Tensor, lay: dict) -> tuple[list[list[int]], list[int]]:

@@ -112,11 +112,14 @@ def test_rounds_rechoose_every_few_and_plain_rounds_probe_the_whole_tree():
     assert b.next(whole) == b.choose() and b.probing is None
 
 
-def rounds_by_hand(tree, hydra=False):
+def rounds_by_hand(tree, hydra=False, batch=3, costs=None):
     r = _TreeRounds.__new__(_TreeRounds)
     r.hydra, r.tree = hydra, tree
     r.ranks = [1 + max(p[-1] for p in tree.paths if len(p) == d + 1) for d in range(tree.depth)]
-    r.adapt = AdaptiveTree(tree, strategy(), batch=1)
+    r.adapt = AdaptiveTree(tree, strategy() if costs is None else strategy(costs), batch=1)
+    r.row_hits = [[[0] * MAX_RANK for _ in range(3)] for _ in range(batch)]
+    r.row_trials = [[0] * 3 for _ in range(batch)]
+    r.device, r.stats = torch.device("cpu"), Counter()
     return r
 
 
@@ -170,14 +173,43 @@ def test_hydra_rounds_count_a_head_only_where_it_ran_on_the_path():
 def test_rows_past_their_end_of_sequence_are_not_counted():
     from rewriter.runtime.settings import GenerationSettings
     tree = make_tree(WIDE, 3)
-    r = rounds_by_hand(tree)
+    r = rounds_by_hand(tree, batch=2)
     r.s, r.ended = GenerationSettings(eos_token_id=[2]), [False, False]
     r.drafted = torch.tensor([[[10, 11, 12, 13]] * 3] * 2)  # [B, K, ranks]
     tokens = torch.zeros(2, 9, dtype=torch.int64)
-    r._adapt(tokens, [[], []], [2, 10], [False, False], [[2], [10]])  # row 0 ends here
+    r._adapt(tokens, [[], []], [2, 10], [False, False], [[2], [10]], [9, 9])  # row 0 ends here
     assert r.ended == [True, False] and r.adapt.trials == [2, 0, 0]
-    r._adapt(tokens, [[], []], [10, 10], [False, False], [[10], [10]])
+    r._adapt(tokens, [[], []], [10, 10], [False, False], [[10], [10]], [10, 10])
     assert r.adapt.trials == [3, 0, 0] and r.adapt.hits[0][0] == 2  # row 1 alone
+    assert r.row_trials == [[1, 0, 0], [2, 0, 0]] and r.row_hits[1][0][0] == 2
+
+
+def test_in_a_batch_the_lagging_rows_counts_choose_the_tree():
+    """Head 0 always right on row 0, never on row 1; pooled, it is right half the time.
+    The row with the fewest tokens decides: the batch ends when it does."""
+    from rewriter.runtime.settings import GenerationSettings
+    whole = make_tree(WIDE, 3)
+    dear = ((1, 0.1, tuple(1.0 + 0.15 * s for s in range(9))),)
+
+    def choice(length, done=(False, False), right=(True, False)):
+        batch = len(length)
+        r = rounds_by_hand(whole, batch=batch, costs=dear)
+        r.s, r.ended, r.drafted = GenerationSettings(eos_token_id=[]), [False] * batch, None
+        for _ in range(200):
+            r.adapt.observe(0, 0)
+            r.adapt.observe(0, None)
+        for row, hit in enumerate(right):
+            r.row_trials[row][0] = 200
+            r.row_hits[row][0][0] = 200 if hit else 0
+        r.adapt.rounds = AdaptiveTree.EVERY - 1  # this round re-chooses
+        r._adapt(torch.zeros(batch, 9, dtype=torch.int64), [[]] * batch, [5] * batch,
+                 list(done), [[5]] * batch, length)
+        return r.tree
+
+    assert choice([100, 90]) == Tree(())  # row 1 lags: for it nothing pays
+    assert choice([90, 100]).size > 1  # row 0 lags: its guesses pay
+    assert choice([100, 90], done=(False, True)).size > 1  # row 1 has all its tokens
+    assert choice([90], done=(False,), right=(False,)).size > 1  # one row: the pooled counts
 
 
 def adaptive(med, prior, costs):
@@ -207,12 +239,12 @@ def test_a_tree_that_does_not_pay_on_this_text_is_dropped_and_the_tokens_stay_gr
     s, f = med.stats, fixed.stats
     assert s["tree_changes"] >= 1 and s["head_passes"] < s["rounds"]  # plain rounds came
     # the engine keeps what it learnt: the next generation starts plain, drafting only in
-    # its probes (and the first one right after the prompt)
+    # its probes and a few rounds after one (the first one right after the prompt)
     (learnt,) = med.trees.values()
     assert learnt.current == Tree(())
     med.stats.clear()
     assert torch.equal(med.generate(IDS, **kw), ref)
-    assert med.stats["head_passes"] <= 1 + med.stats["rounds"] // AdaptiveTree.PROBE
+    assert med.stats["head_passes"] <= 1 + med.stats["rounds"] // 8
     med.trees.clear()  # back to the pass's tree
     med.stats.clear()
     med.generate(IDS, max_new_tokens=12, eos_token_id=[])
@@ -239,7 +271,9 @@ def test_heads_that_guess_right_here_keep_the_nodes_a_doubtful_prior_would_drop(
     assert s["tree_changes"] >= 1 and s["accepted"] / s["row_rounds"] > 2
 
 
-def test_the_pass_records_accuracies_and_costs_and_artifacts_keep_them(tmp_path):
+def test_the_pass_records_accuracies_and_costs_and_artifacts_keep_them(tmp_path, monkeypatch):
+    from test_round_cost import _fake_costs
+    _fake_costs(monkeypatch, fixed=0.1)  # timings that never say "no tree pays"
     model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
     path = random_heads(model, tmp_path / "h.safetensors")
     med = rewriter.optimize(model, passes=[MedusaHeads(weights=str(path), max_nodes=6)])
@@ -249,9 +283,7 @@ def test_the_pass_records_accuracies_and_costs_and_artifacts_keep_them(tmp_path)
     assert all(len(c[2]) >= len(record["tree"]) + 1 for c in adapt["costs"])
     assert adapt["accuracy"][0][:3] == pytest.approx([0.5, 0.2, 0.1])
     s = strategy_of(med.ir.info)
-    # verifying one token: the decode program and the round's own work, in plain steps
-    over = med.ir.info["medusa"]["report"]["round_overhead"]
-    assert s.costs_at(1)[1][0] == pytest.approx((1 + over["round"]) / over["plain_step"], rel=0.01)
+    assert s.costs_at(1)[1][0] == pytest.approx(1.1)  # the program and the round's own work
     med.save(tmp_path / "a")
     assert rewriter.load(tmp_path / "a").ir.info["decoding"] == record
     off = rewriter.optimize(model, passes=[MedusaHeads(weights=str(path), max_nodes=6, adapt=False)])
