@@ -205,3 +205,18 @@ def reference_greedy(opt, row: list[int], new: int) -> torch.Tensor:
     for _ in range(new):
         ids = torch.cat([ids, opt(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
     return ids[0]
+
+
+def fixed_round_work(monkeypatch, fixed: float = 0.0) -> list:
+    """Make ``round_cost.measure`` report a round's own work as ``fixed`` decode programs
+    and a plain step as one (no timing): for tests of the pass's choices under costs they
+    set. Returns the calls made, as (tree, batches)."""
+    from rewriter import round_cost
+    calls = []
+
+    def measure(ir, strategy, batches, vocab=None, new=round_cost.NEW):
+        calls.append((strategy.tree, tuple(batches)))
+        return {b: {"decode": 1.0, "plain": 1.0, "round": 1.0 + fixed, "fixed": fixed}
+                for b in batches}
+    monkeypatch.setattr(round_cost, "measure", measure)
+    return calls

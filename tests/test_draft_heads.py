@@ -513,8 +513,10 @@ def test_auto_tree_gives_larger_batches_the_sub_trees_their_costs_pay_for(tmp_pa
     """Wiring: costs measured at each batch choose that batch's sub-tree (here: batch 1 and
     2 verify cheaply, 4 dearly, 8 so dearly that nothing pays)."""
     from rewriter import calibrate
+    from conftest import fixed_round_work
     model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
     path = random_heads(model, tmp_path / "h.safetensors")
+    fixed_round_work(monkeypatch)  # the programs' costs alone, as set here
     slope = {1: 0.0, 2: 0.0, 4: 0.3, 8: 5.0}
     monkeypatch.setattr(calibrate, "verify_cost", lambda ir, most, runs=15, batch=1:
                         [0.0] + [1.0 + slope[batch] * s for s in range(most)])

@@ -12,7 +12,7 @@ from rewriter.decoding import strategy_of
 from rewriter.errors import RewriterError
 from rewriter.passes import HydraHeads, MedusaHeads
 
-from conftest import make_model, varied_init
+from conftest import fixed_round_work, make_model, varied_init
 from test_draft_heads import random_heads
 
 
@@ -49,14 +49,7 @@ def _fake_costs(monkeypatch, fixed: float):
     monkeypatch.setattr(rewriter.calibrate, "verify_cost",
                         lambda ir, most, runs=15, batch=1: [0.0] + [1 + 0.02 * s for s in range(most)])
     monkeypatch.setattr(rewriter.calibrate, "heads_cost", lambda *a, **k: 0.05)
-    times = {"decode": 1.0, "plain": 1.0, "round": 1.0 + fixed, "fixed": fixed}
-    calls = []
-
-    def measure(ir, strategy, batches, vocab=None, new=round_cost.NEW):
-        calls.append((strategy.tree, tuple(batches)))
-        return {b: times for b in batches}
-    monkeypatch.setattr(round_cost, "measure", measure)
-    return calls
+    return fixed_round_work(monkeypatch, fixed)
 
 
 def test_a_rounds_own_work_that_eats_the_gain_makes_the_pass_decode_plainly(monkeypatch, tmp_path):
