@@ -89,28 +89,42 @@ def predicted_speedup(ir: IR, prompts, skip_layers, skip_attention, skip_mlp, ma
 
 def verify_cost(ir: IR, most: int, runs: int = 15, batch: int = 1) -> list[float]:
     """``[0, 1, c(2), ..., c(most)]``: the decode program's time over S tokens a row at
-    ``batch`` rows after a 64-token prompt, divided by its time over one token a row
+    ``batch`` rows after a 64-token prompt (shorter where the context is), divided by its
+    time over one token a row
     (medians of ``runs``)."""
     from rewriter.runtime.attention import Step
     from rewriter.runtime.kv_cache import KVCache, cache_table
     from rewriter.runtime.lower import lower
     program = lower(ir, False, "torch", {})
     weight = max((t for t in ir.weights().values() if t.is_floating_point()), key=torch.Tensor.numel)
-    cache = KVCache(cache_table(ir.gm), batch, 64 + most, weight.dtype, weight.device)
+    at = prompt_length(ir, most)
+    cache = KVCache(cache_table(ir.gm), batch, at + most, weight.dtype, weight.device)
     times: dict[int, list[float]] = {s: [] for s in range(1, most + 1)}
     for r in range(runs + 1):  # interleaved, so drifts hit every length alike
         for s in times:
             ids = torch.zeros(batch, s, dtype=torch.long, device=weight.device)
-            positions = torch.arange(64, 64 + s, device=weight.device)[None].expand(batch, s)
+            positions = torch.arange(at, at + s, device=weight.device)[None].expand(batch, s)
             _sync(weight.device)
             t = time.perf_counter()
             with torch.inference_mode():
-                program(Step(cache, 64, s, None), ids, positions)
+                program(Step(cache, at, s, None), ids, positions)
             _sync(weight.device)
             if r:  # the first round warms up
                 times[s].append(time.perf_counter() - t)
     one = statistics.median(times[1])
     return [0.0] + [statistics.median(times[s]) / one for s in times]
+
+
+def prompt_length(ir: IR, tokens: int) -> int:
+    """Cache positions before a timed step of ``tokens``: 64, or fewer where the model's
+    context is shorter (learned position tables have no row past it)."""
+    from rewriter.errors import PassError
+    c = ir.info.get("config", {})
+    context = int(c.get("max_position_embeddings") or c.get("n_positions") or 2048)
+    if context - tokens < 1:
+        raise PassError(f"timing a step of {tokens} tokens needs a context of more than "
+                        f"{tokens} tokens; the model has {context}")
+    return min(64, context - tokens)
 
 
 def heads_cost(ir: IR, num_heads: int, hydra: bool, runs: int = 15, batch: int = 1) -> float:
@@ -130,13 +144,14 @@ def heads_cost(ir: IR, num_heads: int, hydra: bool, runs: int = 15, batch: int =
         if hydra else (x,)
     cache = KVCache(cache_table(ir.gm), batch, 65, weight.dtype, weight.device)
     ids = torch.zeros(batch, 1, dtype=torch.long, device=weight.device)
-    positions = torch.full((batch, 1), 64, device=weight.device)
+    at = prompt_length(ir, 1)
+    positions = torch.full((batch, 1), at, device=weight.device)
     step_t, head_t = [], []
     for r in range(runs + 1):
         with torch.inference_mode():
             _sync(weight.device)
             t = time.perf_counter()
-            decode(Step(cache, 64, 1, None), ids, positions)
+            decode(Step(cache, at, 1, None), ids, positions)
             _sync(weight.device)
             t1 = time.perf_counter()
             heads(*args)

@@ -16,11 +16,16 @@ record in units of the real plain step::
 
 (``adjust``), so the tree chosen, the sub-trees at larger batches and the adaptive tree
 all weigh what the runtime really spends. Medians throughout: the first plain steps on a
-GPU compile and capture a CUDA graph, and a busy machine's outliers are not the cost.
+GPU compile and capture a CUDA graph, and a busy machine's outliers are not the cost. On
+a GPU the plain loop replays that graph, so ``P`` is a replay and ``D`` is timed by
+calling the program alone (nothing may synchronise inside a capture). ``F`` is measured
+once, on the tree the programs' costs choose, and taken to hold for every sub-tree: most
+of it (building inputs, a step object, handing tokens out) does not grow with the tree.
 
-The prompt is arbitrary tokens, so the heads rarely guess right: a round hands out about
-one token, where real rounds hand out two or three. Handing out a token costs little
-beside a round (a list pop and an EOS check), which this under-counts.
+What this leaves out: the prompt is arbitrary tokens, so the heads rarely guess right and
+a round hands out about one token, where real rounds hand out two or three (a list pop
+and an end-of-sequence check each: small beside a round). The rounds are greedy; sampling
+and typical acceptance walk the tree in Python and cost more than the record says.
 """
 from __future__ import annotations
 
@@ -36,34 +41,59 @@ from rewriter.ir.core import IR
 from rewriter.runtime.tree_adapt import AdaptiveTree
 from rewriter.tree import make_tree
 
-PROMPT = 64  # tokens of the made-up prompt: as verify_cost's
-NEW = 24  # new tokens a measurement generates (about 20 rounds or steps timed)
+PROMPT = 64  # tokens of the made-up prompt (fewer where the context is short): as verify_cost's
+NEW = 24  # rounds a measurement times that verify the whole tree (and as many plain steps)
+LIMIT = 1e3  # the record's bound on a cost (``decoding.check_record``)
 
 
 def measure(ir: IR, strategy: Strategy, batches, vocab: Optional[torch.Tensor] = None,
             new: int = NEW) -> dict[int, dict]:
     """``{batch: {"decode": D, "plain": P, "round": R, "fixed": F}}`` in seconds: the
-    decode program, a plain step, a tree round verifying ``strategy.tree`` (the whole of
-    it: ``batch_trees`` are ignored) and the round's work outside its programs.
-    ``ir.info["decoding"]`` is set to ``strategy`` while the programs are lowered."""
+    decode program, a plain step, a tree round verifying the whole of ``strategy.tree``
+    (``batch_trees`` are ignored; rounds cut short near the end are not counted) and the
+    round's work outside its programs. Greedy: sampling's acceptance walks the tree in
+    Python and costs more. ``ir.info["decoding"]`` is ``strategy`` while the programs
+    are lowered, and as it was after."""
+    from rewriter.errors import PassError
     from rewriter.runtime.programs import build_programs
-    saved = ir.info.get("decoding")
+    if type(new) is not int or new < 2:
+        raise ValueError(f"round_cost.measure: new must be an int >= 2, got {new!r}")
+    size = len(strategy.tree) + 1
+    tokens = new + size  # the last ``size`` tokens' rounds are cut short
+    context = _context(ir)
+    prompt = min(PROMPT, context - tokens - strategy.cache_slack())
+    if prompt < 1:
+        raise PassError(f"timing a round of a {size}-node tree needs a context of more than "
+                        f"{tokens + strategy.cache_slack()} tokens; the model has {context} "
+                        f"(give the heads a smaller max_nodes, or tree=[...])")
+    had, saved = "decoding" in ir.info, ir.info.get("decoding")
     ir.info["decoding"] = strategy.record()
     try:
         programs = build_programs(ir, "torch", {})
     finally:
-        ir.info["decoding"] = saved
-    return {b: _measure_batch(ir, programs, strategy, vocab, b, new) for b in batches}
+        if had:
+            ir.info["decoding"] = saved
+        else:
+            del ir.info["decoding"]
+    return {b: _measure_batch(ir, programs, strategy, vocab, b, prompt, tokens) for b in batches}
 
 
 def adjust(heads: float, verify, times: dict) -> tuple[float, list[float]]:
     """``(heads', [verify'(1), ..])``: ``heads_cost`` and ``verify_cost[1:]`` (in decode
-    programs) moved into plain steps with the round's own work added (module docstring)."""
+    programs) moved into plain steps with the round's own work added (module docstring),
+    kept within the record's bounds whatever a timing said."""
     d, p, f = times["decode"], times["plain"], times["fixed"]
-    return heads * d / p, [(c * d + f) / p for c in verify]
+    clamp = lambda c: min(max(c, 1e-3), LIMIT)  # noqa: E731
+    return min(heads * d / p, LIMIT), [clamp((c * d + f) / p) for c in verify]
 
 
-def _measure_batch(ir: IR, programs: dict, strategy: Strategy, vocab, batch: int,
+def _context(ir: IR) -> int:
+    """The model's context length, as the engine reads it (``Engine.max_len``)."""
+    c = ir.info.get("config", {})
+    return int(c.get("max_position_embeddings") or c.get("n_positions") or 2048)
+
+
+def _measure_batch(ir: IR, programs: dict, strategy: Strategy, vocab, batch: int, prompt: int,
                    new: int) -> dict:
     from rewriter.runtime.attention import Step
     from rewriter.runtime.generate import decode_loop, prepare
@@ -74,24 +104,26 @@ def _measure_batch(ir: IR, programs: dict, strategy: Strategy, vocab, batch: int
     device = weight.device
     vocab_size = int(ir.info.get("config", {}).get("vocab_size") or 2)
     # arbitrary tokens, different per row, the same every run (no random state touched)
-    ids = (torch.arange(batch * PROMPT).view(batch, PROMPT) * 7919 + 13) % vocab_size  # [B, S]
+    ids = (torch.arange(batch * prompt, device=device).view(batch, prompt) * 7919 + 13) % vocab_size
     settings = GenerationSettings(max_new_tokens=new, eos_token_id=(), pad_token_id=0)
-    length = PROMPT + new + strategy.cache_slack()
-    cache = KVCache(cache_table(ir.gm), batch, length, weight.dtype, device)
+    cache = KVCache(cache_table(ir.gm), batch, prompt + new + strategy.cache_slack(),
+                    weight.dtype, device)
 
     timed = {name: _Timed(p, device) for name, p in programs.items()}
-    cuda = device.type == "cuda"  # the engine's choice of plain loop, CUDA graph included
-    steps = _iterations(decode_loop(timed["prefill"], timed["decode"], cache,
+    cuda = device.type == "cuda"  # the engine's plain loop there replays a CUDA graph, and
+    # nothing may synchronise inside its capture: time whole steps, and the program alone
+    plain = programs if cuda else timed
+    steps = _iterations(decode_loop(plain["prefill"], plain["decode"], cache,
                                     prepare(ids, None, 0, device), settings, None, Counter(),
                                     static=cuda, cuda_graph=cuda), timed, device)
-    if cuda:  # steps replay a graph, not the program: time the program (eager) alone
+    if cuda:
         decode = []
         with torch.inference_mode():
-            for r in range(len(steps)):
+            for _ in range(len(steps)):
                 _sync(device)
                 t = time.perf_counter()
-                programs["decode"](Step(cache, PROMPT, 1, None), ids[:, :1],
-                                   torch.full((batch, 1), PROMPT, device=device))
+                programs["decode"](Step(cache, prompt, 1, None), ids[:, :1],
+                                   torch.full((batch, 1), prompt, device=device))
                 _sync(device)
                 decode.append(time.perf_counter() - t)
     else:
@@ -103,22 +135,26 @@ def _measure_batch(ir: IR, programs: dict, strategy: Strategy, vocab, batch: int
         trees[(batch, strategy)] = _Pinned(strategy, batch)  # its work, never its choices
     loop = tree_loop(timed, cache, prepare(ids, None, 0, device), settings, None, stats,
                      strategy, vocab, trees)
-    rounds = _iterations(loop, timed, device, lambda: stats["rounds"])
+    whole = batch * len(strategy.tree)  # tokens a round drafts with the whole tree
+    rounds = _iterations(loop, timed, device,
+                         lambda: (stats["rounds"], stats["drafted"]),
+                         lambda before, after: after[0] > before[0] and after[1] - before[1] == whole)
     return {"decode": statistics.median(decode), "plain": statistics.median(w for w, _ in steps),
             "round": statistics.median(w for w, _ in rounds),
             "fixed": max(0.0, statistics.median(w - p for w, p in rounds))}
 
 
-def _iterations(loop, timed: dict, device, counter=None) -> list[tuple[float, float]]:
+def _iterations(loop, timed: dict, device, state=None, counts=None) -> list[tuple[float, float]]:
     """(wall seconds, seconds in programs) of each iteration of a token loop after its
-    first (which runs the prompt); with ``counter``, only of those that advanced it (a tree
-    loop's rounds: its other iterations hand out tokens already made)."""
+    first (which runs the prompt); with ``state`` and ``counts``, only of those for which
+    ``counts(state before, state after)`` (a tree loop's whole-tree rounds: its other
+    iterations hand out tokens already made)."""
     next(loop)
     out = []
     while True:
         for t in timed.values():
             t.seconds = 0.0
-        before = counter() if counter else 0
+        before = state() if state else None
         _sync(device)
         start = time.perf_counter()
         try:
@@ -127,7 +163,7 @@ def _iterations(loop, timed: dict, device, counter=None) -> list[tuple[float, fl
             return out
         _sync(device)
         wall = time.perf_counter() - start
-        if counter is None or counter() > before:
+        if state is None or counts(before, state()):
             out.append((wall, sum(t.seconds for t in timed.values())))
 
 

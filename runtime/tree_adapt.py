@@ -87,12 +87,14 @@ class AdaptiveTree:
                 for row, pooled, n in zip(hits, self.accuracy(), trials)]
 
     def choose(self, accuracy=None) -> Tree:
-        return best_subtree(self.whole, accuracy or self.accuracy(), self.cost, self.heads_cost,
-                            self.hydra)[0]
+        """The sub-tree that ``accuracy()`` (a function: the lagging row's, in a batch;
+        computed only here, not every round) or the pooled counts pay for."""
+        acc = accuracy() if accuracy is not None else self.accuracy()
+        return best_subtree(self.whole, acc, self.cost, self.heads_cost, self.hydra)[0]
 
     def next(self, current: Tree, accuracy=None) -> Tree:
-        """The tree the next round verifies, after a round that verified ``current``;
-        chosen by ``accuracy`` (the lagging row's, in a batch) or the pooled counts."""
+        """The tree the next round verifies, after a round that verified ``current``
+        (``accuracy``: as ``choose``'s)."""
         self.rounds += 1
         if current != self.whole:  # dropped nodes are never counted: probe them now and then
             self.short += 1

@@ -197,7 +197,8 @@ class _TreeRounds(_Rounds):
         accuracy = None
         if len(rows) > 1 and running:
             lag = min(running, key=lambda r: length[r] + len(rows[r]))
-            accuracy = self.adapt.row_accuracy(self.row_hits[lag], self.row_trials[lag])
+            accuracy = lambda: self.adapt.row_accuracy(self.row_hits[lag],  # noqa: E731
+                                                       self.row_trials[lag])
         tree = self.adapt.next(self.tree, accuracy)
         self.adapt.current = tree
         if tree != self.tree:

@@ -29,18 +29,43 @@ def test_both_loops_are_timed_and_the_record_is_left_as_it_was(cls, tmp_path):
     model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
     path = (hydra_heads if cls is HydraHeads else random_heads)(model, tmp_path / "h.safetensors")
     med = rewriter.optimize(model, passes=[cls(weights=str(path), tree=[[0], [1], [0, 0]])])
-    record = dict(med.ir.info["decoding"])
-    s = strategy_of(med.ir.info)
+    record = med.ir.info.pop("decoding")  # as the pass has it: no record yet
+    s = strategy_of({"decoding": record})
     times = round_cost.measure(med.ir, s, (1, 3), new=8)
+    assert "decoding" not in med.ir.info
     assert set(times) == {1, 3}
     for t in times.values():
         assert set(t) == {"decode", "plain", "round", "fixed"}
         assert all(v >= 0 for v in t.values()) and t["decode"] > 0 and t["plain"] > 0
         assert t["round"] > t["fixed"]  # the verify program runs inside every round
-    assert med.ir.info["decoding"] == record
+    med.ir.info["decoding"] = {"strategy": "plain"}
     with pytest.raises(RewriterError, match="heads"):  # a record the graph does not fit
         round_cost.measure(med.ir, replace(s, num_heads=s.num_heads + 1), (1,), new=4)
-    assert med.ir.info["decoding"] == record
+    assert med.ir.info["decoding"] == {"strategy": "plain"}
+    with pytest.raises(ValueError, match="new must be"):
+        round_cost.measure(med.ir, s, (1,), new=1)
+
+
+@pytest.mark.parametrize("config,key", [("llama-gqa-3l", "max_position_embeddings"),
+                                        ("gpt2-3l", "n_positions")])  # a learned position table
+def test_short_contexts_time_shorter_prompts_or_name_the_problem(config, key, tmp_path):
+    from rewriter.errors import PassError
+    model = make_model(config, initializer_range=varied_init(config), **{key: 40})
+    path = random_heads(model, tmp_path / "h.safetensors")
+    with pytest.raises(PassError, match="needs a context of more than .* the model has 40"):
+        rewriter.optimize(model, passes=[MedusaHeads(weights=str(path), max_nodes=6)])
+    # 80 positions: the timed prompts are cut short of 64 tokens to fit
+    model = make_model(config, initializer_range=varied_init(config), **{key: 80})
+    path = random_heads(model, tmp_path / "h80.safetensors")
+    med = rewriter.optimize(model, passes=[MedusaHeads(weights=str(path), max_nodes=6)])
+    ids = torch.tensor([[3, 17, 42, 5]])
+    kw = dict(max_new_tokens=8, eos_token_id=[])
+    assert torch.equal(med.generate(ids, **kw), rewriter.optimize(model).generate(ids, **kw))
+
+
+def test_timings_past_the_records_bounds_are_clamped():
+    heads, verify = round_cost.adjust(1e6, [1.0, 2.0], {"decode": 1.0, "plain": 1e-9, "fixed": 0.0})
+    assert heads == round_cost.LIMIT and verify == [round_cost.LIMIT] * 2
 
 
 def _fake_costs(monkeypatch, fixed: float):

@@ -191,10 +191,10 @@ def test_in_a_batch_the_lagging_rows_counts_choose_the_tree():
     whole = make_tree(WIDE, 3)
     dear = ((1, 0.1, tuple(1.0 + 0.15 * s for s in range(9))),)
 
-    def choice(length, done=(False, False), right=(True, False)):
+    def choice(length, done=(False, False), right=(True, False), made=None):
         batch = len(length)
         r = rounds_by_hand(whole, batch=batch, costs=dear)
-        r.s, r.ended, r.drafted = GenerationSettings(eos_token_id=[]), [False] * batch, None
+        r.s, r.ended, r.drafted = GenerationSettings(eos_token_id=[2]), [False] * batch, None
         for _ in range(200):
             r.adapt.observe(0, 0)
             r.adapt.observe(0, None)
@@ -202,13 +202,15 @@ def test_in_a_batch_the_lagging_rows_counts_choose_the_tree():
             r.row_trials[row][0] = 200
             r.row_hits[row][0][0] = 200 if hit else 0
         r.adapt.rounds = AdaptiveTree.EVERY - 1  # this round re-chooses
-        r._adapt(torch.zeros(batch, 9, dtype=torch.int64), [[]] * batch, [5] * batch,
-                 list(done), [[5]] * batch, length)
+        made = made or [[5]] * batch  # this round's tokens per row (2 ends a row)
+        r._adapt(torch.zeros(batch, 9, dtype=torch.int64), [[]] * batch, [m[-1] for m in made],
+                 list(done), made, length)
         return r.tree
 
     assert choice([100, 90]) == Tree(())  # row 1 lags: for it nothing pays
     assert choice([90, 100]).size > 1  # row 0 lags: its guesses pay
     assert choice([100, 90], done=(False, True)).size > 1  # row 1 has all its tokens
+    assert choice([100, 90], made=[[5], [2]]).size > 1  # row 1's text has ended
     assert choice([90], done=(False,), right=(False,)).size > 1  # one row: the pooled counts
 
 
