@@ -48,9 +48,18 @@ def test_both_loops_are_timed_and_the_record_is_left_as_it_was(cls, tmp_path):
 
 @pytest.mark.parametrize("config,key", [("llama-gqa-3l", "max_position_embeddings"),
                                         ("gpt2-3l", "n_positions")])  # a learned position table
-def test_short_contexts_time_shorter_prompts_or_name_the_problem(config, key, tmp_path):
+def test_short_contexts_time_shorter_prompts_or_name_the_problem(config, key, tmp_path, monkeypatch):
     from rewriter.errors import PassError
+    # the programs' own timings, at short contexts, and their errors
     model = make_model(config, initializer_range=varied_init(config), **{key: 40})
+    ir = rewriter.optimize(model).ir
+    assert len(rewriter.calibrate.verify_cost(ir, 33, runs=1)) == 34  # positions 7 .. 39
+    with pytest.raises(PassError, match="a step of 40 tokens needs a context of more than 40"):
+        rewriter.calibrate.verify_cost(ir, 40, runs=1)
+    # cheap programs: the pass chooses all 6 nodes, whose timed rounds need more than 40
+    monkeypatch.setattr(rewriter.calibrate, "verify_cost",
+                        lambda ir, most, runs=15, batch=1: [0.0] + [1.0] * most)
+    monkeypatch.setattr(rewriter.calibrate, "heads_cost", lambda *a, **k: 0.0)
     path = random_heads(model, tmp_path / "h.safetensors")
     with pytest.raises(PassError, match="needs a context of more than .* the model has 40"):
         rewriter.optimize(model, passes=[MedusaHeads(weights=str(path), max_nodes=6)])
