@@ -27,6 +27,7 @@ import torch
 
 from rewriter.ir.core import IR
 from rewriter.ir.skip import residual_adds, skipped
+from rewriter.values import context_length
 
 
 def search(ir: IR, prompts: list[list[int]], max_draft: int, budget: int | None = None) -> dict:
@@ -119,8 +120,7 @@ def prompt_length(ir: IR, tokens: int) -> int:
     """Cache positions before a timed step of ``tokens``: 64, or fewer where the model's
     context is shorter (learned position tables have no row past it)."""
     from rewriter.errors import PassError
-    c = ir.info.get("config", {})
-    context = int(c.get("max_position_embeddings") or c.get("n_positions") or 2048)
+    context = context_length(ir.info.get("config", {}))
     if context - tokens < 1:
         raise PassError(f"timing a step of {tokens} tokens needs a context of more than "
                         f"{tokens} tokens; the model has {context}")
@@ -167,14 +167,12 @@ def _batch(ir: IR, prompts) -> torch.Tensor:
     if not prompts or not all(isinstance(p, (list, tuple)) and len(p) >= 2 for p in prompts):
         raise ValueError("calibration prompts must be lists of at least 2 token ids")
     vocab = ir.info.get("config", {}).get("vocab_size")
-    context = ir.info.get("config", {}).get("max_position_embeddings")
+    context = context_length(ir.info.get("config", {}))
     bad = [t for p in prompts for t in p if vocab is not None and not 0 <= t < vocab]
     if bad:
         raise ValueError(f"calibration prompts hold token id {bad[0]}, outside the vocabulary "
                          f"[0, {vocab})")
-    width = min(len(p) for p in prompts)
-    if context is not None:
-        width = min(width, context)
+    width = min(min(len(p) for p in prompts), context)
     return torch.tensor([list(p[:width]) for p in prompts])  # [B, S]: cut to the shortest
 
 

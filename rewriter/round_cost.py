@@ -32,6 +32,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import Counter
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -40,27 +41,31 @@ from rewriter.decoding import Strategy
 from rewriter.ir.core import IR
 from rewriter.runtime.tree_adapt import AdaptiveTree
 from rewriter.tree import make_tree
+from rewriter.values import context_length
 
 PROMPT = 64  # tokens of the made-up prompt (fewer where the context is short): as verify_cost's
-NEW = 24  # rounds a measurement times that verify the whole tree (and as many plain steps)
+NEW = 24  # rounds a measurement times that verify the whole tree (and about as many plain steps)
+GENERATIONS = 4  # at most: heads that guess right on the prompt make few rounds a generation
 LIMIT = 1e3  # the record's bound on a cost (``decoding.check_record``)
 
 
 def measure(ir: IR, strategy: Strategy, batches, vocab: Optional[torch.Tensor] = None,
             new: int = NEW) -> dict[int, dict]:
-    """``{batch: {"decode": D, "plain": P, "round": R, "fixed": F}}`` in seconds: the
-    decode program, a plain step, a tree round verifying the whole of ``strategy.tree``
-    (``batch_trees`` are ignored; rounds cut short near the end are not counted) and the
-    round's work outside its programs. Greedy: sampling's acceptance walks the tree in
+    """``{batch: {"decode": D, "plain": P, "round": R, "fixed": F, "rounds": n}}`` in
+    seconds: the decode program, a plain step, a tree round verifying the whole of
+    ``strategy.tree`` (``batch_trees`` are ignored; rounds cut short near the end are not
+    counted), the round's work outside its programs, and the rounds timed (``new``, or
+    fewer after ``GENERATIONS`` generations). Greedy: sampling's acceptance walks the tree in
     Python and costs more. ``ir.info["decoding"]`` is ``strategy`` while the programs
     are lowered, and as it was after."""
     from rewriter.errors import PassError
     from rewriter.runtime.programs import build_programs
     if type(new) is not int or new < 2:
         raise ValueError(f"round_cost.measure: new must be an int >= 2, got {new!r}")
+    strategy = replace(strategy, batch_trees=())  # the whole tree at every batch size
     size = len(strategy.tree) + 1
     tokens = new + size  # the last ``size`` tokens' rounds are cut short
-    context = _context(ir)
+    context = context_length(ir.info.get("config", {}))
     prompt = min(PROMPT, context - tokens - strategy.cache_slack())
     if prompt < 1:
         raise PassError(f"timing a round of a {size}-node tree needs a context of more than "
@@ -75,7 +80,8 @@ def measure(ir: IR, strategy: Strategy, batches, vocab: Optional[torch.Tensor] =
             ir.info["decoding"] = saved
         else:
             del ir.info["decoding"]
-    return {b: _measure_batch(ir, programs, strategy, vocab, b, prompt, tokens) for b in batches}
+    return {b: _measure_batch(ir, programs, strategy, vocab, b, prompt, tokens, new)
+            for b in batches}
 
 
 def adjust(heads: float, verify, times: dict) -> tuple[float, list[float]]:
@@ -87,14 +93,10 @@ def adjust(heads: float, verify, times: dict) -> tuple[float, list[float]]:
     return min(heads * d / p, LIMIT), [clamp((c * d + f) / p) for c in verify]
 
 
-def _context(ir: IR) -> int:
-    """The model's context length, as the engine reads it (``Engine.max_len``)."""
-    c = ir.info.get("config", {})
-    return int(c.get("max_position_embeddings") or c.get("n_positions") or 2048)
-
-
 def _measure_batch(ir: IR, programs: dict, strategy: Strategy, vocab, batch: int, prompt: int,
-                   new: int) -> dict:
+                   new: int, want: int) -> dict:
+    """One batch size's times (``measure``): ``new`` tokens a generation, until ``want``
+    whole-tree rounds are timed."""
     from rewriter.runtime.attention import Step
     from rewriter.runtime.generate import decode_loop, prepare
     from rewriter.runtime.kv_cache import KVCache, cache_table
@@ -133,15 +135,21 @@ def _measure_batch(ir: IR, programs: dict, strategy: Strategy, vocab, batch: int
     trees = {}
     if strategy.costs_at(batch) is not None:  # the adaptive tree counts every round: keep
         trees[(batch, strategy)] = _Pinned(strategy, batch)  # its work, never its choices
-    loop = tree_loop(timed, cache, prepare(ids, None, 0, device), settings, None, stats,
-                     strategy, vocab, trees)
     whole = batch * len(strategy.tree)  # tokens a round drafts with the whole tree
-    rounds = _iterations(loop, timed, device,
-                         lambda: (stats["rounds"], stats["drafted"]),
-                         lambda before, after: after[0] > before[0] and after[1] - before[1] == whole)
+    rounds = []
+    for _ in range(GENERATIONS):  # a generation's rounds verify the whole tree until its end
+        loop = tree_loop(timed, cache, prepare(ids, None, 0, device), settings, None, stats,
+                         strategy, vocab, trees)
+        rounds += _iterations(loop, timed, device, lambda: (stats["rounds"], stats["drafted"]),
+                              lambda before, after: after[0] > before[0]
+                              and after[1] - before[1] == whole)
+        if len(rounds) >= want:
+            break
+    if not rounds:
+        raise RuntimeError(f"round_cost: no round of batch {batch} verified the whole tree")
     return {"decode": statistics.median(decode), "plain": statistics.median(w for w, _ in steps),
             "round": statistics.median(w for w, _ in rounds),
-            "fixed": max(0.0, statistics.median(w - p for w, p in rounds))}
+            "fixed": max(0.0, statistics.median(w - p for w, p in rounds)), "rounds": len(rounds)}
 
 
 def _iterations(loop, timed: dict, device, state=None, counts=None) -> list[tuple[float, float]]:

@@ -17,6 +17,7 @@ from torch import fx
 from rewriter.errors import ArtifactError
 from rewriter.ir.core import IR
 from rewriter.ops import OPS, op_arguments
+from rewriter.values import context_length
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _NAMES = {op: name for name, op in OPS.items()}
@@ -119,7 +120,7 @@ def _check_vocabulary(ir: IR, where) -> None:
         if n.args[0] is ids and rows != vocab:
             raise ArtifactError(f"{where.ir}: config vocab_size is {vocab}, but the token "
                                 f"embedding {n.args[1].target!r} has {rows} rows")
-        context = _context_length(config)
+        context = context_length(config)
         if n.args[0] is positions and rows is not None and rows < context:
             raise ArtifactError(f"{where.ir}: the config's context is {context} tokens, but the "
                                 f"position embedding {n.args[1].target!r} has {rows} rows")
@@ -137,10 +138,6 @@ def _check_vocabulary(ir: IR, where) -> None:
         raise ArtifactError(f"{where.ir}: config vocab_size is {vocab}, but the graph's output "
                             f"is {shape}, not logits [B, S, {vocab}] (the LM head's rows)")
 
-
-def _context_length(config: dict) -> int:
-    """As ``Engine.max_len`` reads it."""
-    return int(config.get("max_position_embeddings") or config.get("n_positions") or 2048)
 
 
 def _config_heads(config: dict) -> dict:

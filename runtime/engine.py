@@ -26,6 +26,7 @@ from .chat import Messages, TextConfig, chat_prompt, split_tokenizer
 from rewriter.decoding import strategy_of
 from rewriter.errors import ArtifactError, RewriterError, UncacheableError
 from rewriter.ops import OPS
+from rewriter.values import context_length
 
 from .generate import Batch, decode_loop, prepare, score_loop
 from .kv_cache import KVCache, bounded, cache_table
@@ -82,8 +83,7 @@ class Engine:
     @property
     def max_len(self) -> int:
         """Tokens one sequence may hold (prompt + generated): the model's context length."""
-        c = self.config
-        return int(c.get("max_position_embeddings") or c.get("n_positions") or 2048)
+        return context_length(self.config)
 
     @property
     def eos_token_ids(self) -> list[int]:
