@@ -46,6 +46,15 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="benchmarks/results/hydra_prefix.json")
     args = ap.parse_args()
+    for split in ("train", "heldout"):
+        if not (Path(args.work) / f"{split}.safetensors").is_file():
+            ap.error(f"--work {args.work}: no {split}.safetensors (the work directory "
+                     f"`rewriter train-heads ... --arch hydra` leaves beside its output)")
+    for name in ("steps", "rows", "positions"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if not args.lr > 0:
+        ap.error(f"--lr must be > 0, got {args.lr}")
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
     from quickstart import load
     model, tok = load(args.model)
