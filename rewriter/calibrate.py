@@ -105,11 +105,11 @@ def verify_cost(ir: IR, most: int, runs: int = 15, batch: int = 1) -> list[float
         for s in times:
             ids = torch.zeros(batch, s, dtype=torch.long, device=weight.device)
             positions = torch.arange(at, at + s, device=weight.device)[None].expand(batch, s)
-            _sync(weight.device)
+            sync(weight.device)
             t = time.perf_counter()
             with torch.inference_mode():
                 program(Step(cache, at, s, None), ids, positions)
-            _sync(weight.device)
+            sync(weight.device)
             if r:  # the first round warms up
                 times[s].append(time.perf_counter() - t)
     one = statistics.median(times[1])
@@ -149,13 +149,13 @@ def heads_cost(ir: IR, num_heads: int, hydra: bool, runs: int = 15, batch: int =
     step_t, head_t = [], []
     for r in range(runs + 1):
         with torch.inference_mode():
-            _sync(weight.device)
+            sync(weight.device)
             t = time.perf_counter()
             decode(Step(cache, at, 1, None), ids, positions)
-            _sync(weight.device)
+            sync(weight.device)
             t1 = time.perf_counter()
             heads(*args)
-            _sync(weight.device)
+            sync(weight.device)
             t2 = time.perf_counter()
         if r:
             step_t.append(t1 - t)
@@ -213,7 +213,7 @@ def _unit_bytes(ir: IR) -> dict:
     return sizes
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     """Wait for the device's queued work: GPU launches return before they finish, so a host
     clock read without this times the launch, not the work."""
     if device.type == "cuda":

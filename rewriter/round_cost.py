@@ -37,6 +37,7 @@ from typing import Optional
 
 import torch
 
+from rewriter.calibrate import sync
 from rewriter.decoding import Strategy
 from rewriter.ir.core import IR
 from rewriter.runtime.tree_adapt import AdaptiveTree
@@ -122,11 +123,11 @@ def _measure_batch(ir: IR, programs: dict, strategy: Strategy, vocab, batch: int
         decode = []
         with torch.inference_mode():
             for _ in range(len(steps)):
-                _sync(device)
+                sync(device)
                 t = time.perf_counter()
                 programs["decode"](Step(cache, prompt, 1, None), ids[:, :1],
                                    torch.full((batch, 1), prompt, device=device))
-                _sync(device)
+                sync(device)
                 decode.append(time.perf_counter() - t)
     else:
         decode = [p for _, p in steps]
@@ -163,13 +164,13 @@ def _iterations(loop, timed: dict, device, state=None, counts=None) -> list[tupl
         for t in timed.values():
             t.seconds = 0.0
         before = state() if state else None
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         try:
             next(loop)
         except StopIteration:
             return out
-        _sync(device)
+        sync(device)
         wall = time.perf_counter() - start
         if state is None or counts(before, state()):
             out.append((wall, sum(t.seconds for t in timed.values())))
@@ -194,14 +195,9 @@ class _Timed:
         self.program, self.device, self.seconds = program, device, 0.0
 
     def __call__(self, *args):
-        _sync(self.device)
+        sync(self.device)
         t = time.perf_counter()
         out = self.program(*args)
-        _sync(self.device)
+        sync(self.device)
         self.seconds += time.perf_counter() - t
         return out
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
