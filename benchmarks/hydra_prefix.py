@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from tabulate import tabulate
 
 from rewriter import heads as heads_file
-from rewriter.train_heads import DECAY, _ends, _eos_ids, _path, _targets
+from rewriter.train_heads import DECAY, _ends, _eos_ids, _path, _step, _targets, heads_loss
 
 
 def main() -> None:
@@ -161,11 +161,8 @@ class Run:
             valid = (y != -100).float()
             ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100,
                                  reduction="none").view_as(y)
-            loss = ((ce * valid).sum(0) / valid.sum(0).clamp_min(1) * weight).sum()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            sched.step()
+            loss = heads_loss(ce, valid, weight)
+            _step(opt, sched, loss)
         return float(loss.detach())
 
     def accuracy(self, data: dict) -> list[float]:

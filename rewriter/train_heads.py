@@ -407,11 +407,8 @@ def _train(data: dict, lm_head: Tensor, embed: Optional[Tensor], num_heads: int,
             probs = _teacher(data["hidden"], p[:, :1], teacher_at[idx], lm_head, device)  # [b, K, V]
             ce = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), probs.flatten(0, 1),
                                                    reduction="none").view_as(y)
-        loss = ((ce * valid).sum(0) / valid.sum(0).clamp_min(1) * weight).sum()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sched.step()
+        loss = heads_loss(ce, valid, weight)
+        _step(opt, sched, loss)
         step += 1
         last_loss = float(loss.detach())
         bar.update(1)
@@ -424,6 +421,19 @@ def _train(data: dict, lm_head: Tensor, embed: Optional[Tensor], num_heads: int,
     return w, b.detach(), {"steps": total, "epochs": epochs, "positions": len(pairs),
                                     "seconds_training": round(seconds, 1), "final_loss": round(last_loss, 4),
                                     "seed": seed, "lr": lr, "batch": batch}
+
+
+def heads_loss(ce: Tensor, valid: Tensor, weight: Tensor) -> Tensor:
+    """The heads' loss: each head's mean cross-entropy ``ce`` ``[b, K]`` over its ``valid``
+    positions, weighted by ``weight`` ``[K]`` (``DECAY ** k``: later heads count less)."""
+    return ((ce * valid).sum(0) / valid.sum(0).clamp_min(1) * weight).sum()
+
+
+def _step(opt, sched, loss: Tensor) -> None:
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    sched.step()
 
 
 def _checkpoint(path: Path, params: list, opt, step: int, seconds: float, key: str,
