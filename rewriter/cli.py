@@ -164,6 +164,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--loss", choices=LOSSES, default="tokens",
                    help="teacher: learn the model's whole next-token distribution (Hydra++)")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--generate-batch", type=int, default=32,
+                   help="prompts continued at once while making the data")
     t.add_argument("--work-dir", default=None,
                    help="cached data and checkpoints (default OUT.work/); reuse one to "
                         "train other heads on the same data (it keeps one checkpoint: the "
@@ -208,7 +210,8 @@ def cmd_train_heads(args) -> int:
     report = train_heads(model.to(device), tokenizer, args.out, num_heads=args.num_heads,
                          prompts=args.prompts, new_tokens=args.new_tokens, epochs=args.epochs,
                          lr=args.lr, seed=args.seed, progress=_bars(), arch=args.arch,
-                         loss=args.loss, work_dir=args.work_dir)
+                         loss=args.loss, work_dir=args.work_dir,
+                         generate_batch=args.generate_batch)
     print(json.dumps(report, indent=1))
     return 0
 

@@ -49,7 +49,7 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
                 prompts: int = 512, heldout_prompts: int = 48, prompt_tokens: int = 64,
                 new_tokens: int = 96, epochs: int = 2, lr: float = 1e-3, batch: int = 256,
                 seed: int = 0, work_dir: Optional[Union[str, os.PathLike]] = None,
-                generate_batch: int = 16, progress: bool = True, chat: bool = True,
+                generate_batch: int = 32, progress: bool = True, chat: bool = True,
                 arch: str = "medusa", loss: str = "tokens") -> dict:
     """Train heads for ``model`` (a Hugging Face causal LM, frozen) and write them to ``out``
     (``rewriter.heads`` format); returns what was done and measured. ``arch``: "medusa"
@@ -178,6 +178,10 @@ def make_prompts(tokenizer, split: str, n: int, length: int, seed: int, chat: bo
     rng.shuffle(questions)
     use_chat = chat and text is not None and text.chat_template is not None
     n_chat = n // 2 if use_chat else 0
+    if len(code) < n - n_chat or len(questions) < n_chat:  # never fewer prompts than asked
+        raise ValueError(f"train_heads: the {split} corpus gives {len(code)} code chunks of "
+                         f"{length} tokens and {len(questions)} chat questions; {n} prompts "
+                         f"need {n - n_chat} and {n_chat}: ask for fewer prompts")
     out = code[:n - n_chat] + [chat_prompt(tok, text, q) for q in questions[:n_chat]]
     rng.shuffle(out)
     return out

@@ -47,6 +47,13 @@ def test_bad_training_parameters_are_refused(tmp_path):
             th.train_heads(model, tok, tmp_path / "x.safetensors", **{**SMALL, **kw})
 
 
+def test_asking_for_more_prompts_than_the_corpus_holds_is_refused():
+    _, tok = default_model()
+    assert len(th.make_prompts(tok, "heldout", 5, 16, 0, True)) == 5
+    with pytest.raises(ValueError, match="heldout corpus gives .* ask for fewer prompts"):
+        th.make_prompts(tok, "heldout", 10 ** 7, 16, 0, True)  # never silently fewer
+
+
 def test_the_cli_trains_heads(tmp_path, capsys):
     from rewriter.cli import main
     out = tmp_path / "h.safetensors"
