@@ -106,20 +106,20 @@ def _try_capture(engine, mode: str, log: list) -> dict:
 def _sync_check(engine) -> str:
     """The first host synchronisation inside an eager static decode step, if any (the
     generation loop around the steps synchronises on purpose, so only steps are checked)."""
-    import rewriter.runtime.generate as generate
-    original_init, original_call = generate.StaticDecoder.__init__, generate.StaticDecoder.__call__
+    from rewriter.runtime.replay import Replay
+    original_init, original_call = Replay.__init__, Replay.__call__
 
-    def init(self, program, cache, pad, cuda_graph):  # static steps, no graph
-        original_init(self, program, cache, pad, False)
+    def init(self, run, inputs, cuda_graph, name="step"):  # static steps, no graph
+        original_init(self, run, inputs, False, name)
 
-    def call(self, *args, **kwargs):
+    def call(self, *args):
         torch.cuda.set_sync_debug_mode("error")
         try:
-            return original_call(self, *args, **kwargs)
+            return original_call(self, *args)
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
-    generate.StaticDecoder.__init__, generate.StaticDecoder.__call__ = init, call
+    Replay.__init__, Replay.__call__ = init, call
     engine.static_decode = True
     try:
         engine.generate([[3, 17, 42]], max_new_tokens=3, eos_token_id=[])
@@ -127,7 +127,7 @@ def _sync_check(engine) -> str:
     except RuntimeError as e:
         return traceback.format_exc(limit=-8) if "synchroniz" in str(e) else f"other error: {e}"
     finally:
-        generate.StaticDecoder.__init__, generate.StaticDecoder.__call__ = original_init, original_call
+        Replay.__init__, Replay.__call__ = original_init, original_call
 
 
 def main(argv=None) -> int:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Optional
 
 import torch
 
@@ -88,32 +89,65 @@ def predicted_speedup(ir: IR, prompts, skip_layers, skip_attention, skip_mlp, ma
                                            + verify[max_draft + 1])}
 
 
-def verify_cost(ir: IR, most: int, runs: int = 15, batch: int = 1) -> list[float]:
+def verify_cost(ir: IR, most: int, runs: int = 15, batch: int = 1,
+                static: Optional[bool] = None) -> list[float]:
     """``[0, 1, c(2), ..., c(most)]``: the decode program's time over S tokens a row at
     ``batch`` rows after a 64-token prompt (shorter where the context is), divided by its
-    time over one token a row
-    (medians of ``runs``)."""
+    time over one token a row (medians of ``runs``). ``static`` (the default on CUDA):
+    timed as the engine's rounds call it there, on fixed buffers and replayed from a CUDA
+    graph (``_replayed``), where an eager call is mostly kernel launches."""
     from rewriter.runtime.attention import Step
     from rewriter.runtime.kv_cache import KVCache, cache_table
     from rewriter.runtime.lower import lower
     program = lower(ir, False, "torch", {})
     weight = max((t for t in ir.weights().values() if t.is_floating_point()), key=torch.Tensor.numel)
+    device = weight.device
+    static = device.type == "cuda" if static is None else static
     at = prompt_length(ir, most)
-    cache = KVCache(cache_table(ir.gm), batch, at + most, weight.dtype, weight.device)
-    times: dict[int, list[float]] = {s: [] for s in range(1, most + 1)}
-    for r in range(runs + 1):  # interleaved, so drifts hit every length alike
-        for s in times:
-            ids = torch.zeros(batch, s, dtype=torch.long, device=weight.device)
-            positions = torch.arange(at, at + s, device=weight.device)[None].expand(batch, s)
-            sync(weight.device)
+    cache = KVCache(cache_table(ir.gm), batch, at + most, weight.dtype, device)
+    start = torch.full((batch,), at, device=device)  # [B]: a static step's per-row start
+    calls = {}
+    for s in range(1, most + 1):
+        ids = torch.zeros(batch, s, dtype=torch.long, device=device)
+        positions = torch.arange(at, at + s, device=device)[None].expand(batch, s)
+        if static:
+            calls[s] = _replayed(lambda ids, positions, start, s=s: program(  # noqa: E731
+                Step(cache, start, s, None, end=cache.max_len), ids, positions),
+                (ids, positions, start))
+        else:
+            calls[s] = _eager(program, lambda s=s: Step(cache, at, s, None), ids, positions)
+    times: dict[int, list[float]] = {s: [] for s in calls}
+    warm = 2 if static else 1  # a replay's first call runs eagerly, its second captures
+    for r in range(runs + warm):  # interleaved, so drifts hit every length alike
+        for s, call in calls.items():
+            sync(device)
             t = time.perf_counter()
-            with torch.inference_mode():
-                program(Step(cache, at, s, None), ids, positions)
-            sync(weight.device)
-            if r:  # the first round warms up
+            call()
+            sync(device)
+            if r >= warm:
                 times[s].append(time.perf_counter() - t)
     one = statistics.median(times[1])
     return [0.0] + [statistics.median(times[s]) / one for s in times]
+
+
+def _eager(program, step, *inputs):
+    """A no-argument call of ``program(step(), *inputs)``."""
+    def call():
+        with torch.inference_mode():
+            return program(step(), *inputs)
+    return call
+
+
+def _replayed(run, inputs: tuple):
+    """A no-argument call of ``run(*inputs)`` through a ``Replay`` (``runtime.replay``):
+    fixed buffers, and a CUDA graph on CUDA."""
+    from rewriter.runtime.replay import Replay
+
+    def inside(*buffers):
+        with torch.inference_mode():
+            return run(*buffers)
+    replay = Replay(inside, inputs, inputs[0].device.type == "cuda", "timed call")
+    return lambda: replay(*inputs)
 
 
 def prompt_length(ir: IR, tokens: int) -> int:
@@ -127,37 +161,51 @@ def prompt_length(ir: IR, tokens: int) -> int:
     return min(64, context - tokens)
 
 
-def heads_cost(ir: IR, num_heads: int, hydra: bool, runs: int = 15, batch: int = 1) -> float:
+def heads_cost(ir: IR, num_heads: int, hydra: bool, runs: int = 15, batch: int = 1,
+               static: Optional[bool] = None) -> float:
     """One call of the draft heads' program (Medusa: all heads on a row; Hydra: one head on
     four paths a row, a level's typical call) over one decode step, at ``batch`` rows
-    (medians)."""
+    (medians); ``static`` as for ``verify_cost``."""
     from rewriter.runtime.attention import Step
     from rewriter.runtime.kv_cache import KVCache, cache_table
     from rewriter.runtime.lower import logits_node, lower, lower_heads
     decode = lower(ir, False, "torch", {})
     heads = lower_heads(ir, "torch", {}, head=0 if hydra else None)
     weight = max((t for t in ir.weights().values() if t.is_floating_point()), key=torch.Tensor.numel)
+    device = weight.device
+    static = device.type == "cuda" if static is None else static
     h = logits_node(ir).args[0].meta["val"]
     rows = 4 if hydra else 1
-    x = torch.zeros(batch, rows, h.shape[-1], dtype=h.dtype, device=weight.device)
-    args = (x, torch.zeros(batch, rows, num_heads, dtype=torch.long, device=weight.device)) \
+    x = torch.zeros(batch, rows, h.shape[-1], dtype=h.dtype, device=device)
+    args = (x, torch.zeros(batch, rows, num_heads, dtype=torch.long, device=device)) \
         if hydra else (x,)
-    cache = KVCache(cache_table(ir.gm), batch, 65, weight.dtype, weight.device)
-    ids = torch.zeros(batch, 1, dtype=torch.long, device=weight.device)
+    cache = KVCache(cache_table(ir.gm), batch, 65, weight.dtype, device)
+    ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
     at = prompt_length(ir, 1)
-    positions = torch.full((batch, 1), at, device=weight.device)
+    positions = torch.full((batch, 1), at, device=device)
+    if static:
+        start = torch.full((batch,), at, device=device)  # [B]
+        step = _replayed(lambda ids, positions, start: decode(  # noqa: E731
+            Step(cache, start, 1, None, end=cache.max_len), ids, positions), (ids, positions, start))
+        head = _replayed(heads, args)
+    else:
+        step = _eager(decode, lambda: Step(cache, at, 1, None), ids, positions)
+
+        def head():
+            with torch.inference_mode():
+                return heads(*args)
     step_t, head_t = [], []
-    for r in range(runs + 1):
-        with torch.inference_mode():
-            sync(weight.device)
-            t = time.perf_counter()
-            decode(Step(cache, at, 1, None), ids, positions)
-            sync(weight.device)
-            t1 = time.perf_counter()
-            heads(*args)
-            sync(weight.device)
-            t2 = time.perf_counter()
-        if r:
+    warm = 2 if static else 1  # a replay's first call runs eagerly, its second captures
+    for r in range(runs + warm):
+        sync(device)
+        t = time.perf_counter()
+        step()
+        sync(device)
+        t1 = time.perf_counter()
+        head()
+        sync(device)
+        t2 = time.perf_counter()
+        if r >= warm:
             step_t.append(t1 - t)
             head_t.append(t2 - t1)
     return statistics.median(head_t) / statistics.median(step_t)

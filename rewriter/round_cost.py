@@ -17,8 +17,9 @@ record in units of the real plain step::
 (``adjust``), so the tree chosen, the sub-trees at larger batches and the adaptive tree
 all weigh what the runtime really spends. Medians throughout: the first plain steps on a
 GPU compile and capture a CUDA graph, and a busy machine's outliers are not the cost. On
-a GPU the plain loop replays that graph, so ``P`` is a replay and ``D`` is timed by
-calling the program alone (nothing may synchronise inside a capture). ``F`` is measured
+a GPU both loops replay CUDA graphs, as the engine's do (``runtime.replay``): ``P`` is a
+plain step around a replay, ``D`` the decode graph replayed alone, and a round's programs
+are timed as whole replays (nothing may synchronise inside a capture). ``F`` is measured
 once, on the tree the programs' costs choose, and taken to hold for every sub-tree: most
 of it (building inputs, a step object, handing tokens out) does not grow with the tree.
 
@@ -51,14 +52,16 @@ LIMIT = 1e3  # the record's bound on a cost (``decoding.check_record``)
 
 
 def measure(ir: IR, strategy: Strategy, batches, vocab: Optional[torch.Tensor] = None,
-            new: int = NEW) -> dict[int, dict]:
+            new: int = NEW, static: Optional[bool] = None) -> dict[int, dict]:
     """``{batch: {"decode": D, "plain": P, "round": R, "fixed": F, "rounds": n}}`` in
     seconds: the decode program, a plain step, a tree round verifying the whole of
     ``strategy.tree`` (``batch_trees`` are ignored; rounds cut short near the end are not
     counted), the round's work outside its programs, and the rounds timed (``new``, or
     fewer after ``GENERATIONS`` generations). Greedy: sampling's acceptance walks the tree in
     Python and costs more. ``ir.info["decoding"]`` is ``strategy`` while the programs
-    are lowered, and as it was after."""
+    are lowered, and as it was after. ``static``: time the loops on fixed buffers, their
+    programs as whole replays (``runtime.replay``; the default on CUDA, where they are the
+    engine's loops and replay CUDA graphs)."""
     from rewriter.errors import PassError
     from rewriter.runtime.programs import build_programs
     if type(new) is not int or new < 2:
@@ -81,7 +84,7 @@ def measure(ir: IR, strategy: Strategy, batches, vocab: Optional[torch.Tensor] =
             ir.info["decoding"] = saved
         else:
             del ir.info["decoding"]
-    return {b: _measure_batch(ir, programs, strategy, vocab, b, prompt, tokens, new)
+    return {b: _measure_batch(ir, programs, strategy, vocab, b, prompt, tokens, new, static)
             for b in batches}
 
 
@@ -95,14 +98,13 @@ def adjust(heads: float, verify, times: dict) -> tuple[float, list[float]]:
 
 
 def _measure_batch(ir: IR, programs: dict, strategy: Strategy, vocab, batch: int, prompt: int,
-                   new: int, want: int) -> dict:
+                   new: int, want: int, static: Optional[bool]) -> dict:
     """One batch size's times (``measure``): ``new`` tokens a generation, until ``want``
     whole-tree rounds are timed."""
-    from rewriter.runtime.attention import Step
     from rewriter.runtime.generate import decode_loop, prepare
     from rewriter.runtime.kv_cache import KVCache, cache_table
     from rewriter.runtime.settings import GenerationSettings
-    from rewriter.runtime.tree_decoding import tree_loop
+    from rewriter.runtime.tree_decoding import _TreeRounds
     weight = max((t for t in ir.weights().values() if t.is_floating_point()), key=torch.Tensor.numel)
     device = weight.device
     vocab_size = int(ir.info.get("config", {}).get("vocab_size") or 2)
@@ -112,25 +114,18 @@ def _measure_batch(ir: IR, programs: dict, strategy: Strategy, vocab, batch: int
     cache = KVCache(cache_table(ir.gm), batch, prompt + new + strategy.cache_slack(),
                     weight.dtype, device)
 
-    timed = {name: _Timed(p, device) for name, p in programs.items()}
-    cuda = device.type == "cuda"  # the engine's plain loop there replays a CUDA graph, and
-    # nothing may synchronise inside its capture: time whole steps, and the program alone
-    plain = programs if cuda else timed
+    if static is None:  # as the engine runs: on a GPU every loop replays CUDA graphs
+        static = device.type == "cuda"
+    graph = static and device.type == "cuda"
+    # nothing may synchronise inside a capture: static loops' programs are timed as replays
+    timed = {"replays": _Clock(device)} if static else \
+        {name: _Timed(p, device) for name, p in programs.items()}
+    plain = programs if static else timed
     steps = _iterations(decode_loop(plain["prefill"], plain["decode"], cache,
                                     prepare(ids, None, 0, device), settings, None, Counter(),
-                                    static=cuda, cuda_graph=cuda), timed, device)
-    if cuda:
-        decode = []
-        with torch.inference_mode():
-            for _ in range(len(steps)):
-                sync(device)
-                t = time.perf_counter()
-                programs["decode"](Step(cache, prompt, 1, None), ids[:, :1],
-                                   torch.full((batch, 1), prompt, device=device))
-                sync(device)
-                decode.append(time.perf_counter() - t)
-    else:
-        decode = [p for _, p in steps]
+                                    static=static, cuda_graph=graph), timed, device)
+    decode = _replayed_decode(programs["decode"], cache, prompt, len(steps), graph) if static \
+        else [p for _, p in steps]
 
     stats: Counter = Counter()
     trees = {}
@@ -139,8 +134,10 @@ def _measure_batch(ir: IR, programs: dict, strategy: Strategy, vocab, batch: int
     whole = batch * len(strategy.tree)  # tokens a round drafts with the whole tree
     rounds = []
     for _ in range(GENERATIONS):  # a generation's rounds verify the whole tree until its end
-        loop = tree_loop(timed, cache, prepare(ids, None, 0, device), settings, None, stats,
-                         strategy, vocab, trees)
+        looping = _TreeRounds(plain, cache, prepare(ids, None, 0, device), settings, None,
+                              stats, strategy, vocab, trees, static=static, cuda_graph=graph)
+        looping.clock = timed.get("replays")  # on a GPU: each captured program's replays
+        loop = looping.run()
         rounds += _iterations(loop, timed, device, lambda: (stats["rounds"], stats["drafted"]),
                               lambda before, after: after[0] > before[0]
                               and after[1] - before[1] == whole)
@@ -186,6 +183,41 @@ class _Pinned(AdaptiveTree):
     def next(self, current, accuracy=None):
         super().next(current, accuracy)
         return current
+
+
+def _replayed_decode(program, cache, prompt: int, n: int, graph: bool) -> list[float]:
+    """Seconds of ``n`` static decode steps alone, replayed from a CUDA graph with ``graph``
+    as the engine's plain loop replays them (the two calls that warm up and capture it not
+    counted)."""
+    from rewriter.runtime.generate import static_decoder
+    decoder = static_decoder(program, cache, None, cuda_graph=graph)
+    device = cache.device
+    tokens = torch.zeros(cache.batch, 1, dtype=torch.int64, device=device)  # [B, 1]
+    pos = torch.full((1,), prompt, dtype=torch.int64, device=device)  # a scratch position
+    out = []
+    for i in range(n + 2):
+        sync(device)
+        t = time.perf_counter()
+        decoder(tokens, tokens + prompt, pos)
+        sync(device)
+        if i >= 2:
+            out.append(time.perf_counter() - t)
+    return out
+
+
+class _Clock:
+    """Calls replays (``Replay``) and adds up their seconds, synchronising outside them."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.seconds = device, 0.0
+
+    def __call__(self, replay, *inputs):
+        sync(self.device)
+        t = time.perf_counter()
+        out = replay(*inputs)
+        sync(self.device)
+        self.seconds += time.perf_counter() - t
+        return out
 
 
 class _Timed:

@@ -28,7 +28,8 @@ class Step:
     ``start`` is the first cache position the step's ``length`` tokens are written at: an
     int when every row writes at the same place (prefill, plain decode), or a ``[B]``
     device tensor when rows have their own lengths (speculative decoding, after rows
-    accepted different numbers of tokens). Keys ``[0, end)`` are read; ``end`` defaults to
+    accepted different numbers of tokens, and every step of a static round, whose buffers
+    a CUDA graph replays: ``runtime.replay``). Keys ``[0, end)`` are read; ``end`` defaults to
     ``start + length`` and must be given (an upper bound over rows) with a tensor ``start``.
     Rolling a row back is starting its next step earlier: what lies past a row's start is
     masked until it is written again, so rejected tokens are never copied or cleared.

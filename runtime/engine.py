@@ -61,8 +61,9 @@ class Engine:
         # Stored kernel sources (kernel name -> source) to run as they are; set by
         # ``rewriter.load(..., trust_code=True)`` only.
         self.trusted_kernels: dict[str, str] = {}
-        # Decode through fixed buffers with a device-side write position (always on CUDA,
-        # where the step is also captured in a CUDA graph); settable to test it on a CPU.
+        # Run decode steps, and every step of a speculative or tree round, on fixed buffers
+        # with device-side write positions (``runtime.replay``): always on CUDA, where each
+        # is also captured in a CUDA graph; settable to test it on a CPU.
         self.static_decode: Optional[bool] = None
 
     # ------------------------------------------------------------------ properties
@@ -176,17 +177,18 @@ class Engine:
         cache = self._cache_for(batch.ids.shape[0], need + strategy.cache_slack())
         cache.busy = True  # held from now (a stream not yet started too) until its loop ends
         generator = settings.generator(device)
+        cuda = device.type == "cuda"
+        static = self.static_decode if self.static_decode is not None else cuda
+        replay = dict(static=static, cuda_graph=static and cuda)
         if strategy.name == "self_speculative":
             return batch, speculative_loop(programs, cache, batch, settings, generator,
-                                           self.stats, strategy)
+                                           self.stats, strategy, **replay)
         if strategy.name == "medusa" and strategy.tree_at(batch.ids.shape[0]):
             vocab = self.ir.weight("medusa.vocab") if strategy.draft_vocab is not None else None
             return batch, tree_loop(programs, cache, batch, settings, generator, self.stats,
-                                    strategy, vocab, self.trees)
-        cuda = device.type == "cuda"
-        static = self.static_decode if self.static_decode is not None else cuda
+                                    strategy, vocab, self.trees, **replay)
         return batch, decode_loop(programs["prefill"], programs["decode"], cache, batch, settings,
-                                  generator, self.stats, static=static, cuda_graph=static and cuda)
+                                  generator, self.stats, **replay)
 
     def __call__(self, input_ids: Tensor, positions: Optional[Tensor] = None) -> Tensor:
         """Logits ``[B, S, vocab]`` of the whole IR, no cache (the reference semantics)."""

@@ -8,8 +8,6 @@ token get ``pad_token_id`` from then on.
 """
 from __future__ import annotations
 
-import warnings
-
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence
@@ -19,6 +17,7 @@ from torch import Tensor, fx
 
 from .attention import StaticStep, Step
 from .kv_cache import KVCache
+from .replay import Replay
 from .sampling import next_token
 from .settings import PREFILL_CHUNK, GenerationSettings, whole
 
@@ -131,7 +130,7 @@ def decode_loop(prefill: fx.GraphModule, decode: fx.GraphModule, cache: KVCache,
     ``settings`` are resolved for the model (``GenerationSettings.for_model``): its eos ids
     are a tuple and its pad id an int. ``static`` runs decode steps through ``StaticStep``
     (device-side write position), and ``cuda_graph`` then replays them from one captured
-    CUDA graph (see ``StaticDecoder``).
+    CUDA graph (``static_decoder``).
 
     ``stats`` counts the cost: ``forward_passes`` (calls of the model, each over the whole
     batch), ``layer_evals`` (decoder layers those calls ran) and ``tokens`` (steps yielded).
@@ -145,7 +144,7 @@ def decode_loop(prefill: fx.GraphModule, decode: fx.GraphModule, cache: KVCache,
         eos_t = torch.tensor(list(eos), dtype=torch.int64, device=batch.ids.device)
         finished = torch.zeros(b, dtype=torch.bool, device=batch.ids.device)
         positions = batch.positions[:, -1:]  # [B, 1]
-        decoder = StaticDecoder(decode, cache, batch.pad, cuda_graph) if static else None
+        decoder = static_decoder(decode, cache, batch.pad, cuda_graph) if static else None
         logits, calls = run_prompt(prefill, cache, batch.ids, batch.positions, batch.pad,
                                    settings.prefill_chunk)
         stats.update(forward_passes=calls, layer_evals=calls * layers)
@@ -163,7 +162,8 @@ def decode_loop(prefill: fx.GraphModule, decode: fx.GraphModule, cache: KVCache,
             # Ended rows go on computing (their output is discarded) on the chosen token, not
             # the pad id, which need not be a valid token.
             if decoder is not None:
-                logits = decoder(chosen[:, None], positions, s + i)
+                logits = decoder(chosen[:, None], positions,
+                                 torch.full((1,), s + i, dtype=torch.int64, device=eos_t.device))
             else:
                 logits = _run(decode, Step(cache, s + i, 1, batch.pad), chosen[:, None], positions)
             stats.update(forward_passes=1, layer_evals=layers)
@@ -196,59 +196,15 @@ def _run(program: Callable, step: Step, ids: Tensor, positions: Tensor):
         return program(step, ids, positions)
 
 
-class StaticDecoder:
-    """Decode steps with fixed input buffers and a device-side write position.
-
-    Every step runs the same kernels on the same addresses, so on CUDA the first step runs
-    eagerly (compiling and warming everything), the second is captured in a CUDA graph, and
-    from then on a step is a buffer copy and ``graph.replay()``: no per-kernel launch cost.
-    The eager step runs on the stream the capture will use: libraries that create handles
-    per stream on first use (cuBLAS, cuBLASLt) must not do so inside the capture.
-    """
-
-    def __init__(self, program: fx.GraphModule, cache: KVCache, pad: Optional[Tensor],
-                 cuda_graph: bool):
-        device = cache.device
-        self.program, self.cache, self.pad, self.cuda_graph = program, cache, pad, cuda_graph
-        self.tokens = torch.zeros(cache.batch, 1, dtype=torch.int64, device=device)  # [B, 1]
-        self.positions = torch.zeros(cache.batch, 1, dtype=torch.int64, device=device)
-        self.pos = torch.zeros(1, dtype=torch.int64, device=device)  # cache write position
-        self.graph, self.logits, self.calls = None, None, 0
-        self.stream = torch.cuda.Stream(device) if cuda_graph else None
-
-    def __call__(self, tokens: Tensor, positions: Tensor, write_at: int) -> Tensor:
-        self.tokens.copy_(tokens)
-        self.positions.copy_(positions)
-        self.pos.fill_(write_at)
-        self.calls += 1
-        if self.graph is not None:
-            self.graph.replay()
-            return self.logits
-        step = StaticStep(self.cache, self.pos, self.pad)
-        if not self.cuda_graph:
-            return _run(self.program, step, self.tokens, self.positions)
-        self.stream.wait_stream(torch.cuda.current_stream())  # the copies above
-        if self.calls == 1:
-            with torch.cuda.stream(self.stream):
-                logits = _run(self.program, step, self.tokens, self.positions)
-            torch.cuda.current_stream().wait_stream(self.stream)
-            logits.record_stream(torch.cuda.current_stream())  # used there, made here
-            return logits
-        self.graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(self.graph, stream=self.stream):  # recorded, not run
-                self.logits = _run(self.program, step, self.tokens, self.positions)
-        except RuntimeError as e:  # a step that cannot be captured still runs, eagerly
-            warnings.warn(f"the decode step could not be captured as a CUDA graph and runs "
-                          f"without one: {str(e).splitlines()[0]}", RuntimeWarning, stacklevel=2)
-            torch.cuda.synchronize(self.stream.device)
-            self.graph, self.cuda_graph = None, False
-            # a fresh step: the failed capture left recorded, never computed values in the
-            # old one's per-step cache (masks, indices)
-            return _run(self.program, StaticStep(self.cache, self.pos, self.pad), self.tokens,
-                        self.positions)
-        self.graph.replay()
-        return self.logits
+def static_decoder(program: fx.GraphModule, cache: KVCache, pad: Optional[Tensor],
+                   cuda_graph: bool) -> Replay:
+    """The decode step on fixed buffers (tokens ``[B, 1]``, positions ``[B, 1]``, the cache
+    write position ``[1]``), through ``StaticStep``: replayed from a CUDA graph with
+    ``cuda_graph`` (``runtime.replay``)."""
+    def run(tokens: Tensor, positions: Tensor, pos: Tensor) -> Tensor:
+        return _run(program, StaticStep(cache, pos, pad), tokens, positions)
+    column = torch.zeros(cache.batch, 1, dtype=torch.int64, device=cache.device)  # [B, 1]
+    return Replay(run, [column, column, column[0]], cuda_graph, "decode step")
 
 
 def score_loop(prefill: fx.GraphModule, decode: fx.GraphModule, cache: KVCache,

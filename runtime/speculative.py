@@ -34,24 +34,33 @@ from rewriter.decoding import Strategy
 from .attention import Step
 from .generate import Batch, _run, run_prompt
 from .kv_cache import KVCache
+from .replay import Replay
 from .sampling import next_token, warp
 from .settings import GenerationSettings
 
+MAX_REPLAYS = 16  # fixed-shape calls a generation keeps (each may hold a CUDA graph)
+
 
 def speculative_loop(programs: dict, cache: KVCache, batch: Batch, settings: GenerationSettings,
-                     generator: Optional[torch.Generator], stats: Counter,
-                     strategy: Strategy) -> Iterator[Tensor]:
-    """Yield the next token of every row, ``[B]``, like ``generate.decode_loop``."""
+                     generator: Optional[torch.Generator], stats: Counter, strategy: Strategy,
+                     static: bool = False, cuda_graph: bool = False) -> Iterator[Tensor]:
+    """Yield the next token of every row, ``[B]``, like ``generate.decode_loop``; ``static``
+    and ``cuda_graph`` as there, for every step of a round (``_Rounds.step``)."""
     cache.busy = True
     try:
-        yield from _Rounds(programs, cache, batch, settings, generator, stats, strategy).run()
+        yield from _Rounds(programs, cache, batch, settings, generator, stats, strategy,
+                           static, cuda_graph).run()
     finally:
         cache.busy = False
 
 
 class _Rounds:
-    def __init__(self, programs, cache, batch, settings, generator, stats, strategy):
+    def __init__(self, programs, cache, batch, settings, generator, stats, strategy,
+                 static: bool = False, cuda_graph: bool = False):
         self.programs, self.cache, self.batch = programs, cache, batch
+        self.static, self.cuda_graph = static, cuda_graph
+        self.replays: dict = {}  # fixed-shape calls (runtime.replay) by program and shape
+        self.clock = None  # clock(replay, *inputs) calls and times each (round_cost)
         self.s, self.generator, self.stats, self.strategy = settings, generator, stats, strategy
         self.full = len(cache.table)
         skipped = len(strategy.skip_layers) + (len(strategy.skip_attention) + len(strategy.skip_mlp)) / 2
@@ -115,17 +124,54 @@ class _Rounds:
             return length[0] + offset
         return torch.tensor(length, device=self.device) + offset
 
+    def step(self, name: str, length: list[int], offset: int, tokens: Tensor,
+             positions: Tensor, tree: Optional[Tensor] = None, depth: Optional[Tensor] = None):
+        """Program ``name`` over ``tokens`` ``[B, m]`` written at each row's cache position
+        ``length[b] + offset``. Static rounds build the step on fixed buffers (the start a
+        ``[B]`` device tensor, keys read up to the cache's length under the mask) and call it
+        through a ``Replay`` per program and shape (a tree's mask ``[m, m]`` and depths
+        ``[m]`` are buffers too: every tree of ``m`` nodes shares one), replayed from a CUDA
+        graph with ``cuda_graph``; otherwise the step reads only the keys written so far."""
+        m = tokens.shape[1]
+        if not self.static:
+            step = Step(self.cache, self.start(length, offset), m, self.batch.pad,
+                        end=max(length) + offset + m, tree=tree, depth=depth)
+            return _run(self.programs[name], step, tokens, positions)
+        start = torch.tensor(length, device=self.device) + offset  # [B]
+        program, cache, pad = self.programs[name], self.cache, self.batch.pad
+
+        def run(tokens: Tensor, positions: Tensor, start: Tensor, *tree_depth: Tensor):
+            step = Step(cache, start, m, pad, end=cache.max_len, tree=tree_depth[0] if tree_depth
+                        else None, depth=tree_depth[1] if tree_depth else None)
+            return _run(program, step, tokens, positions)
+        shaped = (tree, depth) if tree is not None else ()
+        return self.replay((name, m, bool(shaped)), run, f"{name} step of {m} tokens",
+                           tokens, positions, start, *shaped)
+
+    def replay(self, key, run, name: str, *inputs: Tensor):
+        """``run(*inputs)`` through the ``Replay`` kept for ``key`` (made on first use). An
+        adaptive tree may verify many sub-trees: the least recently used replays (and their
+        graphs' memory) go beyond ``MAX_REPLAYS``."""
+        replay = self.replays.pop(key, None)
+        if replay is None:
+            replay = Replay(run, inputs, self.cuda_graph, name)
+            if len(self.replays) >= MAX_REPLAYS:
+                del self.replays[next(iter(self.replays))]
+        self.replays[key] = replay  # the most recent last
+        out = self.clock(replay, *inputs) if self.clock is not None else replay(*inputs)
+        if self.cuda_graph and not replay.cuda_graph:  # its capture failed (and warned): the
+            self.cuda_graph = False  # other calls of this generation run eagerly, untried
+        return out
+
     def round(self, last: Tensor, length: list[int], k: int, done: list[bool]):
         """Draft, verify, accept: (each row's new last token ``[B]``, the tokens each row
         accepted, the last one being the full model's)."""
         drafts, q = self.draft(last, length, k)
         n_draft = len(drafts)
         tokens = torch.stack([last, *drafts], dim=1)  # [B, n + 1]
-        start = self.start(length, 0)
-        step = Step(self.cache, start, n_draft + 1, self.batch.pad, end=max(length) + n_draft + 1)
         positions = (torch.tensor(length, device=self.device) - self.pad0)[:, None] \
             + torch.arange(n_draft + 1, device=self.device)  # [B, n + 1]
-        logits = _run(self.programs["decode"], step, tokens, positions)  # [B, n + 1, V]
+        logits = self.step("decode", length, 0, tokens, positions)  # [B, n + 1, V]
         self.stats.update(forward_passes=1, layer_evals=self.full,
                           drafted=n_draft * sum(not d for d in done))
         n, bonus = self.accept(logits, tokens[:, 1:], q)
@@ -139,9 +185,8 @@ class _Rounds:
         """Up to ``k`` draft tokens ``[B]`` each, and (sampling) their distributions ``[B, V]``."""
         drafts, dists, token = [], [], last
         for j in range(k):
-            step = Step(self.cache, self.start(length, j), 1, self.batch.pad, end=max(length) + j + 1)
             positions = (torch.tensor(length, device=self.device) + j - self.pad0)[:, None]
-            logits = _run(self.programs["draft"], step, token[:, None], positions)[:, -1]  # [B, V]
+            logits = self.step("draft", length, j, token[:, None], positions)[:, -1]  # [B, V]
             self.stats.update(draft_passes=1, draft_layer_evals=self.draft_layers)
             if self.s.do_sample:
                 q = warp(logits, self.s).softmax(-1)

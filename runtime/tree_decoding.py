@@ -40,7 +40,6 @@ from rewriter.decoding import Strategy
 from rewriter.errors import RewriterError
 from rewriter.tree import MAX_RANK, make_tree
 
-from .attention import Step
 from .generate import Batch, run_prompt
 from .kv_cache import KVCache
 from .sampling import next_token, warp
@@ -51,21 +50,26 @@ from .tree_adapt import AdaptiveTree
 
 def tree_loop(programs: dict, cache: KVCache, batch: Batch, settings: GenerationSettings,
               generator: Optional[torch.Generator], stats: Counter, strategy: Strategy,
-              vocab: Optional[Tensor], trees: Optional[dict] = None) -> Iterator[Tensor]:
+              vocab: Optional[Tensor], trees: Optional[dict] = None, static: bool = False,
+              cuda_graph: bool = False) -> Iterator[Tensor]:
     """Yield the next token of every row, ``[B]``, like ``generate.decode_loop``. ``trees``:
-    the adaptive trees learnt so far, by (batch size, strategy), kept across calls."""
+    the adaptive trees learnt so far, by (batch size, strategy), kept across calls;
+    ``static`` and ``cuda_graph``: the verification and the heads on fixed buffers
+    (``speculative._Rounds.step``), replayed from CUDA graphs."""
     cache.busy = True
     try:
         yield from _TreeRounds(programs, cache, batch, settings, generator, stats, strategy,
-                               vocab, trees if trees is not None else {}).run()
+                               vocab, trees if trees is not None else {}, static,
+                               cuda_graph).run()
     finally:
         cache.busy = False
 
 
 class _TreeRounds(_Rounds):
     def __init__(self, programs, cache, batch, settings, generator, stats, strategy, vocab,
-                 trees: dict):
-        super().__init__(programs, cache, batch, settings, generator, stats, strategy)
+                 trees: dict, static: bool = False, cuda_graph: bool = False):
+        super().__init__(programs, cache, batch, settings, generator, stats, strategy, static,
+                         cuda_graph)
         b = batch.ids.shape[0]
         self.whole = make_tree(strategy.tree, strategy.num_heads)
         self.hydra = strategy.arch == "hydra"
@@ -113,9 +117,17 @@ class _TreeRounds(_Rounds):
         self.draft_from(h[:, -1:], token)
         return token
 
-    def _call(self, name: str, *args):
-        with torch.inference_mode():
-            return self.programs[name](*args)
+    def _call(self, name: str, *args: Tensor):
+        """A heads program (no cache): through a ``Replay`` per shape in static rounds."""
+        if not self.static:
+            with torch.inference_mode():
+                return self.programs[name](*args)
+        program = self.programs[name]
+
+        def run(*inputs: Tensor):
+            with torch.inference_mode():
+                return program(*inputs)
+        return self.replay((name, *(tuple(a.shape) for a in args)), run, name, *args)
 
     def draft_from(self, h: Tensor, root: Tensor) -> None:
         """The tree's tokens after hidden states ``h`` ``[B, 1, H]`` and the model's next
@@ -160,13 +172,12 @@ class _TreeRounds(_Rounds):
         tokens[:, 0] = last
         if m > 1:
             tokens[:, 1:] = self.nodes[:, 1:m]  # [B, m - 1]
-        start = self.start(length, 0)
         tree = m > 1  # the root alone attends as a plain decode step does: no mask to build
-        step = Step(self.cache, start, m, self.batch.pad, end=max(length) + m,
-                    tree=lay["ancestors"] if tree else None, depth=lay["depth"] if tree else None)
         positions = (torch.tensor(length, device=self.device) - self.pad0)[:, None] \
             + lay["depth"][None]  # [B, m]
-        logits, h = self._call("verify", step, tokens, positions)  # [B, m, V], [B, m, H]
+        logits, h = self.step("verify", length, 0, tokens, positions,  # [B, m, V], [B, m, H]
+                              tree=lay["ancestors"] if tree else None,
+                              depth=lay["depth"] if tree else None)
         self.stats.update(forward_passes=1, layer_evals=self.full,
                           drafted=(m - 1) * sum(not d for d in done))
         if m > 1:

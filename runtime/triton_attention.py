@@ -28,8 +28,9 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, cache_id: int,
     """``rw.attention`` over cache ``cache_id``: decode or prefill kernel by step length;
     with ``cos``/``sin`` (``FuseRoPE``) K is rotated by the kernel that writes the cache
     (V with it) and q by the attention kernel: no launch of its own for either. A step
-    whose rows start at different positions (speculative decoding after ragged acceptance),
-    or a token tree under a sliding window, runs the torch path; a tree at one start runs
+    whose start is per row (speculative decoding after ragged acceptance, and every step of
+    a static round, ``runtime.replay``), or a token tree under a sliding window, runs the
+    torch path; a tree at one start runs
     the prefill kernel with each node's ancestors as a bit set. A decode step with a
     selection (``select``: TidalDecode, Quest) passes the decode kernel its per-KV-head
     position lists, so it reads those keys only. A sink + window ring (``StreamingAttention``,

@@ -54,3 +54,28 @@ def test_a_ragged_batch_on_cuda_equals_each_row_alone(cuda_model, backend):
     for i, row in enumerate(ROWS):
         alone = opt.generate([row], **kw)
         assert torch.equal(together[i, -16:], alone[0, -16:])
+
+
+@pytest.mark.parametrize("strategy", ["self", "medusa", "hydra"])
+def test_rounds_on_cuda_replay_captured_graphs(cuda_model, reference, strategy, monkeypatch):
+    """Every step of a round (drafts, the verification, the heads) is replayed from a CUDA
+    graph with the torch backend, and gives the eager rounds' tokens."""
+    import warnings
+
+    from rewriter.runtime.replay import Replay
+    replays = []
+    real = Replay.__init__
+
+    def keep(self, *args, **kwargs):
+        replays.append(self)
+        real(self, *args, **kwargs)
+    monkeypatch.setattr(Replay, "__init__", keep)
+    opt = rewriter.optimize(cuda_model, passes=STRATEGIES[strategy]())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a capture that fails warns
+        got = opt.generate(ROWS, max_new_tokens=24, eos_token_id=[])
+    assert torch.equal(got, reference)
+    called = [r for r in replays if r.calls >= 2]  # the second call captures
+    assert opt.stats["rounds"] > 0 and called and all(r.graph is not None for r in called)
+    opt.static_decode = False  # the eager rounds
+    assert torch.equal(opt.generate(ROWS, max_new_tokens=24, eos_token_id=[]), reference)

@@ -65,6 +65,7 @@ def test_drafting_level_by_level_fills_each_node_from_its_parents_path(tmp_path)
     from rewriter.runtime.tree_decoding import _TreeRounds
     r = _TreeRounds.__new__(_TreeRounds)
     r.programs, r.device, r.vocab = hy._lowered(), torch.device("cpu"), None
+    r.static = False  # programs called eagerly (static rounds: tests/test_static_rounds.py)
     r.strategy = rewriter.decoding.strategy_of(hy.ir.info)
     from rewriter.tree import make_tree
     from rewriter.runtime.tree_decoding import _levels

@@ -49,6 +49,29 @@ def test_both_loops_are_timed_and_the_record_is_left_as_it_was(cls, tmp_path):
         round_cost.measure(med.ir, s, (1,), new=1)
 
 
+def test_static_loops_time_their_programs_as_whole_replays(tmp_path, monkeypatch):
+    # the path a GPU takes (there each replay is a CUDA graph): here without the graph
+    from rewriter.runtime.replay import Replay
+    model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
+    path = random_heads(model, tmp_path / "h.safetensors")
+    med = rewriter.optimize(model, passes=[MedusaHeads(weights=str(path), tree=[[0], [1], [0, 0]])])
+    s = strategy_of({"decoding": med.ir.info.pop("decoding")})
+    names = []
+    real = Replay.__init__
+    monkeypatch.setattr(Replay, "__init__", lambda self, run, inputs, graph, name="step": (
+        names.append(name), real(self, run, inputs, graph, name))[1])
+    t = round_cost.measure(med.ir, s, (2,), new=8, static=True)[2]
+    assert {"decode step", "verify step of 4 tokens", "heads"} <= set(names)
+    assert t["rounds"] >= 8 and t["decode"] > 0 and t["plain"] > 0
+    assert t["fixed"] < t["round"]  # the programs' replays were timed apart from the round
+    # the programs' own costs, timed as the same replays
+    names.clear()
+    cost = rewriter.calibrate.verify_cost(med.ir, 4, runs=2, static=True)
+    assert len(cost) == 5 and cost[1] == 1 and all(c > 0 for c in cost[1:])
+    assert rewriter.calibrate.heads_cost(med.ir, 3, False, runs=2, static=True) > 0
+    assert names == ["timed call"] * 6  # 4 verify lengths, a decode step and the heads
+
+
 @pytest.mark.parametrize("config,key", [("llama-gqa-3l", "max_position_embeddings"),
                                         ("gpt2-3l", "n_positions")])  # a learned position table
 def test_short_contexts_time_shorter_prompts_or_name_the_problem(config, key, tmp_path, monkeypatch):
