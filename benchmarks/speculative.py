@@ -7,8 +7,10 @@
                                      [--device cpu|cuda] [--backend torch|triton]
                                      [--json benchmarks/results/speculative.json]
 
-On ``--device cuda`` plain decode replays its step as a CUDA graph and the speculative
-strategies do not yet, so plain decode without the graph is timed too (a second baseline).
+On ``--device cuda`` plain decode replays its step as a CUDA graph, and the speculative
+strategies replay every fixed-shape call of their rounds (``runtime/replay.py``; the Triton
+backend's capture still fails, and its steps then run eagerly); plain decode without the
+graph is timed too (a second baseline).
 
 Draft heads (``MedusaHeads``, ``HydraHeads``: the model's shipped heads unless ``--heads``): each
 head's held-out top-1 / top-5 accuracy and the training it took (from the heads file),
