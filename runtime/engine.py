@@ -31,6 +31,7 @@ from rewriter.values import context_length
 from .generate import Batch, decode_loop, prepare, score_loop
 from .kv_cache import KVCache, bounded, cache_table
 from .programs import build_programs
+from .replay import Replays
 from .settings import PREFILL_CHUNK, GenerationSettings, is_int, token_ids
 from .speculative import speculative_loop
 from .tree_decoding import tree_loop
@@ -65,6 +66,9 @@ class Engine:
         # with device-side write positions (``runtime.replay``): always on CUDA, where each
         # is also captured in a CUDA graph; settable to test it on a CPU.
         self.static_decode: Optional[bool] = None
+        # Those fixed-shape calls (and their CUDA graphs), kept across generations while the
+        # cache and the programs they hold stay the same
+        self.replays = Replays()
 
     # ------------------------------------------------------------------ properties
     @property
@@ -179,7 +183,7 @@ class Engine:
         generator = settings.generator(device)
         cuda = device.type == "cuda"
         static = self.static_decode if self.static_decode is not None else cuda
-        replay = dict(static=static, cuda_graph=static and cuda)
+        replay = dict(static=static, cuda_graph=static and cuda, replays=self.replays)
         if strategy.name == "self_speculative":
             return batch, speculative_loop(programs, cache, batch, settings, generator,
                                            self.stats, strategy, **replay)
@@ -258,6 +262,7 @@ class Engine:
         key = (getattr(self.ir, "version", 0), tuple(map(id, self.ir.graph.nodes)))
         if self._programs is None or self._programs_key != key:
             self._programs = None  # a failed lowering leaves none behind
+            self.replays.clear()  # they call the old programs
             self._programs = build_programs(self.ir, self.backend, self.trusted_kernels)
             self._programs_key = key
         return self._programs
@@ -285,6 +290,7 @@ class Engine:
         dtype, device = self._dtype(), self._device()
         if self._cache is None or not self._cache.fits(batch, need, dtype, device):
             self._cache = None  # free the old one before allocating
+            self.replays.clear()  # they hold it too
             length = min(self.max_len, -(-need // 256) * 256)
             if need > length and self._unbounded_length():  # past the context: rings only
                 length = -(-need // 256) * 256

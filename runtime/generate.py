@@ -17,7 +17,7 @@ from torch import Tensor, fx
 
 from .attention import StaticStep, Step
 from .kv_cache import KVCache
-from .replay import Replay
+from .replay import Replay, Replays
 from .sampling import next_token
 from .settings import PREFILL_CHUNK, GenerationSettings, whole
 
@@ -123,14 +123,14 @@ def _id_list(row, b: int) -> list[int]:
 
 def decode_loop(prefill: fx.GraphModule, decode: fx.GraphModule, cache: KVCache, batch: Batch,
                 settings: GenerationSettings, generator: Optional[torch.Generator],
-                stats: Counter, static: bool = False,
-                cuda_graph: bool = False) -> Iterator[Tensor]:
+                stats: Counter, static: bool = False, cuda_graph: bool = False,
+                replays: Optional[Replays] = None) -> Iterator[Tensor]:
     """Yield the next token of every row, ``[B]``, ``settings.max_new_tokens`` times at most.
 
     ``settings`` are resolved for the model (``GenerationSettings.for_model``): its eos ids
     are a tuple and its pad id an int. ``static`` runs decode steps through ``StaticStep``
     (device-side write position), and ``cuda_graph`` then replays them from one captured
-    CUDA graph (``static_decoder``).
+    CUDA graph (``static_decoder``), kept in ``replays`` across generations when given.
 
     ``stats`` counts the cost: ``forward_passes`` (calls of the model, each over the whole
     batch), ``layer_evals`` (decoder layers those calls ran) and ``tokens`` (steps yielded).
@@ -144,7 +144,7 @@ def decode_loop(prefill: fx.GraphModule, decode: fx.GraphModule, cache: KVCache,
         eos_t = torch.tensor(list(eos), dtype=torch.int64, device=batch.ids.device)
         finished = torch.zeros(b, dtype=torch.bool, device=batch.ids.device)
         positions = batch.positions[:, -1:]  # [B, 1]
-        decoder = static_decoder(decode, cache, batch.pad, cuda_graph) if static else None
+        decoder = static_decoder(decode, cache, batch.pad, cuda_graph, replays) if static else None
         logits, calls = run_prompt(prefill, cache, batch.ids, batch.positions, batch.pad,
                                    settings.prefill_chunk)
         stats.update(forward_passes=calls, layer_evals=calls * layers)
@@ -197,14 +197,22 @@ def _run(program: Callable, step: Step, ids: Tensor, positions: Tensor):
 
 
 def static_decoder(program: fx.GraphModule, cache: KVCache, pad: Optional[Tensor],
-                   cuda_graph: bool) -> Replay:
-    """The decode step on fixed buffers (tokens ``[B, 1]``, positions ``[B, 1]``, the cache
-    write position ``[1]``), through ``StaticStep``: replayed from a CUDA graph with
-    ``cuda_graph`` (``runtime.replay``)."""
-    def run(tokens: Tensor, positions: Tensor, pos: Tensor) -> Tensor:
-        return _run(program, StaticStep(cache, pos, pad), tokens, positions)
+                   cuda_graph: bool, replays: Optional[Replays] = None) -> Callable:
+    """``decoder(tokens, positions, pos)``: the decode step on fixed buffers (tokens
+    ``[B, 1]``, positions ``[B, 1]``, the cache write position ``[1]``, the rows' padding
+    ``[B]``), through ``StaticStep``: replayed from a CUDA graph with ``cuda_graph``
+    (``runtime.replay``), kept in ``replays`` when given."""
+    padded = pad is not None
+
+    def run(tokens: Tensor, positions: Tensor, pos: Tensor, *pad: Tensor) -> Tensor:
+        return _run(program, StaticStep(cache, pos, pad[0] if padded else None), tokens, positions)
     column = torch.zeros(cache.batch, 1, dtype=torch.int64, device=cache.device)  # [B, 1]
-    return Replay(run, [column, column, column[0]], cuda_graph, "decode step")
+    rest = (pad,) if padded else ()
+    make = lambda: Replay(run, [column, column, column[0], *rest], cuda_graph,  # noqa: E731
+                          "decode step")
+    key = ("decode step", padded, id(cache), id(program))  # what the call holds
+    replay = replays.get(key, make) if replays is not None else make()
+    return lambda tokens, positions, pos: replay(tokens, positions, pos, *rest)
 
 
 def score_loop(prefill: fx.GraphModule, decode: fx.GraphModule, cache: KVCache,

@@ -77,6 +77,34 @@ class Replay:
         return self.outputs
 
 
+class Replays:
+    """The replays an engine keeps across generations, by key (a program and its shapes):
+    made on first use, the least recently used dropped beyond ``limit`` (each may hold a
+    CUDA graph and its memory; an adaptive tree verifies many sub-trees). A replay's call
+    holds the engine's cache and programs: the engine clears the store when either changes."""
+
+    def __init__(self, limit: int = 16):
+        self.limit, self.items = limit, {}
+
+    def get(self, key, make: Callable[[], Replay]) -> Replay:
+        replay = self.items.pop(key, None)
+        if replay is None:
+            replay = make()
+            while len(self.items) >= self.limit:
+                del self.items[next(iter(self.items))]
+        self.items[key] = replay  # the most recent last
+        return replay
+
+    def clear(self) -> None:
+        self.items.clear()
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def keys(self) -> list:
+        return list(self.items)
+
+
 def _tensors(out) -> list[Tensor]:
     if isinstance(out, Tensor):
         return [out]

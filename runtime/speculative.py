@@ -34,32 +34,34 @@ from rewriter.decoding import Strategy
 from .attention import Step
 from .generate import Batch, _run, run_prompt
 from .kv_cache import KVCache
-from .replay import Replay
+from .replay import Replay, Replays
 from .sampling import next_token, warp
 from .settings import GenerationSettings
-
-MAX_REPLAYS = 16  # fixed-shape calls a generation keeps (each may hold a CUDA graph)
 
 
 def speculative_loop(programs: dict, cache: KVCache, batch: Batch, settings: GenerationSettings,
                      generator: Optional[torch.Generator], stats: Counter, strategy: Strategy,
-                     static: bool = False, cuda_graph: bool = False) -> Iterator[Tensor]:
-    """Yield the next token of every row, ``[B]``, like ``generate.decode_loop``; ``static``
-    and ``cuda_graph`` as there, for every step of a round (``_Rounds.step``)."""
+                     static: bool = False, cuda_graph: bool = False,
+                     replays: Optional[Replays] = None) -> Iterator[Tensor]:
+    """Yield the next token of every row, ``[B]``, like ``generate.decode_loop``; ``static``,
+    ``cuda_graph`` and ``replays`` as there, for every step of a round (``_Rounds.step``)."""
     cache.busy = True
     try:
         yield from _Rounds(programs, cache, batch, settings, generator, stats, strategy,
-                           static, cuda_graph).run()
+                           static, cuda_graph, replays).run()
     finally:
         cache.busy = False
 
 
 class _Rounds:
     def __init__(self, programs, cache, batch, settings, generator, stats, strategy,
-                 static: bool = False, cuda_graph: bool = False):
+                 static: bool = False, cuda_graph: bool = False,
+                 replays: Optional[Replays] = None):
         self.programs, self.cache, self.batch = programs, cache, batch
         self.static, self.cuda_graph = static, cuda_graph
-        self.replays: dict = {}  # fixed-shape calls (runtime.replay) by program and shape
+        # fixed-shape calls (runtime.replay) by program and shape: the engine's, kept across
+        # generations (its cache and programs), or this generation's own
+        self.replays = replays if replays is not None else Replays()
         self.clock = None  # clock(replay, *inputs) calls and times each (round_cost)
         self.s, self.generator, self.stats, self.strategy = settings, generator, stats, strategy
         self.full = len(cache.table)
@@ -139,25 +141,24 @@ class _Rounds:
             return _run(self.programs[name], step, tokens, positions)
         start = torch.tensor(length, device=self.device) + offset  # [B]
         program, cache, pad = self.programs[name], self.cache, self.batch.pad
+        padded, shaped = pad is not None, tree is not None
 
-        def run(tokens: Tensor, positions: Tensor, start: Tensor, *tree_depth: Tensor):
-            step = Step(cache, start, m, pad, end=cache.max_len, tree=tree_depth[0] if tree_depth
-                        else None, depth=tree_depth[1] if tree_depth else None)
+        def run(tokens: Tensor, positions: Tensor, start: Tensor, *rest: Tensor):
+            pad, tree, depth = ((rest[0],) if padded else (None,)) + \
+                (tuple(rest[padded:]) if shaped else (None, None))
+            step = Step(cache, start, m, pad, end=cache.max_len, tree=tree, depth=depth)
             return _run(program, step, tokens, positions)
-        shaped = (tree, depth) if tree is not None else ()
-        return self.replay((name, m, bool(shaped)), run, f"{name} step of {m} tokens",
-                           tokens, positions, start, *shaped)
+        rest = ((pad,) if padded else ()) + ((tree, depth) if shaped else ())
+        return self.replay((name, m, padded, shaped), run, f"{name} step of {m} tokens",
+                           tokens, positions, start, *rest)
 
     def replay(self, key, run, name: str, *inputs: Tensor):
-        """``run(*inputs)`` through the ``Replay`` kept for ``key`` (made on first use). An
-        adaptive tree may verify many sub-trees: the least recently used replays (and their
-        graphs' memory) go beyond ``MAX_REPLAYS``."""
-        replay = self.replays.pop(key, None)
-        if replay is None:
-            replay = Replay(run, inputs, self.cuda_graph, name)
-            if len(self.replays) >= MAX_REPLAYS:
-                del self.replays[next(iter(self.replays))]
-        self.replays[key] = replay  # the most recent last
+        """``run(*inputs)`` through the ``Replay`` kept for ``key`` (made on first use; the
+        store keeps the most recently used, ``replay.Replays``)."""
+        # the call holds this cache and these programs: a paused stream's rounds on another
+        # cache may share the engine's store
+        key = (id(self.cache), id(self.programs), *key)
+        replay = self.replays.get(key, lambda: Replay(run, inputs, self.cuda_graph, name))
         out = self.clock(replay, *inputs) if self.clock is not None else replay(*inputs)
         if self.cuda_graph and not replay.cuda_graph:  # its capture failed (and warned): the
             self.cuda_graph = False  # other calls of this generation run eagerly, untried

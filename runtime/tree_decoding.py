@@ -51,25 +51,25 @@ from .tree_adapt import AdaptiveTree
 def tree_loop(programs: dict, cache: KVCache, batch: Batch, settings: GenerationSettings,
               generator: Optional[torch.Generator], stats: Counter, strategy: Strategy,
               vocab: Optional[Tensor], trees: Optional[dict] = None, static: bool = False,
-              cuda_graph: bool = False) -> Iterator[Tensor]:
+              cuda_graph: bool = False, replays=None) -> Iterator[Tensor]:
     """Yield the next token of every row, ``[B]``, like ``generate.decode_loop``. ``trees``:
     the adaptive trees learnt so far, by (batch size, strategy), kept across calls;
-    ``static`` and ``cuda_graph``: the verification and the heads on fixed buffers
-    (``speculative._Rounds.step``), replayed from CUDA graphs."""
+    ``static``, ``cuda_graph`` and ``replays``: the verification and the heads on fixed
+    buffers (``speculative._Rounds.step``), replayed from CUDA graphs kept across calls."""
     cache.busy = True
     try:
         yield from _TreeRounds(programs, cache, batch, settings, generator, stats, strategy,
                                vocab, trees if trees is not None else {}, static,
-                               cuda_graph).run()
+                               cuda_graph, replays).run()
     finally:
         cache.busy = False
 
 
 class _TreeRounds(_Rounds):
     def __init__(self, programs, cache, batch, settings, generator, stats, strategy, vocab,
-                 trees: dict, static: bool = False, cuda_graph: bool = False):
+                 trees: dict, static: bool = False, cuda_graph: bool = False, replays=None):
         super().__init__(programs, cache, batch, settings, generator, stats, strategy, static,
-                         cuda_graph)
+                         cuda_graph, replays)
         b = batch.ids.shape[0]
         self.whole = make_tree(strategy.tree, strategy.num_heads)
         self.hydra = strategy.arch == "hydra"

@@ -100,38 +100,69 @@ def test_each_program_and_shape_is_one_replay_made_once(tmp_path, monkeypatch):
     models = engines("llama-gqa-3l", tmp_path)
     _, stats = run(models["medusa"], True, RAGGED)
     assert len(made) == len(set(made)) and stats["rounds"] > len(made)
-    # the whole tree: tokens, positions, starts, its mask and depths
-    assert ("verify step of 7 tokens", ((3, 7), (3, 7), (3,), (7, 7), (7,))) in made
+    # the whole tree (root + 7 nodes): tokens, positions, starts, padding, mask and depths
+    assert ("verify step of 8 tokens", ((3, 8), (3, 8), (3,), (3,), (8, 8), (8,))) in made
     assert ("heads", ((3, 1, 64),)) in made
     made.clear()
     run(models["hydra"], True, RAGGED)
-    assert {"head0", "head1", "head2", "verify step of 7 tokens"} <= {n for n, _ in made}
+    assert {"head0", "head1", "head2", "verify step of 8 tokens"} <= {n for n, _ in made}
     assert len(made) == len(set(made))
     made.clear()
     run(models["self_speculative"], True, RAGGED)
-    assert ("draft step of 1 tokens", ((3, 1), (3, 1), (3,))) in made
+    assert ("draft step of 1 tokens", ((3, 1), (3, 1), (3,), (3,))) in made
     assert len(made) == len(set(made)) <= 5  # verification of 1-4 tokens, one draft step
 
 
-def test_a_generation_keeps_only_the_most_recently_used_replays(tmp_path, monkeypatch):
+def test_the_engine_keeps_only_the_most_recently_used_replays(tmp_path, monkeypatch):
     models = engines("llama-gqa-3l", tmp_path)
-    eager, _ = run(models["self_speculative"], False, RAGGED)
-    monkeypatch.setattr(speculative, "MAX_REPLAYS", 2)  # a draft step and one verification
+    spec = models["self_speculative"]
+    eager, _ = run(spec, False, RAGGED)
+    spec.replays.limit = 2  # a draft step and one verification
     kept = []
     real = speculative._Rounds.replay
 
     def watching(self, key, *args):
         out = real(self, key, *args)
-        kept.append((key, list(self.replays)))
+        kept.append((key, [k[2:] for k in self.replays.keys()]))  # less the cache and programs
         return out
     monkeypatch.setattr(speculative._Rounds, "replay", watching)
-    static, _ = run(models["self_speculative"], True, RAGGED)
+    static, _ = run(spec, True, RAGGED)
     assert torch.equal(static, eager)
     for (key, held), (_, before) in zip(kept[1:], kept):
         assert len(held) <= 2 and held[-1] == key  # the one just used is the newest
         if key not in before and len(before) == 2:  # a new one evicts the least recent
             assert held == [before[-1], key]
     assert len({k for k, _ in kept}) > 2  # more shapes than it keeps: evictions happened
+
+
+def test_replays_outlive_a_generation_with_new_padding_and_a_paused_stream(tmp_path, monkeypatch):
+    made = []
+    real = Replay.__init__
+
+    def counting(self, *args, **kwargs):
+        made.append(args[2] if len(args) > 2 else kwargs.get("name"))
+        real(self, *args, **kwargs)
+    monkeypatch.setattr(Replay, "__init__", counting)
+    models = engines("llama-gqa-3l", tmp_path)
+    plain = models.pop("plain")
+    other = [[7, 8, 9, 10], [11, 12], [13, 14, 15, 16, 17, 18]]  # other rows, other padding
+    for name, engine in models.items():
+        run(engine, True, RAGGED)
+        first = len(made)
+        got, _ = run(engine, True, other)
+        assert torch.equal(got, run(plain, False, other)[0]), name
+        assert len(made) - first <= 1, name  # at most a shape the first text did not need
+        # a stream paused mid-way holds the engine's cache: the next call gets its own, and
+        # each goes on with its own replays
+        engine.static_decode = True
+        stream = engine.stream(RAGGED, **KW)
+        head = [next(stream) for _ in range(5)]
+        between, _ = run(engine, True, other)
+        engine.static_decode = True
+        rest = list(stream)
+        assert torch.equal(between, run(plain, False, other)[0]), name
+        assert torch.equal(torch.stack(head + rest, 1),
+                           run(plain, False, RAGGED)[0][:, -KW["max_new_tokens"]:]), name
 
 
 def test_a_replay_copies_its_inputs_into_fixed_buffers():
