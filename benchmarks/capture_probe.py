@@ -83,6 +83,7 @@ def _try_capture(engine, mode: str, log: list) -> dict:
     generate.torch.cuda.graph = graph
     generate._run = run
     log.clear()
+    engine.replays.clear()  # the engine keeps its replays: each mode captures its own
     try:
         with warnings.catch_warnings(record=True) as caught, _recording(log):
             warnings.simplefilter("always")
@@ -120,6 +121,7 @@ def _sync_check(engine) -> str:
             torch.cuda.set_sync_debug_mode("default")
 
     Replay.__init__, Replay.__call__ = init, call
+    engine.replays.clear()  # made anew, without a graph
     engine.static_decode = True
     try:
         engine.generate([[3, 17, 42]], max_new_tokens=3, eos_token_id=[])

@@ -67,7 +67,9 @@ class Engine:
         # is also captured in a CUDA graph; settable to test it on a CPU.
         self.static_decode: Optional[bool] = None
         # Those fixed-shape calls (and their CUDA graphs), kept across generations while the
-        # cache and the programs they hold stay the same
+        # cache and the programs they hold stay the same. Weights replaced by new tensors
+        # (not updated in place) need ``ir.refresh()`` or ``replays.clear()``: a graph
+        # reads the addresses it was captured with.
         self.replays = Replays()
 
     # ------------------------------------------------------------------ properties
@@ -290,11 +292,12 @@ class Engine:
         dtype, device = self._dtype(), self._device()
         if self._cache is None or not self._cache.fits(batch, need, dtype, device):
             self._cache = None  # free the old one before allocating
-            self.replays.clear()  # they hold it too
+            self.replays.bind(None)  # they hold it too
             length = min(self.max_len, -(-need // 256) * 256)
             if need > length and self._unbounded_length():  # past the context: rings only
                 length = -(-need // 256) * 256
             self._cache = KVCache(cache_table(self.ir.gm), batch, length, dtype, device)
+            self.replays.bind(self._cache)
         return self._cache
 
     def _unbounded_length(self) -> bool:

@@ -210,8 +210,8 @@ def static_decoder(program: fx.GraphModule, cache: KVCache, pad: Optional[Tensor
     rest = (pad,) if padded else ()
     make = lambda: Replay(run, [column, column, column[0], *rest], cuda_graph,  # noqa: E731
                           "decode step")
-    key = ("decode step", padded, id(cache), id(program))  # what the call holds
-    replay = replays.get(key, make) if replays is not None else make()
+    keep = replays is not None and replays.serves(cache)  # else a paused stream's own cache
+    replay = replays.get((program, padded), make) if keep else make()
     return lambda tokens, positions, pos: replay(tokens, positions, pos, *rest)
 
 

@@ -36,7 +36,8 @@ class Replay:
                  name: str = "step"):
         self.run, self.name, self.cuda_graph = run, name, cuda_graph
         self.buffers = [t.detach().clone() for t in inputs]
-        self.graph, self.outputs, self.calls = None, None, 0
+        self.graph, self.outputs = None, None
+        self.calls, self.warm = 0, False  # calls; whether an eager call ran on CUDA
         self.stream = torch.cuda.Stream(self.buffers[0].device) if cuda_graph else None
 
     def __call__(self, *values: Tensor):
@@ -54,37 +55,49 @@ class Replay:
         if not self.cuda_graph:
             return self.run(*self.buffers)
         self.stream.wait_stream(torch.cuda.current_stream())  # the copies above
-        if self.calls == 1:
+        if not self.warm:
             with torch.cuda.stream(self.stream):
                 out = self.run(*self.buffers)
             torch.cuda.current_stream().wait_stream(self.stream)
             for t in _tensors(out):
                 t.record_stream(torch.cuda.current_stream())  # used there, made here
+            self.warm = True  # the next call captures
             return out
-        self.graph = torch.cuda.CUDAGraph()
+        graph = torch.cuda.CUDAGraph()  # kept only once its capture has succeeded
         try:
-            with torch.cuda.graph(self.graph, stream=self.stream):  # recorded, not run
-                self.outputs = self.run(*self.buffers)
+            with torch.cuda.graph(graph, stream=self.stream):  # recorded, not run
+                outputs = self.run(*self.buffers)
         except RuntimeError as e:  # a call that cannot be captured still runs, eagerly
             warnings.warn(f"the {self.name} could not be captured as a CUDA graph and runs "
                           f"without one: {str(e).splitlines()[0]}", RuntimeWarning, stacklevel=2)
             torch.cuda.synchronize(self.stream.device)
-            self.graph, self.outputs, self.cuda_graph = None, None, False
+            self.cuda_graph = False
             # run() builds a fresh step: the failed capture left recorded, never computed
             # values in the old one's per-step cache (masks, indices)
             return self.run(*self.buffers)
+        self.graph, self.outputs = graph, outputs
         self.graph.replay()
         return self.outputs
 
 
 class Replays:
-    """The replays an engine keeps across generations, by key (a program and its shapes):
-    made on first use, the least recently used dropped beyond ``limit`` (each may hold a
-    CUDA graph and its memory; an adaptive tree verifies many sub-trees). A replay's call
-    holds the engine's cache and programs: the engine clears the store when either changes."""
+    """The replays an engine keeps across generations for its current cache (``bind``), by
+    key (a program and its shapes): made on first use, the least recently used dropped
+    beyond ``limit`` (each may hold a CUDA graph and its memory; an adaptive tree verifies
+    many sub-trees). A call holds the cache and a program: the engine binds a new cache, and
+    clears the store when its programs are rebuilt. Loops on another cache (a stream paused
+    while a later call got a cache of its own) keep replays of their own (``serves``)."""
 
     def __init__(self, limit: int = 16):
-        self.limit, self.items = limit, {}
+        self.limit, self.items, self.cache = limit, {}, None
+
+    def bind(self, cache) -> None:
+        """Serve ``cache`` from now on; the replays of the one before are dropped."""
+        self.items.clear()
+        self.cache = cache
+
+    def serves(self, cache) -> bool:
+        return cache is self.cache
 
     def get(self, key, make: Callable[[], Replay]) -> Replay:
         replay = self.items.pop(key, None)

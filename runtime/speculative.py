@@ -60,8 +60,8 @@ class _Rounds:
         self.programs, self.cache, self.batch = programs, cache, batch
         self.static, self.cuda_graph = static, cuda_graph
         # fixed-shape calls (runtime.replay) by program and shape: the engine's, kept across
-        # generations (its cache and programs), or this generation's own
-        self.replays = replays if replays is not None else Replays()
+        # generations while it serves this cache (``store``), or this generation's own
+        self.shared, self.own = replays, Replays()
         self.clock = None  # clock(replay, *inputs) calls and times each (round_cost)
         self.s, self.generator, self.stats, self.strategy = settings, generator, stats, strategy
         self.full = len(cache.table)
@@ -149,20 +149,20 @@ class _Rounds:
             step = Step(cache, start, m, pad, end=cache.max_len, tree=tree, depth=depth)
             return _run(program, step, tokens, positions)
         rest = ((pad,) if padded else ()) + ((tree, depth) if shaped else ())
-        return self.replay((name, m, padded, shaped), run, f"{name} step of {m} tokens",
+        return self.replay((program, m, padded, shaped), run, f"{name} step of {m} tokens",
                            tokens, positions, start, *rest)
+
+    def store(self) -> Replays:
+        """The engine's replays while it serves this loop's cache; this loop's own once a
+        later call got a cache of its own (this loop a paused stream), asked at every call."""
+        return self.shared if self.shared is not None and self.shared.serves(self.cache) \
+            else self.own
 
     def replay(self, key, run, name: str, *inputs: Tensor):
         """``run(*inputs)`` through the ``Replay`` kept for ``key`` (made on first use; the
         store keeps the most recently used, ``replay.Replays``)."""
-        # the call holds this cache and these programs: a paused stream's rounds on another
-        # cache may share the engine's store
-        key = (id(self.cache), id(self.programs), *key)
-        replay = self.replays.get(key, lambda: Replay(run, inputs, self.cuda_graph, name))
-        out = self.clock(replay, *inputs) if self.clock is not None else replay(*inputs)
-        if self.cuda_graph and not replay.cuda_graph:  # its capture failed (and warned): the
-            self.cuda_graph = False  # other calls of this generation run eagerly, untried
-        return out
+        replay = self.store().get(key, lambda: Replay(run, inputs, self.cuda_graph, name))
+        return self.clock(replay, *inputs) if self.clock is not None else replay(*inputs)
 
     def round(self, last: Tensor, length: list[int], k: int, done: list[bool]):
         """Draft, verify, accept: (each row's new last token ``[B]``, the tokens each row

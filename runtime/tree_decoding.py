@@ -127,7 +127,7 @@ class _TreeRounds(_Rounds):
         def run(*inputs: Tensor):
             with torch.inference_mode():
                 return program(*inputs)
-        return self.replay((name, *(tuple(a.shape) for a in args)), run, name, *args)
+        return self.replay((program, *(tuple(a.shape) for a in args)), run, name, *args)
 
     def draft_from(self, h: Tensor, root: Tensor) -> None:
         """The tree's tokens after hidden states ``h`` ``[B, 1, H]`` and the model's next

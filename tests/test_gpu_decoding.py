@@ -75,7 +75,7 @@ def test_rounds_on_cuda_replay_captured_graphs(cuda_model, reference, strategy, 
         warnings.simplefilter("error", RuntimeWarning)  # a capture that fails warns
         got = opt.generate(ROWS, max_new_tokens=24, eos_token_id=[])
     assert torch.equal(got, reference)
-    called = [r for r in replays if r.calls >= 2]  # the second call captures
+    called = [r for r in replays if r.calls >= 2]  # the second call captures (or fails)
     assert opt.stats["rounds"] > 0 and called and all(r.graph is not None for r in called)
     opt.static_decode = False  # the eager rounds
     assert torch.equal(opt.generate(ROWS, max_new_tokens=24, eos_token_id=[]), reference)

@@ -123,7 +123,7 @@ def test_the_engine_keeps_only_the_most_recently_used_replays(tmp_path, monkeypa
 
     def watching(self, key, *args):
         out = real(self, key, *args)
-        kept.append((key, [k[2:] for k in self.replays.keys()]))  # less the cache and programs
+        kept.append((key, self.store().keys()))
         return out
     monkeypatch.setattr(speculative._Rounds, "replay", watching)
     static, _ = run(spec, True, RAGGED)
@@ -136,33 +136,44 @@ def test_the_engine_keeps_only_the_most_recently_used_replays(tmp_path, monkeypa
 
 
 def test_replays_outlive_a_generation_with_new_padding_and_a_paused_stream(tmp_path, monkeypatch):
+    import gc
+    import weakref
     made = []
     real = Replay.__init__
 
-    def counting(self, *args, **kwargs):
-        made.append(args[2] if len(args) > 2 else kwargs.get("name"))
-        real(self, *args, **kwargs)
+    def counting(self, run, inputs, cuda_graph, name="step"):
+        made.append(name)
+        real(self, run, inputs, cuda_graph, name)
     monkeypatch.setattr(Replay, "__init__", counting)
     models = engines("llama-gqa-3l", tmp_path)
-    plain = models.pop("plain")
+    reference = models["plain"]
+    even = [[7, 8, 9, 10], [11, 12, 13, 14], [15, 16, 17, 18]]  # no padding
     other = [[7, 8, 9, 10], [11, 12], [13, 14, 15, 16, 17, 18]]  # other rows, other padding
+    want = {id(p): run(reference, False, p)[0] for p in (RAGGED, even, other)}
     for name, engine in models.items():
-        run(engine, True, RAGGED)
-        first = len(made)
-        got, _ = run(engine, True, other)
-        assert torch.equal(got, run(plain, False, other)[0]), name
-        assert len(made) - first <= 1, name  # at most a shape the first text did not need
+        for prompts in (RAGGED, other, even):  # (the store keeps 16: Hydra's fill it)
+            before = len(made)
+            got, _ = run(engine, True, prompts)
+            assert torch.equal(got, want[id(prompts)]), (name, prompts)
+            if prompts is other:  # padded as RAGGED was: the same replays, at most a shape
+                assert len(made) - before <= 1, name  # the first text did not need
         # a stream paused mid-way holds the engine's cache: the next call gets its own, and
         # each goes on with its own replays
         engine.static_decode = True
         stream = engine.stream(RAGGED, **KW)
         head = [next(stream) for _ in range(5)]
+        paused = weakref.ref(engine._cache)
         between, _ = run(engine, True, other)
+        assert engine._cache is not paused()
         engine.static_decode = True
         rest = list(stream)
-        assert torch.equal(between, run(plain, False, other)[0]), name
+        assert torch.equal(between, want[id(other)]), name
         assert torch.equal(torch.stack(head + rest, 1),
-                           run(plain, False, RAGGED)[0][:, -KW["max_new_tokens"]:]), name
+                           want[id(RAGGED)][:, -KW["max_new_tokens"]:]), name
+        del stream
+        gc.collect()
+        assert paused() is None, name  # no replay the stream made keeps its cache alive
+        assert engine.replays.serves(engine._cache) and len(engine.replays) > 0
 
 
 def test_a_replay_copies_its_inputs_into_fixed_buffers():
