@@ -140,17 +140,16 @@ class _Rounds:
                         end=max(length) + offset + m, tree=tree, depth=depth)
             return _run(self.programs[name], step, tokens, positions)
         start = torch.tensor(length, device=self.device) + offset  # [B]
-        program, cache, pad = self.programs[name], self.cache, self.batch.pad
-        padded, shaped = pad is not None, tree is not None
+        program, cache = self.programs[name], self.cache
+        given = {k: v for k, v in (("pad", self.batch.pad), ("tree", tree), ("depth", depth))
+                 if v is not None}  # buffers too
+        names = tuple(given)
 
-        def run(tokens: Tensor, positions: Tensor, start: Tensor, *rest: Tensor):
-            pad, tree, depth = ((rest[0],) if padded else (None,)) + \
-                (tuple(rest[padded:]) if shaped else (None, None))
-            step = Step(cache, start, m, pad, end=cache.max_len, tree=tree, depth=depth)
-            return _run(program, step, tokens, positions)
-        rest = ((pad,) if padded else ()) + ((tree, depth) if shaped else ())
-        return self.replay((program, m, padded, shaped), run, f"{name} step of {m} tokens",
-                           tokens, positions, start, *rest)
+        def run(tokens: Tensor, positions: Tensor, start: Tensor, *values: Tensor):
+            kw = {"pad": None, **dict(zip(names, values))}
+            return _run(program, Step(cache, start, m, end=cache.max_len, **kw), tokens, positions)
+        return self.replay((program, m, names), run, f"{name} step of {m} tokens",
+                           tokens, positions, start, *given.values())
 
     def store(self) -> Replays:
         """The engine's replays while it serves this loop's cache; this loop's own once a
