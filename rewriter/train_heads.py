@@ -275,10 +275,14 @@ def _hidden_states(model, tokens: Tensor, progress: bool, split: str, chunk: int
     in bfloat16 (what the heads read; right padding only follows the real tokens)."""
     out = []
     bar = _bar(progress, len(tokens), f"hidden states ({split})", "row")
+    # the decoder alone: its last hidden state is the LM head's input (hidden_states[-1]),
+    # without the vocabulary projection the full model would add (a fifth of SmolLM2's work)
+    base = getattr(model, "base_model", model)
     with torch.inference_mode():
         for i in range(0, len(tokens), chunk):
             ids = tokens[i:i + chunk].to(model.device)
-            h = model(ids, output_hidden_states=True).hidden_states[-1]
+            h = (base(ids).last_hidden_state if base is not model
+                 else model(ids, output_hidden_states=True).hidden_states[-1])
             out.append(h.to(torch.bfloat16).cpu())
             bar.update(len(ids))
     bar.close()
