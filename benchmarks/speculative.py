@@ -119,9 +119,9 @@ def same(outs, refs) -> str:
 
 
 def baseline(plain, prompts, new: int, eos: bool = False):
-    """(tokens, plain tok/s, plain tok/s without the CUDA graph or None). On a GPU plain
-    decode replays a captured graph and the speculative strategies do not yet, so both
-    baselines are kept."""
+    """(tokens, plain tok/s, plain tok/s without the CUDA graph or None). On a GPU both
+    baselines are kept: the captured one is what a user gets, and the eager one shows what
+    the speculative rounds owe to their own replays."""
     ref, rate, _ = timed(plain, prompts, new, eos=eos)
     return ref, rate, eager_baseline(plain, prompts, new, eos)
 
