@@ -197,3 +197,21 @@ def test_teacher_training_on_one_hot_distributions_is_token_training(tmp_path, m
         b = heads_file.load(tmp_path / f"t{shift}.safetensors")
         gap = (a.w.float() - b.w.float()).abs().max() / scale
         assert (gap < 0.02) == close, (shift, gap)
+
+
+@pytest.mark.parametrize("family", ["llama-gqa-3l", "qwen2-mqa-3l", "mistral-window-3l", "gpt2-3l"])
+def test_hidden_states_are_the_lm_heads_input(family):
+    """The heads' training reads the decoder's last hidden state (no vocabulary projection):
+    the input the model's own LM head turns into its logits. (One chunk: a product's
+    rounding may depend on how many rows it holds.)"""
+    from conftest import make_model
+    model = make_model(family).eval()
+    tokens = torch.randint(0, model.config.vocab_size, (3, 11), generator=torch.Generator().manual_seed(0))
+    h = th._hidden_states(model, tokens, progress=False, split="train", chunk=3)  # [3, 11, H]
+    with torch.inference_mode():
+        full = model(tokens, output_hidden_states=True)
+    assert h.dtype == torch.bfloat16 and h.shape == full.hidden_states[-1].shape
+    assert torch.equal(h, full.hidden_states[-1].to(torch.bfloat16))
+    lm = model.get_output_embeddings()
+    with torch.inference_mode():
+        assert torch.allclose(lm(h.float()), full.logits, atol=0.05 * full.logits.abs().max())
