@@ -157,12 +157,16 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--num-heads", type=int, default=4)
     t.add_argument("--arch", choices=("medusa", "hydra"), default="medusa",
                    help="hydra: each head also reads the tokens drafted before it")
-    t.add_argument("--prompts", type=int, default=512, help="training prompts")
+    t.add_argument("--prompts", type=int, default=512,
+                   help="training prompts (--data corpus: rows of 64 + new-tokens tokens)")
     t.add_argument("--new-tokens", type=int, default=96, help="greedy tokens per prompt")
     t.add_argument("--epochs", type=int, default=2)
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--loss", choices=LOSSES, default="tokens",
                    help="teacher: learn the model's whole next-token distribution (Hydra++)")
+    t.add_argument("--data", choices=("generated", "corpus"), default="generated",
+                   help="corpus: teacher-forced rows of source text, the model's own greedy "
+                        "tokens as targets, no generation (much faster to make)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--generate-batch", type=int, default=32,
                    help="prompts continued at once while making the data")
@@ -210,7 +214,7 @@ def cmd_train_heads(args) -> int:
     report = train_heads(model.to(device), tokenizer, args.out, num_heads=args.num_heads,
                          prompts=args.prompts, new_tokens=args.new_tokens, epochs=args.epochs,
                          lr=args.lr, seed=args.seed, progress=_bars(), arch=args.arch,
-                         loss=args.loss, work_dir=args.work_dir,
+                         loss=args.loss, work_dir=args.work_dir, data=args.data,
                          generate_batch=args.generate_batch)
     print(json.dumps(report, indent=1))
     return 0

@@ -7,6 +7,12 @@
    questions made from the code's own docstrings) are continued greedily by the model
    itself, through this project's runtime. Greedy targets are what lossless greedy
    verification accepts: the text the model would write, not the corpus's.
+   ``data="corpus"`` makes no text: rows of consecutive source-file tokens, each position's
+   target the model's own greedy token there (from one forward over the row). For Hydra
+   this is the same target, the model's choice after the path it is given, at the cost of
+   a prefill instead of a generation; Medusa's heads skip the path and learn the corpus's
+   path instead of the model's. The held-out set stays generated text, so the accuracies
+   (and the trees chosen from them) mean the same for both.
 2. **Hidden states**, computed once with the model (its last hidden state, the LM head's
    input) and cached in ``work_dir`` with the tokens: a resumed run reuses both.
 3. **Training**: only the heads' residual blocks learn; the LM head is shared and frozen.
@@ -43,6 +49,7 @@ RANKS = 10  # rank accuracies stored per head
 CHECKPOINT_EVERY = 200  # steps
 DECAY = 0.8
 LOSSES = ("tokens", "teacher")
+DATA = ("generated", "corpus")
 
 
 def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int = 4,
@@ -50,12 +57,15 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
                 new_tokens: int = 96, epochs: int = 2, lr: float = 1e-3, batch: int = 256,
                 seed: int = 0, work_dir: Optional[Union[str, os.PathLike]] = None,
                 generate_batch: int = 32, progress: bool = True, chat: bool = True,
-                arch: str = "medusa", loss: str = "tokens") -> dict:
+                arch: str = "medusa", loss: str = "tokens", data: str = "generated") -> dict:
     """Train heads for ``model`` (a Hugging Face causal LM, frozen) and write them to ``out``
     (``rewriter.heads`` format); returns what was done and measured. ``arch``: "medusa"
-    or "hydra"; ``loss``: "tokens" or "teacher" (see the module's docstring)."""
+    or "hydra"; ``loss``: "tokens" or "teacher"; ``data``: "generated" or "corpus" (see the
+    module's docstring)."""
     if arch not in heads_file.ARCHS:
         raise ValueError(f"train_heads: arch must be one of {heads_file.ARCHS}, got {arch!r}")
+    if data not in DATA:
+        raise ValueError(f"train_heads: data must be one of {DATA}, got {data!r}")
     if loss not in LOSSES:
         raise ValueError(f"train_heads: loss must be one of {LOSSES}, got {loss!r}")
     if type(num_heads) is not int or not 1 <= num_heads <= heads_file.MAX_HEADS:
@@ -78,24 +88,26 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
     embed = model.get_input_embeddings().weight.detach() if arch == "hydra" else None
     # caches and checkpoints belong to one model: a work dir reused for another is not read
     settings["model"] = fingerprint(model)
-    data, data_seconds = {}, 0.0
+    if data != "generated":  # caches made before the corpus mode keep their key
+        settings["data"] = data
+    sets, data_seconds = {}, 0.0
     for split, n in (("train", prompts), ("heldout", heldout_prompts)):
-        data[split], seconds = _dataset(model, tokenizer, work, split, n, settings, generate_batch,
+        sets[split], seconds = _dataset(model, tokenizer, work, split, n, settings, generate_batch,
                                         progress)
-        data[split]["end"] = _ends(data[split], new_tokens, _eos_ids(model, tokenizer))
+        sets[split]["end"] = _ends(sets[split], new_tokens, _eos_ids(model, tokenizer))
         data_seconds = None if seconds is None or data_seconds is None else data_seconds + seconds
-    w, b, trained = _train(data["train"], lm_head, embed, num_heads, epochs, lr, batch, seed,
+    w, b, trained = _train(sets["train"], lm_head, embed, num_heads, epochs, lr, batch, seed,
                            work, settings, progress, loss)
-    accuracy = rank_accuracy(data["heldout"], lm_head, w, b, embed)
+    accuracy = rank_accuracy(sets["heldout"], lm_head, w, b, embed)
     report = {**trained, "seconds_data": data_seconds and round(data_seconds, 1),
               "settings": {k: v for k, v in settings.items() if k != "model"},
-              "train_tokens": int((data["train"]["end"] - data["train"]["start"]).sum()),
+              "train_tokens": int((sets["train"]["end"] - sets["train"]["start"]).sum()),
               "heldout_top1": [round(a[0], 4) for a in accuracy],
               "heldout_top5": [round(sum(a[:5]), 4) for a in accuracy],
-              "device": str(lm_head.device), "arch": arch, "loss": loss}
+              "device": str(lm_head.device), "arch": arch, "loss": loss, "data": data}
     w = [t.to(torch.bfloat16) for t in w] if arch == "hydra" else w.to(torch.bfloat16)
     heads_file.Heads(w, b.to(torch.bfloat16), lm_head.shape[0], heads_file.probe_of(lm_head),
-                     accuracy, report, produced(data["train"], lm_head.shape[0]), arch).save(out)
+                     accuracy, report, produced(sets["train"], lm_head.shape[0]), arch).save(out)
     return report
 
 
@@ -120,6 +132,8 @@ def _ends(data: dict, new_tokens: int, eos: set) -> Tensor:
     rest is right padding), or after the first end-of-sequence token among them (decoding
     stops there: what follows is never drafted for)."""
     tokens, start = data["tokens"], data["start"]
+    if "next" in data:  # corpus rows: every position is text
+        return torch.full_like(start, tokens.shape[1])
     end = start + new_tokens
     if eos:
         for r in range(len(tokens)):
@@ -136,7 +150,9 @@ def _dataset(model, tokenizer, work: Path, split: str, n: int, settings: dict,
     cached in ``work``."""
     from safetensors.torch import load_file, save_file
     f = work / f"{split}.safetensors"
-    key = json.dumps({**settings, "split": split}, sort_keys=True)
+    corpus = settings.get("data") == "corpus" and split == "train"  # held out: always generated
+    key = json.dumps({**{k: v for k, v in settings.items() if k != "data" or corpus},
+                      "split": split}, sort_keys=True)
     if f.is_file():
         from safetensors import safe_open
         with safe_open(str(f), framework="pt") as g:
@@ -145,13 +161,21 @@ def _dataset(model, tokenizer, work: Path, split: str, n: int, settings: dict,
             seconds = meta.get("seconds")  # None: a cache from before timings were kept
             return load_file(str(f)), float(seconds) if seconds is not None else None
     started = time.perf_counter()
-    prompts = make_prompts(tokenizer, split, n, settings["prompt_tokens"], settings["seed"],
-                           settings["chat"])
-    tokens, start, before = _continue(model, tokenizer, prompts, settings["new_tokens"],
-                                      generate_batch, progress, split,
-                                      work / f"{split}.partial.safetensors", key)
-    hidden = _hidden_states(model, tokens, progress, split)
+    if corpus:  # teacher-forced: the text is the corpus's, the targets the model's argmax
+        rows = corpus_rows(tokenizer, split, n, settings["prompt_tokens"] + settings["new_tokens"],
+                           settings["seed"])
+        tokens, before = torch.tensor(rows, dtype=torch.int64), 0.0  # [N, L]
+        start = torch.ones(n, dtype=torch.int64)  # heads draft after every position
+    else:
+        prompts = make_prompts(tokenizer, split, n, settings["prompt_tokens"], settings["seed"],
+                               settings["chat"])
+        tokens, start, before = _continue(model, tokenizer, prompts, settings["new_tokens"],
+                                          generate_batch, progress, split,
+                                          work / f"{split}.partial.safetensors", key)
+    hidden, nxt = _hidden_states(model, tokens, progress, split, argmax=corpus)
     data = {"tokens": tokens, "start": start, "hidden": hidden}
+    if corpus:
+        data["next"] = nxt  # [N, L] the model's greedy token after each position
     seconds = before + time.perf_counter() - started  # an interrupted run's time counts too
     save_file(data, str(f), metadata={"settings": key, "seconds": f"{seconds:.3f}"})
     (work / f"{split}.partial.safetensors").unlink(missing_ok=True)
@@ -185,6 +209,27 @@ def make_prompts(tokenizer, split: str, n: int, length: int, seed: int, chat: bo
     out = code[:n - n_chat] + [chat_prompt(tok, text, q) for q in questions[:n_chat]]
     rng.shuffle(out)
     return out
+
+
+def corpus_rows(tokenizer, split: str, n: int, length: int, seed: int) -> list[list[int]]:
+    """``n`` chunks of ``length`` consecutive tokens of the corpus split's source files (the
+    ``data="corpus"`` rows: teacher-forced, no generation)."""
+    from rewriter.runtime.chat import split_tokenizer
+    tok, _ = split_tokenizer(tokenizer)
+    rng = random.Random(f"{seed}-{split}-rows")
+    docs = load_corpus(split)
+    rng.shuffle(docs)
+    rows = []
+    for _, source in docs:
+        ids = tok.encode(source).ids
+        rows += [ids[i:i + length] for i in range(0, len(ids) - length + 1, length)]
+        if len(rows) >= n:
+            break
+    if len(rows) < n:  # never fewer rows than asked
+        raise ValueError(f"train_heads: the {split} corpus gives {len(rows)} rows of {length} "
+                         f"tokens; {n} asked: ask for fewer prompts or shorter rows")
+    rng.shuffle(rows)
+    return rows[:n]
 
 
 def _questions(rel: str, source: str) -> list[str]:
@@ -270,10 +315,13 @@ def _partial_rows(path: Path, key: str) -> tuple[list, float]:
     return [r.tolist() for r in torch.split(flat, lengths.tolist())], seconds
 
 
-def _hidden_states(model, tokens: Tensor, progress: bool, split: str, chunk: int = 8) -> Tensor:
+def _hidden_states(model, tokens: Tensor, progress: bool, split: str, chunk: int = 8,
+                   argmax: bool = False) -> tuple[Tensor, Optional[Tensor]]:
     """The model's last hidden state (the LM head's input) at every position, ``[N, L, H]``
-    in bfloat16 (what the heads read; right padding only follows the real tokens)."""
-    out = []
+    in bfloat16 (what the heads read; right padding only follows the real tokens), and with
+    ``argmax`` the model's greedy next token at every position ``[N, L]`` (from the hidden
+    states before rounding), else None."""
+    out, nxt = [], []
     bar = _bar(progress, len(tokens), f"hidden states ({split})", "row")
     # the decoder alone: its last hidden state is the LM head's input (hidden_states[-1]),
     # without the vocabulary projection the full model would add (a fifth of SmolLM2's work)
@@ -284,9 +332,11 @@ def _hidden_states(model, tokens: Tensor, progress: bool, split: str, chunk: int
             h = (base(ids).last_hidden_state if base is not model
                  else model(ids, output_hidden_states=True).hidden_states[-1])
             out.append(h.to(torch.bfloat16).cpu())
+            if argmax:
+                nxt.append(model.get_output_embeddings()(h).argmax(-1).cpu())
             bar.update(len(ids))
     bar.close()
-    return torch.cat(out)
+    return torch.cat(out), torch.cat(nxt) if argmax else None
 
 
 # ---------------------------------------------------------------------------- training
@@ -299,12 +349,17 @@ def _samples(data: dict, num_heads: int) -> Tensor:
 
 
 def _targets(data: dict, pairs: Tensor, num_heads: int) -> Tensor:
-    """``[P, K]`` the token at ``t + k + 2`` for every head, -100 past a row's end."""
+    """``[P, K]`` the token at ``t + k + 2`` for every head, -100 past a row's end (corpus
+    rows: the model's greedy token after position ``t + k + 1``, where the text has its own)."""
     tokens = data["tokens"]
     length = tokens.shape[1]
     t = pairs[:, 1:2] + torch.arange(num_heads)[None] + 2  # [P, K]
     ok = t < data["end"][pairs[:, 0]][:, None]
-    got = tokens[pairs[:, :1].expand_as(t), t.clamp(max=length - 1)]
+    rows = pairs[:, :1].expand_as(t)
+    if "next" in data:
+        got = data["next"][rows, t.clamp(max=length - 1) - 1]
+    else:
+        got = tokens[rows, t.clamp(max=length - 1)]
     return torch.where(ok, got, torch.full_like(got, -100))
 
 
@@ -461,7 +516,10 @@ def _checkpoint(path: Path, params: list, opt, step: int, seconds: float, key: s
 
 def produced(data: dict, vocab: int) -> Tensor:
     """``[V]`` how often the model produced each token (its continuations only): the
-    draft vocabulary keeps the most frequent (VocabTrim)."""
+    draft vocabulary keeps the most frequent (VocabTrim). Corpus rows: its greedy token
+    after every position."""
+    if "next" in data:
+        return torch.bincount(data["next"].flatten(), minlength=vocab)[:vocab]
     tokens, start, end = data["tokens"], data["start"], data["end"]
     made = torch.cat([row[int(s):int(e)] for row, s, e in zip(tokens, start, end)])
     return torch.bincount(made, minlength=vocab)[:vocab]

@@ -42,7 +42,7 @@ def test_training_is_seeded_and_resumes_after_an_interruption(tmp_path, monkeypa
 def test_bad_training_parameters_are_refused(tmp_path):
     model, tok = default_model()
     for kw in ({"num_heads": 0}, {"num_heads": 9}, {"epochs": 0}, {"lr": 0}, {"lr": True},
-               {"new_tokens": 2}, {"prompts": 1.5}):
+               {"new_tokens": 2}, {"prompts": 1.5}, {"data": "web"}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             th.train_heads(model, tok, tmp_path / "x.safetensors", **{**SMALL, **kw})
 
@@ -52,6 +52,41 @@ def test_asking_for_more_prompts_than_the_corpus_holds_is_refused():
     assert len(th.make_prompts(tok, "heldout", 5, 16, 0, True)) == 5
     with pytest.raises(ValueError, match="heldout corpus gives .* ask for fewer prompts"):
         th.make_prompts(tok, "heldout", 10 ** 7, 16, 0, True)  # never silently fewer
+    assert len(th.corpus_rows(tok, "heldout", 5, 16, 0)) == 5
+    with pytest.raises(ValueError, match="heldout corpus gives .* rows of 16 tokens"):
+        th.corpus_rows(tok, "heldout", 10 ** 7, 16, 0)
+
+
+def test_corpus_rows_are_teacher_forced_with_the_models_own_tokens(tmp_path):
+    """``data="corpus"``: the corpus's text, and for head k at t the model's greedy token
+    after position t + k + 1 (masked past the row); the held-out set stays generated."""
+    from safetensors.torch import load_file
+    model, tok = default_model()
+    kw = {**SMALL, "arch": "hydra", "work_dir": tmp_path / "w"}
+    length = SMALL["prompt_tokens"] + SMALL["new_tokens"]
+    report = th.train_heads(model, tok, tmp_path / "c.safetensors", data="corpus", **kw)
+    assert report["data"] == "corpus" and report["steps"] > 3
+    d = load_file(tmp_path / "w" / "train.safetensors")
+    assert d["tokens"].tolist() == th.corpus_rows(tok, "train", 6, length, 0)  # not generated
+    with torch.inference_mode():
+        want = model(d["tokens"]).logits.argmax(-1)  # [6, L]
+    assert torch.equal(d["next"], want)
+    assert heads_file.load(tmp_path / "c.safetensors").counts.sum() == 6 * length
+    d["end"] = th._ends(d, SMALL["new_tokens"], {0, 1, 2})  # no end of sequence in text rows
+    assert (d["end"] == length).all()
+    pairs = th._samples(d, 2)
+    y, path = th._targets(d, pairs, 2), th._path(d, pairs, 2)
+    r, t = pairs[:, 0], pairs[:, 1]
+    assert t.min() == 0 and torch.equal(y[:, 0], want[r, t + 1])
+    assert torch.equal(path[:, 0], d["tokens"][r, t + 1])  # the path is the text
+    ok = t + 3 < length
+    assert torch.equal(y[ok, 1], want[r[ok], t[ok] + 2]) and bool((y[~ok, 1] == -100).all())
+    held = tmp_path / "w" / "heldout.safetensors"
+    assert "next" not in load_file(held)
+    before = held.stat().st_mtime_ns
+    th.train_heads(model, tok, tmp_path / "g.safetensors", **kw)  # generated: its own rows
+    assert held.stat().st_mtime_ns == before  # the same held-out set, not made again
+    assert "next" not in load_file(tmp_path / "w" / "train.safetensors")
 
 
 def test_the_cli_trains_heads(tmp_path, capsys):
@@ -207,7 +242,7 @@ def test_hidden_states_are_the_lm_heads_input(family):
     from conftest import make_model
     model = make_model(family).eval()
     tokens = torch.randint(0, model.config.vocab_size, (3, 11), generator=torch.Generator().manual_seed(0))
-    h = th._hidden_states(model, tokens, progress=False, split="train", chunk=3)  # [3, 11, H]
+    h, nxt = th._hidden_states(model, tokens, progress=False, split="train", chunk=3, argmax=True)
     with torch.inference_mode():
         full = model(tokens, output_hidden_states=True)
     assert h.dtype == torch.bfloat16 and h.shape == full.hidden_states[-1].shape
@@ -215,3 +250,4 @@ def test_hidden_states_are_the_lm_heads_input(family):
     lm = model.get_output_embeddings()
     with torch.inference_mode():
         assert torch.allclose(lm(h.float()), full.logits, atol=0.05 * full.logits.abs().max())
+    assert torch.equal(nxt, full.logits.argmax(-1))  # [3, 11]: corpus rows' targets
