@@ -149,8 +149,9 @@ def _dataset(model, tokenizer, work: Path, split: str, n: int, settings: dict,
     """(``{"tokens" [N, L], "start" [N], "hidden" [N, L, H]}``, the seconds making it took),
     cached in ``work``."""
     from safetensors.torch import load_file, save_file
-    f = work / f"{split}.safetensors"
     corpus = settings.get("data") == "corpus" and split == "train"  # held out: always generated
+    # a file of its own: a corpus run must not overwrite generated data that took hours
+    f = work / f"{split}-corpus.safetensors" if corpus else work / f"{split}.safetensors"
     key = json.dumps({**{k: v for k, v in settings.items() if k != "data" or corpus},
                       "split": split}, sort_keys=True)
     if f.is_file():
@@ -178,7 +179,8 @@ def _dataset(model, tokenizer, work: Path, split: str, n: int, settings: dict,
         data["next"] = nxt  # [N, L] the model's greedy token after each position
     seconds = before + time.perf_counter() - started  # an interrupted run's time counts too
     save_file(data, str(f), metadata={"settings": key, "seconds": f"{seconds:.3f}"})
-    (work / f"{split}.partial.safetensors").unlink(missing_ok=True)
+    if not corpus:  # an interrupted generation's rows are the generated mode's
+        (work / f"{split}.partial.safetensors").unlink(missing_ok=True)
     return data, seconds
 
 
@@ -219,12 +221,22 @@ def corpus_rows(tokenizer, split: str, n: int, length: int, seed: int) -> list[l
     rng = random.Random(f"{seed}-{split}-rows")
     docs = load_corpus(split)
     rng.shuffle(docs)
-    rows = []
-    for _, source in docs:
-        ids = tok.encode(source).ids
-        rows += [ids[i:i + length] for i in range(0, len(ids) - length + 1, length)]
-        if len(rows) >= n:
+    chunks: dict[int, list] = {}  # a file's rows, tokenized once
+    cap = -(-n // 64)  # rows per file: at least 64 files, while the corpus has them
+    while True:
+        rows = []
+        for i, (_, source) in enumerate(docs):
+            if i not in chunks:
+                ids = tok.encode(source).ids
+                chunks[i] = [ids[j:j + length] for j in range(0, len(ids) - length + 1, length)]
+            every = chunks[i]
+            step = max(1, len(every) // cap)
+            rows += every[::step][:cap]  # spread over the file
+            if len(rows) >= n:
+                break
+        if len(rows) >= n or all(len(c) <= cap for c in chunks.values()) and len(chunks) == len(docs):
             break
+        cap *= 2
     if len(rows) < n:  # never fewer rows than asked
         raise ValueError(f"train_heads: the {split} corpus gives {len(rows)} rows of {length} "
                          f"tokens; {n} asked: ask for fewer prompts or shorter rows")
@@ -332,8 +344,8 @@ def _hidden_states(model, tokens: Tensor, progress: bool, split: str, chunk: int
             h = (base(ids).last_hidden_state if base is not model
                  else model(ids, output_hidden_states=True).hidden_states[-1])
             out.append(h.to(torch.bfloat16).cpu())
-            if argmax:
-                nxt.append(model.get_output_embeddings()(h).argmax(-1).cpu())
+            if argmax:  # a row at a time: [L, V] logits, not [chunk, L, V]
+                nxt += [model.get_output_embeddings()(row).argmax(-1).cpu()[None] for row in h]
             bar.update(len(ids))
     bar.close()
     return torch.cat(out), torch.cat(nxt) if argmax else None

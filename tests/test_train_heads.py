@@ -1,5 +1,6 @@
 """Training draft heads: seeded, resumable after an interruption, a loadable file with
 rank accuracies and token counts, and the CLI."""
+import json
 import shutil
 
 import pytest
@@ -66,8 +67,10 @@ def test_corpus_rows_are_teacher_forced_with_the_models_own_tokens(tmp_path):
     length = SMALL["prompt_tokens"] + SMALL["new_tokens"]
     report = th.train_heads(model, tok, tmp_path / "c.safetensors", data="corpus", **kw)
     assert report["data"] == "corpus" and report["steps"] > 3
-    d = load_file(tmp_path / "w" / "train.safetensors")
+    d = load_file(tmp_path / "w" / "train-corpus.safetensors")
     assert d["tokens"].tolist() == th.corpus_rows(tok, "train", 6, length, 0)  # not generated
+    text = {tuple(r) for r in th.corpus_rows(tok, "train", 600, length, 0)}
+    assert all(tuple(r) in text for r in d["tokens"].tolist())  # rows of the source, whole
     with torch.inference_mode():
         want = model(d["tokens"]).logits.argmax(-1)  # [6, L]
     assert torch.equal(d["next"], want)
@@ -87,6 +90,15 @@ def test_corpus_rows_are_teacher_forced_with_the_models_own_tokens(tmp_path):
     th.train_heads(model, tok, tmp_path / "g.safetensors", **kw)  # generated: its own rows
     assert held.stat().st_mtime_ns == before  # the same held-out set, not made again
     assert "next" not in load_file(tmp_path / "w" / "train.safetensors")
+    assert (tmp_path / "w" / "train-corpus.safetensors").is_file()  # both modes' data kept
+    # the generated run trained its own heads (not the corpus run's checkpoint), under the
+    # keys caches made before the corpus mode have
+    assert not torch.equal(heads_file.load(tmp_path / "c.safetensors").w[0],
+                           heads_file.load(tmp_path / "g.safetensors").w[0])
+    from safetensors import safe_open
+    for name in ("train.safetensors", "checkpoint.safetensors"):
+        with safe_open(str(tmp_path / "w" / name), framework="pt") as f:
+            assert "data" not in json.loads(f.metadata()["settings"])
 
 
 def test_the_cli_trains_heads(tmp_path, capsys):
