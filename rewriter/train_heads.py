@@ -234,7 +234,8 @@ def corpus_rows(tokenizer, split: str, n: int, length: int, seed: int) -> list[l
             rows += every[::step][:cap]  # spread over the file
             if len(rows) >= n:
                 break
-        if len(rows) >= n or all(len(c) <= cap for c in chunks.values()) and len(chunks) == len(docs):
+        every_row = len(chunks) == len(docs) and all(len(c) <= cap for c in chunks.values())
+        if len(rows) >= n or every_row:  # enough, or the whole corpus is in
             break
         cap *= 2
     if len(rows) < n:  # never fewer rows than asked
