@@ -164,9 +164,13 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--loss", choices=LOSSES, default="tokens",
                    help="teacher: learn the model's whole next-token distribution (Hydra++)")
-    t.add_argument("--data", choices=("generated", "corpus"), default="generated",
+    t.add_argument("--data", choices=("generated", "corpus", "mixed"), default="generated",
                    help="corpus: teacher-forced rows of source text, the model's own greedy "
-                        "tokens as targets, no generation (much faster to make)")
+                        "tokens as targets, no generation (much faster to make); mixed: the "
+                        "generated continuations and corpus rows together")
+    t.add_argument("--rows", type=int, default=None,
+                   help="--data mixed: corpus rows beside the --prompts generated prompts "
+                        "(default: as many)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--generate-batch", type=int, default=32,
                    help="prompts continued at once while making the data")
@@ -214,7 +218,7 @@ def cmd_train_heads(args) -> int:
     report = train_heads(model.to(device), tokenizer, args.out, num_heads=args.num_heads,
                          prompts=args.prompts, new_tokens=args.new_tokens, epochs=args.epochs,
                          lr=args.lr, seed=args.seed, progress=_bars(), arch=args.arch,
-                         loss=args.loss, work_dir=args.work_dir, data=args.data,
+                         loss=args.loss, work_dir=args.work_dir, data=args.data, rows=args.rows,
                          generate_batch=args.generate_batch)
     print(json.dumps(report, indent=1))
     return 0

@@ -12,7 +12,9 @@
    this is the same target, the model's choice after the path it is given, at the cost of
    a prefill instead of a generation; Medusa's heads skip the path and learn the corpus's
    path instead of the model's. The held-out set stays generated text, so the accuracies
-   (and the trees chosen from them) mean the same for both.
+   (and the trees chosen from them) mean the same for both. ``data="mixed"`` trains on
+   both: the generated continuations of ``prompts`` prompts and ``rows`` corpus rows, each
+   cached as its own mode caches it (a mixed run reuses a generated run's data).
 2. **Hidden states**, computed once with the model (its last hidden state, the LM head's
    input) and cached in ``work_dir`` with the tokens: a resumed run reuses both.
 3. **Training**: only the heads' residual blocks learn; the LM head is shared and frozen.
@@ -49,7 +51,7 @@ RANKS = 10  # rank accuracies stored per head
 CHECKPOINT_EVERY = 200  # steps
 DECAY = 0.8
 LOSSES = ("tokens", "teacher")
-DATA = ("generated", "corpus")
+DATA = ("generated", "corpus", "mixed")
 
 
 def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int = 4,
@@ -57,21 +59,27 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
                 new_tokens: int = 96, epochs: int = 2, lr: float = 1e-3, batch: int = 256,
                 seed: int = 0, work_dir: Optional[Union[str, os.PathLike]] = None,
                 generate_batch: int = 32, progress: bool = True, chat: bool = True,
-                arch: str = "medusa", loss: str = "tokens", data: str = "generated") -> dict:
+                arch: str = "medusa", loss: str = "tokens", data: str = "generated",
+                rows: Optional[int] = None) -> dict:
     """Train heads for ``model`` (a Hugging Face causal LM, frozen) and write them to ``out``
     (``rewriter.heads`` format); returns what was done and measured. ``arch``: "medusa"
-    or "hydra"; ``loss``: "tokens" or "teacher"; ``data``: "generated" or "corpus" (see the
-    module's docstring)."""
+    or "hydra"; ``loss``: "tokens" or "teacher"; ``data``: "generated", "corpus" or "mixed"
+    (see the module's docstring; ``rows``: a mixed run's corpus rows, default ``prompts``)."""
     if arch not in heads_file.ARCHS:
         raise ValueError(f"train_heads: arch must be one of {heads_file.ARCHS}, got {arch!r}")
     if data not in DATA:
         raise ValueError(f"train_heads: data must be one of {DATA}, got {data!r}")
+    if rows is not None and data != "mixed":
+        raise ValueError(f"train_heads: rows counts the corpus rows of data='mixed' (data="
+                         f"'corpus' takes its rows from prompts), got rows={rows!r} with "
+                         f"data={data!r}")
+    rows = prompts if rows is None else rows
     if loss not in LOSSES:
         raise ValueError(f"train_heads: loss must be one of {LOSSES}, got {loss!r}")
     if type(num_heads) is not int or not 1 <= num_heads <= heads_file.MAX_HEADS:
         raise ValueError(f"train_heads: num_heads must be an int in [1, {heads_file.MAX_HEADS}], "
                          f"got {num_heads!r}")
-    for name, v, low in ( ("prompts", prompts, 1),
+    for name, v, low in (("prompts", prompts, 1), ("rows", rows, 1),
                          ("heldout_prompts", heldout_prompts, 1), ("prompt_tokens", prompt_tokens, 2),
                          ("new_tokens", new_tokens, num_heads + 2), ("epochs", epochs, 1),
                          ("batch", batch, 1), ("generate_batch", generate_batch, 1)):
@@ -90,12 +98,21 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
     settings["model"] = fingerprint(model)
     if data != "generated":  # caches made before the corpus mode keep their key
         settings["data"] = data
-    sets, data_seconds = {}, 0.0
+    if data == "mixed":
+        settings["rows"] = rows
+    sets, data_seconds, counts = {}, 0.0, torch.zeros(lm_head.shape[0], dtype=torch.int64)
     for split, n in (("train", prompts), ("heldout", heldout_prompts)):
-        sets[split], seconds = _dataset(model, tokenizer, work, split, n, settings, generate_batch,
-                                        progress)
-        sets[split]["end"] = _ends(sets[split], new_tokens, _eos_ids(model, tokenizer))
-        data_seconds = None if seconds is None or data_seconds is None else data_seconds + seconds
+        parts = []
+        for kind, count in _parts(data if split == "train" else "generated", n, rows):
+            part, seconds = _dataset(model, tokenizer, work, split, count,
+                                     _part_settings(settings, kind, count), generate_batch,
+                                     progress)
+            part["end"] = _ends(part, new_tokens, _eos_ids(model, tokenizer))
+            if split == "train":
+                counts += produced(part, lm_head.shape[0])
+            parts.append(part)
+            data_seconds = None if seconds is None or data_seconds is None else data_seconds + seconds
+        sets[split] = parts[0] if len(parts) == 1 else _merge(parts)
     w, b, trained = _train(sets["train"], lm_head, embed, num_heads, epochs, lr, batch, seed,
                            work, settings, progress, loss)
     accuracy = rank_accuracy(sets["heldout"], lm_head, w, b, embed)
@@ -107,7 +124,7 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
               "device": str(lm_head.device), "arch": arch, "loss": loss, "data": data}
     w = [t.to(torch.bfloat16) for t in w] if arch == "hydra" else w.to(torch.bfloat16)
     heads_file.Heads(w, b.to(torch.bfloat16), lm_head.shape[0], heads_file.probe_of(lm_head),
-                     accuracy, report, produced(sets["train"], lm_head.shape[0]), arch).save(out)
+                     accuracy, report, counts, arch).save(out)
     return report
 
 
@@ -117,6 +134,43 @@ def fingerprint(model) -> dict:
     first weights."""
     lm = model.get_output_embeddings().weight.detach()
     return {"shape": list(lm.shape), "dtype": str(lm.dtype), "probe": heads_file.probe_of(lm)}
+
+
+def _parts(data: str, n: int, rows: int) -> list:
+    """The kinds of data a split is made of, with their counts: ``[(kind, count)]``."""
+    if data == "mixed":
+        return [("generated", n), ("corpus", rows)]
+    return [(data, n)]
+
+
+def _part_settings(settings: dict, kind: str, count: int) -> dict:
+    """The settings one kind of data is cached under: those of a run of that mode alone,
+    so a mixed run reuses what a generated or corpus run made (and the reverse)."""
+    s = {k: v for k, v in settings.items() if k not in ("data", "rows")}
+    if kind == "corpus":
+        s.update(data="corpus", prompts=count)
+    return s
+
+
+def _merge(parts: list) -> dict:
+    """One training set of several: rows right-padded to one width (``[N, L]``, hidden
+    ``[N, L, H]``), every row's targets read from ``next`` (a generated row's greedy token
+    after position ``t`` is its own text at ``t + 1``)."""
+    width = max(p["tokens"].shape[1] for p in parts)
+    out = {k: [] for k in ("tokens", "next", "hidden", "start", "end")}
+    for p in parts:
+        tokens = p["tokens"]  # [n, l]
+        nxt = p.get("next")
+        if nxt is None:
+            nxt = torch.zeros_like(tokens)
+            nxt[:, :-1] = tokens[:, 1:]
+        pad = width - tokens.shape[1]
+        out["tokens"].append(torch.nn.functional.pad(tokens, (0, pad)))
+        out["next"].append(torch.nn.functional.pad(nxt, (0, pad)))
+        out["hidden"].append(torch.nn.functional.pad(p["hidden"], (0, 0, 0, pad)))  # [n, L, H]
+        out["start"].append(p["start"])
+        out["end"].append(p["end"])
+    return {k: torch.cat(v) for k, v in out.items()}
 
 
 def _eos_ids(model, tokenizer) -> set:
@@ -152,7 +206,10 @@ def _dataset(model, tokenizer, work: Path, split: str, n: int, settings: dict,
     corpus = settings.get("data") == "corpus" and split == "train"  # held out: always generated
     # a file of its own: a corpus run must not overwrite generated data that took hours
     f = work / f"{split}-corpus.safetensors" if corpus else work / f"{split}.safetensors"
-    key = json.dumps({**{k: v for k, v in settings.items() if k != "data" or corpus},
+    # the held-out set is the same whatever the training data: one cache for every run
+    drop = {"data"} if not corpus else set()
+    drop |= {"prompts"} if split == "heldout" else set()
+    key = json.dumps({**{k: v for k, v in settings.items() if k not in drop},
                       "split": split}, sort_keys=True)
     if f.is_file():
         from safetensors import safe_open

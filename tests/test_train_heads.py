@@ -101,6 +101,49 @@ def test_corpus_rows_are_teacher_forced_with_the_models_own_tokens(tmp_path):
             assert "data" not in json.loads(f.metadata()["settings"])
 
 
+def test_mixed_data_is_the_generated_rows_and_the_corpus_rows_each_mode_made(tmp_path):
+    """``data="mixed"``: the rows a generated run and a corpus run cache, reused (not made
+    again), trained on together with the same targets each mode gives its rows."""
+    from safetensors.torch import load_file
+    model, tok = default_model()
+    kw = {**SMALL, "arch": "hydra", "work_dir": tmp_path / "w"}
+    th.train_heads(model, tok, tmp_path / "g.safetensors", **kw)
+    th.train_heads(model, tok, tmp_path / "c.safetensors", data="corpus", **{**kw, "prompts": 4})
+    files = [tmp_path / "w" / f for f in ("train.safetensors", "train-corpus.safetensors",
+                                          "heldout.safetensors")]
+    before = [f.stat().st_mtime_ns for f in files]
+    report = th.train_heads(model, tok, tmp_path / "m.safetensors", data="mixed", rows=4, **kw)
+    assert [f.stat().st_mtime_ns for f in files] == before  # each mode's cache reused
+    gen, cor = (load_file(f) for f in files[:2])
+    assert report["data"] == "mixed" and report["settings"]["rows"] == 4
+    m = heads_file.load(tmp_path / "m.safetensors")
+    assert m.counts.sum() == 6 * 8 + 4 * 24  # generated tokens + every corpus position
+    # the merged set's targets and paths are each part's own
+    eos = th._eos_ids(model, tok)
+    parts = []
+    for d in (gen, cor):
+        d["end"] = th._ends(d, SMALL["new_tokens"], eos)
+        parts.append(d)
+    merged = th._merge(parts)
+    assert merged["tokens"].shape[0] == 10 and merged["hidden"].shape[:2] == merged["tokens"].shape
+    pm, pg, pc = (th._samples(d, 2) for d in (merged, gen, cor))
+    assert len(pm) == len(pg) + len(pc) == report["positions"]
+    for part, pp, offset in ((gen, pg, 0), (cor, pc, 6)):
+        mine = torch.isin(pm[:, 0], torch.arange(offset, offset + len(part["start"])))
+        shifted = pm[mine] - torch.tensor([offset, 0])
+        assert torch.equal(shifted, pp)
+        assert torch.equal(th._targets(merged, pm[mine], 2), th._targets(part, pp, 2))
+        assert torch.equal(th._path(merged, pm[mine], 2), th._path(part, pp, 2))
+        h = merged["hidden"][pm[mine][:, 0], pm[mine][:, 1]]
+        assert torch.equal(h, part["hidden"][pp[:, 0], pp[:, 1]])
+    # its own checkpoint: not the generated or corpus run's heads
+    assert not torch.equal(m.w[0], heads_file.load(tmp_path / "g.safetensors").w[0])
+    with pytest.raises(ValueError, match="rows counts the corpus rows of data='mixed'"):
+        th.train_heads(model, tok, tmp_path / "x.safetensors", rows=4, **kw)
+    with pytest.raises(ValueError, match="rows must be an int >= 1"):
+        th.train_heads(model, tok, tmp_path / "x.safetensors", data="mixed", rows=0, **kw)
+
+
 def test_the_cli_trains_heads(tmp_path, capsys):
     from rewriter.cli import main
     out = tmp_path / "h.safetensors"
