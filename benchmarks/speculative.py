@@ -60,12 +60,30 @@ from rewriter.tree import MAX_NODES, Tree, choose_tree, expected_tokens
 
 
 def code_prompts(tok, n: int, length: int) -> list[list[int]]:
+    """``n`` consecutive chunks of ``length`` tokens from the first held-out files (the
+    calibration's prompts)."""
     ids: list[int] = []
     for _, text in load_corpus("heldout"):
         ids += tok.encode(text).ids
         if len(ids) >= (n + 2) * length:
             break
     return [ids[i * length:(i + 1) * length] for i in range(n)]
+
+
+def spread_code_prompts(tok, n: int, length: int) -> list[list[int]]:
+    """``n`` chunks of ``length`` tokens, one per held-out file in turn (files of at least
+    twice that), each pass over the files at another point of them (the first at their
+    middle): consecutive chunks of the first files were mostly one file's text, so what
+    the heads guessed there said more about that file than about code."""
+    files = [ids for _, text in load_corpus("heldout")
+             if len(ids := tok.encode(text).ids) >= 2 * length]
+    passes = -(-n // len(files))
+    out = []
+    for i in range(n):
+        ids, j = files[i % len(files)], i // len(files)  # j-th pass: at (j + 1) / (passes + 1)
+        at = (len(ids) - length) * (j + 1) // (passes + 1)
+        out.append(ids[at:at + length])
+    return out
 
 
 def timed(engine, batches, new: int, runs: int = 3, eos: bool = False):
@@ -351,9 +369,11 @@ def load(name: str):
 
 
 def prompt_sets(plain, tok, batch: int, samples: int) -> dict:
-    """Per kind, ``samples`` batches of ``batch`` prompts: distinct code chunks; chat
+    """Per kind, ``samples`` batches of ``batch`` prompts: distinct code chunks of distinct
+    files (the figures recorded before 2026-11-24's "mixed data" section used consecutive
+    chunks of the first files, ``code_prompts``); chat
     questions, as many distinct batches as there are questions for."""
-    code = code_prompts(tok, batch * samples, 128)
+    code = spread_code_prompts(tok, batch * samples, 128)
     sets = {"code": [code[i * batch:(i + 1) * batch] for i in range(samples)]}
     if plain.text.chat_template is not None:
         n = max(1, min(samples, len(CHAT_PROMPTS) // batch))

@@ -171,6 +171,9 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--rows", type=int, default=None,
                    help="--data mixed: corpus rows beside the --prompts generated prompts "
                         "(default: as many)")
+    t.add_argument("--questions", type=int, default=0,
+                   help="--data mixed: chat questions the model asks itself (Magpie) and "
+                        "answers, beside the prompts and rows")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--generate-batch", type=int, default=32,
                    help="prompts continued at once while making the data")
@@ -219,6 +222,7 @@ def cmd_train_heads(args) -> int:
                          prompts=args.prompts, new_tokens=args.new_tokens, epochs=args.epochs,
                          lr=args.lr, seed=args.seed, progress=_bars(), arch=args.arch,
                          loss=args.loss, work_dir=args.work_dir, data=args.data, rows=args.rows,
+                         questions=args.questions,
                          generate_batch=args.generate_batch)
     print(json.dumps(report, indent=1))
     return 0

@@ -14,7 +14,11 @@
    path instead of the model's. The held-out set stays generated text, so the accuracies
    (and the trees chosen from them) mean the same for both. ``data="mixed"`` trains on
    both: the generated continuations of ``prompts`` prompts and ``rows`` corpus rows, each
-   cached as its own mode caches it (a mixed run reuses a generated run's data).
+   cached as its own mode caches it (a mixed run reuses a generated run's data), and with
+   ``questions`` also chat questions the model asks itself (Magpie: it is given the chat
+   template's text up to a user message and writes the message, sampled), answered
+   greedily like the other prompts: chat text in the model's own distribution, where the
+   corpus's questions are all about its code.
 2. **Hidden states**, computed once with the model (its last hidden state, the LM head's
    input) and cached in ``work_dir`` with the tokens: a resumed run reuses both.
 3. **Training**: only the heads' residual blocks learn; the LM head is shared and frozen.
@@ -60,11 +64,12 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
                 seed: int = 0, work_dir: Optional[Union[str, os.PathLike]] = None,
                 generate_batch: int = 32, progress: bool = True, chat: bool = True,
                 arch: str = "medusa", loss: str = "tokens", data: str = "generated",
-                rows: Optional[int] = None) -> dict:
+                rows: Optional[int] = None, questions: int = 0) -> dict:
     """Train heads for ``model`` (a Hugging Face causal LM, frozen) and write them to ``out``
     (``rewriter.heads`` format); returns what was done and measured. ``arch``: "medusa"
     or "hydra"; ``loss``: "tokens" or "teacher"; ``data``: "generated", "corpus" or "mixed"
-    (see the module's docstring; ``rows``: a mixed run's corpus rows, default ``prompts``)."""
+    (see the module's docstring; ``rows``: a mixed run's corpus rows, default ``prompts``;
+    ``questions``: a mixed run's self-asked chat questions)."""
     if arch not in heads_file.ARCHS:
         raise ValueError(f"train_heads: arch must be one of {heads_file.ARCHS}, got {arch!r}")
     if data not in DATA:
@@ -73,13 +78,16 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
         raise ValueError(f"train_heads: rows counts the corpus rows of data='mixed' (data="
                          f"'corpus' takes its rows from prompts), got rows={rows!r} with "
                          f"data={data!r}")
+    if questions and data != "mixed":
+        raise ValueError(f"train_heads: questions (self-asked chat questions) are part of "
+                         f"data='mixed', got questions={questions!r} with data={data!r}")
     rows = prompts if rows is None else rows
     if loss not in LOSSES:
         raise ValueError(f"train_heads: loss must be one of {LOSSES}, got {loss!r}")
     if type(num_heads) is not int or not 1 <= num_heads <= heads_file.MAX_HEADS:
         raise ValueError(f"train_heads: num_heads must be an int in [1, {heads_file.MAX_HEADS}], "
                          f"got {num_heads!r}")
-    for name, v, low in (("prompts", prompts, 1), ("rows", rows, 1),
+    for name, v, low in (("prompts", prompts, 1), ("rows", rows, 1), ("questions", questions, 0),
                          ("heldout_prompts", heldout_prompts, 1), ("prompt_tokens", prompt_tokens, 2),
                          ("new_tokens", new_tokens, num_heads + 2), ("epochs", epochs, 1),
                          ("batch", batch, 1), ("generate_batch", generate_batch, 1)):
@@ -100,10 +108,12 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
         settings["data"] = data
     if data == "mixed":
         settings["rows"] = rows
+        if questions:  # mixed runs from before questions keep their key
+            settings["questions"] = questions
     sets, data_seconds, counts = {}, 0.0, torch.zeros(lm_head.shape[0], dtype=torch.int64)
     for split, n in (("train", prompts), ("heldout", heldout_prompts)):
         parts = []
-        for kind, count in _parts(data if split == "train" else "generated", n, rows):
+        for kind, count in _parts(data if split == "train" else "generated", n, rows, questions):
             part, seconds = _dataset(model, tokenizer, work, split, count,
                                      _part_settings(settings, kind, count), generate_batch,
                                      progress)
@@ -136,19 +146,19 @@ def fingerprint(model) -> dict:
     return {"shape": list(lm.shape), "dtype": str(lm.dtype), "probe": heads_file.probe_of(lm)}
 
 
-def _parts(data: str, n: int, rows: int) -> list:
+def _parts(data: str, n: int, rows: int, questions: int = 0) -> list:
     """The kinds of data a split is made of, with their counts: ``[(kind, count)]``."""
     if data == "mixed":
-        return [("generated", n), ("corpus", rows)]
+        return [("generated", n), ("corpus", rows)] + ([("magpie", questions)] if questions else [])
     return [(data, n)]
 
 
 def _part_settings(settings: dict, kind: str, count: int) -> dict:
     """The settings one kind of data is cached under: those of a run of that mode alone,
     so a mixed run reuses what a generated or corpus run made (and the reverse)."""
-    s = {k: v for k, v in settings.items() if k not in ("data", "rows")}
-    if kind == "corpus":
-        s.update(data="corpus", prompts=count)
+    s = {k: v for k, v in settings.items() if k not in ("data", "rows", "questions")}
+    if kind != "generated":
+        s.update(data=kind, prompts=count)
     return s
 
 
@@ -203,11 +213,13 @@ def _dataset(model, tokenizer, work: Path, split: str, n: int, settings: dict,
     """(``{"tokens" [N, L], "start" [N], "hidden" [N, L, H]}``, the seconds making it took),
     cached in ``work``."""
     from safetensors.torch import load_file, save_file
-    corpus = settings.get("data") == "corpus" and split == "train"  # held out: always generated
+    kind = settings.get("data", "generated") if split == "train" else "generated"
+    corpus = kind == "corpus"  # held out: always generated
     # a file of its own: a corpus run must not overwrite generated data that took hours
-    f = work / f"{split}-corpus.safetensors" if corpus else work / f"{split}.safetensors"
+    own = "" if kind == "generated" else f"-{kind}"
+    f = work / f"{split}{own}.safetensors"
     # the held-out set is the same whatever the training data: one cache for every run
-    drop = {"data"} if not corpus else set()
+    drop = {"data"} if kind == "generated" else set()
     drop |= {"prompts"} if split == "heldout" else set()
     key = json.dumps({**{k: v for k, v in settings.items() if k not in drop},
                       "split": split}, sort_keys=True)
@@ -225,19 +237,22 @@ def _dataset(model, tokenizer, work: Path, split: str, n: int, settings: dict,
         tokens, before = torch.tensor(rows, dtype=torch.int64), 0.0  # [N, L]
         start = torch.ones(n, dtype=torch.int64)  # heads draft after every position
     else:
-        prompts = make_prompts(tokenizer, split, n, settings["prompt_tokens"], settings["seed"],
-                               settings["chat"])
+        if kind == "magpie":
+            prompts = self_asked(model, tokenizer, n, settings["seed"], generate_batch, progress)
+        else:
+            prompts = make_prompts(tokenizer, split, n, settings["prompt_tokens"],
+                                   settings["seed"], settings["chat"])
         tokens, start, before = _continue(model, tokenizer, prompts, settings["new_tokens"],
                                           generate_batch, progress, split,
-                                          work / f"{split}.partial.safetensors", key)
+                                          work / f"{split}{own}.partial.safetensors", key)
     hidden, nxt = _hidden_states(model, tokens, progress, split, argmax=corpus)
     data = {"tokens": tokens, "start": start, "hidden": hidden}
     if corpus:
         data["next"] = nxt  # [N, L] the model's greedy token after each position
     seconds = before + time.perf_counter() - started  # an interrupted run's time counts too
     save_file(data, str(f), metadata={"settings": key, "seconds": f"{seconds:.3f}"})
-    if not corpus:  # an interrupted generation's rows are the generated mode's
-        (work / f"{split}.partial.safetensors").unlink(missing_ok=True)
+    if not corpus:  # an interrupted generation's rows: this kind's own
+        (work / f"{split}{own}.partial.safetensors").unlink(missing_ok=True)
     return data, seconds
 
 
@@ -267,6 +282,51 @@ def make_prompts(tokenizer, split: str, n: int, length: int, seed: int, chat: bo
                          f"need {n - n_chat} and {n_chat}: ask for fewer prompts")
     out = code[:n - n_chat] + [chat_prompt(tok, text, q) for q in questions[:n_chat]]
     rng.shuffle(out)
+    return out
+
+
+QUESTION_TOKENS = 64  # a self-asked question longer than this is dropped
+
+
+def self_asked(model, tokenizer, n: int, seed: int, generate_batch: int = 32,
+               progress: bool = False) -> list[list[int]]:
+    """``n`` chat prompts whose user message the model wrote itself (Magpie): sampled
+    (temperature 1, top-p 0.95, seeded) after the chat template's text up to a user
+    message, kept when it ends its turn within ``QUESTION_TOKENS`` tokens and is new."""
+    import rewriter
+    from rewriter.runtime.chat import chat_prompt, render, split_tokenizer
+    tok, text = split_tokenizer(tokenizer)
+    if text.chat_template is None:
+        raise ValueError("train_heads: self-asked questions need a chat template; this "
+                         "tokenizer has none")
+    mark = "\u2063QUESTION\u2063"  # where the user's message goes
+    rendered = render(text, [{"role": "user", "content": mark}], add_generation_prompt=False)
+    if rendered.count(mark) != 1:
+        raise ValueError("train_heads: the chat template does not show the user's message "
+                         "once: cannot ask the model for one")
+    prefix = tok.encode(rendered[:rendered.index(mark)], add_special_tokens=False).ids
+    eos = _eos_ids(model, tokenizer)
+    if not eos:
+        raise ValueError("train_heads: self-asked questions need an end-of-sequence token")
+    engine = rewriter.optimize(model)
+    seen, out, tries = set(), [], 0
+    bar = _bar(progress, n, "self-asked questions", "question")
+    while len(out) < n:
+        if tries >= 4 * n:  # a model that never ends its turn, or repeats itself
+            raise ValueError(f"train_heads: the model asked {len(out)} distinct questions of "
+                             f"at most {QUESTION_TOKENS} tokens in {tries} tries; {n} asked")
+        made = engine.generate([prefix] * generate_batch, max_new_tokens=QUESTION_TOKENS,
+                               do_sample=True, temperature=1.0, top_p=0.95,
+                               seed=seed * 1_000_003 + tries, eos_token_id=sorted(eos))
+        tries += generate_batch
+        for row in made[:, len(prefix):].tolist():
+            ends = [i for i, t in enumerate(row) if t in eos]
+            q = tok.decode(row[:ends[0]], skip_special_tokens=True).strip() if ends else ""
+            if q and q not in seen and len(out) < n:
+                seen.add(q)
+                out.append(chat_prompt(tok, text, q))
+                bar.update(1)
+    bar.close()
     return out
 
 

@@ -144,6 +144,74 @@ def test_mixed_data_is_the_generated_rows_and_the_corpus_rows_each_mode_made(tmp
         th.train_heads(model, tok, tmp_path / "x.safetensors", data="mixed", rows=0, **kw)
 
 
+class _Templated:
+    """The default model's tokenizer with a chat template (it has none)."""
+    chat_template = ("{% for m in messages %}User: {{ m.content }}\n{% endfor %}"
+                     "{% if add_generation_prompt %}Assistant:{% endif %}")
+
+    def __init__(self, tok):
+        self.backend_tokenizer = getattr(tok, "backend_tokenizer", tok)
+
+
+def _turns_end_at_full_stops(monkeypatch, tok):
+    """The default model has no end of turn and rarely writes its end of sequence within a
+    question's length: a full stop ends its turns here."""
+    stop = _Templated(tok).backend_tokenizer.token_to_id(".")
+    assert stop is not None
+    monkeypatch.setattr(th, "_eos_ids", lambda model, tokenizer: {stop})
+
+
+def test_self_asked_questions_are_the_models_own_chat_prompts(tmp_path, monkeypatch):
+    """Magpie: the model writes the user's message after the template's text before it;
+    seeded; distinct; refused by name without a template or when the model never ends."""
+    from rewriter.runtime.chat import chat_prompt, split_tokenizer
+    model, tok = default_model()
+    _turns_end_at_full_stops(monkeypatch, tok)
+    chat = _Templated(tok)
+    backend, text = split_tokenizer(chat)
+    prompts = th.self_asked(model, chat, 3, seed=0, generate_batch=8)
+    again = th.self_asked(model, chat, 3, seed=0, generate_batch=8)
+    assert prompts == again and len({tuple(p) for p in prompts}) == 3
+    assert prompts != th.self_asked(model, chat, 3, seed=1, generate_batch=8)
+    for p in prompts:
+        shown = backend.decode(p)
+        assert shown.startswith("User: ") and shown.endswith("Assistant:")
+        q = shown.removeprefix("User: ").removesuffix("\nAssistant:").strip()
+        assert q and p == chat_prompt(backend, text, q)  # the question, as chat lays it out
+    with pytest.raises(ValueError, match="need a chat template"):
+        th.self_asked(model, tok, 3, seed=0)
+    monkeypatch.setattr(th, "QUESTION_TOKENS", 1)  # no room to end a question: none kept
+    with pytest.raises(ValueError, match="asked 0 distinct questions .* in 8 tries"):
+        th.self_asked(model, chat, 2, seed=0, generate_batch=8)
+
+
+def test_mixed_data_with_self_asked_questions(tmp_path, monkeypatch):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    model, tok = default_model()
+    _turns_end_at_full_stops(monkeypatch, tok)
+    chat = _Templated(tok)
+    kw = {**SMALL, "arch": "hydra", "work_dir": tmp_path / "w"}
+    report = th.train_heads(model, chat, tmp_path / "q.safetensors", data="mixed", rows=2,
+                            questions=3, **kw)
+    assert report["settings"]["questions"] == 3
+    magpie = load_file(tmp_path / "w" / "train-magpie.safetensors")
+    assert len(magpie["tokens"]) == 3 and "next" not in magpie
+    magpie["end"] = th._ends(magpie, SMALL["new_tokens"], th._eos_ids(model, tok))
+    answers = int((magpie["end"] - magpie["start"]).sum())
+    assert 3 <= answers <= 3 * SMALL["new_tokens"]
+    gen = load_file(tmp_path / "w" / "train.safetensors")
+    assert len(gen["tokens"]) == 6 and bool((gen["start"] > 0).all())
+    assert report["positions"] == sum(len(th._samples(d, 2)) for d in (
+        {**gen, "end": th._ends(gen, SMALL["new_tokens"], th._eos_ids(model, tok))},
+        {**load_file(tmp_path / "w" / "train-corpus.safetensors"), "end": torch.tensor([24, 24])},
+        magpie))
+    with safe_open(str(tmp_path / "w" / "train-magpie.safetensors"), framework="pt") as f:
+        assert json.loads(f.metadata()["settings"])["data"] == "magpie"
+    with pytest.raises(ValueError, match="questions .* are part of data='mixed'"):
+        th.train_heads(model, chat, tmp_path / "x.safetensors", questions=3, **kw)
+
+
 def test_the_cli_trains_heads(tmp_path, capsys):
     from rewriter.cli import main
     out = tmp_path / "h.safetensors"
