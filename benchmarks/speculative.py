@@ -73,10 +73,13 @@ def code_prompts(tok, n: int, length: int) -> list[list[int]]:
 def spread_code_prompts(tok, n: int, length: int) -> list[list[int]]:
     """``n`` chunks of ``length`` tokens, one per held-out file in turn (files of at least
     twice that), each pass over the files at another point of them (the first at their
-    middle): consecutive chunks of the first files were mostly one file's text, so what
-    the heads guessed there said more about that file than about code."""
+    middle; with more prompts than files, a short file's chunks may overlap): consecutive
+    chunks of the first files were mostly one file's text, so what the heads guessed
+    there said more about that file than about code."""
     files = [ids for _, text in load_corpus("heldout")
              if len(ids := tok.encode(text).ids) >= 2 * length]
+    if not files:
+        raise SystemExit(f"no held-out file has {2 * length} tokens for a code prompt")
     passes = -(-n // len(files))
     out = []
     for i in range(n):
@@ -369,9 +372,10 @@ def load(name: str):
 
 
 def prompt_sets(plain, tok, batch: int, samples: int) -> dict:
-    """Per kind, ``samples`` batches of ``batch`` prompts: distinct code chunks of distinct
-    files (the figures recorded before 2026-11-24's "mixed data" section used consecutive
-    chunks of the first files, ``code_prompts``); chat
+    """Per kind, ``samples`` batches of ``batch`` prompts: code chunks of distinct files
+    while there are files enough (docs/benchmarks.md's figures before its section "Mixed
+    data, self-asked questions, and code prompts from every held-out file" used
+    consecutive chunks of the first files, ``code_prompts``); chat
     questions, as many distinct batches as there are questions for."""
     code = spread_code_prompts(tok, batch * samples, 128)
     sets = {"code": [code[i * batch:(i + 1) * batch] for i in range(samples)]}

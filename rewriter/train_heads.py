@@ -82,6 +82,8 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
         raise ValueError(f"train_heads: questions (self-asked chat questions) are part of "
                          f"data='mixed', got questions={questions!r} with data={data!r}")
     rows = prompts if rows is None else rows
+    if questions:  # before hours of other data are made
+        question_prefix(model, tokenizer)
     if loss not in LOSSES:
         raise ValueError(f"train_heads: loss must be one of {LOSSES}, got {loss!r}")
     if type(num_heads) is not int or not 1 <= num_heads <= heads_file.MAX_HEADS:
@@ -163,24 +165,31 @@ def _part_settings(settings: dict, kind: str, count: int) -> dict:
 
 
 def _merge(parts: list) -> dict:
-    """One training set of several: rows right-padded to one width (``[N, L]``, hidden
-    ``[N, L, H]``), every row's targets read from ``next`` (a generated row's greedy token
-    after position ``t`` is its own text at ``t + 1``)."""
+    """One training set of several, each with its ``end`` already: rows right-padded to one
+    width (``[N, L]``, hidden ``[N, L, H]``), every row's targets read from ``next`` (a
+    generated row's greedy token after position ``t`` is its own text at ``t + 1``). Every
+    row has ``next``, so ``_ends`` and ``produced`` must be applied to the parts, not to
+    the merged set. The hidden states are copied part by part into one tensor."""
     width = max(p["tokens"].shape[1] for p in parts)
-    out = {k: [] for k in ("tokens", "next", "hidden", "start", "end")}
+    n = sum(len(p["tokens"]) for p in parts)
+    first = parts[0]["hidden"]
+    out = {"tokens": torch.zeros(n, width, dtype=torch.int64),
+           "next": torch.zeros(n, width, dtype=torch.int64),
+           "hidden": torch.zeros(n, width, first.shape[2], dtype=first.dtype),
+           "start": torch.cat([p["start"] for p in parts]),
+           "end": torch.cat([p["end"] for p in parts])}
+    r = 0
     for p in parts:
-        tokens = p["tokens"]  # [n, l]
-        nxt = p.get("next")
-        if nxt is None:
-            nxt = torch.zeros_like(tokens)
-            nxt[:, :-1] = tokens[:, 1:]
-        pad = width - tokens.shape[1]
-        out["tokens"].append(torch.nn.functional.pad(tokens, (0, pad)))
-        out["next"].append(torch.nn.functional.pad(nxt, (0, pad)))
-        out["hidden"].append(torch.nn.functional.pad(p["hidden"], (0, 0, 0, pad)))  # [n, L, H]
-        out["start"].append(p["start"])
-        out["end"].append(p["end"])
-    return {k: torch.cat(v) for k, v in out.items()}
+        tokens = p["tokens"]  # [m, l]
+        m, length = tokens.shape
+        out["tokens"][r:r + m, :length] = tokens
+        if "next" in p:
+            out["next"][r:r + m, :length] = p["next"]
+        else:
+            out["next"][r:r + m, :length - 1] = tokens[:, 1:]
+        out["hidden"][r:r + m, :length] = p["hidden"]  # [m, l, H]
+        r += m
+    return out
 
 
 def _eos_ids(model, tokenizer) -> set:
@@ -237,8 +246,10 @@ def _dataset(model, tokenizer, work: Path, split: str, n: int, settings: dict,
         tokens, before = torch.tensor(rows, dtype=torch.int64), 0.0  # [N, L]
         start = torch.ones(n, dtype=torch.int64)  # heads draft after every position
     else:
-        if kind == "magpie":
-            prompts = self_asked(model, tokenizer, n, settings["seed"], generate_batch, progress)
+        if kind == "magpie":  # sampled once: a resumed run answers the same questions
+            prompts, asked = _saved_questions(model, tokenizer, n, settings["seed"], progress,
+                                              work / f"{split}{own}.questions.safetensors", key)
+            started -= asked  # an earlier run's time asking them counts too
         else:
             prompts = make_prompts(tokenizer, split, n, settings["prompt_tokens"],
                                    settings["seed"], settings["chat"])
@@ -286,15 +297,13 @@ def make_prompts(tokenizer, split: str, n: int, length: int, seed: int, chat: bo
 
 
 QUESTION_TOKENS = 64  # a self-asked question longer than this is dropped
+QUESTION_BATCH = 32  # questions sampled at once: fixed, so the questions depend on the seed only
 
 
-def self_asked(model, tokenizer, n: int, seed: int, generate_batch: int = 32,
-               progress: bool = False) -> list[list[int]]:
-    """``n`` chat prompts whose user message the model wrote itself (Magpie): sampled
-    (temperature 1, top-p 0.95, seeded) after the chat template's text up to a user
-    message, kept when it ends its turn within ``QUESTION_TOKENS`` tokens and is new."""
-    import rewriter
-    from rewriter.runtime.chat import chat_prompt, render, split_tokenizer
+def question_prefix(model, tokenizer) -> list[int]:
+    """The chat template's tokens before a user message (what the model continues with a
+    question of its own); ``ValueError`` when there is no way to ask."""
+    from rewriter.runtime.chat import render, split_tokenizer
     tok, text = split_tokenizer(tokenizer)
     if text.chat_template is None:
         raise ValueError("train_heads: self-asked questions need a chat template; this "
@@ -305,9 +314,39 @@ def self_asked(model, tokenizer, n: int, seed: int, generate_batch: int = 32,
         raise ValueError("train_heads: the chat template does not show the user's message "
                          "once: cannot ask the model for one")
     prefix = tok.encode(rendered[:rendered.index(mark)], add_special_tokens=False).ids
+    if not prefix:
+        raise ValueError("train_heads: the chat template has no text before the user's "
+                         "message: nothing to ask the model with")
+    if not _eos_ids(model, tokenizer):
+        raise ValueError("train_heads: self-asked questions need an end-of-sequence token "
+                         "(where a question ends); the model's config names none")
+    return prefix
+
+
+def _saved_questions(model, tokenizer, n: int, seed: int, progress: bool, path: Path,
+                     key: str) -> tuple[list, float]:
+    """``self_asked``'s prompts, sampled once and kept in ``path`` (under ``key``): an
+    interrupted run answers the same questions; and the seconds an earlier run spent
+    asking them (0 when this run asks)."""
+    saved, seconds = _partial_rows(path, key)
+    if len(saved) == n:
+        return saved, seconds
+    began = time.perf_counter()
+    prompts = self_asked(model, tokenizer, n, seed, progress)
+    _save_rows(path, prompts, key, time.perf_counter() - began)
+    return prompts, 0.0
+
+
+def self_asked(model, tokenizer, n: int, seed: int, progress: bool = False) -> list[list[int]]:
+    """``n`` chat prompts whose user message the model wrote itself (Magpie): sampled
+    (temperature 1, top-k 50, top-p 0.95, seeded, ``QUESTION_BATCH`` at a time) after the
+    chat template's text up to a user message (``question_prefix``), kept when it ends its
+    turn within ``QUESTION_TOKENS`` tokens and is new."""
+    import rewriter
+    from rewriter.runtime.chat import chat_prompt, split_tokenizer
+    tok, text = split_tokenizer(tokenizer)
+    prefix = question_prefix(model, tokenizer)
     eos = _eos_ids(model, tokenizer)
-    if not eos:
-        raise ValueError("train_heads: self-asked questions need an end-of-sequence token")
     engine = rewriter.optimize(model)
     seen, out, tries = set(), [], 0
     bar = _bar(progress, n, "self-asked questions", "question")
@@ -315,10 +354,10 @@ def self_asked(model, tokenizer, n: int, seed: int, generate_batch: int = 32,
         if tries >= 4 * n:  # a model that never ends its turn, or repeats itself
             raise ValueError(f"train_heads: the model asked {len(out)} distinct questions of "
                              f"at most {QUESTION_TOKENS} tokens in {tries} tries; {n} asked")
-        made = engine.generate([prefix] * generate_batch, max_new_tokens=QUESTION_TOKENS,
-                               do_sample=True, temperature=1.0, top_p=0.95,
+        made = engine.generate([prefix] * QUESTION_BATCH, max_new_tokens=QUESTION_TOKENS,
+                               do_sample=True, temperature=1.0, top_k=50, top_p=0.95,
                                seed=seed * 1_000_003 + tries, eos_token_id=sorted(eos))
-        tries += generate_batch
+        tries += QUESTION_BATCH
         for row in made[:, len(prefix):].tolist():
             ends = [i for i, t in enumerate(row) if t in eos]
             q = tok.decode(row[:ends[0]], skip_special_tokens=True).strip() if ends else ""
@@ -392,6 +431,13 @@ def _continue(model, tokenizer, prompts, new_tokens: int, generate_batch: int, p
     engine = rewriter.optimize(model)
     width = max(map(len, prompts))
     rows, before = _partial_rows(partial, key) if partial is not None else ([], 0.0)
+    # saved rows count only where they continue these prompts (sampled prompts made again
+    # by other code would differ): the rest is generated again
+    same = 0
+    while (same < min(len(rows), len(prompts)) and len(rows[same]) == len(prompts[same]) + new_tokens
+           and rows[same][:len(prompts[same])] == list(prompts[same])):
+        same += 1
+    rows = rows[:same]
     bar = _bar(progress, len(prompts), f"generate ({split})", "prompt")
     bar.update(len(rows))
     for i in range(len(rows), len(prompts), generate_batch):

@@ -136,8 +136,11 @@ def test_mixed_data_is_the_generated_rows_and_the_corpus_rows_each_mode_made(tmp
         assert torch.equal(th._path(merged, pm[mine], 2), th._path(part, pp, 2))
         h = merged["hidden"][pm[mine][:, 0], pm[mine][:, 1]]
         assert torch.equal(h, part["hidden"][pp[:, 0], pp[:, 1]])
-    # its own checkpoint: not the generated or corpus run's heads
-    assert not torch.equal(m.w[0], heads_file.load(tmp_path / "g.safetensors").w[0])
+    # its own checkpoint, under its own key
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "w" / "checkpoint.safetensors"), framework="pt") as f:
+        key = json.loads(f.metadata()["settings"])
+    assert key["data"] == "mixed" and key["rows"] == 4 and "questions" not in key
     with pytest.raises(ValueError, match="rows counts the corpus rows of data='mixed'"):
         th.train_heads(model, tok, tmp_path / "x.safetensors", rows=4, **kw)
     with pytest.raises(ValueError, match="rows must be an int >= 1"):
@@ -161,6 +164,39 @@ def _turns_end_at_full_stops(monkeypatch, tok):
     monkeypatch.setattr(th, "_eos_ids", lambda model, tokenizer: {stop})
 
 
+def test_merging_rows_of_unequal_widths_keeps_each_rows_targets_paths_and_states():
+    """``_merge`` pads rows to the widest: every sample reads what its own part gives it."""
+    g = torch.Generator().manual_seed(0)
+    gen = {"tokens": torch.randint(3, 50, (3, 13), generator=g), "start": torch.tensor([4, 6, 5]),
+           "hidden": torch.randn(3, 13, 5, generator=g).to(torch.bfloat16)}
+    gen["end"] = torch.tensor([13, 9, 11])
+    gen["tokens"][1, 9:] = 0  # right padding after the row's end
+    cor = {"tokens": torch.randint(3, 50, (2, 30), generator=g), "start": torch.ones(2, dtype=torch.int64),
+           "hidden": torch.randn(2, 30, 5, generator=g).to(torch.bfloat16),
+           "next": torch.randint(3, 50, (2, 30), generator=g)}
+    cor["end"] = torch.full((2,), 30)
+    other = {k: v.clone() for k, v in gen.items()}
+    other["tokens"], other["hidden"] = other["tokens"][:, :10], other["hidden"][:, :10]
+    other["end"] = torch.tensor([10, 9, 10])
+    parts = [gen, cor, other]
+    merged = th._merge(parts)
+    assert merged["tokens"].shape == (8, 30) and merged["hidden"].shape == (8, 30, 5)
+    pm, offset = th._samples(merged, 3), 0
+    for part in parts:
+        pp = th._samples(part, 3)
+        mine = (pm[:, 0] >= offset) & (pm[:, 0] < offset + len(part["start"]))
+        assert torch.equal(pm[mine] - torch.tensor([offset, 0]), pp)
+        y = th._targets(part, pp, 3)
+        assert torch.equal(th._targets(merged, pm[mine], 3), y)
+        used = y != -100  # where a head learns, the path before it is text (elsewhere clamped)
+        assert torch.equal(th._path(merged, pm[mine], 3)[used], th._path(part, pp, 3)[used])
+        assert torch.equal(merged["hidden"][pm[mine][:, 0], pm[mine][:, 1]],
+                           part["hidden"][pp[:, 0], pp[:, 1]])
+        offset += len(part["start"])
+    assert len(pm) == sum(len(th._samples(p, 3)) for p in parts)
+    assert not merged["hidden"][5:, 10:].any()  # the padding of the narrow part
+
+
 def test_self_asked_questions_are_the_models_own_chat_prompts(tmp_path, monkeypatch):
     """Magpie: the model writes the user's message after the template's text before it;
     seeded; distinct; refused by name without a template or when the model never ends."""
@@ -169,10 +205,10 @@ def test_self_asked_questions_are_the_models_own_chat_prompts(tmp_path, monkeypa
     _turns_end_at_full_stops(monkeypatch, tok)
     chat = _Templated(tok)
     backend, text = split_tokenizer(chat)
-    prompts = th.self_asked(model, chat, 3, seed=0, generate_batch=8)
-    again = th.self_asked(model, chat, 3, seed=0, generate_batch=8)
+    prompts = th.self_asked(model, chat, 3, seed=0)
+    again = th.self_asked(model, chat, 3, seed=0)
     assert prompts == again and len({tuple(p) for p in prompts}) == 3
-    assert prompts != th.self_asked(model, chat, 3, seed=1, generate_batch=8)
+    assert prompts != th.self_asked(model, chat, 3, seed=1)
     for p in prompts:
         shown = backend.decode(p)
         assert shown.startswith("User: ") and shown.endswith("Assistant:")
@@ -180,9 +216,20 @@ def test_self_asked_questions_are_the_models_own_chat_prompts(tmp_path, monkeypa
         assert q and p == chat_prompt(backend, text, q)  # the question, as chat lays it out
     with pytest.raises(ValueError, match="need a chat template"):
         th.self_asked(model, tok, 3, seed=0)
+    twice = _Templated(tok)
+    twice.chat_template = "{% for m in messages %}{{ m.content }}|{{ m.content }}{% endfor %}"
+    with pytest.raises(ValueError, match="does not show the user's message once"):
+        th.self_asked(model, twice, 3, seed=0)
+    bare = _Templated(tok)
+    bare.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    with pytest.raises(ValueError, match="no text before the user's message"):
+        th.self_asked(model, bare, 3, seed=0)
     monkeypatch.setattr(th, "QUESTION_TOKENS", 1)  # no room to end a question: none kept
-    with pytest.raises(ValueError, match="asked 0 distinct questions .* in 8 tries"):
-        th.self_asked(model, chat, 2, seed=0, generate_batch=8)
+    with pytest.raises(ValueError, match="asked 0 distinct questions .* in 32 tries"):
+        th.self_asked(model, chat, 2, seed=0)
+    monkeypatch.setattr(th, "_eos_ids", lambda model, tokenizer: set())
+    with pytest.raises(ValueError, match="need an end-of-sequence token"):
+        th.self_asked(model, chat, 2, seed=0)
 
 
 def test_mixed_data_with_self_asked_questions(tmp_path, monkeypatch):
@@ -197,6 +244,8 @@ def test_mixed_data_with_self_asked_questions(tmp_path, monkeypatch):
     assert report["settings"]["questions"] == 3
     magpie = load_file(tmp_path / "w" / "train-magpie.safetensors")
     assert len(magpie["tokens"]) == 3 and "next" not in magpie
+    for row, start, p in zip(magpie["tokens"], magpie["start"], th.self_asked(model, chat, 3, 0)):
+        assert row[:start].tolist() == p  # the self-asked questions, answered
     magpie["end"] = th._ends(magpie, SMALL["new_tokens"], th._eos_ids(model, tok))
     answers = int((magpie["end"] - magpie["start"]).sum())
     assert 3 <= answers <= 3 * SMALL["new_tokens"]
@@ -210,6 +259,51 @@ def test_mixed_data_with_self_asked_questions(tmp_path, monkeypatch):
         assert json.loads(f.metadata()["settings"])["data"] == "magpie"
     with pytest.raises(ValueError, match="questions .* are part of data='mixed'"):
         th.train_heads(model, chat, tmp_path / "x.safetensors", questions=3, **kw)
+    with pytest.raises(ValueError, match="need a chat template"):  # before any data is made
+        th.train_heads(model, tok, tmp_path / "x.safetensors", data="mixed", questions=3,
+                       **{**kw, "work_dir": tmp_path / "none"})
+    assert not (tmp_path / "none" / "train.safetensors").exists()
+
+
+def test_answering_self_asked_questions_resumes_after_an_interruption(tmp_path, monkeypatch):
+    """The questions are kept once asked; an interrupted run answers the same ones, and
+    saved rows that do not continue their prompts are made again."""
+    from safetensors.torch import load_file
+    model, tok = default_model()
+    _turns_end_at_full_stops(monkeypatch, tok)
+    chat = _Templated(tok)
+    kw = {**SMALL, "arch": "hydra", "data": "mixed", "rows": 2, "questions": 4, "epochs": 1,
+          "generate_batch": 2}
+    th.train_heads(model, chat, tmp_path / "a.safetensors", work_dir=tmp_path / "a", **kw)
+    want = load_file(tmp_path / "a" / "train-magpie.safetensors")
+    real, saves = th._save_rows, []
+
+    def crash(path, *args):  # the magpie answers stop after their first batch
+        real(path, *args)
+        if path.name == "train-magpie.partial.safetensors":
+            saves.append(1)
+            raise KeyboardInterrupt
+    monkeypatch.setattr(th, "_save_rows", crash)
+    with pytest.raises(KeyboardInterrupt):
+        th.train_heads(model, chat, tmp_path / "b.safetensors", work_dir=tmp_path / "b", **kw)
+    monkeypatch.setattr(th, "_save_rows", real)
+    asked = tmp_path / "b" / "train-magpie.questions.safetensors"
+    assert asked.is_file() and saves == [1]
+    monkeypatch.setattr(th, "self_asked", lambda *a, **k: pytest.fail("asked again"))
+    partial = tmp_path / "b" / "train-magpie.partial.safetensors"
+    rows, seconds = th._partial_rows(partial, load_file_key(partial))
+    assert len(rows) == 2
+    rows[1][0] += 1  # a row that does not continue its prompt: made again, not trained on
+    th._save_rows(partial, rows, load_file_key(partial), seconds)
+    th.train_heads(model, chat, tmp_path / "b.safetensors", work_dir=tmp_path / "b", **kw)
+    got = load_file(tmp_path / "b" / "train-magpie.safetensors")
+    assert torch.equal(got["tokens"], want["tokens"]) and torch.equal(got["start"], want["start"])
+
+
+def load_file_key(path):
+    from safetensors import safe_open
+    with safe_open(str(path), framework="pt") as f:
+        return f.metadata()["settings"]
 
 
 def test_the_cli_trains_heads(tmp_path, capsys):
