@@ -82,8 +82,6 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
         raise ValueError(f"train_heads: questions (self-asked chat questions) are part of "
                          f"data='mixed', got questions={questions!r} with data={data!r}")
     rows = prompts if rows is None else rows
-    if questions:  # before hours of other data are made
-        question_prefix(model, tokenizer)
     if loss not in LOSSES:
         raise ValueError(f"train_heads: loss must be one of {LOSSES}, got {loss!r}")
     if type(num_heads) is not int or not 1 <= num_heads <= heads_file.MAX_HEADS:
@@ -97,6 +95,8 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
             raise ValueError(f"train_heads: {name} must be an int >= {low}, got {v!r}")
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < 1:
         raise ValueError(f"train_heads: lr must be a number in (0, 1), got {lr!r}")
+    if questions:  # checked (an int by now) before hours of other data are made
+        question_prefix(model, tokenizer)
     out = Path(out)
     work = Path(work_dir) if work_dir is not None else out.with_name(out.name + ".work")
     work.mkdir(parents=True, exist_ok=True)

@@ -259,6 +259,10 @@ def test_mixed_data_with_self_asked_questions(tmp_path, monkeypatch):
         assert json.loads(f.metadata()["settings"])["data"] == "magpie"
     with pytest.raises(ValueError, match="questions .* are part of data='mixed'"):
         th.train_heads(model, chat, tmp_path / "x.safetensors", questions=3, **kw)
+    for bad in (True, -1, 2.0):  # refused by name, not sent to the template
+        with pytest.raises(ValueError, match="questions must be an int >= 0"):
+            th.train_heads(model, chat, tmp_path / "x.safetensors", data="mixed", questions=bad,
+                           **kw)
     with pytest.raises(ValueError, match="need a chat template"):  # before any data is made
         th.train_heads(model, tok, tmp_path / "x.safetensors", data="mixed", questions=3,
                        **{**kw, "work_dir": tmp_path / "none"})
