@@ -3,7 +3,7 @@
     python benchmarks/speculative.py [--model smollm2|default] [--dtype float32 bfloat16]
                                      [--batch 1 4] [--new 64] [--samples 8] [--max-draft 4] [--budget 24]
                                      [--strategies self medusa hydra] [--heads PATH] [--draft-vocab 4096]
-                                     [--max-nodes 32] [--tree-nodes N]
+                                     [--max-nodes 32] [--tree-nodes N] [--dynamic E]
                                      [--device cpu|cuda] [--backend torch|triton]
                                      [--json benchmarks/results/speculative.json]
 
@@ -21,7 +21,8 @@ greedy decoding's, with the full vocabulary projection and with the trimmed one.
 the auto tree's N nodes, or the n of its sub-tree at that batch (``batch_trees``; none:
 plain decoding), verified as they are, then adaptively ("adaptive: x": the mean nodes a
 round verified when the runtime re-chooses the sub-tree from the heads' accuracies on
-these prompts, ``runtime.tree_adapt``), in the same run.
+these prompts, ``runtime.tree_adapt``), and with ``--dynamic E`` re-grown every round
+from the heads' probabilities ("dynamic: E", ``runtime.tree_dynamic``), in the same run.
 
 For each dtype: the verify cost curve (the decode program over S tokens against one, batch
 1 and the largest batch), then for each skip set — LayerSkip's evenly spread one
@@ -187,6 +188,8 @@ def main():
     ap.add_argument("--tree-nodes", type=int, default=None,
                     help="a fixed tree of this many nodes, each heads file's best by its own "
                          "accuracies (compares heads at one cost; default: tree='auto')")
+    ap.add_argument("--dynamic", type=int, default=0,
+                    help="also time the tree re-grown every round, expanding E nodes a level")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--backend", default="torch", choices=["torch", "triton"])
     ap.add_argument("--json", default="benchmarks/results/speculative.json")
@@ -302,17 +305,20 @@ def heads_rows(model, tok, plain, args, dtype, results, rows, arch):
                 # plain decode; the pass's tree (or its sub-tree at b rows) as it is; and
                 # re-chosen as the heads' accuracies on these prompts come in
                 # (runtime.tree_adapt): runs interleaved
-                modes = [False] + ([True] if adapt else [])
+                modes = [(False, 0)] + ([(True, 0)] if adapt else []) + \
+                    ([(False, args.dynamic)] if args.dynamic else [])
                 variants = [(plain, contextlib.nullcontext)] + [
-                    (med, functools.partial(_adapting, record, adapt if a else None)) for a in modes]
+                    (med, functools.partial(_adapting, record, adapt if a else None, e))
+                    for a, e in modes]
                 (ref, base_rate, _), *timings = timed_together(variants, prompts, args.new,
                                                                eos=kind == "chat")
                 eager = eager_baseline(plain, prompts, args.new, eos=kind == "chat")
-                for adaptive, (out, rate, st) in zip(modes, timings):
+                for (adaptive, dynamic), (out, rate, st) in zip(modes, timings):
                     n = nodes
                     verified = st.get("drafted", 0) / st["row_rounds"] if st.get("row_rounds") else 0.0
                     run = {"dtype": dtype, "strategy": arch, "draft_vocab": vocab, "batch": b,
                            "prompts": kind, "tree": tree, "nodes": n, "adaptive": adaptive,
+                           "dynamic": dynamic,
                            "nodes_verified": verified, "tree_changes": st.get("tree_changes", 0),
                            "report": p.report,
                            "plain_tok_s": base_rate, "plain_eager_tok_s": eager,
@@ -324,7 +330,8 @@ def heads_rows(model, tok, plain, args, dtype, results, rows, arch):
                     results["runs"].append(run)
                     predicted = expected_tokens(Tree(tuple(map(tuple, sub))), trained.accuracy)
                     rows.append([dtype, arch, vocab or "full",
-                                 f"{n} of {whole}" + (f", adaptive: {verified:.1f}" if adaptive else ""),
+                                 f"{n} of {whole}" + (f", adaptive: {verified:.1f}" if adaptive else "")
+                                 + (f", dynamic: {dynamic}" if dynamic else ""),
                                  b, kind,
                                  f"{base_rate:.1f}", f"{eager:.1f}" if eager else "-",
                                  f"{rate:.1f}", f"{rate / base_rate:.2f}x",
@@ -333,17 +340,20 @@ def heads_rows(model, tok, plain, args, dtype, results, rows, arch):
 
 
 @contextlib.contextmanager
-def _adapting(record: dict, adapt):
-    """The decoding record with ``adapt`` (None: without it, the fixed tree), then as it was."""
-    kept = record.pop("adapt", None)
+def _adapting(record: dict, adapt, dynamic: int = 0):
+    """The decoding record with ``adapt`` (None: without it, the fixed tree) and
+    ``dynamic`` (0: the tree's own shape), then as it was."""
+    kept = {k: record.pop(k) for k in ("adapt", "dynamic") if k in record}
     if adapt is not None:
         record["adapt"] = adapt
+    if dynamic:
+        record["dynamic"] = dynamic
     try:
         yield
     finally:
         record.pop("adapt", None)
-        if kept is not None:
-            record["adapt"] = kept
+        record.pop("dynamic", None)
+        record.update(kept)
 
 
 def print_heads(args, results, rows) -> None:

@@ -4,6 +4,7 @@ token tree.
     MedusaHeads(weights="smollm2")                       # the shipped trained heads
     MedusaHeads(weights="heads.safetensors", draft_vocab=4096, tree="auto", max_nodes=32)
     MedusaHeads(num_heads=3, tree=[[0], [1], [0, 0]])    # untrained (zero) heads: for tests
+    HydraHeads(weights="smollm2", draft_vocab=4096, dynamic=4)  # re-grown every round
 
 The pass adds the heads to the graph as ordinary ops on the LM head's input ``h``::
 
@@ -36,7 +37,10 @@ plain decoding, when nothing pays; with ``adapt=True``, the default, the record 
 accuracies and costs, and the runtime re-chooses the sub-tree from what the heads guess
 right on the text it decodes: ``runtime.tree_adapt``). The output is the model's: greedy tokens
 equal plain greedy decoding's, sampling follows its distribution; ``acceptance="typical"``
-(Medusa's typical acceptance) is the explicit lossy option.
+(Medusa's typical acceptance) is the explicit lossy option. With ``dynamic=e`` the round
+verifies as many nodes as the tree, but in a shape re-grown every round from the heads'
+own probabilities, expanding the ``e`` likeliest nodes of each level (EAGLE-2's dynamic
+tree: ``runtime.tree_dynamic``).
 """
 from __future__ import annotations
 
@@ -46,7 +50,7 @@ from typing import Optional
 import torch
 
 from rewriter import heads as heads_file
-from rewriter.decoding import Strategy, check_record
+from rewriter.decoding import MAX_EXPAND, Strategy, check_record
 from rewriter.errors import PassError
 from rewriter.ir.core import IR
 from rewriter.pass_manager import Pass
@@ -65,7 +69,7 @@ class MedusaHeads(Pass):
     def __init__(self, num_heads: Optional[int] = None, weights: Optional[str] = None,
                  draft_vocab: Optional[int] = None, tree="auto", max_nodes: int = 32,
                  acceptance: str = "exact", posterior_threshold: float = 0.09,
-                 posterior_alpha: float = 0.3, adapt: bool = True):
+                 posterior_alpha: float = 0.3, adapt: bool = True, dynamic: int = 0):
         if num_heads is not None and (type(num_heads) is not int
                                       or not 1 <= num_heads <= heads_file.MAX_HEADS):
             raise ValueError(f"{type(self).__name__}: num_heads must be an int in [1, "
@@ -110,6 +114,11 @@ class MedusaHeads(Pass):
         if not isinstance(adapt, bool):
             raise ValueError(f"{type(self).__name__}: adapt must be True or False, got {adapt!r}")
         self.adapt = adapt
+        if type(dynamic) is not int or not 0 <= dynamic <= MAX_EXPAND:
+            raise ValueError(f"{type(self).__name__}: dynamic must be an int in [0, {MAX_EXPAND}] "
+                             f"(0: a fixed tree; e: re-grown every round, expanding e nodes a "
+                             f"level), got {dynamic!r}")
+        self.dynamic = dynamic
         self.report: Optional[dict] = None  # the tree choice: expected tokens, cost curve
 
     def run(self, ir: IR) -> IR:
@@ -148,7 +157,7 @@ class MedusaHeads(Pass):
                         posterior_alpha=self.posterior_alpha, batch_trees=batch_trees,
                         accuracy=tuple(tuple(a[:MAX_RANK]) for a in self.heads.accuracy)
                         if costs else (),
-                        costs=costs)
+                        costs=costs, dynamic=self.dynamic)
 
     def _weights(self, lm: torch.Tensor):
         k, h = self.num_heads, lm.shape[1]

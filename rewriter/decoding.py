@@ -18,6 +18,10 @@ with ``runtime.speculative``. ``MedusaHeads`` records::
 from 8 on none, which decodes plainly; a larger batch makes verifying many tokens dearer.
 ``[1, []]`` first: even one row decodes plainly, where no tree pays on the machine.)
 
+(``dynamic``, optional: an integer ``e``: every round the runtime re-grows a tree of as many
+nodes from the heads' own probabilities, expanding the ``e`` likeliest nodes of each level:
+``runtime.tree_dynamic``.)
+
 (``adapt``, optional: ``{"accuracy": [[..], ..], "costs": [[1, 0.11, [1.0, 1.01, ..]], ..]}``,
 the heads' held-out rank accuracies and, from each batch size on, one heads call's cost and
 a round's cost verifying 1, 2, .. tokens (its programs and its own work:
@@ -35,6 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_DRAFT = 16  # verifying more tokens than this costs more than it can save on any machine
+MAX_EXPAND = 16  # a re-grown tree's nodes expanded a level: each costs a heads call's row
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,7 @@ class Strategy:
     batch_trees: tuple = ()  # ((batch, paths), ..): from that batch on, a sub-tree (or none)
     accuracy: tuple = ()  # the heads' rank accuracies [K][R]: the adaptive tree's prior
     costs: tuple = ()  # ((batch, heads call, (round of 1, 2, .. tokens)), ..) in plain steps
+    dynamic: int = 0  # > 0: the tree re-grown every round, expanding this many nodes a level
 
     def tree_at(self, batch: int) -> tuple:
         """The paths a round verifies at ``batch`` rows: the tree, or a sub-tree of it."""
@@ -93,6 +99,8 @@ class Strategy:
             if self.costs:
                 r["adapt"] = {"accuracy": [list(a) for a in self.accuracy],
                               "costs": [[b, h, list(c)] for b, h, c in self.costs]}
+            if self.dynamic:
+                r["dynamic"] = self.dynamic
             return r
         return {"strategy": self.name, "skip_layers": list(self.skip_layers),
                 "skip_attention": list(self.skip_attention), "skip_mlp": list(self.skip_mlp),
@@ -113,7 +121,8 @@ def strategy_of(info: dict) -> Strategy:
                                           for b, sub in r.get("batch_trees", ())),
                         accuracy=tuple(tuple(a) for a in r.get("adapt", {}).get("accuracy", ())),
                         costs=tuple((b, float(h), tuple(c))
-                                    for b, h, c in r.get("adapt", {}).get("costs", ())))
+                                    for b, h, c in r.get("adapt", {}).get("costs", ())),
+                        dynamic=r.get("dynamic", 0))
     return Strategy(r["strategy"], tuple(r["skip_layers"]), tuple(r["skip_attention"]),
                     tuple(r["skip_mlp"]), r["max_draft"], float(r["threshold"]))
 
@@ -148,8 +157,9 @@ MEDUSA_KEYS = {"strategy", "arch", "num_heads", "tree", "draft_vocab", "acceptan
 def _check_medusa(r: dict) -> str | None:
     from rewriter.heads import MAX_HEADS
     from rewriter.tree import check_paths
-    if set(r) - {"batch_trees", "adapt"} != MEDUSA_KEYS:
-        return f"an object with exactly the keys {sorted(MEDUSA_KEYS)} (and batch_trees, adapt)"
+    if set(r) - {"batch_trees", "adapt", "dynamic"} != MEDUSA_KEYS:
+        return (f"an object with exactly the keys {sorted(MEDUSA_KEYS)} (and batch_trees, "
+                f"adapt, dynamic)")
     if r["arch"] not in ("medusa", "hydra"):
         return "arch: 'medusa' or 'hydra'"
     k = r["num_heads"]
@@ -165,6 +175,8 @@ def _check_medusa(r: dict) -> str | None:
         return "draft_vocab: null or an integer >= 10"
     if r["acceptance"] not in ("exact", "typical"):
         return "acceptance: 'exact' or 'typical'"
+    if "dynamic" in r and not (_is_int(r["dynamic"]) and 1 <= r["dynamic"] <= MAX_EXPAND):
+        return f"dynamic: an integer in [1, {MAX_EXPAND}] (nodes expanded a level)"
     for key in ("posterior_threshold", "posterior_alpha"):
         t = r[key]
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 < t <= 1.0:

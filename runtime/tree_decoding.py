@@ -46,6 +46,9 @@ from .sampling import next_token, warp
 from .settings import GenerationSettings
 from .speculative import _Rounds
 from .tree_adapt import AdaptiveTree
+from .tree_dynamic import grow
+
+LAYOUTS = 512  # laid-out trees a generation keeps (re-shaped trees repeat: code, chat)
 
 
 def tree_loop(programs: dict, cache: KVCache, batch: Batch, settings: GenerationSettings,
@@ -73,6 +76,9 @@ class _TreeRounds(_Rounds):
         b = batch.ids.shape[0]
         self.whole = make_tree(strategy.tree, strategy.num_heads)
         self.hydra = strategy.arch == "hydra"
+        self.dynamic = strategy.dynamic  # > 0: the shape is re-grown every round (tree_dynamic)
+        self.laid: dict = {}  # re-shaped trees' layouts, by paths
+        self.done: Optional[list] = None  # the last round's rows that are done
         # ranks drafted at each depth: the whole tree's, so the counts cover every sub-tree
         self.ranks = [1 + max(p[-1] for p in self.whole.paths if len(p) == d + 1)
                       for d in range(self.whole.depth)]
@@ -90,22 +96,29 @@ class _TreeRounds(_Rounds):
         # strategy may verify a sub-tree (the engine decodes plainly where it is empty)
         start = make_tree(strategy.tree_at(b), strategy.num_heads)
         self.use(self.adapt.current if self.adapt is not None and self.adapt.current else start)
+        deepest = strategy.num_heads if self.dynamic else self.whole.depth
         for s in cache.table.values():
-            if s.window is not None and s.window <= self.whole.depth:
-                raise RewriterError(f"a tree of depth {self.whole.depth} needs attention "
+            if s.window is not None and s.window <= deepest:
+                raise RewriterError(f"a tree of depth {deepest} needs attention "
                                     f"windows longer than that; cache {s.id} has {s.window}")
 
     def use(self, tree) -> None:
-        """Verify ``tree`` (a sub-tree of the whole, maybe the root alone) from now on."""
-        self.tree = tree
+        """Verify ``tree`` (a sub-tree of the whole, maybe the root alone) from now on; a
+        re-shaped tree (``dynamic``) of as many nodes."""
+        self.budget = self.tree = tree
         self.max_draft = tree.size - 1
         self.layouts: dict[int, dict] = {}
         self.levels = _levels(tree.layout(self.device), tree.depth) \
-            if self.hydra and tree.size > 1 else None
+            if self.hydra and tree.size > 1 and not self.dynamic else None
 
     def layout(self, m: int) -> dict:
         if m not in self.layouts:
-            self.layouts[m] = self.tree.prefix(m).layout(self.device)
+            key = self.tree.paths[:m - 1]
+            if key not in self.laid:
+                if len(self.laid) >= LAYOUTS:
+                    self.laid.pop(next(iter(self.laid)))  # the oldest
+                self.laid[key] = self.tree.prefix(m).layout(self.device)
+            self.layouts[m] = self.laid[key]
         return self.layouts[m]
 
     def first(self) -> Tensor:
@@ -132,9 +145,11 @@ class _TreeRounds(_Rounds):
     def draft_from(self, h: Tensor, root: Tensor) -> None:
         """The tree's tokens after hidden states ``h`` ``[B, 1, H]`` and the model's next
         token ``root`` ``[B]``."""
-        if self.tree.size == 1:  # plain rounds: nothing to draft
+        if self.budget.size == 1:  # plain rounds: nothing to draft
             self.nodes, self.drafted = root[:, None], None
             return
+        if self.dynamic:
+            return self._grow(h, root)
         if self.hydra:
             return self._hydra(h, root)
         d = self._call("heads", h)[:, 0]  # [B, K, V or Vd]
@@ -159,6 +174,37 @@ class _TreeRounds(_Rounds):
             nodes[:, children] = ids[:, slot, rank]
             self.drafted.append((parents, ids))
         self.nodes = nodes
+
+    def _grow(self, h: Tensor, root: Tensor) -> None:
+        """A tree of the budget's size grown from the heads' probabilities (``tree_dynamic``)."""
+        b, k = root.shape[0], self.strategy.num_heads
+        ranks = min(MAX_RANK, self.budget.size - 1)
+        if not self.hydra:
+            top = self._call("heads", h)[:, 0].float().log_softmax(-1).topk(ranks, dim=-1)  # [B, K, R]
+            self.stats.update(head_passes=1)
+            ids = self._ids(top.indices)
+
+        def call(d: int, chains: Tensor):
+            p = chains.shape[1]
+            if not self.hydra:  # every path at depth d gets head d's guesses
+                return top.values[:, d, None].expand(b, p, ranks), ids[:, d, None].expand(b, p, ranks)
+            path = torch.zeros(b, p, k, dtype=torch.int64, device=self.device)
+            path[:, :, :d + 1] = chains  # [B, P, d + 1]: root .. the expanded node
+            logits = self._call(f"head{d}", h.expand(b, p, h.shape[-1]), path)  # [B, P, V]
+            self.stats.update(head_passes=1)
+            best = logits.float().log_softmax(-1).topk(ranks, dim=-1)
+            return best.values, self._ids(best.indices)
+
+        running = torch.tensor([not d for d in self.done], dtype=torch.float32, device=self.device) \
+            if self.done is not None else None  # rows that are done have no say in the shape
+        tree, self.nodes, levels = grow(call, root, self.budget.size, k, self.dynamic, running)
+        self.tree, self.max_draft, self.layouts = tree, tree.size - 1, {}
+        if not self.hydra:
+            self.drafted = ids
+            return
+        index = {p: i for i, p in enumerate(((),) + tree.paths)}  # a path's node, -1: not verified
+        self.drafted = [(torch.tensor([index.get(p, -1) for p in paths]), got)
+                        for paths, got in levels]
 
     def _ids(self, indices: Tensor) -> Tensor:
         """Token ids of draft-vocabulary indices."""
@@ -193,6 +239,7 @@ class _TreeRounds(_Rounds):
         ends = torch.tensor([p[-1] if p else 0 for p in paths], device=self.device)
         keep = torch.tensor(done, device=self.device)
         nxt = torch.where(keep, last, torch.tensor(bonus, device=self.device))
+        self.done = done
         self.draft_from(h[torch.arange(b, device=self.device), ends][:, None], nxt)  # [B, 1, H]
         return nxt, rows
 
@@ -210,9 +257,9 @@ class _TreeRounds(_Rounds):
             lag = min(running, key=lambda r: length[r] + len(rows[r]))
             accuracy = lambda: self.adapt.row_accuracy(self.row_hits[lag],  # noqa: E731
                                                        self.row_trials[lag])
-        tree = self.adapt.next(self.tree, accuracy)
+        tree = self.adapt.next(self.budget, accuracy)
         self.adapt.current = tree
-        if tree != self.tree:
+        if tree != self.budget:
             self.use(tree)
             self.stats.update(tree_changes=1)
 
