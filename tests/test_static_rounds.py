@@ -27,7 +27,9 @@ def engines(config, tmp_path):
             "self_speculative": rewriter.optimize(model, passes=[
                 SelfSpeculative(skip_layers=[1], threshold=0.0, max_draft=3)]),
             "medusa": rewriter.optimize(model, passes=[MedusaHeads(num_heads=3, tree=TREE)]),
-            "hydra": rewriter.optimize(model, passes=[HydraHeads(weights=str(hydra), tree=TREE)])}
+            "hydra": rewriter.optimize(model, passes=[HydraHeads(weights=str(hydra), tree=TREE)]),
+            "hydra_dynamic": rewriter.optimize(model, passes=[
+                HydraHeads(weights=str(hydra), tree=TREE, dynamic=2)])}
 
 
 def run(engine, static, prompts, **kw):
