@@ -160,3 +160,16 @@ def test_the_artifact_keeps_it_and_bad_values_are_refused(tmp_path):
             HydraHeads(weights=str(path), dynamic=bad)
         record = {**hy.ir.info["decoding"], "dynamic": bad}
         assert "dynamic" in check_record(record)
+
+
+def test_the_triton_backend_gives_the_same_tokens(tmp_path):
+    """A re-grown tree's mask is data: the Triton attention kernels verify it as any tree."""
+    from test_hydra_heads import hydra_heads
+    model = make_model("llama-gqa-3l", initializer_range=0.2, num_hidden_layers=2)
+    path = hydra_heads(model, tmp_path / "h.safetensors", k=2)
+    plain = rewriter.optimize(model)
+    hy = rewriter.optimize(model, passes=[HydraHeads(weights=str(path), tree=[[0], [1], [0, 0]],
+                                                     dynamic=2)], backend="triton")
+    kw = dict(max_new_tokens=6, eos_token_id=[])
+    assert torch.equal(hy.generate(RAGGED[:2], **kw), plain.generate(RAGGED[:2], **kw))
+    assert hy.stats["rounds"] > 0
