@@ -3,7 +3,7 @@
     python benchmarks/speculative.py [--model smollm2|default] [--dtype float32 bfloat16]
                                      [--batch 1 4] [--new 64] [--samples 8] [--max-draft 4] [--budget 24]
                                      [--strategies self medusa hydra] [--heads PATH] [--draft-vocab 4096]
-                                     [--max-nodes 32] [--tree-nodes N] [--dynamic E]
+                                     [--max-nodes 32] [--tree-nodes N] [--dynamic E] [--lookup L]
                                      [--device cpu|cuda] [--backend torch|triton]
                                      [--json benchmarks/results/speculative.json]
 
@@ -22,7 +22,9 @@ the auto tree's N nodes, or the n of its sub-tree at that batch (``batch_trees``
 plain decoding), verified as they are, then adaptively ("adaptive: x": the mean nodes a
 round verified when the runtime re-chooses the sub-tree from the heads' accuracies on
 these prompts, ``runtime.tree_adapt``), and with ``--dynamic E`` re-grown every round
-from the heads' probabilities ("dynamic: E", ``runtime.tree_dynamic``), in the same run.
+from the heads' probabilities ("dynamic: E", ``runtime.tree_dynamic``), and with ``--lookup L``
+with a chain of up to L tokens copied from the row's own text ("lookup: L",
+``runtime.tree_lookup``), in the same run.
 
 For each dtype: the verify cost curve (the decode program over S tokens against one, batch
 1 and the largest batch), then for each skip set — LayerSkip's evenly spread one
@@ -190,6 +192,8 @@ def main():
                          "accuracies (compares heads at one cost; default: tree='auto')")
     ap.add_argument("--dynamic", type=int, default=0,
                     help="also time the tree re-grown every round, expanding E nodes a level")
+    ap.add_argument("--lookup", type=int, default=0,
+                    help="also time the tree with a chain of L tokens copied from the text")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--backend", default="torch", choices=["torch", "triton"])
     ap.add_argument("--json", default="benchmarks/results/speculative.json")
@@ -305,20 +309,22 @@ def heads_rows(model, tok, plain, args, dtype, results, rows, arch):
                 # plain decode; the pass's tree (or its sub-tree at b rows) as it is; and
                 # re-chosen as the heads' accuracies on these prompts come in
                 # (runtime.tree_adapt): runs interleaved
-                modes = [(False, 0)] + ([(True, 0)] if adapt else []) + \
-                    ([(False, args.dynamic)] if args.dynamic else [])
+                modes = [(False, 0, 0)] + ([(True, 0, 0)] if adapt else []) + \
+                    ([(False, args.dynamic, 0)] if args.dynamic else []) + \
+                    ([(False, 0, args.lookup)] if args.lookup else []) + \
+                    ([(False, args.dynamic, args.lookup)] if args.lookup and args.dynamic else [])
                 variants = [(plain, contextlib.nullcontext)] + [
-                    (med, functools.partial(_adapting, record, adapt if a else None, e))
-                    for a, e in modes]
+                    (med, functools.partial(_adapting, record, adapt if a else None, e, k))
+                    for a, e, k in modes]
                 (ref, base_rate, _), *timings = timed_together(variants, prompts, args.new,
                                                                eos=kind == "chat")
                 eager = eager_baseline(plain, prompts, args.new, eos=kind == "chat")
-                for (adaptive, dynamic), (out, rate, st) in zip(modes, timings):
+                for (adaptive, dynamic, lookup), (out, rate, st) in zip(modes, timings):
                     n = nodes
                     verified = st.get("drafted", 0) / st["row_rounds"] if st.get("row_rounds") else 0.0
                     run = {"dtype": dtype, "strategy": arch, "draft_vocab": vocab, "batch": b,
                            "prompts": kind, "tree": tree, "nodes": n, "adaptive": adaptive,
-                           "dynamic": dynamic,
+                           "dynamic": dynamic, "lookup": lookup,
                            "nodes_verified": verified, "tree_changes": st.get("tree_changes", 0),
                            "report": p.report,
                            "plain_tok_s": base_rate, "plain_eager_tok_s": eager,
@@ -331,7 +337,8 @@ def heads_rows(model, tok, plain, args, dtype, results, rows, arch):
                     predicted = expected_tokens(Tree(tuple(map(tuple, sub))), trained.accuracy)
                     rows.append([dtype, arch, vocab or "full",
                                  f"{n} of {whole}" + (f", adaptive: {verified:.1f}" if adaptive else "")
-                                 + (f", dynamic: {dynamic}" if dynamic else ""),
+                                 + (f", dynamic: {dynamic}" if dynamic else "")
+                                 + (f", lookup: {lookup}" if lookup else ""),
                                  b, kind,
                                  f"{base_rate:.1f}", f"{eager:.1f}" if eager else "-",
                                  f"{rate:.1f}", f"{rate / base_rate:.2f}x",
@@ -340,19 +347,22 @@ def heads_rows(model, tok, plain, args, dtype, results, rows, arch):
 
 
 @contextlib.contextmanager
-def _adapting(record: dict, adapt, dynamic: int = 0):
-    """The decoding record with ``adapt`` (None: without it, the fixed tree) and
-    ``dynamic`` (0: the tree's own shape), then as it was."""
-    kept = {k: record.pop(k) for k in ("adapt", "dynamic") if k in record}
+def _adapting(record: dict, adapt, dynamic: int = 0, lookup: int = 0):
+    """The decoding record with ``adapt`` (None: without it, the fixed tree), ``dynamic``
+    (0: the tree's own shape) and ``lookup`` (0: no chain copied from the text), then as
+    it was."""
+    kept = {k: record.pop(k) for k in ("adapt", "dynamic", "lookup") if k in record}
     if adapt is not None:
         record["adapt"] = adapt
     if dynamic:
         record["dynamic"] = dynamic
+    if lookup:
+        record["lookup"] = lookup
     try:
         yield
     finally:
-        record.pop("adapt", None)
-        record.pop("dynamic", None)
+        for k in ("adapt", "dynamic", "lookup"):
+            record.pop(k, None)
         record.update(kept)
 
 

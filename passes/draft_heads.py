@@ -5,6 +5,7 @@ token tree.
     MedusaHeads(weights="heads.safetensors", draft_vocab=4096, tree="auto", max_nodes=32)
     MedusaHeads(num_heads=3, tree=[[0], [1], [0, 0]])    # untrained (zero) heads: for tests
     HydraHeads(weights="smollm2", draft_vocab=4096, dynamic=4)  # re-grown every round
+    HydraHeads(weights="smollm2", draft_vocab=4096, lookup=4)   # + 4 tokens copied from the text
 
 The pass adds the heads to the graph as ordinary ops on the LM head's input ``h``::
 
@@ -40,17 +41,20 @@ equal plain greedy decoding's, sampling follows its distribution; ``acceptance="
 (Medusa's typical acceptance) is the explicit lossy option. With ``dynamic=e`` the round
 verifies as many nodes as the tree, but in a shape re-grown every round from the heads'
 own probabilities, expanding the ``e`` likeliest nodes of each level (EAGLE-2's dynamic
-tree: ``runtime.tree_dynamic``).
+tree: ``runtime.tree_dynamic``). With ``lookup=L`` every round also verifies a chain of up
+to ``L`` tokens copied from the row's own text, where its last tokens occurred before
+(prompt lookup: code and answers repeat their context; ``runtime.tree_lookup``).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Optional
 
 import torch
 
 from rewriter import heads as heads_file
-from rewriter.decoding import MAX_EXPAND, Strategy, check_record
+from rewriter.decoding import MAX_EXPAND, MAX_LOOKUP, Strategy, check_record
 from rewriter.errors import PassError
 from rewriter.ir.core import IR
 from rewriter.pass_manager import Pass
@@ -69,7 +73,8 @@ class MedusaHeads(Pass):
     def __init__(self, num_heads: Optional[int] = None, weights: Optional[str] = None,
                  draft_vocab: Optional[int] = None, tree="auto", max_nodes: int = 32,
                  acceptance: str = "exact", posterior_threshold: float = 0.09,
-                 posterior_alpha: float = 0.3, adapt: bool = True, dynamic: int = 0):
+                 posterior_alpha: float = 0.3, adapt: bool = True, dynamic: int = 0,
+                 lookup: int = 0):
         if num_heads is not None and (type(num_heads) is not int
                                       or not 1 <= num_heads <= heads_file.MAX_HEADS):
             raise ValueError(f"{type(self).__name__}: num_heads must be an int in [1, "
@@ -119,6 +124,11 @@ class MedusaHeads(Pass):
                              f"(0: a fixed tree; e: re-grown every round, expanding e nodes a "
                              f"level), got {dynamic!r}")
         self.dynamic = dynamic
+        if type(lookup) is not int or not 0 <= lookup <= MAX_LOOKUP:
+            raise ValueError(f"{type(self).__name__}: lookup must be an int in [0, {MAX_LOOKUP}] "
+                             f"(0: none; L: a chain of up to L tokens copied from the row's own "
+                             f"text, verified beside the tree), got {lookup!r}")
+        self.lookup = lookup
         self.report: Optional[dict] = None  # the tree choice: expected tokens, cost curve
 
     def run(self, ir: IR) -> IR:
@@ -157,7 +167,7 @@ class MedusaHeads(Pass):
                         posterior_alpha=self.posterior_alpha, batch_trees=batch_trees,
                         accuracy=tuple(tuple(a[:MAX_RANK]) for a in self.heads.accuracy)
                         if costs else (),
-                        costs=costs, dynamic=self.dynamic)
+                        costs=costs, dynamic=self.dynamic, lookup=self.lookup)
 
     def _weights(self, lm: torch.Tensor):
         k, h = self.num_heads, lm.shape[1]
@@ -197,8 +207,10 @@ class MedusaHeads(Pass):
         from rewriter.calibrate import heads_cost, verify_cost  # times the runtime's programs
         hydra = self.ARCH == "hydra"
         vocab = ir.weight("medusa.vocab") if self.draft_vocab is not None else None
+        # rounds of the drafted tree alone: its size is what the costs are indexed by
         measured = lambda tree, batches, costs: round_cost.measure(  # noqa: E731
-            ir, self._strategy(tree, costs=costs if self.adapt else ()), batches, vocab)
+            ir, replace(self._strategy(tree, costs=costs if self.adapt else ()), dynamic=0,
+                        lookup=0), batches, vocab)
         cost = verify_cost(ir, self.max_nodes + 1, runs=5)
         per_call = heads_cost(ir, self.num_heads, hydra, runs=5)
         raw = ((1, round(per_call, 4), tuple(round(c, 4) for c in cost[1:])),)

@@ -22,6 +22,10 @@ from 8 on none, which decodes plainly; a larger batch makes verifying many token
 nodes from the heads' own probabilities, expanding the ``e`` likeliest nodes of each level:
 ``runtime.tree_dynamic``.)
 
+(``lookup``, optional: an integer ``L``: every round also verifies a chain of up to ``L``
+tokens copied from each row's own text after the latest earlier occurrence of its last
+tokens: ``runtime.tree_lookup``.)
+
 (``adapt``, optional: ``{"accuracy": [[..], ..], "costs": [[1, 0.11, [1.0, 1.01, ..]], ..]}``,
 the heads' held-out rank accuracies and, from each batch size on, one heads call's cost and
 a round's cost verifying 1, 2, .. tokens (its programs and its own work:
@@ -40,6 +44,7 @@ from dataclasses import dataclass, field
 
 MAX_DRAFT = 16  # verifying more tokens than this costs more than it can save on any machine
 MAX_EXPAND = 16  # a re-grown tree's nodes expanded a level: each costs a heads call's row
+MAX_LOOKUP = 16  # tokens copied from a row's text a round (each is verified)
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,7 @@ class Strategy:
     accuracy: tuple = ()  # the heads' rank accuracies [K][R]: the adaptive tree's prior
     costs: tuple = ()  # ((batch, heads call, (round of 1, 2, .. tokens)), ..) in plain steps
     dynamic: int = 0  # > 0: the tree re-grown every round, expanding this many nodes a level
+    lookup: int = 0  # > 0: a chain of this many tokens copied from the row's text, verified too
 
     def tree_at(self, batch: int) -> tuple:
         """The paths a round verifies at ``batch`` rows: the tree, or a sub-tree of it."""
@@ -85,7 +91,7 @@ class Strategy:
         done keeps being drafted for and verified (its results dropped) at most one round
         past its end, and the last round may overshoot by one draft."""
         if self.name == "medusa":
-            return 2 * (len(self.tree) + 1)
+            return 2 * (len(self.tree) + 1 + self.lookup)
         return 2 * (self.max_draft + 1) if self.name == "self_speculative" else 0
 
     def record(self) -> dict:
@@ -101,6 +107,8 @@ class Strategy:
                               "costs": [[b, h, list(c)] for b, h, c in self.costs]}
             if self.dynamic:
                 r["dynamic"] = self.dynamic
+            if self.lookup:
+                r["lookup"] = self.lookup
             return r
         return {"strategy": self.name, "skip_layers": list(self.skip_layers),
                 "skip_attention": list(self.skip_attention), "skip_mlp": list(self.skip_mlp),
@@ -122,7 +130,7 @@ def strategy_of(info: dict) -> Strategy:
                         accuracy=tuple(tuple(a) for a in r.get("adapt", {}).get("accuracy", ())),
                         costs=tuple((b, float(h), tuple(c))
                                     for b, h, c in r.get("adapt", {}).get("costs", ())),
-                        dynamic=r.get("dynamic", 0))
+                        dynamic=r.get("dynamic", 0), lookup=r.get("lookup", 0))
     return Strategy(r["strategy"], tuple(r["skip_layers"]), tuple(r["skip_attention"]),
                     tuple(r["skip_mlp"]), r["max_draft"], float(r["threshold"]))
 
@@ -157,9 +165,9 @@ MEDUSA_KEYS = {"strategy", "arch", "num_heads", "tree", "draft_vocab", "acceptan
 def _check_medusa(r: dict) -> str | None:
     from rewriter.heads import MAX_HEADS
     from rewriter.tree import check_paths
-    if set(r) - {"batch_trees", "adapt", "dynamic"} != MEDUSA_KEYS:
+    if set(r) - {"batch_trees", "adapt", "dynamic", "lookup"} != MEDUSA_KEYS:
         return (f"an object with exactly the keys {sorted(MEDUSA_KEYS)} (and batch_trees, "
-                f"adapt, dynamic)")
+                f"adapt, dynamic, lookup)")
     if r["arch"] not in ("medusa", "hydra"):
         return "arch: 'medusa' or 'hydra'"
     k = r["num_heads"]
@@ -177,6 +185,8 @@ def _check_medusa(r: dict) -> str | None:
         return "acceptance: 'exact' or 'typical'"
     if "dynamic" in r and not (_is_int(r["dynamic"]) and 1 <= r["dynamic"] <= MAX_EXPAND):
         return f"dynamic: an integer in [1, {MAX_EXPAND}] (nodes expanded a level)"
+    if "lookup" in r and not (_is_int(r["lookup"]) and 1 <= r["lookup"] <= MAX_LOOKUP):
+        return f"lookup: an integer in [1, {MAX_LOOKUP}] (tokens copied from the text)"
     for key in ("posterior_threshold", "posterior_alpha"):
         t = r[key]
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 < t <= 1.0:

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from rewriter.decoding import Strategy
 from rewriter.errors import RewriterError
-from rewriter.tree import MAX_RANK, make_tree
+from rewriter.tree import MAX_RANK, Tree, make_tree
 
 from .generate import Batch, run_prompt
 from .kv_cache import KVCache
@@ -47,6 +47,7 @@ from .settings import GenerationSettings
 from .speculative import _Rounds
 from .tree_adapt import AdaptiveTree
 from .tree_dynamic import grow
+from .tree_lookup import Context, with_chain
 
 LAYOUTS = 512  # laid-out trees a generation keeps (re-shaped trees repeat: code, chat)
 
@@ -77,6 +78,8 @@ class _TreeRounds(_Rounds):
         self.whole = make_tree(strategy.tree, strategy.num_heads)
         self.hydra = strategy.arch == "hydra"
         self.dynamic = strategy.dynamic  # > 0: the shape is re-grown every round (tree_dynamic)
+        self.lookup = strategy.lookup  # > 0: a chain copied from each row's text (tree_lookup)
+        self.contexts: list = []
         self.laid: dict = {}  # re-shaped trees' layouts, by paths
         self.done: Optional[list] = None  # the last round's rows that are done
         # ranks drafted at each depth: the whole tree's, so the counts cover every sub-tree
@@ -103,23 +106,23 @@ class _TreeRounds(_Rounds):
                                     f"windows longer than that; cache {s.id} has {s.window}")
 
     def use(self, tree) -> None:
-        """Verify ``tree`` (a sub-tree of the whole, maybe the root alone) from now on; a
-        re-shaped tree (``dynamic``) of as many nodes."""
-        self.budget = self.tree = tree
+        """Draft ``tree`` (a sub-tree of the whole, maybe the root alone) from now on; a
+        re-shaped tree (``dynamic``) of as many nodes. A round verifies ``verified``: the
+        drafted tree, with the chain copied from the row's text (``lookup``)."""
+        self.budget = self.tree = self.verified = tree
         self.max_draft = tree.size - 1
-        self.layouts: dict[int, dict] = {}
+        self.to_head = None  # a verified node's index in the drafted tree (None: the same)
         self.levels = _levels(tree.layout(self.device), tree.depth) \
             if self.hydra and tree.size > 1 and not self.dynamic else None
 
-    def layout(self, m: int) -> dict:
-        if m not in self.layouts:
-            key = self.tree.paths[:m - 1]
-            if key not in self.laid:
-                if len(self.laid) >= LAYOUTS:
-                    self.laid.pop(next(iter(self.laid)))  # the oldest
-                self.laid[key] = self.tree.prefix(m).layout(self.device)
-            self.layouts[m] = self.laid[key]
-        return self.layouts[m]
+    def layout(self, m: int, tree=None) -> dict:
+        """The layout of the first ``m`` nodes of ``tree`` (default: the one verified)."""
+        key = (tree or self.verified).paths[:m - 1]
+        if key not in self.laid:
+            if len(self.laid) >= LAYOUTS:
+                self.laid.pop(next(iter(self.laid)))  # the oldest
+            self.laid[key] = Tree(key).layout(self.device)
+        return self.laid[key]
 
     def first(self) -> Tensor:
         batch = self.batch
@@ -127,6 +130,10 @@ class _TreeRounds(_Rounds):
                                         batch.positions, batch.pad, self.s.prefill_chunk)
         self.stats.update(forward_passes=calls, layer_evals=calls * self.full)
         token = next_token(logits[:, -1], self.s, self.generator)
+        if self.lookup:  # each row's text: its prompt (without padding) and the new token
+            pad = batch.pad.tolist() if batch.pad is not None else [0] * len(token)
+            self.contexts = [Context(row[p:] + [t]) for row, p, t
+                             in zip(batch.ids.tolist(), pad, token.tolist())]
         self.draft_from(h[:, -1:], token)
         return token
 
@@ -147,17 +154,31 @@ class _TreeRounds(_Rounds):
         token ``root`` ``[B]``."""
         if self.budget.size == 1:  # plain rounds: nothing to draft
             self.nodes, self.drafted = root[:, None], None
-            return
-        if self.dynamic:
-            return self._grow(h, root)
-        if self.hydra:
-            return self._hydra(h, root)
-        d = self._call("heads", h)[:, 0]  # [B, K, V or Vd]
-        self.stats.update(head_passes=1)
-        ids = self._ids(d.topk(max(self.ranks), dim=-1).indices)  # [B, K, ranks]
-        self.drafted = ids
-        lay = self.layout(self.tree.size)
-        self.nodes = torch.cat([root[:, None], ids[:, lay["head"][1:], lay["rank"][1:]]], 1)
+        elif self.dynamic:
+            self._grow(h, root)
+        elif self.hydra:
+            self._hydra(h, root)
+        else:
+            d = self._call("heads", h)[:, 0]  # [B, K, V or Vd]
+            self.stats.update(head_passes=1)
+            ids = self._ids(d.topk(max(self.ranks), dim=-1).indices)  # [B, K, ranks]
+            self.drafted = ids
+            lay = self.layout(self.tree.size, self.tree)
+            self.nodes = torch.cat([root[:, None], ids[:, lay["head"][1:], lay["rank"][1:]]], 1)
+        self._chain()
+
+    def _chain(self) -> None:
+        """The tree a round verifies: the drafted one, and with ``lookup`` (and a tree to
+        draft) a chain copied from each row's text below the root (``tree_lookup``)."""
+        self.verified, self.to_head = self.tree, None
+        if self.lookup and self.tree.size > 1:
+            done = self.done or [False] * len(self.contexts)
+            chains = [[] if d else c.propose(self.lookup) for c, d in zip(self.contexts, done)]
+            self.verified, self.nodes = with_chain(self.tree, self.nodes, chains, self.nodes[:, 0])
+            if self.verified is not self.tree:
+                where = {p: i for i, p in enumerate(((),) + self.tree.paths)}
+                self.to_head = [where.get(p, -1) for p in ((),) + self.verified.paths]
+        self.max_draft = self.verified.size - 1
 
     def _hydra(self, h: Tensor, root: Tensor) -> None:
         b, n = root.shape[0], self.tree.size
@@ -198,7 +219,7 @@ class _TreeRounds(_Rounds):
         running = torch.tensor([not d for d in self.done], dtype=torch.float32, device=self.device) \
             if self.done is not None else None  # rows that are done have no say in the shape
         tree, self.nodes, levels = grow(call, root, self.budget.size, k, self.dynamic, running)
-        self.tree, self.max_draft, self.layouts = tree, tree.size - 1, {}
+        self.tree = tree
         if not self.hydra:
             self.drafted = ids
             return
@@ -234,6 +255,10 @@ class _TreeRounds(_Rounds):
             paths = [[] for _ in range(b)]
             bonus = next_token(logits[:, 0], self.s, self.generator).tolist()
         rows = [tokens[r, p].tolist() + [bonus[r]] for r, p in enumerate(paths)]
+        if self.lookup:
+            for context, row, d in zip(self.contexts, rows, done):
+                if not d:
+                    context.extend(row)
         if self.adapt is not None:
             self._adapt(tokens, paths, bonus, done, rows, length)
         ends = torch.tensor([p[-1] if p else 0 for p in paths], device=self.device)
@@ -281,7 +306,8 @@ class _TreeRounds(_Rounds):
                     break
                 target = rows[r][nodes[d + 1]] if d + 1 < len(nodes) else bonus[r]
                 if self.hydra:  # head d ran on the path only where the node has children
-                    if d >= len(levels) or node not in levels[d][0]:
+                    node = self.to_head[node] if self.to_head is not None else node
+                    if d >= len(levels) or node not in levels[d][0]:  # a copied chain's: -1
                         break
                     guesses = levels[d][1][r][levels[d][0].index(node)]
                 else:

@@ -114,7 +114,7 @@ def test_rounds_rechoose_every_few_and_plain_rounds_probe_the_whole_tree():
 
 def rounds_by_hand(tree, hydra=False, batch=3, costs=None):
     r = _TreeRounds.__new__(_TreeRounds)
-    r.hydra, r.tree, r.budget = hydra, tree, tree
+    r.hydra, r.tree, r.budget, r.verified, r.to_head = hydra, tree, tree, tree, None
     r.ranks = [1 + max(p[-1] for p in tree.paths if len(p) == d + 1) for d in range(tree.depth)]
     r.adapt = AdaptiveTree(tree, strategy() if costs is None else strategy(costs), batch=1)
     r.row_hits = [[[0] * MAX_RANK for _ in range(3)] for _ in range(batch)]

@@ -1,0 +1,133 @@
+"""Drafts copied from the row's own text (runtime.tree_lookup): the n-gram index against a
+brute-force search, the chain merged into a tree, and decoding with it (lossless, ragged
+batches, EOS, the cache's end, sampling, static rounds, artifacts, refusals)."""
+import random
+
+import pytest
+import torch
+
+import rewriter
+from rewriter.decoding import check_record
+from rewriter.passes import HydraHeads, MedusaHeads, from_spec
+from rewriter.runtime.tree_lookup import LOOKUP, NGRAM, Context, with_chain
+from rewriter.tree import make_tree
+
+from conftest import assert_same_distribution, make_model
+from test_draft_heads import random_heads
+from test_hydra_heads import IDS, KW, RAGGED, WIDE, model_and_file
+
+
+def brute(tokens: list[int], length: int) -> list[int]:
+    """The tokens after the latest earlier occurrence of the longest suffix (n <= NGRAM)."""
+    for n in range(min(NGRAM, len(tokens)), 0, -1):
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + length]
+    return []
+
+
+def test_the_index_finds_what_a_search_finds_as_text_grows():
+    rng = random.Random(0)
+    for trial in range(40):
+        text = [rng.randrange(6) for _ in range(rng.randrange(1, 12))]
+        c = Context(text)
+        for _ in range(10):
+            assert c.propose(4) == brute(c.tokens, 4), c.tokens
+            c.extend([rng.randrange(6) for _ in range(rng.randrange(1, 4))])
+    assert Context([1, 2, 3]).propose(4) == []  # nothing repeats
+    assert Context([7, 8, 9, 7, 8]).propose(4) == [9, 7, 8]  # the longest suffix, up to the end
+    assert Context([5, 1, 2, 6, 1, 2]).propose(2) == [6, 1]  # latest occurrence of "1 2"
+
+
+def test_the_chain_hangs_below_the_root_in_depth_order():
+    tree = make_tree([[0], [1], [0, 0]], 2)
+    nodes = torch.tensor([[10, 11, 12, 13], [20, 21, 22, 23]])
+    merged, tokens = with_chain(tree, nodes, [[30, 31, 32], [40]], torch.tensor([99, 98]))
+    assert merged.paths == ((0,), (1,), (LOOKUP,), (0, 0), (LOOKUP, LOOKUP), (LOOKUP,) * 3)
+    assert tokens.tolist() == [[10, 11, 12, 30, 13, 31, 32], [20, 21, 22, 40, 23, 98, 98]]
+    lay = merged.layout()
+    assert lay["parent"].tolist() == [-1, 0, 0, 0, 1, 3, 5]
+    assert with_chain(tree, nodes, [[], []], torch.tensor([0, 0]))[0] is tree
+
+
+def optimized(tmp_path, cls, config="llama-gqa-3l", **kw):
+    model, path = model_and_file(tmp_path, config)
+    if cls is MedusaHeads:
+        path = random_heads(model, tmp_path / "m.safetensors")
+    return model, rewriter.optimize(model, passes=[cls(weights=str(path), tree=WIDE, **kw)])
+
+
+@pytest.mark.parametrize("cls,config", [(HydraHeads, "llama-gqa-3l"), (MedusaHeads, "qwen2-mqa-3l"),
+                                        (HydraHeads, "gpt2-3l")])
+def test_greedy_tokens_equal_plain_greedy_and_the_copies_are_accepted(cls, config, tmp_path):
+    model, hy = optimized(tmp_path, cls, config, lookup=4)
+    plain = rewriter.optimize(model)
+    looping = [[5, 6, 7, 8] * 4, [9, 3] * 6]  # text that repeats: copies the model may accept
+    for prompts in (IDS, RAGGED, looping):
+        together = hy.generate(prompts, **KW)
+        assert torch.equal(together, plain.generate(prompts, **KW))
+        for i, row in enumerate(prompts):
+            row = row.tolist() if isinstance(row, torch.Tensor) else row
+            alone = hy.generate([row], **KW)[0, -24:]
+            assert torch.equal(together[i, -24:], alone), i
+    _, without = optimized(tmp_path, cls, config)
+    without.generate(looping, **KW)
+    hy.generate(looping, **KW)
+    assert hy.stats["accepted"] > without.stats["accepted"]  # the chain pays on repeated text
+
+
+def test_an_end_of_sequence_and_the_cache_end_with_copied_chains():
+    """Rows whose text repeats (chains copied every round) end at an end of sequence as
+    plain decoding does; a chain that would pass the cache's end is cut."""
+    model = make_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)
+    plain = rewriter.optimize(model)
+    hy = rewriter.optimize(model, passes=[HydraHeads(num_heads=2, tree=[[0], [1], [0, 0]], lookup=6)])
+    ids = [[5, 9, 2, 5, 9, 2, 5, 9], [7, 7, 7, 7]]
+    ref = plain.generate(ids, max_new_tokens=30, eos_token_id=[])
+    eos = int(ref[0, 10])  # a token the first row produces: its end of sequence
+    kw = dict(max_new_tokens=30, eos_token_id=[eos], pad_token_id=0)
+    assert torch.equal(hy.generate(ids, **kw), plain.generate(ids, **kw))
+    long = torch.arange(1, 111).view(1, 110) % 40 + 1  # 110 + 18 = the 128-position context
+    kw = dict(max_new_tokens=18, eos_token_id=[])
+    assert torch.equal(hy.generate(long, **kw), plain.generate(long, **kw))
+
+
+def test_sampling_follows_the_model():
+    model = make_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)
+    plain = rewriter.optimize(model)
+    hy = rewriter.optimize(model, passes=[HydraHeads(num_heads=2, tree=[[0], [1], [0, 0]], lookup=3)])
+    ids = torch.tensor([[5, 9, 2, 5, 9]]).expand(3000, 5)  # "5 9" repeats: a chain is copied
+    kw = dict(max_new_tokens=3, do_sample=True, top_k=0, eos_token_id=[])
+    a, b = plain.generate(ids, seed=1, **kw), hy.generate(ids, seed=2, **kw)
+    assert hy.stats["accepted"] > 0
+    assert_same_distribution(a, b, (6, 7), 48)
+
+
+def test_static_rounds_and_the_artifact_keep_it(tmp_path):
+    model, hy = optimized(tmp_path, HydraHeads, lookup=3, dynamic=2)
+    assert hy.ir.info["decoding"]["lookup"] == 3
+    eager = hy.generate(RAGGED, **KW)
+    hy.static_decode = True
+    assert torch.equal(hy.generate(RAGGED, **KW), eager)
+    hy.save(tmp_path / "a")
+    loaded = rewriter.load(tmp_path / "a")
+    assert loaded.ir.info["decoding"]["lookup"] == 3
+    assert torch.equal(loaded.generate(RAGGED, **KW), eager)
+    assert from_spec("hydra_heads:num_heads=2,lookup=5").lookup == 5
+    for bad in (-1, 17, 2.0, True, "4"):
+        with pytest.raises(ValueError, match="lookup"):
+            HydraHeads(num_heads=2, lookup=bad)
+        assert "lookup" in check_record({**hy.ir.info["decoding"], "lookup": bad})
+
+
+def test_the_triton_backend_gives_the_same_tokens(tmp_path):
+    from test_hydra_heads import hydra_heads
+    model = make_model("llama-gqa-3l", initializer_range=0.2, num_hidden_layers=2)
+    path = hydra_heads(model, tmp_path / "h.safetensors", k=2)
+    plain = rewriter.optimize(model)
+    hy = rewriter.optimize(model, passes=[HydraHeads(weights=str(path), tree=[[0], [1], [0, 0]],
+                                                     lookup=3)], backend="triton")
+    ids = [[5, 6, 7, 5, 6, 7, 5], [9, 3, 9, 3]]
+    kw = dict(max_new_tokens=6, eos_token_id=[])
+    assert torch.equal(hy.generate(ids, **kw), plain.generate(ids, **kw))
