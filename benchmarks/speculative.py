@@ -200,6 +200,9 @@ def main():
     args = ap.parse_args()
     if args.samples < 1:
         ap.error(f"--samples must be at least 1, got {args.samples}")
+    for name, v, top in (("--dynamic", args.dynamic, 16), ("--lookup", args.lookup, 16)):
+        if not 0 <= v <= top:
+            ap.error(f"{name} must be in [0, {top}], got {v}")
     if args.tree_nodes is not None and not 1 <= args.tree_nodes < MAX_NODES:
         ap.error(f"--tree-nodes must be in [1, {MAX_NODES - 1}], got {args.tree_nodes}")
     results = {"model": args.model, "device": device_name(args.device), "backend": args.backend,

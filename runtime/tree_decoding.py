@@ -38,7 +38,7 @@ from torch import Tensor
 
 from rewriter.decoding import Strategy
 from rewriter.errors import RewriterError
-from rewriter.tree import MAX_RANK, Tree, make_tree
+from rewriter.tree import MAX_NODES, MAX_RANK, Tree, make_tree
 
 from .generate import Batch, run_prompt
 from .kv_cache import KVCache
@@ -99,7 +99,7 @@ class _TreeRounds(_Rounds):
         # strategy may verify a sub-tree (the engine decodes plainly where it is empty)
         start = make_tree(strategy.tree_at(b), strategy.num_heads)
         self.use(self.adapt.current if self.adapt is not None and self.adapt.current else start)
-        deepest = strategy.num_heads if self.dynamic else self.whole.depth
+        deepest = max(strategy.num_heads if self.dynamic else self.whole.depth, strategy.lookup)
         for s in cache.table.values():
             if s.window is not None and s.window <= deepest:
                 raise RewriterError(f"a tree of depth {deepest} needs attention "
@@ -173,7 +173,8 @@ class _TreeRounds(_Rounds):
         self.verified, self.to_head = self.tree, None
         if self.lookup and self.tree.size > 1:
             done = self.done or [False] * len(self.contexts)
-            chains = [[] if d else c.propose(self.lookup) for c, d in zip(self.contexts, done)]
+            room = min(self.lookup, MAX_NODES - self.tree.size)  # a step verifies <= MAX_NODES
+            chains = [[] if d else c.propose(room) for c, d in zip(self.contexts, done)]
             self.verified, self.nodes = with_chain(self.tree, self.nodes, chains, self.nodes[:, 0])
             if self.verified is not self.tree:
                 where = {p: i for i, p in enumerate(((),) + self.tree.paths)}
@@ -199,26 +200,30 @@ class _TreeRounds(_Rounds):
     def _grow(self, h: Tensor, root: Tensor) -> None:
         """A tree of the budget's size grown from the heads' probabilities (``tree_dynamic``)."""
         b, k = root.shape[0], self.strategy.num_heads
-        ranks = min(MAX_RANK, self.budget.size - 1)
+        ranks = min(MAX_RANK, self.budget.size - 1)  # the candidates a node gets
+        # the ranks counted (observe): the whole tree's, as the fixed trees count, so a small
+        # budget does not count a guess the whole tree would have verified as a miss
+        counted = max([ranks, *self.ranks])
         if not self.hydra:
-            top = self._call("heads", h)[:, 0].float().log_softmax(-1).topk(ranks, dim=-1)  # [B, K, R]
+            top = self._call("heads", h)[:, 0].float().log_softmax(-1).topk(counted, dim=-1)  # [B, K, R]
             self.stats.update(head_passes=1)
             ids = self._ids(top.indices)
 
         def call(d: int, chains: Tensor):
             p = chains.shape[1]
             if not self.hydra:  # every path at depth d gets head d's guesses
-                return top.values[:, d, None].expand(b, p, ranks), ids[:, d, None].expand(b, p, ranks)
+                return top.values[:, d, None].expand(b, p, counted), ids[:, d, None].expand(b, p, counted)
             path = torch.zeros(b, p, k, dtype=torch.int64, device=self.device)
             path[:, :, :d + 1] = chains  # [B, P, d + 1]: root .. the expanded node
             logits = self._call(f"head{d}", h.expand(b, p, h.shape[-1]), path)  # [B, P, V]
             self.stats.update(head_passes=1)
-            best = logits.float().log_softmax(-1).topk(ranks, dim=-1)
+            best = logits.float().log_softmax(-1).topk(counted, dim=-1)
             return best.values, self._ids(best.indices)
 
         running = torch.tensor([not d for d in self.done], dtype=torch.float32, device=self.device) \
             if self.done is not None else None  # rows that are done have no say in the shape
-        tree, self.nodes, levels = grow(call, root, self.budget.size, k, self.dynamic, running)
+        tree, self.nodes, levels = grow(call, root, self.budget.size, k, self.dynamic, running,
+                                        ranks)
         self.tree = tree
         if not self.hydra:
             self.drafted = ids
@@ -247,6 +252,8 @@ class _TreeRounds(_Rounds):
                               depth=lay["depth"] if tree else None)
         self.stats.update(forward_passes=1, layer_evals=self.full,
                           drafted=(m - 1) * sum(not d for d in done))
+        if self.to_head is not None:  # chain nodes copied from the text, verified this round
+            self.stats.update(copied=sum(i < 0 for i in self.to_head[1:m]))
         if m > 1:
             paths, bonus = self.accept(logits, tokens, lay)
             self.compact(length, paths)
@@ -307,7 +314,9 @@ class _TreeRounds(_Rounds):
                 target = rows[r][nodes[d + 1]] if d + 1 < len(nodes) else bonus[r]
                 if self.hydra:  # head d ran on the path only where the node has children
                     node = self.to_head[node] if self.to_head is not None else node
-                    if d >= len(levels) or node not in levels[d][0]:  # a copied chain's: -1
+                    # a copied chain's node (-1) had no head run on its path; nor had a
+                    # re-grown tree's expanded paths that were not kept (-1 there too)
+                    if node < 0 or d >= len(levels) or node not in levels[d][0]:
                         break
                     guesses = levels[d][1][r][levels[d][0].index(node)]
                 else:
@@ -334,7 +343,9 @@ class _TreeRounds(_Rounds):
         # a node is accepted when it and every ancestor are right (one masked reduction,
         # not a Python pass over the nodes: this runs every round)
         ok = ~((~right)[:, None, :] & lay["ancestors"][None]).any(-1)  # [B, m]
-        # siblings hold different tokens, so the accepted nodes form one path: its deepest
+        # the accepted nodes form one path, its deepest taken (siblings hold different
+        # tokens, except a copied chain's first token, which may repeat a head's: then
+        # both branches are the model's own text, and the deepest is still exact)
         best = torch.where(ok, depth[None] * m + torch.arange(m, device=self.device), -1).argmax(1)
         paths = [lay["paths"][e] for e in best.tolist()]
         bonus = target[torch.arange(len(best), device=self.device), best]

@@ -38,12 +38,14 @@ HeadCall = Callable[[int, Tensor], tuple[Tensor, Tensor]]
 
 
 def grow(call: HeadCall, root: Tensor, nodes: int, depth: int, expand: int,
-         weight: Optional[Tensor] = None):
+         weight: Optional[Tensor] = None, ranks: Optional[int] = None):
     """The tree of ``nodes`` tokens (the root included) grown from ``call``'s guesses after
     ``root`` ``[B]``: ``(tree, tokens [B, nodes] in the tree's order, levels)``, ``levels``
     holding, per level that ran, the expanded paths and their ranked token ids
     ``[B, P, R]`` (for counting what the heads got right: ``tree_decoding.observe``).
-    ``weight`` ``[B]``: each row's say in the shape (0: a row that is done)."""
+    ``weight`` ``[B]``: each row's say in the shape (0: a row that is done); ``ranks``: a
+    node's candidates, its first ``ranks`` guesses (default: all ``call`` gives; ``levels``
+    keeps all of them)."""
     b = root.shape[0]
     if weight is None:
         weight = torch.ones(b, device=root.device)
@@ -55,9 +57,9 @@ def grow(call: HeadCall, root: Tensor, nodes: int, depth: int, expand: int,
     logs = torch.zeros(b, 1, device=root.device)  # [B, P] each expanded path's log-probability
     for d in range(depth):
         logp, ids = call(d, chains)  # [B, P, R]
-        total = logs[..., None] + logp.float()  # [B, P, R]
         levels.append((list(frontier), ids))
-        ranks = ids.shape[-1]
+        logp, ids = logp[..., :ranks], ids[..., :ranks]  # [B, P, r] the candidates
+        total = logs[..., None] + logp.float()  # [B, P, r]
         summed = (total.exp() * weight[:, None, None]).sum(0)  # [P, R]
         for slot, (p, row) in enumerate(zip(frontier, summed.tolist())):
             for r, s in enumerate(row):

@@ -315,3 +315,20 @@ def test_bad_adapt_entries_are_refused(bad):
     assert record["adapt"] == {"accuracy": PRIOR, "costs": [[1, 0.0, CHEAP]]}
     assert check_record({**record, "adapt": GOOD}) is None
     assert "adapt" in check_record({**record, "adapt": bad})
+
+
+def test_hydra_rounds_do_not_count_past_a_copied_chains_node_or_an_unkept_path():
+    """A chain copied from the text (``lookup``) is no head's guess, and a re-grown tree's
+    expanded paths that were not kept (-1 in ``drafted``) ran no head on the accepted path:
+    a path through either stops the counting there."""
+    tree = make_tree([[0], [1], [0, 0]], 3)  # drafted: 1 (0), 2 (1), 3 (0, 0)
+    r = rounds_by_hand(tree, hydra=True)
+    # verified: 1 (0), 2 (1), 3 (chain), 4 (0, 0), 5 (chain, chain)
+    r.verified = Tree(((0,), (1,), (10,), (0, 0), (10, 10)))
+    r.to_head = [0, 1, 2, -1, 3, -1]
+    # level 1 expanded node 1 and a path that was not kept (-1)
+    r.drafted = [(torch.tensor([0]), torch.tensor([[[10, 11]]])),
+                 (torch.tensor([1, -1]), torch.tensor([[[20, 21], [25, 26]]]))]
+    tokens = torch.tensor([[0, 10, 11, 10, 20, 25]])
+    r.observe(tokens, [[3, 5]], [7], [False])  # the chain's two tokens were the model's
+    assert r.adapt.trials == [1, 0, 0] and r.adapt.hits[0][:2] == [1, 0]  # head 0's rank 0

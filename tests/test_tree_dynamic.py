@@ -135,10 +135,13 @@ def test_greedy_tokens_equal_plain_greedy(cls, tmp_path):
     assert hy.stats["accepted"] > 0
 
 
-def test_sampling_follows_the_model():
+def test_sampling_follows_the_model(tmp_path):
+    """Seeded heads with peaked guesses: trees of more than one level, re-shaped."""
+    from test_hydra_heads import hydra_heads
     model = make_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)
     plain = rewriter.optimize(model)
-    hy = rewriter.optimize(model, passes=[HydraHeads(num_heads=2, tree=[[0], [1], [2], [0, 0]],
+    path = hydra_heads(model, tmp_path / "h.safetensors", k=2, scale=0.5)
+    hy = rewriter.optimize(model, passes=[HydraHeads(weights=str(path), tree=[[0], [1], [2], [0, 0]],
                                                      dynamic=2)])
     ids = torch.tensor([[5, 9, 2]]).expand(3000, 3)
     kw = dict(max_new_tokens=3, do_sample=True, top_k=0, eos_token_id=[])

@@ -77,20 +77,32 @@ def test_greedy_tokens_equal_plain_greedy_and_the_copies_are_accepted(cls, confi
     assert hy.stats["accepted"] > without.stats["accepted"]  # the chain pays on repeated text
 
 
+def repeating(plain, prompts, n: int = 24) -> list[list[int]]:
+    """Each prompt followed by ``n`` of plain greedy's tokens: text the model goes on
+    repeating (random models loop), so the chains copied from it are accepted."""
+    out = plain.generate(prompts, max_new_tokens=n, eos_token_id=[])
+    return [list(p) + out[i, -n:].tolist() for i, p in enumerate(prompts)]
+
+
 def test_an_end_of_sequence_and_the_cache_end_with_copied_chains():
-    """Rows whose text repeats (chains copied every round) end at an end of sequence as
-    plain decoding does; a chain that would pass the cache's end is cut."""
+    """Rows whose chains are accepted end at an end of sequence as plain decoding does; at
+    the cache's end a round is cut to the room left (a ragged batch: the row whose text
+    loops accepts more a round than the other)."""
     model = make_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)
     plain = rewriter.optimize(model)
     hy = rewriter.optimize(model, passes=[HydraHeads(num_heads=2, tree=[[0], [1], [0, 0]], lookup=6)])
-    ids = [[5, 9, 2, 5, 9, 2, 5, 9], [7, 7, 7, 7]]
+    ids = repeating(plain, [[5, 9, 2, 5, 9, 2, 5, 9], [7, 7, 7, 7]])
     ref = plain.generate(ids, max_new_tokens=30, eos_token_id=[])
-    eos = int(ref[0, 10])  # a token the first row produces: its end of sequence
+    eos = int(ref[0, -20])  # a token the first row produces: its end of sequence
     kw = dict(max_new_tokens=30, eos_token_id=[eos], pad_token_id=0)
     assert torch.equal(hy.generate(ids, **kw), plain.generate(ids, **kw))
-    long = torch.arange(1, 111).view(1, 110) % 40 + 1  # 110 + 18 = the 128-position context
-    kw = dict(max_new_tokens=18, eos_token_id=[])
-    assert torch.equal(hy.generate(long, **kw), plain.generate(long, **kw))
+    assert hy.stats["copied"] > 0
+    rows = repeating(plain, [[5, 9, 2, 5, 9, 2, 5, 9]], 92) + [[(i * i + 3 * i) % 47 + 1 for i in range(100)]]
+    assert [len(r) for r in rows] == [100, 100]
+    kw = dict(max_new_tokens=28, eos_token_id=[])  # 100 + 28 = the 128-position context
+    out = hy.generate(rows, **kw)
+    assert torch.equal(out, plain.generate(rows, **kw))
+    assert hy.stats["accepted"] > 0 and hy.stats["copied"] > 0
 
 
 def test_sampling_follows_the_model():
@@ -128,6 +140,21 @@ def test_the_triton_backend_gives_the_same_tokens(tmp_path):
     plain = rewriter.optimize(model)
     hy = rewriter.optimize(model, passes=[HydraHeads(weights=str(path), tree=[[0], [1], [0, 0]],
                                                      lookup=3)], backend="triton")
-    ids = [[5, 6, 7, 5, 6, 7, 5], [9, 3, 9, 3]]
-    kw = dict(max_new_tokens=6, eos_token_id=[])
+    ids = repeating(plain, [[5, 6, 7, 5, 6, 7, 5], [9, 3, 9, 3]], 16)
+    kw = dict(max_new_tokens=8, eos_token_id=[])
     assert torch.equal(hy.generate(ids, **kw), plain.generate(ids, **kw))
+    assert hy.stats["copied"] > 0  # chain nodes went through the kernels
+
+
+@pytest.mark.parametrize("dynamic", [0, 2])
+def test_with_the_adaptive_tree_the_tokens_stay_greedys_and_the_heads_are_counted(dynamic, tmp_path):
+    from test_tree_adapt import adaptive
+    model, path = model_and_file(tmp_path)
+    plain = rewriter.optimize(model)
+    med = adaptive(rewriter.optimize(model, passes=[
+        HydraHeads(weights=str(path), tree=WIDE, lookup=4, dynamic=dynamic)]),
+        [[0.5, 0.2, 0.1], [0.4, 0.1], [0.4, 0.1]], [[1, 0.01, [1.0 + 0.01 * s for s in range(12)]]])
+    prompts = repeating(plain, RAGGED)
+    assert torch.equal(med.generate(prompts, **KW), plain.generate(prompts, **KW))
+    (learnt,) = med.trees.values()
+    assert med.stats["copied"] > 0 and sum(learnt.trials) > 0
