@@ -158,3 +158,22 @@ def test_with_the_adaptive_tree_the_tokens_stay_greedys_and_the_heads_are_counte
     assert torch.equal(med.generate(prompts, **KW), plain.generate(prompts, **KW))
     (learnt,) = med.trees.values()
     assert med.stats["copied"] > 0 and sum(learnt.trials) > 0
+
+
+def test_a_round_verifies_at_most_64_tokens(monkeypatch):
+    """A 63-node tree leaves no room for a chain (the Triton tree kernels take 64 tokens)."""
+    import itertools
+    from rewriter.runtime.tree_decoding import _TreeRounds
+    model = make_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)
+    plain = rewriter.optimize(model)
+    paths = [list(p) for d in (1, 2) for p in itertools.product(range(8), repeat=d)][:63]
+    hy = rewriter.optimize(model, passes=[MedusaHeads(num_heads=2, tree=paths, lookup=4)])
+    sizes, chained = [], _TreeRounds._chain
+
+    def chain(self):
+        chained(self)
+        sizes.append(self.verified.size)
+    monkeypatch.setattr(_TreeRounds, "_chain", chain)
+    ids = repeating(plain, [[5, 9, 2, 5, 9, 2]], 8)
+    assert torch.equal(hy.generate(ids, **KW), plain.generate(ids, **KW))
+    assert sizes and max(sizes) == 64
