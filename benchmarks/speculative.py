@@ -315,6 +315,7 @@ def heads_rows(model, tok, plain, args, dtype, results, rows, arch):
                 modes = [(False, 0, 0)] + ([(True, 0, 0)] if adapt else []) + \
                     ([(False, args.dynamic, 0)] if args.dynamic else []) + \
                     ([(False, 0, args.lookup)] if args.lookup else []) + \
+                    ([(True, 0, args.lookup)] if args.lookup and adapt else []) + \
                     ([(False, args.dynamic, args.lookup)] if args.lookup and args.dynamic else [])
                 variants = [(plain, contextlib.nullcontext)] + [
                     (med, functools.partial(_adapting, record, adapt if a else None, e, k))
