@@ -105,15 +105,21 @@ def test_greedy_tokens_equal_plain_greedy(config, tmp_path):
     assert s["head_passes"] >= 3 * s["rounds"]  # one call a level
 
 
+def sampled(plain, hy, prompt: list[int], rows: int = 3000):
+    """Three sampled tokens after ``prompt``, ``rows`` times, from ``plain`` and from ``hy``
+    (different seeds): the samples a two-sample chi-square compares."""
+    ids = torch.tensor([prompt]).expand(rows, len(prompt))
+    kw = dict(max_new_tokens=3, do_sample=True, top_k=0, eos_token_id=[])
+    return plain.generate(ids, seed=1, **kw), hy.generate(ids, seed=2, **kw)
+
+
 def test_untrained_heads_accept_and_sampling_follows_the_model():
     """Zero heads guess the LM head's token again, which random models' repetitive text
     often accepts; sampled tokens against plain sampling, two-sample chi-square."""
     model = make_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)
     plain = rewriter.optimize(model)
     hy = rewriter.optimize(model, passes=[HydraHeads(num_heads=2, tree=[[0], [1], [2], [0, 0]])])
-    ids = torch.tensor([[5, 9, 2]]).expand(3000, 3)
-    kw = dict(max_new_tokens=3, do_sample=True, top_k=0, eos_token_id=[])
-    a, b = plain.generate(ids, seed=1, **kw), hy.generate(ids, seed=2, **kw)
+    a, b = sampled(plain, hy, [5, 9, 2])
     assert hy.stats["accepted"] > 0
     assert_same_distribution(a, b, (4, 5), 48)
 

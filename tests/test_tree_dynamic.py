@@ -14,7 +14,7 @@ from rewriter.runtime.tree_dynamic import grow
 
 from conftest import assert_same_distribution, make_model
 from test_draft_heads import random_heads
-from test_hydra_heads import IDS, KW, RAGGED, WIDE, model_and_file
+from test_hydra_heads import IDS, KW, RAGGED, WIDE, model_and_file, sampled
 
 V, R, DEPTH = 50, 3, 3
 
@@ -143,9 +143,7 @@ def test_sampling_follows_the_model(tmp_path):
     path = hydra_heads(model, tmp_path / "h.safetensors", k=2, scale=0.5)
     hy = rewriter.optimize(model, passes=[HydraHeads(weights=str(path), tree=[[0], [1], [2], [0, 0]],
                                                      dynamic=2)])
-    ids = torch.tensor([[5, 9, 2]]).expand(3000, 3)
-    kw = dict(max_new_tokens=3, do_sample=True, top_k=0, eos_token_id=[])
-    a, b = plain.generate(ids, seed=1, **kw), hy.generate(ids, seed=2, **kw)
+    a, b = sampled(plain, hy, [5, 9, 2])
     assert hy.stats["accepted"] > 0
     assert_same_distribution(a, b, (4, 5), 48)
 
@@ -157,22 +155,31 @@ def test_the_artifact_keeps_it_and_bad_values_are_refused(tmp_path):
     loaded = rewriter.load(tmp_path / "a")
     assert loaded.ir.info["decoding"]["dynamic"] == 3
     assert torch.equal(loaded.generate(IDS, **KW), hy.generate(IDS, **KW))
-    assert from_spec("hydra_heads:num_heads=2,dynamic=3").dynamic == 3
+    refuses("dynamic", hy.ir.info["decoding"])
+
+
+def refuses(key: str, record: dict) -> None:
+    """The pass's ``key`` parameter is read from a spec, and bad values of it are refused by
+    name, by the pass and in a decoding record (an artifact's)."""
+    assert getattr(from_spec(f"hydra_heads:num_heads=2,{key}=5"), key) == 5
     for bad in (-1, 17, 2.0, True, "4"):
-        with pytest.raises(ValueError, match="dynamic"):
-            HydraHeads(weights=str(path), dynamic=bad)
-        record = {**hy.ir.info["decoding"], "dynamic": bad}
-        assert "dynamic" in check_record(record)
+        with pytest.raises(ValueError, match=key):
+            HydraHeads(num_heads=2, **{key: bad})
+        assert key in check_record({**record, key: bad})
+
+
+def triton_pair(tmp_path, **kw):
+    """(plain, Hydra heads with ``kw`` on the Triton backend) of a small seeded model."""
+    from test_hydra_heads import hydra_heads
+    model = make_model("llama-gqa-3l", initializer_range=0.2, num_hidden_layers=2)
+    path = hydra_heads(model, tmp_path / "h.safetensors", k=2)
+    return rewriter.optimize(model), rewriter.optimize(model, passes=[
+        HydraHeads(weights=str(path), tree=[[0], [1], [0, 0]], **kw)], backend="triton")
 
 
 def test_the_triton_backend_gives_the_same_tokens(tmp_path):
     """A re-grown tree's mask is data: the Triton attention kernels verify it as any tree."""
-    from test_hydra_heads import hydra_heads
-    model = make_model("llama-gqa-3l", initializer_range=0.2, num_hidden_layers=2)
-    path = hydra_heads(model, tmp_path / "h.safetensors", k=2)
-    plain = rewriter.optimize(model)
-    hy = rewriter.optimize(model, passes=[HydraHeads(weights=str(path), tree=[[0], [1], [0, 0]],
-                                                     dynamic=2)], backend="triton")
+    plain, hy = triton_pair(tmp_path, dynamic=2)
     kw = dict(max_new_tokens=6, eos_token_id=[])
     assert torch.equal(hy.generate(RAGGED[:2], **kw), plain.generate(RAGGED[:2], **kw))
     assert hy.stats["rounds"] > 0

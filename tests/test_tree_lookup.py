@@ -7,14 +7,14 @@ import pytest
 import torch
 
 import rewriter
-from rewriter.decoding import check_record
-from rewriter.passes import HydraHeads, MedusaHeads, from_spec
+from rewriter.passes import HydraHeads, MedusaHeads
 from rewriter.runtime.tree_lookup import LOOKUP, NGRAM, Context, with_chain
 from rewriter.tree import make_tree
 
 from conftest import assert_same_distribution, make_model
 from test_draft_heads import random_heads
-from test_hydra_heads import IDS, KW, RAGGED, WIDE, model_and_file
+from test_hydra_heads import IDS, KW, RAGGED, WIDE, model_and_file, sampled
+from test_tree_dynamic import refuses, triton_pair
 
 
 def brute(tokens: list[int], length: int) -> list[int]:
@@ -109,9 +109,7 @@ def test_sampling_follows_the_model():
     model = make_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)
     plain = rewriter.optimize(model)
     hy = rewriter.optimize(model, passes=[HydraHeads(num_heads=2, tree=[[0], [1], [0, 0]], lookup=3)])
-    ids = torch.tensor([[5, 9, 2, 5, 9]]).expand(3000, 5)  # "5 9" repeats: a chain is copied
-    kw = dict(max_new_tokens=3, do_sample=True, top_k=0, eos_token_id=[])
-    a, b = plain.generate(ids, seed=1, **kw), hy.generate(ids, seed=2, **kw)
+    a, b = sampled(plain, hy, [5, 9, 2, 5, 9])  # "5 9" repeats: a chain is copied
     assert hy.stats["accepted"] > 0
     assert_same_distribution(a, b, (6, 7), 48)
 
@@ -126,20 +124,11 @@ def test_static_rounds_and_the_artifact_keep_it(tmp_path):
     loaded = rewriter.load(tmp_path / "a")
     assert loaded.ir.info["decoding"]["lookup"] == 3
     assert torch.equal(loaded.generate(RAGGED, **KW), eager)
-    assert from_spec("hydra_heads:num_heads=2,lookup=5").lookup == 5
-    for bad in (-1, 17, 2.0, True, "4"):
-        with pytest.raises(ValueError, match="lookup"):
-            HydraHeads(num_heads=2, lookup=bad)
-        assert "lookup" in check_record({**hy.ir.info["decoding"], "lookup": bad})
+    refuses("lookup", hy.ir.info["decoding"])
 
 
 def test_the_triton_backend_gives_the_same_tokens(tmp_path):
-    from test_hydra_heads import hydra_heads
-    model = make_model("llama-gqa-3l", initializer_range=0.2, num_hidden_layers=2)
-    path = hydra_heads(model, tmp_path / "h.safetensors", k=2)
-    plain = rewriter.optimize(model)
-    hy = rewriter.optimize(model, passes=[HydraHeads(weights=str(path), tree=[[0], [1], [0, 0]],
-                                                     lookup=3)], backend="triton")
+    plain, hy = triton_pair(tmp_path, lookup=3)
     ids = repeating(plain, [[5, 6, 7, 5, 6, 7, 5], [9, 3, 9, 3]], 16)
     kw = dict(max_new_tokens=8, eos_token_id=[])
     assert torch.equal(hy.generate(ids, **kw), plain.generate(ids, **kw))
