@@ -211,7 +211,8 @@ class MedusaHeads(Pass):
         measured = lambda tree, batches, costs: round_cost.measure(  # noqa: E731
             ir, replace(self._strategy(tree, costs=costs if self.adapt else ()), dynamic=0,
                         lookup=0), batches, vocab)
-        cost = verify_cost(ir, self.max_nodes + 1, runs=5)
+        # rounds verify up to ``lookup`` copied tokens beside the tree: their costs too
+        cost = verify_cost(ir, min(self.max_nodes + 1 + self.lookup, MAX_NODES), runs=5)
         per_call = heads_cost(ir, self.num_heads, hydra, runs=5)
         raw = ((1, round(per_call, 4), tuple(round(c, 4) for c in cost[1:])),)
         tree, _ = choose_tree(accuracy, cost, self.max_nodes, per_call, per_level=hydra)
@@ -221,16 +222,19 @@ class MedusaHeads(Pass):
                                         per_level=hydra)
         self.report = {**self.report, "verify_cost": [round(c, 3) for c in cost[1:]],
                        "round_overhead": _overhead(times), "batches": {}}
-        costs = [(1, round(heads_1, 4), tuple(round(c, 4) for c in verify_1[:tree.size]))]
+        verified = min(tree.size + self.lookup, MAX_NODES)  # the tree and a chain: the costs kept
+        costs = [(1, round(heads_1, 4), tuple(round(c, 4) for c in verify_1[:verified]))]
         if self.report["predicted_speedup"] < 1:
             # no tree pays even at one row (where verifying 2 tokens costs 1.5 decode steps,
             # as float32 on some CPUs): the tree is kept in the record, every batch decodes
             # plainly, and larger batches, where verifying costs more, need no measuring
+            # (with ``lookup`` a chain alone may still pay on text that repeats: judged at
+            # every batch size by these costs of one row, which larger batches exceed)
             return tree, ((1, ()),), tuple(costs) if self.adapt else ()
         by_batch = measured(tree, BATCHES, tuple(costs))
         batch_trees = []
         for b in BATCHES:
-            cost_b = verify_cost(ir, tree.size, runs=5, batch=b)
+            cost_b = verify_cost(ir, verified, runs=5, batch=b)
             heads_b, verify_b = round_cost.adjust(
                 heads_cost(ir, self.num_heads, hydra, runs=5, batch=b), cost_b[1:], by_batch[b])
             sub, rate = best_subtree(tree, accuracy, [0.0, *verify_b], heads_b, hydra)

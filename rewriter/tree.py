@@ -130,7 +130,7 @@ def _path_probability(path, accuracy) -> float:
     return prob
 
 
-def _monotone(cost: Sequence[float]) -> list[float]:
+def monotone(cost: Sequence[float]) -> list[float]:
     """Verifying more tokens never costs less (nor less than one step): a timing that says so
     is noise (a busy machine), and trusting it would pick a tree by its luckiest measurement."""
     return [0.0] + list(itertools.accumulate((max(c, 1.0) for c in cost[1:]), max))
@@ -144,7 +144,7 @@ def choose_tree(accuracy: Sequence[Sequence[float]], cost: Sequence[float],
     calls a round, ``head_cost`` each: one, or one per level with ``per_level`` (Hydra)),
     with at most ``max_nodes`` nodes and ``len(cost) - 2`` at most; and what it predicts."""
     num_heads = len(accuracy)
-    cost = _monotone(cost)
+    cost = monotone(cost)
     limit = min(max_nodes, len(cost) - 2, MAX_NODES - 1)
     order: list[tuple[int, ...]] = []
     frontier = {(r,): _path_probability((r,), accuracy) for r in range(MAX_RANK)}
@@ -182,7 +182,7 @@ def best_subtree(tree: Tree, accuracy: Sequence[Sequence[float]], cost: Sequence
     verifying costs ``cost`` (as ``choose_tree``'s, measured at another batch size): its
     ``m`` likeliest nodes (a child is never likelier than its parent, so they form a tree)
     for the best ``m``; no node at all (plain decoding, rate 1) when none pays for itself."""
-    cost = _monotone(cost)
+    cost = monotone(cost)
     likeliest = sorted(tree.paths, key=lambda p: (-_path_probability(p, accuracy), len(p), p))
     best, rate, total, depth = 0, 1.0, 1.0, 0
     for m, p in enumerate(likeliest[:len(cost) - 2], start=1):

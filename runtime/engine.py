@@ -189,7 +189,9 @@ class Engine:
         if strategy.name == "self_speculative":
             return batch, speculative_loop(programs, cache, batch, settings, generator,
                                            self.stats, strategy, **replay)
-        if strategy.name == "medusa" and strategy.tree_at(batch.ids.shape[0]):
+        b = batch.ids.shape[0]  # rounds of a copied chain alone need the costs to choose it
+        if strategy.name == "medusa" and (strategy.tree_at(b) or (
+                strategy.lookup and strategy.costs_at(b) is not None)):
             vocab = self.ir.weight("medusa.vocab") if strategy.draft_vocab is not None else None
             return batch, tree_loop(programs, cache, batch, settings, generator, self.stats,
                                     strategy, vocab, self.trees, **replay)

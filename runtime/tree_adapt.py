@@ -38,7 +38,9 @@ from __future__ import annotations
 from typing import Optional
 
 from rewriter.decoding import Strategy
-from rewriter.tree import MAX_RANK, Tree, best_subtree
+from rewriter.tree import MAX_RANK, Tree, best_subtree, expected_tokens, monotone
+
+from .tree_lookup import ChainLength
 
 
 class AdaptiveTree:
@@ -62,6 +64,8 @@ class AdaptiveTree:
         self.wait = self.PROBE  # rounds between probes
         self.probing: Optional[Tree] = None  # during a probe: the tree verified before it
         self.current: Optional[Tree] = None  # the last choice (the engine's next start)
+        # with ``lookup``: how many copied tokens pay, counted beside the heads (tree_lookup)
+        self.chain = ChainLength(strategy.lookup) if strategy.lookup else None
 
     def observe(self, head: int, rank: Optional[int]) -> None:
         """Head ``head`` drafted after an accepted path; the model's token was its
@@ -91,6 +95,14 @@ class AdaptiveTree:
         computed only here, not every round) or the pooled counts pay for."""
         acc = accuracy() if accuracy is not None else self.accuracy()
         return best_subtree(self.whole, acc, self.cost, self.heads_cost, self.hydra)[0]
+
+    def chain_length(self, tree: Tree) -> int:
+        """The copied tokens a round verifies beside ``tree`` (``ChainLength.choose``)."""
+        verify = monotone(self.cost)
+        heads = self.heads_cost * (tree.depth if self.hydra else 1) if tree.size > 1 else 0.0
+        n = min(tree.size, len(verify) - 1)
+        return self.chain.choose(expected_tokens(tree, self.accuracy()), verify[n] + heads,
+                                 verify, n)
 
     def next(self, current: Tree, accuracy=None) -> Tree:
         """The tree the next round verifies, after a round that verified ``current``

@@ -92,12 +92,24 @@ class _TreeRounds(_Rounds):
         if strategy.costs_at(b) is not None:  # learnt over this and earlier generations
             self.adapt = trees.setdefault((b, strategy), AdaptiveTree(self.whole, strategy, b))
         self.ended = [False] * b  # rows whose accepted text holds an end of sequence
+        # where the pass found no tree that pays at this batch size, rounds verify only a
+        # copied chain (when one pays), and the heads' tree is never probed
+        self.chains_only = not strategy.tree_at(b)
+        self.chain = self.adapt.chain if self.adapt is not None else None  # tree_lookup.ChainLength
+        # copied tokens a round verifies: the chain's last choice at this batch size
+        self.copy = strategy.lookup if self.chain is None or self.chain.current is None \
+            else self.chain.current
+        self.proposed: Optional[list] = None  # per row: (where its chain starts, the chain)
+        self.pending: list = [[] for _ in range(b)]  # per row: chains not yet scored
+        self.tree_depth: Optional[list] = None  # per row: the heads' tree's accepted depth
+        self.rounds = 0
         k = strategy.num_heads  # each row's counts in this generation (tree_adapt.row_accuracy)
         self.row_hits = [[[0] * MAX_RANK for _ in range(k)] for _ in range(b)]
         self.row_trials = [[0] * k for _ in range(b)]
         # verifying many tokens costs more in a larger batch: from some batch on the
         # strategy may verify a sub-tree (the engine decodes plainly where it is empty)
-        start = make_tree(strategy.tree_at(b), strategy.num_heads)
+        paths = strategy.tree_at(b)  # none: rounds of a copied chain alone (chains_only)
+        start = make_tree(paths, strategy.num_heads) if paths else Tree(())
         self.use(self.adapt.current if self.adapt is not None and self.adapt.current else start)
         deepest = max(strategy.num_heads if self.dynamic else self.whole.depth, strategy.lookup)
         for s in cache.table.values():
@@ -170,11 +182,14 @@ class _TreeRounds(_Rounds):
     def _chain(self) -> None:
         """The tree a round verifies: the drafted one, and with ``lookup`` (and a tree to
         draft) a chain copied from each row's text below the root (``tree_lookup``)."""
-        self.verified, self.to_head = self.tree, None
-        if self.lookup and self.tree.size > 1:
+        self.verified, self.to_head, self.proposed = self.tree, None, None
+        if self.lookup and (self.tree.size > 1 or self.chain is not None):
             done = self.done or [False] * len(self.contexts)
-            room = min(self.lookup, MAX_NODES - self.tree.size)  # a step verifies <= MAX_NODES
-            chains = [[] if d else c.propose(room) for c, d in zip(self.contexts, done)]
+            # every row's whole chain, to be scored (``ChainLength``) whatever is verified
+            self.proposed = [None if d else (len(c.tokens), c.propose(self.lookup))
+                             for c, d in zip(self.contexts, done)]
+            room = min(self.copy, MAX_NODES - self.tree.size)  # a step verifies <= MAX_NODES
+            chains = [p[1][:room] if p is not None else [] for p in self.proposed]
             self.verified, self.nodes = with_chain(self.tree, self.nodes, chains, self.nodes[:, 0])
             if self.verified is not self.tree:
                 where = {p: i for i, p in enumerate(((),) + self.tree.paths)}
@@ -254,6 +269,7 @@ class _TreeRounds(_Rounds):
                           drafted=(m - 1) * sum(not d for d in done))
         if self.to_head is not None:  # chain nodes copied from the text, verified this round
             self.stats.update(copied=sum(i < 0 for i in self.to_head[1:m]))
+        self.tree_depth = None
         if m > 1:
             paths, bonus = self.accept(logits, tokens, lay)
             self.compact(length, paths)
@@ -277,11 +293,21 @@ class _TreeRounds(_Rounds):
 
     def _adapt(self, tokens: Tensor, paths: list[list[int]], bonus: list[int], done: list[bool],
                rows: list[list[int]], length: list[int]) -> None:
-        """Count this round, then verify the tree the counts choose from the next round on."""
+        """Count this round, then verify the tree (and the chain) the counts choose from the
+        next round on."""
+        self.rounds += 1
         if self.drafted is not None:  # text past a row's end of sequence is not counted
             self.observe(tokens, paths, bonus, [d or e for d, e in zip(done, self.ended)])
+        if self.chain is not None:
+            self._score(paths, done)
         eos = set(self.s.eos_token_id)
         self.ended = [e or any(t in eos for t in row) for e, row in zip(self.ended, rows)]
+        if not self.chains_only:
+            self._choose_tree(rows, done, length)
+        if self.chain is not None and self.rounds % AdaptiveTree.EVERY == 0:
+            self.copy = self.chain.current = self.adapt.chain_length(self.budget)
+
+    def _choose_tree(self, rows: list[list[int]], done: list[bool], length: list[int]) -> None:
         # in a batch, the row with the fewest tokens decides when it ends: its counts choose
         running = [r for r in range(len(rows)) if not done[r] and not self.ended[r]]
         accuracy = None
@@ -294,6 +320,25 @@ class _TreeRounds(_Rounds):
         if tree != self.budget:
             self.use(tree)
             self.stats.update(tree_changes=1)
+
+    def _score(self, paths: list[list[int]], done: list[bool]) -> None:
+        """Queue the chains proposed for this round with the heads' tree's accepted depth,
+        and score those whose text is now known (``tree_lookup.ChainLength``)."""
+        if self.proposed is not None:
+            depth = self.tree_depth
+            if depth is None:  # a sampled walk tries the chain after the tree: via it, none
+                depth = [len(p) if self.to_head is None or not p or self.to_head[p[0]] >= 0
+                         else 0 for p in paths]
+            running = [not d and not e for d, e in zip(done, self.ended)]
+            self.chain.count_round(any(p is not None and p[1] and r
+                                       for p, r in zip(self.proposed, running)))
+            for r, p in enumerate(self.proposed):
+                if p is not None and running[r]:
+                    self.pending[r].append((*p, depth[r]))
+        for context, queue in zip(self.contexts, self.pending):
+            while queue and queue[0][0] + len(queue[0][1]) <= len(context.tokens):
+                start, proposal, accepted = queue.pop(0)
+                self.chain.score(proposal, context.tokens[start:start + len(proposal)], accepted)
 
     def observe(self, tokens: Tensor, paths: list[list[int]], bonus: list[int],
                 done: list[bool]) -> None:
@@ -347,6 +392,9 @@ class _TreeRounds(_Rounds):
         # tokens, except a copied chain's first token, which may repeat a head's: then
         # both branches are the model's own text, and the deepest is still exact)
         best = torch.where(ok, depth[None] * m + torch.arange(m, device=self.device), -1).argmax(1)
+        if self.to_head is not None and self.chain is not None:  # the heads' nodes' own best
+            heads = torch.tensor([i >= 0 for i in self.to_head[:m]], device=self.device)
+            self.tree_depth = torch.where(ok & heads[None], depth[None], 0).amax(1).tolist()
         paths = [lay["paths"][e] for e in best.tolist()]
         bonus = target[torch.arange(len(best), device=self.device), best]
         return paths, bonus.tolist()

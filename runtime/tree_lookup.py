@@ -12,10 +12,16 @@ is unchanged; the chain costs its ``L`` tokens in the verification.
 
 In the tree's paths a chain node is rank ``LOOKUP`` at every depth, past any head's rank:
 laid out by depth like every node, and never read as a head's guess.
+
+On text that does not repeat, a chain accepts nothing and costs its tokens in every
+verification. With the pass's measured costs (the adaptive tree's), a generation scores
+every row's full chain each round, verified or not, against the text that follows, and
+verifies the chain's first ``l`` tokens for the ``l`` (maybe 0) those scores pay for
+(``ChainLength``); rounds of no heads' tree at all may still verify a chain.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -51,6 +57,69 @@ class Context:
             if i is not None:
                 return self.tokens[i + 1:i + 1 + length]
         return []
+
+
+class ChainLength:
+    """How many copied tokens a round verifies, from what full chains would have gained.
+
+    A row's chain of ``L`` tokens, proposed at a round, is scored once the row's text has
+    reached past it: its first ``m`` tokens are the text's own, and the round accepted
+    ``a`` tokens of the heads' tree (its deepest accepted path had the chain not been
+    verified), so verifying the chain's first ``l`` tokens gained ``max(0, min(m, l) - a)``
+    tokens. Greedy text is the model's whatever was verified, so ``m`` is what verification
+    accepts; sampled text matches a copied token as often as verification accepts it
+    (one-token proposals; an estimate where the chain is tried after the tree's nodes).
+    The length chosen maximises tokens a round over its cost::
+
+        (tokens(tree) + gain(l)) / (cost(tree) + found * (verify(n + l) - verify(n)))
+
+    ``gain(l)``: the mean over scored row-rounds; ``found``: the share of rounds where some
+    row had a chain (the others verify none); ``n``: the tree's nodes, root included.
+    Until ``MIN`` row-rounds are scored the chain is verified whole. The counts halve
+    every ``HALVE`` row-rounds so they follow a workload that changes."""
+    MIN = 8
+    HALVE = 512
+
+    def __init__(self, lookup: int):
+        self.lookup = lookup
+        self.gains = [0.0] * (lookup + 1)  # [j]: row-rounds where the j-th copy gained a token
+        self.scored = 0.0  # row-rounds scored
+        self.rounds = 0.0  # rounds, and those where some row had a chain
+        self.found = 0.0
+        self.current: Optional[int] = None  # the last choice: the next generation's start
+
+    def count_round(self, found: bool) -> None:
+        self.rounds += 1
+        self.found += found
+        if self.rounds >= self.HALVE:
+            self.rounds, self.found = self.rounds / 2, self.found / 2
+
+    def score(self, proposal: Sequence[int], text: Sequence[int], accepted: int) -> None:
+        """A row's chain ``proposal`` against the ``text`` that followed it, in a round
+        that accepted ``accepted`` tokens of the heads' tree."""
+        m = 0
+        while m < min(len(proposal), len(text), self.lookup) and proposal[m] == text[m]:
+            m += 1
+        for j in range(accepted + 1, m + 1):
+            self.gains[j] += 1
+        self.scored += 1
+        if self.scored >= self.HALVE:
+            self.scored /= 2
+            self.gains = [g / 2 for g in self.gains]
+
+    def choose(self, tokens: float, cost: float, verify: Sequence[float], n: int) -> int:
+        """The chain's length for a tree of ``n`` nodes expected to give ``tokens`` a round
+        at ``cost`` (plain steps); ``verify[s]``: a round of ``s`` tokens (monotone)."""
+        if self.scored < self.MIN or self.rounds == 0:
+            return self.lookup
+        found = self.found / self.rounds
+        best, rate, gain = 0, tokens / cost, 0.0
+        for length in range(1, min(self.lookup, len(verify) - 1 - n) + 1):
+            gain += self.gains[length] / self.scored
+            r = (tokens + gain) / (cost + found * (verify[n + length] - verify[n]))
+            if r > rate:
+                best, rate = length, r
+        return best
 
 
 def with_chain(tree: Tree, nodes: Tensor, chains: list[list[int]], fill: Tensor) -> tuple[Tree, Tensor]:

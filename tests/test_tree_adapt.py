@@ -120,6 +120,7 @@ def rounds_by_hand(tree, hydra=False, batch=3, costs=None):
     r.row_hits = [[[0] * MAX_RANK for _ in range(3)] for _ in range(batch)]
     r.row_trials = [[0] * 3 for _ in range(batch)]
     r.device, r.stats = torch.device("cpu"), Counter()
+    r.rounds, r.chain, r.chains_only = 0, None, False
     return r
 
 

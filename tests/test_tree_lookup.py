@@ -8,10 +8,10 @@ import torch
 
 import rewriter
 from rewriter.passes import HydraHeads, MedusaHeads
-from rewriter.runtime.tree_lookup import LOOKUP, NGRAM, Context, with_chain
-from rewriter.tree import make_tree
+from rewriter.runtime.tree_lookup import LOOKUP, NGRAM, ChainLength, Context, with_chain
+from rewriter.tree import make_tree, monotone
 
-from conftest import assert_same_distribution, make_model
+from conftest import assert_same_distribution, fixed_round_work, make_model, varied_init
 from test_draft_heads import random_heads
 from test_hydra_heads import IDS, KW, RAGGED, WIDE, model_and_file, sampled
 from test_tree_dynamic import refuses, triton_pair
@@ -166,3 +166,108 @@ def test_a_round_verifies_at_most_64_tokens(monkeypatch):
     ids = repeating(plain, [[5, 9, 2, 5, 9, 2]], 8)
     assert torch.equal(hy.generate(ids, **KW), plain.generate(ids, **KW))
     assert sizes and max(sizes) == 64
+
+
+def test_a_chain_is_credited_with_what_it_adds_to_the_heads_tree():
+    c = ChainLength(4)
+    c.score([1, 2, 3, 4], [1, 2, 9, 9], accepted=0)  # two copies right, the tree had none
+    assert c.gains == [0, 1, 1, 0, 0] and c.scored == 1
+    c.score([1, 2, 3, 4], [1, 2, 9, 9], accepted=1)  # the tree had the first: one gained
+    assert c.gains == [0, 1, 2, 0, 0]
+    c.score([1, 2, 3, 4], [1, 2, 3, 4], accepted=4)  # the tree had them all
+    c.score([], [], accepted=0)  # no chain: a round that gained nothing
+    c.score([5, 6], [5, 6], accepted=0)  # a shorter chain
+    assert c.gains == [0, 2, 3, 0, 0] and c.scored == 5
+
+
+def test_the_chain_length_maximises_tokens_a_round_over_its_cost():
+    """``choose`` against the formula evaluated at every length (ties: the shorter)."""
+    rng = random.Random(1)
+    for trial in range(200):
+        lookup = rng.randrange(1, 7)
+        c = ChainLength(lookup)
+        for _ in range(rng.randrange(ChainLength.MIN, 40)):
+            m = rng.randrange(lookup + 1)
+            c.score(list(range(lookup)), list(range(m)) + [-1] * (lookup - m), rng.randrange(3))
+            c.count_round(rng.random() < 0.7)
+        verify = monotone([0.0] + [1 + rng.random() * 0.4 * s for s in range(rng.randrange(4, 16))])
+        n = rng.randrange(1, len(verify) - 1)
+        tokens, cost = 1 + 2 * rng.random(), verify[n] + rng.random() * 0.2
+        found = c.found / c.rounds
+
+        def rate(length):
+            gain = sum(c.gains[1:length + 1]) / c.scored
+            return (tokens + gain) / (cost + found * (verify[n + length] - verify[n]))
+        lengths = range(min(lookup, len(verify) - 1 - n) + 1)  # costs measured that far
+        assert c.choose(tokens, cost, verify, n) == max(lengths, key=lambda x: (rate(x), -x))
+    fresh = ChainLength(5)
+    assert fresh.choose(1.0, 1.0, [0.0] + [1.0 + s for s in range(10)], 1) == 5  # whole until counted
+
+
+def chains_pass(tmp_path, monkeypatch, slope: float, lookup: int = 4):
+    """A pass whose measured costs (set here) find that no heads' tree pays at any batch
+    size (a heads call costs 5 steps), and verifying one more token costs ``slope`` steps."""
+    from rewriter import calibrate
+    model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
+    path = random_heads(model, tmp_path / "h.safetensors")
+    fixed_round_work(monkeypatch)
+    monkeypatch.setattr(calibrate, "verify_cost", lambda ir, most, runs=15, batch=1:
+                        [0.0] + [1.0 + slope * s for s in range(most)])
+    monkeypatch.setattr(calibrate, "heads_cost", lambda *a, **k: 5.0)
+    p = MedusaHeads(weights=str(path), max_nodes=6, lookup=lookup)
+    return model, p, rewriter.optimize(model, passes=[p])
+
+
+def test_where_no_tree_pays_rounds_verify_the_copied_chain_alone(tmp_path, monkeypatch):
+    model, p, med = chains_pass(tmp_path, monkeypatch, slope=0.01)
+    record = med.ir.info["decoding"]
+    assert p.report["predicted_speedup"] < 1 and record["batch_trees"] == [[1, []]]
+    (costs,) = record["adapt"]["costs"]  # a round of the tree and the chain: its cost kept
+    assert len(costs[2]) == len(record["tree"]) + 1 + 4
+    plain = rewriter.optimize(model)
+    ids = repeating(plain, RAGGED)
+    kw = dict(max_new_tokens=32, eos_token_id=[])
+    assert torch.equal(med.generate(ids, **kw), plain.generate(ids, **kw))
+    assert med.stats["head_passes"] == 0 and med.stats["copied"] > 0
+    assert med.stats["forward_passes"] < kw["max_new_tokens"]  # copies were accepted
+
+
+def test_a_chain_that_costs_more_than_it_adds_is_dropped(tmp_path, monkeypatch):
+    """Each verified token costs 10 steps: no chain can pay. The first rounds verify the
+    whole chain; once scored, none; the next generation starts with none."""
+    model, p, med = chains_pass(tmp_path, monkeypatch, slope=10.0)
+    plain = rewriter.optimize(model)
+    ids = repeating(plain, RAGGED)
+    kw = dict(max_new_tokens=32, eos_token_id=[])
+    assert torch.equal(med.generate(ids, **kw), plain.generate(ids, **kw))
+    (learnt,) = med.trees.values()
+    assert med.stats["copied"] > 0 and learnt.chain.current == 0
+    med.stats.clear()
+    assert torch.equal(med.generate(ids, **kw), plain.generate(ids, **kw))
+    assert med.stats["copied"] == 0 and med.stats["forward_passes"] == kw["max_new_tokens"]
+    assert learnt.chain.scored > 0  # still scored: a chain would come back where it paid
+
+
+def test_greedy_rounds_tell_the_heads_trees_own_depth_where_a_chain_wins():
+    """The chain's credit is what it adds to the heads' tree: a round whose chain is
+    accepted deeper than the tree still reports how deep the tree's own path went."""
+    from rewriter.runtime.settings import GenerationSettings
+    from rewriter.runtime.tree_decoding import _TreeRounds
+    r = _TreeRounds.__new__(_TreeRounds)
+    r.s, r.device, r.laid, r.chain = GenerationSettings(), torch.device("cpu"), {}, ChainLength(3)
+    r.strategy = rewriter.decoding.Strategy("medusa", num_heads=2, tree=((0,), (0, 0)))
+    tree = make_tree([[0], [0, 0]], 2)
+    r.verified, tokens = with_chain(tree, torch.tensor([[5, 1, 2]] * 3), [[1, 7, 8]] * 3,
+                                    torch.tensor([5] * 3))
+    r.to_head = [0, 1, -1, 2, -1, -1]  # nodes: root, (0,), chain 1, (0, 0), chain 2, chain 3
+    assert tokens[0].tolist() == [5, 1, 1, 2, 7, 8]
+    # the model's argmax after each node: row 0 follows the chain to its end (the tree's
+    # path stops after "1"); row 1 follows the tree ("1 2"); row 2 accepts nothing
+    wants = [[1, 9, 7, 0, 8, 4], [1, 2, 9, 6, 0, 0], [3, 0, 0, 0, 0, 0]]
+    logits = torch.full((3, 6, 10), -5.0)
+    for b, w in enumerate(wants):
+        for i, t in enumerate(w):
+            logits[b, i, t] = 5.0
+    paths, bonus = r.accept(logits, tokens, r.layout(6))
+    assert paths == [[2, 4, 5], [1, 3], []] and bonus == [4, 6, 3]
+    assert r.tree_depth == [1, 2, 0]
