@@ -300,7 +300,10 @@ def heads_rows(model, tok, plain, args, dtype, results, rows, arch):
     if args.tree_nodes is not None:  # the same budget for every heads file: its own best-first tree
         given = choose_tree(trained.accuracy, [1.0] * (args.tree_nodes + 2), args.tree_nodes)[0].record()
     for vocab in (None, args.draft_vocab) if args.draft_vocab else (None,):
-        p = cls(weights=weights, draft_vocab=vocab, max_nodes=args.max_nodes, tree=given)
+        # with --lookup the pass measures the costs of verifying the chain too (the adaptive
+        # rounds choose its length by them); each mode below sets the record's own lookup
+        p = cls(weights=weights, draft_vocab=vocab, max_nodes=args.max_nodes, tree=given,
+                lookup=args.lookup)
         med = rewriter.optimize(model, tokenizer=tok, passes=[p], backend=args.backend)
         record = med.ir.info["decoding"]
         tree, adapt = record["tree"], record.get("adapt")

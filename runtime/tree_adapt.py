@@ -99,10 +99,13 @@ class AdaptiveTree:
     def chain_length(self, tree: Tree) -> int:
         """The copied tokens a round verifies beside ``tree`` (``ChainLength.choose``)."""
         verify = monotone(self.cost)
-        heads = self.heads_cost * (tree.depth if self.hydra else 1) if tree.size > 1 else 0.0
         n = min(tree.size, len(verify) - 1)
-        return self.chain.choose(expected_tokens(tree, self.accuracy()), verify[n] + heads,
-                                 verify, n)
+        heads = self.heads_cost * (tree.depth if self.hydra else 1) if n > 1 else 0.0
+        # a plain round is a plain step (no mask, no acceptance: ``_TreeRounds.round``); a
+        # round with copies costs what verifying as many tokens does, the round's own work in
+        chained = [verify[n] + heads if n > 1 else 1.0] + \
+            [verify[s] + heads for s in range(n + 1, min(n + self.chain.lookup, len(verify) - 1) + 1)]
+        return self.chain.choose(expected_tokens(tree, self.accuracy()), chained)
 
     def next(self, current: Tree, accuracy=None) -> Tree:
         """The tree the next round verifies, after a round that verified ``current``

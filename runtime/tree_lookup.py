@@ -71,10 +71,10 @@ class ChainLength:
     (one-token proposals; an estimate where the chain is tried after the tree's nodes).
     The length chosen maximises tokens a round over its cost::
 
-        (tokens(tree) + gain(l)) / (cost(tree) + found * (verify(n + l) - verify(n)))
+        (tokens(tree) + gain(l)) / (cost(tree) + found * (cost(tree + l) - cost(tree)))
 
     ``gain(l)``: the mean over scored row-rounds; ``found``: the share of rounds where some
-    row had a chain (the others verify none); ``n``: the tree's nodes, root included.
+    row had a chain (the others verify none).
     Until ``MIN`` row-rounds are scored the chain is verified whole. The counts halve
     every ``HALVE`` row-rounds so they follow a workload that changes."""
     MIN = 8
@@ -107,16 +107,17 @@ class ChainLength:
             self.scored /= 2
             self.gains = [g / 2 for g in self.gains]
 
-    def choose(self, tokens: float, cost: float, verify: Sequence[float], n: int) -> int:
-        """The chain's length for a tree of ``n`` nodes expected to give ``tokens`` a round
-        at ``cost`` (plain steps); ``verify[s]``: a round of ``s`` tokens (monotone)."""
+    def choose(self, tokens: float, chained: Sequence[float]) -> int:
+        """The chain's length beside a tree expected to give ``tokens`` a round, where
+        ``chained[l]`` is the cost of a round of the tree and ``l`` copies (plain steps;
+        as far as costs were measured)."""
         if self.scored < self.MIN or self.rounds == 0:
             return self.lookup
-        found = self.found / self.rounds
+        found, cost = self.found / self.rounds, chained[0]
         best, rate, gain = 0, tokens / cost, 0.0
-        for length in range(1, min(self.lookup, len(verify) - 1 - n) + 1):
+        for length in range(1, min(self.lookup, len(chained) - 1) + 1):
             gain += self.gains[length] / self.scored
-            r = (tokens + gain) / (cost + found * (verify[n + length] - verify[n]))
+            r = (tokens + gain) / (cost + found * (chained[length] - cost))
             if r > rate:
                 best, rate = length, r
         return best

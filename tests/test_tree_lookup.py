@@ -2,6 +2,7 @@
 brute-force search, the chain merged into a tree, and decoding with it (lossless, ragged
 batches, EOS, the cache's end, sampling, static rounds, artifacts, refusals)."""
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch
 import rewriter
 from rewriter.passes import HydraHeads, MedusaHeads
 from rewriter.runtime.tree_lookup import LOOKUP, NGRAM, ChainLength, Context, with_chain
-from rewriter.tree import make_tree, monotone
+from rewriter.tree import Tree, make_tree, monotone
 
 from conftest import assert_same_distribution, fixed_round_work, make_model, varied_init
 from test_draft_heads import random_heads
@@ -190,18 +191,17 @@ def test_the_chain_length_maximises_tokens_a_round_over_its_cost():
             m = rng.randrange(lookup + 1)
             c.score(list(range(lookup)), list(range(m)) + [-1] * (lookup - m), rng.randrange(3))
             c.count_round(rng.random() < 0.7)
-        verify = monotone([0.0] + [1 + rng.random() * 0.4 * s for s in range(rng.randrange(4, 16))])
-        n = rng.randrange(1, len(verify) - 1)
-        tokens, cost = 1 + 2 * rng.random(), verify[n] + rng.random() * 0.2
+        chained = monotone([0.0] + [1 + rng.random() * 0.4 * s for s in range(rng.randrange(2, 9))])[1:]
+        tokens, cost = 1 + 2 * rng.random(), chained[0]
         found = c.found / c.rounds
 
         def rate(length):
             gain = sum(c.gains[1:length + 1]) / c.scored
-            return (tokens + gain) / (cost + found * (verify[n + length] - verify[n]))
-        lengths = range(min(lookup, len(verify) - 1 - n) + 1)  # costs measured that far
-        assert c.choose(tokens, cost, verify, n) == max(lengths, key=lambda x: (rate(x), -x))
+            return (tokens + gain) / (cost + found * (chained[length] - cost))
+        lengths = range(min(lookup, len(chained) - 1) + 1)  # costs measured that far
+        assert c.choose(tokens, chained) == max(lengths, key=lambda x: (rate(x), -x))
     fresh = ChainLength(5)
-    assert fresh.choose(1.0, 1.0, [0.0] + [1.0 + s for s in range(10)], 1) == 5  # whole until counted
+    assert fresh.choose(1.0, [1.0 + s for s in range(10)]) == 5  # whole until counted
 
 
 def chains_pass(tmp_path, monkeypatch, slope: float, lookup: int = 4):
@@ -271,3 +271,18 @@ def test_greedy_rounds_tell_the_heads_trees_own_depth_where_a_chain_wins():
     paths, bonus = r.accept(logits, tokens, r.layout(6))
     assert paths == [[2, 4, 5], [1, 3], []] and bonus == [4, 6, 3]
     assert r.tree_depth == [1, 2, 0]
+
+
+def test_beside_no_tree_a_chain_must_beat_a_plain_step():
+    """A plain round costs a plain step; a round that verifies copies also does the round's
+    own work (here 0.3 of a step): copies that add 0.2 tokens a round do not pay for it,
+    copies that add 0.6 do (only the first copy is ever right: one is verified)."""
+    from rewriter.runtime.tree_adapt import AdaptiveTree
+    from test_tree_adapt import strategy
+    costs = ((1, 0.0, tuple(1.3 + 0.01 * s for s in range(12))),)
+    for right, want in ((1, 0), (3, 1)):  # of 5 rounds: the first copy the text's own
+        a = AdaptiveTree(make_tree(WIDE, 3), replace(strategy(costs), lookup=4), batch=1)
+        for r in range(10):
+            a.chain.score([7, 8, 9, 10], [7 if r % 5 < right else 0] + [0] * 3, accepted=0)
+            a.chain.count_round(True)
+        assert a.chain_length(Tree(())) == want
