@@ -5,7 +5,7 @@ token tree.
     MedusaHeads(weights="heads.safetensors", draft_vocab=4096, tree="auto", max_nodes=32)
     MedusaHeads(num_heads=3, tree=[[0], [1], [0, 0]])    # untrained (zero) heads: for tests
     HydraHeads(weights="smollm2", draft_vocab=4096, dynamic=4)  # re-grown every round
-    HydraHeads(weights="smollm2", draft_vocab=4096, lookup=4)   # + 4 tokens copied from the text
+    HydraHeads(weights="smollm2", draft_vocab=4096, lookup=0)   # no tokens copied from the text
 
 The pass adds the heads to the graph as ordinary ops on the LM head's input ``h``::
 
@@ -43,7 +43,10 @@ verifies as many nodes as the tree, but in a shape re-grown every round from the
 own probabilities, expanding the ``e`` likeliest nodes of each level (EAGLE-2's dynamic
 tree: ``runtime.tree_dynamic``). With ``lookup=L`` every round also verifies a chain of up
 to ``L`` tokens copied from the row's own text, where its last tokens occurred before
-(prompt lookup: code and answers repeat their context; ``runtime.tree_lookup``).
+(prompt lookup: code and answers repeat their context; ``runtime.tree_lookup``); with the
+adaptive tree's costs the rounds verify as many of them as pay on the text being decoded
+(maybe none), and where no tree pays at a batch size, rounds may verify a chain alone.
+The default: ``lookup=4`` with ``tree="auto"`` and ``adapt=True`` (trained heads), else 0.
 """
 from __future__ import annotations
 
@@ -65,6 +68,7 @@ ROLE = "draft_head"
 
 
 BATCHES = (2, 4, 8)  # batch sizes (beside 1) that get their own sub-tree of the auto tree
+LOOKUP = 4  # copied tokens a round may verify, by default where the rounds choose how many
 
 
 class MedusaHeads(Pass):
@@ -74,7 +78,7 @@ class MedusaHeads(Pass):
                  draft_vocab: Optional[int] = None, tree="auto", max_nodes: int = 32,
                  acceptance: str = "exact", posterior_threshold: float = 0.09,
                  posterior_alpha: float = 0.3, adapt: bool = True, dynamic: int = 0,
-                 lookup: int = 0):
+                 lookup: Optional[int] = None):
         if num_heads is not None and (type(num_heads) is not int
                                       or not 1 <= num_heads <= heads_file.MAX_HEADS):
             raise ValueError(f"{type(self).__name__}: num_heads must be an int in [1, "
@@ -124,6 +128,9 @@ class MedusaHeads(Pass):
                              f"(0: a fixed tree; e: re-grown every round, expanding e nodes a "
                              f"level), got {dynamic!r}")
         self.dynamic = dynamic
+        if lookup is None:  # where rounds measure what a chain adds and costs, they choose it
+            lookup = LOOKUP if tree == "auto" and adapt and self.heads is not None \
+                and self.heads.accuracy else 0
         if type(lookup) is not int or not 0 <= lookup <= MAX_LOOKUP:
             raise ValueError(f"{type(self).__name__}: lookup must be an int in [0, {MAX_LOOKUP}] "
                              f"(0: none; L: a chain of up to L tokens copied from the row's own "

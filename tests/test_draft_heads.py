@@ -286,7 +286,11 @@ def test_auto_tree_comes_from_accuracies_and_measured_cost(tmp_path):
     p = MedusaHeads(weights=str(path), max_nodes=6)
     med = rewriter.optimize(model, passes=[p])
     assert 1 <= len(med.ir.info["decoding"]["tree"]) <= 6
-    assert p.report["expected_tokens"] > 1 and len(p.report["verify_cost"]) == 7
+    assert p.report["expected_tokens"] > 1 and p.lookup == 4  # the default beside the auto tree
+    assert len(p.report["verify_cost"]) == 7 + 4  # a round of the largest tree and a chain
+    assert med.ir.info["decoding"]["lookup"] == 4
+    assert MedusaHeads(weights=str(path), tree=[[0]]).lookup == 0  # no costs to choose by
+    assert MedusaHeads(weights=str(path), adapt=False).lookup == 0
     # and how many of its first nodes a round verifies at 2, 4 and 8 rows
     record = med.ir.info["decoding"]
     assert check_record(record) is None
