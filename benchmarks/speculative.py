@@ -2,7 +2,7 @@
 
     python benchmarks/speculative.py [--model smollm2|default] [--dtype float32 bfloat16]
                                      [--batch 1 4] [--new 64] [--samples 8] [--max-draft 4] [--budget 24]
-                                     [--strategies self medusa hydra] [--heads PATH] [--draft-vocab 4096]
+                                     [--strategies self medusa hydra lookup] [--heads PATH] [--draft-vocab 4096]
                                      [--max-nodes 32] [--tree-nodes N] [--dynamic E] [--lookup L]
                                      [--device cpu|cuda] [--backend torch|triton]
                                      [--json benchmarks/results/speculative.json]
@@ -25,6 +25,10 @@ these prompts, ``runtime.tree_adapt``), and with ``--dynamic E`` re-grown every 
 from the heads' probabilities ("dynamic: E", ``runtime.tree_dynamic``), and with ``--lookup L``
 with a chain of up to L tokens copied from the row's own text ("lookup: L",
 ``runtime.tree_lookup``), in the same run.
+
+Prompt lookup (``--strategies lookup``: ``PromptLookup(tokens=L)``, L from ``--lookup`` or 4):
+drafts copied from the row's own text and nothing else, with the rounds choosing how many
+copies pay (``adapt``) and always the whole chain, against plain decode in the same run.
 
 For each dtype: the verify cost curve (the decode program over S tokens against one, batch
 1 and the largest batch), then for each skip set — LayerSkip's evenly spread one
@@ -56,7 +60,7 @@ from rewriter.decoding import strategy_of
 from rewriter.calibrate import predicted_speedup, verify_cost
 from rewriter.corpus import load_corpus
 from rewriter.eval import CHAT_PROMPTS
-from rewriter.passes import HydraHeads, MedusaHeads, SelfSpeculative
+from rewriter.passes import HydraHeads, MedusaHeads, PromptLookup, SelfSpeculative
 from rewriter.passes.layer_skip import kept_positions
 from rewriter.runtime.chat import chat_prompt
 from rewriter.tree import MAX_NODES, Tree, choose_tree, expected_tokens
@@ -182,7 +186,7 @@ def main():
     ap.add_argument("--max-draft", type=int, default=4)
     ap.add_argument("--budget", type=int, default=24, help="sub-layers the calibration tries")
     ap.add_argument("--strategies", nargs="+", default=["self", "medusa", "hydra"],
-                    choices=["self", "medusa", "hydra"])
+                    choices=["self", "medusa", "hydra", "lookup"])
     ap.add_argument("--heads", default=None, help="heads file (default: the model's shipped heads; "
                                                    "with one of medusa, hydra)")
     ap.add_argument("--draft-vocab", type=int, default=4096, help="trimmed draft vocabulary (0: none)")
@@ -209,7 +213,7 @@ def main():
                "machine": platform.processor() or platform.machine(),
                "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
                "new_tokens": args.new, "max_draft": args.max_draft, "runs": []}
-    rows, curves, head_rows = [], [], []
+    rows, curves, head_rows, lookup_rows = [], [], [], []
     for dtype in args.dtype:
         model, tok = load(args.model)
         model = cast(model, getattr(torch, dtype), args.device)
@@ -221,6 +225,8 @@ def main():
         for arch in ("medusa", "hydra"):
             if arch in args.strategies:
                 heads_rows(model, tok, plain, args, dtype, results, head_rows, arch)
+        if "lookup" in args.strategies:
+            prompt_lookup_rows(model, tok, plain, args, dtype, results, lookup_rows)
         if "self" not in args.strategies:
             continue
         layers = sorted(s["index"] for s in plain.ir.layers)
@@ -274,6 +280,11 @@ def main():
           f"{device_name(args.device)}, {args.backend} backend, {torch.get_num_threads()} threads\n")
     if head_rows:
         print_heads(args, results, head_rows)
+    if lookup_rows:
+        print(tabulate(lookup_rows, headers=["dtype", "PromptLookup", "batch", "prompts", "plain tok/s",
+                                             "tok/s", "speed-up", "accepted length",
+                                             "copies verified/round", "same tokens"]))
+        print()
     if rows:
         print(tabulate(rows, headers=["dtype", "skip set", "batch", "prompts", "plain tok/s",
                                       "plain no-graph tok/s",
@@ -351,6 +362,35 @@ def heads_rows(model, tok, plain, args, dtype, results, rows, arch):
                                  f"{rate:.1f}", f"{rate / base_rate:.2f}x",
                                  f"{run['accepted_length']:.2f}", f"{predicted:.2f}",
                                  run["same_tokens"]])
+
+
+def prompt_lookup_rows(model, tok, plain, args, dtype, results, rows) -> None:
+    """``PromptLookup`` choosing its chain's length and always verifying the whole chain,
+    every batch and prompt set, against plain decode (interleaved runs)."""
+    tokens = args.lookup or 4
+    engines = {f"tokens={tokens}": rewriter.optimize(model, tokenizer=tok, backend=args.backend,
+                                                     passes=[PromptLookup(tokens=tokens)]),
+               f"tokens={tokens}, adapt=False": rewriter.optimize(
+                   model, tokenizer=tok, backend=args.backend,
+                   passes=[PromptLookup(tokens=tokens, adapt=False)])}
+    for b in args.batch:
+        for kind, prompts in prompt_sets(plain, tok, b, args.samples).items():
+            variants = [(plain, contextlib.nullcontext)] + [(e, contextlib.nullcontext)
+                                                            for e in engines.values()]
+            (ref, base_rate, _), *timings = timed_together(variants, prompts, args.new,
+                                                           eos=kind == "chat")
+            for name, (out, rate, st) in zip(engines, timings):
+                rounds = st.get("row_rounds") or 0
+                run = {"dtype": dtype, "strategy": "lookup", "setting": name, "batch": b,
+                       "prompts": kind, "plain_tok_s": base_rate, "lookup_tok_s": rate,
+                       "speedup": rate / base_rate,
+                       "accepted_length": 1 + st.get("accepted", 0) / rounds if rounds else 1.0,
+                       "copied_per_round": st.get("copied", 0) / st["rounds"] if st.get("rounds") else 0.0,
+                       "same_tokens": same(out, ref), "samples": len(prompts)}
+                results["runs"].append(run)
+                rows.append([dtype, name, b, kind, f"{base_rate:.1f}", f"{rate:.1f}",
+                             f"{rate / base_rate:.2f}x", f"{run['accepted_length']:.2f}",
+                             f"{run['copied_per_round']:.1f}", run["same_tokens"]])
 
 
 @contextlib.contextmanager

@@ -27,7 +27,7 @@ from rewriter.eval import EvalSettings, evaluate, format_table
 from rewriter.heads import SHIPPED
 from rewriter import duo_gates
 from rewriter.passes import (DuoAttention, FuseAddRMSNorm, FuseQKV, FuseRoPE, FuseSwiGLU,
-                             Int4Weights, LayerSkip, HydraHeads, MedusaHeads, Quest,
+                             Int4Weights, LayerSkip, HydraHeads, MedusaHeads, PromptLookup, Quest,
                              SelfSpeculative, StreamingAttention, TidalDecode)
 
 QUESTION = "What is the capital of France? Answer in one sentence."
@@ -38,6 +38,8 @@ PIPELINES = {  # name -> (passes, dtype)
     "LayerSkip(speedup=1.25)": ([LayerSkip(speedup=1.25)], torch.float32),
     # the same skipped layers as a draft the full model verifies: the model's own tokens
     "SelfSpeculative(speedup=1.25)": ([SelfSpeculative(speedup=1.25)], torch.float32),
+    # drafts copied from the text itself (where its last tokens occurred before), verified
+    "PromptLookup(tokens=4)": ([PromptLookup(tokens=4)], torch.float32),
     # 4-bit weights are SmolLM2's own Q4_1 ones; the CPU kernel multiplies them in bfloat16
     "fusions + Int4Weights, bf16": ([*FUSIONS, Int4Weights()], torch.bfloat16),
     # StreamingLLM: every layer sees its first 4 tokens and the last 252 (a 256-slot cache)

@@ -16,6 +16,7 @@ from rewriter.passes.fuse_rope import FuseRoPE
 from rewriter.passes.fuse_swiglu import FuseSwiGLU
 from rewriter.passes.int4_weights import Int4Weights
 from rewriter.passes.layer_skip import LayerSkip
+from rewriter.passes.prompt_lookup import PromptLookup
 from rewriter.passes.quest import Quest
 from rewriter.passes.self_speculative import SelfSpeculative
 from rewriter.passes.streaming import StreamingAttention
@@ -24,11 +25,12 @@ from rewriter.passes.tidal_decode import TidalDecode
 PASSES = {"layer_skip": LayerSkip, "fuse_qkv": FuseQKV, "fuse_swiglu": FuseSwiGLU,
           "fuse_add_rms_norm": FuseAddRMSNorm, "fuse_rope": FuseRoPE, "int4_weights": Int4Weights,
           "self_speculative": SelfSpeculative, "medusa_heads": MedusaHeads,
-          "hydra_heads": HydraHeads, "streaming_attention": StreamingAttention,
+          "hydra_heads": HydraHeads, "prompt_lookup": PromptLookup,
+          "streaming_attention": StreamingAttention,
           "tidal_decode": TidalDecode, "duo_attention": DuoAttention, "quest": Quest}
 
 __all__ = ["LayerSkip", "FuseQKV", "FuseSwiGLU", "FuseAddRMSNorm", "FuseRoPE", "Int4Weights", "SelfSpeculative", "MedusaHeads", "HydraHeads",
-           "StreamingAttention", "TidalDecode", "DuoAttention", "Quest", "PASSES",
+           "PromptLookup", "StreamingAttention", "TidalDecode", "DuoAttention", "Quest", "PASSES",
            "from_spec"]
 
 

@@ -34,7 +34,12 @@ accuracies on the text it decodes and re-chooses the sub-tree it verifies:
 ``runtime.tree_adapt``.)
 
 and the runtime lowers ``tree_prefill``, ``verify`` (logits and hidden states) and
-``heads`` and generates with ``runtime.tree_decoding``. Artifacts keep the record, so a
+``heads`` and generates with ``runtime.tree_decoding``. ``PromptLookup`` records::
+
+    {"strategy": "lookup", "lookup": 4, "costs": [[1, [1.0, 1.02, ..]], [2, [..]], ..]}
+
+(``costs``, optional: from each batch size on, a round verifying 1, 2, .. tokens in decode
+steps) and the runtime verifies copied chains alone, with no heads, in the same rounds. Artifacts keep the record, so a
 loaded model decodes the same way. ``check_record`` is what the artifact loader and the
 passes apply.
 """
@@ -90,11 +95,16 @@ class Strategy:
         """Cache positions a generation may need past prompt + new tokens: a row that is
         done keeps being drafted for and verified (its results dropped) at most one round
         past its end, and the last round may overshoot by one draft."""
-        if self.name == "medusa":
+        if self.name in ("medusa", "lookup"):
             return 2 * (len(self.tree) + 1 + self.lookup)
         return 2 * (self.max_draft + 1) if self.name == "self_speculative" else 0
 
     def record(self) -> dict:
+        if self.name == "lookup":
+            r = {"strategy": "lookup", "lookup": self.lookup}
+            if self.costs:
+                r["costs"] = [[b, list(c)] for b, _, c in self.costs]
+            return r
         if self.name == "medusa":
             r = {"strategy": "medusa", "arch": self.arch, "num_heads": self.num_heads,
                  "tree": [list(p) for p in self.tree], "draft_vocab": self.draft_vocab,
@@ -120,6 +130,9 @@ def strategy_of(info: dict) -> Strategy:
     r = info.get("decoding")
     if r is None:
         return Strategy()
+    if r["strategy"] == "lookup":
+        return Strategy("lookup", lookup=r["lookup"],
+                        costs=tuple((b, 0.0, tuple(c)) for b, c in r.get("costs", ())))
     if r["strategy"] == "medusa":
         return Strategy("medusa", arch=r["arch"], num_heads=r["num_heads"], tree=tuple(map(tuple, r["tree"])),
                         draft_vocab=r["draft_vocab"], acceptance=r["acceptance"],
@@ -139,6 +152,8 @@ def check_record(r) -> str | None:
     """Why ``r`` is not a decoding record, or None."""
     if isinstance(r, dict) and r.get("strategy") == "medusa":
         return _check_medusa(r)
+    if isinstance(r, dict) and r.get("strategy") == "lookup":
+        return _check_lookup(r)
     keys = {"strategy", "skip_layers", "skip_attention", "skip_mlp", "max_draft", "threshold"}
     if not isinstance(r, dict) or set(r) != keys:
         return f"an object with exactly the keys {sorted(keys)}"
@@ -193,6 +208,28 @@ def _check_medusa(r: dict) -> str | None:
             return f"{key}: a number in (0, 1]"
     return (_check_batch_trees(r.get("batch_trees", []), r["tree"], k)
             or ("adapt" in r and _check_adapt(r["adapt"], len(r["tree"]), k)) or None)
+
+
+def _check_lookup(r: dict) -> str | None:
+    from rewriter.tree import MAX_NODES
+    if set(r) - {"costs"} != {"strategy", "lookup"}:
+        return "an object with exactly the keys ['lookup', 'strategy'] (and costs)"
+    if not (_is_int(r["lookup"]) and 1 <= r["lookup"] <= MAX_LOOKUP):
+        return f"lookup: an integer in [1, {MAX_LOOKUP}] (tokens copied from the text)"
+    if "costs" not in r:
+        return None
+    costs = r["costs"]
+    what = (f"costs: a list of [batch, [verify cost of 1 .. at least 2 and at most "
+            f"{MAX_NODES + 1} tokens]], batches increasing from 1, costs positive numbers")
+    if not isinstance(costs, list) or not costs or not all(
+            isinstance(c, list) and len(c) == 2 and _is_int(c[0]) and isinstance(c[1], list)
+            and 2 <= len(c[1]) <= MAX_NODES + 1 and all(_is_number(x, 1e-3, 1e3) for x in c[1])
+            for c in costs):
+        return what
+    batches = [c[0] for c in costs]
+    if batches[0] != 1 or batches != sorted(set(batches)):
+        return what
+    return None
 
 
 def _check_batch_trees(v, tree: list, num_heads: int) -> str | None:

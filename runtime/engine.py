@@ -190,7 +190,7 @@ class Engine:
             return batch, speculative_loop(programs, cache, batch, settings, generator,
                                            self.stats, strategy, **replay)
         b = batch.ids.shape[0]  # rounds of a copied chain alone need the costs to choose it
-        if strategy.name == "medusa" and (strategy.tree_at(b) or (
+        if strategy.name == "lookup" or strategy.name == "medusa" and (strategy.tree_at(b) or (
                 strategy.lookup and strategy.costs_at(b) is not None)):
             vocab = self.ir.weight("medusa.vocab") if strategy.draft_vocab is not None else None
             return batch, tree_loop(programs, cache, batch, settings, generator, self.stats,

@@ -8,7 +8,8 @@
 - ``tree_prefill``, ``verify`` and ``heads`` (draft heads): prefill and decode that also
   return the LM head's input ``h``, and the heads alone on ``h`` (run on the accepted
   position only, not on every node of the tree); Hydra: ``head0`` .. one per head, on
-  ``h`` and the tree's paths, level by level.
+  ``h`` and the tree's paths, level by level; prompt lookup: ``tree_prefill`` and
+  ``verify`` alone.
 
 They share the weights, and the derived copies of them (transposed, int4-packed) through
 one dict. ``Engine.programs()`` returns their code and ``dump()`` writes it.
@@ -38,8 +39,10 @@ def build_programs(ir: IR, backend: str, kernel_sources: dict) -> dict[str, fx.G
         programs["draft"] = lower(draft, True, backend, shared, kernel_sources)
     if s.name == "medusa":
         check_heads(ir, s)
+    if s.name in ("medusa", "lookup"):  # rounds of a token tree (lookup: a copied chain)
         programs["tree_prefill"] = lower(ir, True, backend, shared, kernel_sources, hidden=True)
         programs["verify"] = lower(ir, False, backend, shared, kernel_sources, hidden=True)
+    if s.name == "medusa":
         if s.arch == "hydra":  # one program per head: drafting goes level by level
             for k in range(s.num_heads):
                 programs[f"head{k}"] = lower_heads(ir, backend, shared, head=k)

@@ -75,7 +75,8 @@ class _TreeRounds(_Rounds):
         super().__init__(programs, cache, batch, settings, generator, stats, strategy, static,
                          cuda_graph, replays)
         b = batch.ids.shape[0]
-        self.whole = make_tree(strategy.tree, strategy.num_heads)
+        # the heads' tree (none under prompt lookup: rounds of copied chains alone)
+        self.whole = make_tree(strategy.tree, strategy.num_heads) if strategy.tree else Tree(())
         self.hydra = strategy.arch == "hydra"
         self.dynamic = strategy.dynamic  # > 0: the shape is re-grown every round (tree_dynamic)
         self.lookup = strategy.lookup  # > 0: a chain copied from each row's text (tree_lookup)
@@ -183,7 +184,7 @@ class _TreeRounds(_Rounds):
         """The tree a round verifies: the drafted one, and with ``lookup`` (and a tree to
         draft) a chain copied from each row's text below the root (``tree_lookup``)."""
         self.verified, self.to_head, self.proposed = self.tree, None, None
-        if self.lookup and (self.tree.size > 1 or self.chain is not None):
+        if self.lookup and (self.tree.size > 1 or self.chains_only or self.chain is not None):
             done = self.done or [False] * len(self.contexts)
             # every row's whole chain, to be scored (``ChainLength``) whatever is verified
             self.proposed = [None if d else (len(c.tokens), c.propose(self.lookup))

@@ -1,0 +1,62 @@
+"""``PromptLookup``: lossless speculative decoding whose drafts are copied from the text.
+
+    PromptLookup()                 # up to 4 copied tokens a round, as many as pay
+    PromptLookup(tokens=8, adapt=False)   # always the whole chain
+
+A model's continuation often repeats its context (code re-uses names and signatures; an
+answer quotes its question or a retrieved passage). Each round, every row copies the tokens
+that followed the latest earlier occurrence of its text's last 1-3 tokens
+(``runtime.tree_lookup``), and the model verifies them in one step: the output is the
+model's own (greedy tokens, or its sampling distribution). No draft model and no heads: it
+needs nothing trained and works on any model the runtime decodes.
+
+The graph is left as it is; the pass records the strategy (``rewriter.decoding``). With
+``adapt=True`` it measures here what verifying 1 .. ``tokens + 1`` tokens costs against one
+(``calibrate.verify_cost``, at 1, 2, 4 and 8 rows), and the rounds then verify as many
+copies as pay for their cost on the text being decoded: none where it never repeats
+(``tree_lookup.ChainLength``). The costs are the programs' alone: a round's own work
+(building the chain, accepting) is left out, a few percent of a step on SmolLM2 and more on
+a model whose step is mostly Python. ``MedusaHeads`` and ``HydraHeads`` copy the same
+chains beside their trees (their ``lookup``).
+"""
+from __future__ import annotations
+
+from rewriter.decoding import MAX_LOOKUP, Strategy, check_record
+from rewriter.errors import PassError
+from rewriter.ir.core import IR
+from rewriter.pass_manager import Pass
+from rewriter.tree import MAX_NODES
+
+BATCHES = (1, 2, 4, 8)  # batch sizes whose costs are measured (a larger batch: the largest's)
+
+
+class PromptLookup(Pass):
+    def __init__(self, tokens: int = 4, adapt: bool = True):
+        if type(tokens) is not int or not 1 <= tokens <= MAX_LOOKUP:
+            raise ValueError(f"PromptLookup: tokens must be an int in [1, {MAX_LOOKUP}] (copied "
+                             f"tokens a round verifies, at most), got {tokens!r}")
+        if not isinstance(adapt, bool):
+            raise ValueError(f"PromptLookup: adapt must be True or False, got {adapt!r}")
+        self.tokens, self.adapt = tokens, adapt
+        self.report: dict | None = None  # the costs measured
+
+    def run(self, ir: IR) -> IR:
+        if not ir.is_causal_lm:
+            raise PassError(f"{self!r} needs a causal LM")
+        if ir.info.get("decoding") is not None:
+            raise PassError(f"{self!r}: the IR already has a decoding strategy "
+                            f"({ir.info['decoding']['strategy']}); a model decodes one way")
+        costs = ()
+        if self.adapt:
+            from rewriter.calibrate import verify_cost  # times the runtime's programs
+            most = min(self.tokens + 1, MAX_NODES)
+            costs = tuple((b, 0.0, tuple(round(min(max(c, 1e-3), 1e3), 4)
+                                         for c in verify_cost(ir, most, runs=5, batch=b)[1:]))
+                          for b in BATCHES)
+            self.report = {"verify_cost": {str(b): list(c) for b, _, c in costs}}
+        record = Strategy("lookup", lookup=self.tokens, costs=costs).record()
+        why = check_record(record)
+        if why:
+            raise PassError(f"{self!r}: the decoding record needs {why}")
+        ir.info["decoding"] = record
+        return ir

@@ -1,0 +1,117 @@
+"""``PromptLookup``: drafts copied from the row's own text, verified by the model alone
+(no heads). Lossless (greedy tokens on three model families, ragged batches, each row
+alone, an end of sequence, the cache's end; the sampled distribution), the measured costs
+and the chain they choose, the record and artifacts, refusals, the Triton backend."""
+import pytest
+import torch
+
+import rewriter
+from rewriter.decoding import check_record
+from rewriter.errors import PassError, RewriterError
+from rewriter.passes import HydraHeads, PromptLookup, StreamingAttention, from_spec
+
+from conftest import assert_same_distribution, make_model, varied_init
+from test_hydra_heads import KW, RAGGED, sampled
+from test_tree_lookup import repeating
+
+
+def pair(config="llama-gqa-3l", **kw):
+    model = make_model(config, initializer_range=varied_init(config))
+    return rewriter.optimize(model), rewriter.optimize(model, passes=[PromptLookup(**kw)])
+
+
+@pytest.mark.parametrize("config", ["llama-gqa-3l", "qwen2-mqa-3l", "gpt2-3l"])
+@pytest.mark.parametrize("adapt", [False, True])
+def test_greedy_tokens_equal_plain_greedy_and_copies_are_accepted(config, adapt):
+    plain, pl = pair(config, adapt=adapt)
+    assert pl.ir.info["decoding"]["strategy"] == "lookup"
+    assert ("costs" in pl.ir.info["decoding"]) == adapt
+    ids = repeating(plain, RAGGED)  # random models loop: their text repeats
+    together = pl.generate(ids, **KW)
+    assert torch.equal(together, plain.generate(ids, **KW))
+    for i, row in enumerate(ids):
+        assert torch.equal(together[i, -24:], pl.generate([row], **KW)[0, -24:]), i
+    assert pl.stats["copied"] > 0  # (adapt: until the first rounds' copies are scored)
+    assert pl.stats["accepted"] > 0 or adapt  # a loop that set in late may be left to plain rounds
+    assert "head_passes" not in pl.stats  # no heads: nothing but the model runs
+
+
+def test_an_end_of_sequence_inside_a_copied_chain_and_the_cache_end():
+    model = make_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)
+    plain = rewriter.optimize(model)
+    pl = rewriter.optimize(model, passes=[PromptLookup(tokens=6, adapt=False)])
+    ids = repeating(plain, [[5, 9, 2, 5, 9, 2, 5, 9], [7, 7, 7, 7]])
+    eos = int(plain.generate(ids, max_new_tokens=30, eos_token_id=[])[0, -20])
+    kw = dict(max_new_tokens=30, eos_token_id=[eos], pad_token_id=0)
+    assert torch.equal(pl.generate(ids, **kw), plain.generate(ids, **kw))
+    rows = repeating(plain, [[5, 9, 2, 5, 9, 2, 5, 9]], 92) + [[(i * i + 3 * i) % 47 + 1 for i in range(100)]]
+    kw = dict(max_new_tokens=28, eos_token_id=[])  # 100 + 28 = the 128-position context
+    assert torch.equal(pl.generate(rows, **kw), plain.generate(rows, **kw))
+    assert pl.stats["copied"] > 0
+
+
+def test_sampling_follows_the_model():
+    model = make_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)
+    plain = rewriter.optimize(model)
+    pl = rewriter.optimize(model, passes=[PromptLookup(tokens=3, adapt=False)])
+    a, b = sampled(plain, pl, [5, 9, 2, 5, 9])  # "5 9" repeats: a chain is copied
+    assert pl.stats["accepted"] > 0
+    assert_same_distribution(a, b, (6, 7), 48)
+
+
+def test_costs_are_measured_per_batch_and_a_chain_that_cannot_pay_is_dropped():
+    plain, pl = pair(tokens=3)
+    record = pl.ir.info["decoding"]
+    assert [b for b, _ in record["costs"]] == [1, 2, 4, 8]
+    assert all(len(c) == 4 and c[0] == 1.0 for _, c in record["costs"])  # 1 .. 1 + 3 tokens
+    ids = repeating(plain, RAGGED)
+    record["costs"] = [[1, [1.0, 11.0, 21.0, 31.0]]]  # a copy costs 10 steps: none pays
+    pl.trees.clear()  # the counts learnt so far, by batch size and strategy
+    pl.generate(ids, **KW)
+    pl.stats.clear()
+    assert torch.equal(pl.generate(ids, **KW), plain.generate(ids, **KW))
+    assert pl.stats["copied"] == 0 and pl.stats["forward_passes"] == KW["max_new_tokens"]
+
+
+def test_the_artifact_keeps_it_and_bad_records_are_refused(tmp_path):
+    plain, pl = pair(tokens=5)
+    ids = repeating(plain, RAGGED)
+    eager = pl.generate(ids, **KW)
+    pl.static_decode = True
+    assert torch.equal(pl.generate(ids, **KW), eager)
+    pl.save(tmp_path / "a")
+    loaded = rewriter.load(tmp_path / "a")
+    assert loaded.ir.info["decoding"] == pl.ir.info["decoding"]
+    assert torch.equal(loaded.generate(ids, **KW), eager)
+    good = pl.ir.info["decoding"]
+    assert check_record(good) is None
+    for bad in ({**good, "lookup": 0}, {**good, "lookup": 17}, {**good, "lookup": True},
+                {**good, "extra": 1}, {**good, "costs": []}, {**good, "costs": [[2, [1.0, 1.1]]]},
+                {**good, "costs": [[1, [1.0]]]}, {**good, "costs": [[1, [1.0, float("nan")]]]},
+                {**good, "costs": [[1, [1.0, 1.1]], [1, [1.0, 1.1]]]}):
+        assert check_record(bad) is not None, bad
+
+
+def test_bad_parameters_and_conflicts_are_named():
+    assert from_spec("prompt_lookup:tokens=6,adapt=false").tokens == 6
+    for bad in (0, 17, 2.0, True, "4"):
+        with pytest.raises(ValueError, match="tokens"):
+            PromptLookup(tokens=bad)
+    with pytest.raises(ValueError, match="adapt"):
+        PromptLookup(adapt="yes")
+    model = make_model("llama-gqa-3l")
+    with pytest.raises(PassError, match="already has a decoding strategy"):
+        rewriter.optimize(model, passes=[HydraHeads(num_heads=2, tree=[[0]]), PromptLookup()])
+    with pytest.raises(RewriterError, match="sink"):
+        rewriter.optimize(model, passes=[StreamingAttention(sinks=2, window=8),
+                                         PromptLookup(adapt=False)])
+
+
+def test_the_triton_backend_gives_the_same_tokens():
+    model = make_model("llama-gqa-3l", initializer_range=0.2, num_hidden_layers=2)
+    plain = rewriter.optimize(model)
+    pl = rewriter.optimize(model, passes=[PromptLookup(tokens=3, adapt=False)], backend="triton")
+    ids = repeating(plain, [[5, 6, 7, 5, 6, 7, 5], [9, 3, 9, 3]], 16)
+    kw = dict(max_new_tokens=8, eos_token_id=[])
+    assert torch.equal(pl.generate(ids, **kw), plain.generate(ids, **kw))
+    assert pl.stats["copied"] > 0  # chain nodes went through the kernels
