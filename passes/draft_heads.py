@@ -233,10 +233,15 @@ class MedusaHeads(Pass):
         costs = [(1, round(heads_1, 4), tuple(round(c, 4) for c in verify_1[:verified]))]
         if self.report["predicted_speedup"] < 1:
             # no tree pays even at one row (where verifying 2 tokens costs 1.5 decode steps,
-            # as float32 on some CPUs): the tree is kept in the record, every batch decodes
-            # plainly, and larger batches, where verifying costs more, need no measuring
-            # (with ``lookup`` a chain alone may still pay on text that repeats: judged at
-            # every batch size by these costs of one row, which larger batches exceed)
+            # as float32 on some CPUs): the tree is kept in the record and no batch verifies
+            # it; larger batches, where verifying costs more, need no tree measured. With
+            # ``lookup`` a chain alone may still pay on text that repeats: its costs at each
+            # batch size (with the round's own work as measured at one row)
+            if self.lookup and self.adapt:
+                for b in BATCHES:
+                    cost_b = verify_cost(ir, min(1 + self.lookup, MAX_NODES), runs=5, batch=b)
+                    _, verify_b = round_cost.adjust(0.0, cost_b[1:], times)
+                    costs.append((b, round(heads_1, 4), tuple(round(c, 4) for c in verify_b)))
             return tree, ((1, ()),), tuple(costs) if self.adapt else ()
         by_batch = measured(tree, BATCHES, tuple(costs))
         batch_trees = []

@@ -11,13 +11,15 @@ model's own (greedy tokens, or its sampling distribution). No draft model and no
 needs nothing trained and works on any model the runtime decodes.
 
 The graph is left as it is; the pass records the strategy (``rewriter.decoding``). With
-``adapt=True`` it measures here what verifying 1 .. ``tokens + 1`` tokens costs against one
-(``calibrate.verify_cost``, at 1, 2, 4 and 8 rows), and the rounds then verify as many
-copies as pay for their cost on the text being decoded: none where it never repeats
-(``tree_lookup.ChainLength``). The costs are the programs' alone: a round's own work
-(building the chain, accepting) is left out, a few percent of a step on SmolLM2 and more on
-a model whose step is mostly Python. ``MedusaHeads`` and ``HydraHeads`` copy the same
-chains beside their trees (their ``lookup``).
+``adapt=True`` it measures here what a round verifying 1 .. ``tokens + 1`` tokens costs
+against a plain decode step, at 1, 2, 4 and 8 rows: the programs' cost
+(``calibrate.verify_cost``) and the round's own work (building and scoring chains,
+accepting), timed through the runtime on a made-up prompt that repeats
+(``rewriter.round_cost``). The rounds then verify as many copies as pay for their cost on
+the text being decoded: none where it never repeats (``tree_lookup.ChainLength``), and
+then the engine decodes plainly for a few generations before it tries again.
+``MedusaHeads`` and ``HydraHeads`` copy the same chains beside their trees (their
+``lookup``).
 """
 from __future__ import annotations
 
@@ -46,17 +48,24 @@ class PromptLookup(Pass):
         if ir.info.get("decoding") is not None:
             raise PassError(f"{self!r}: the IR already has a decoding strategy "
                             f"({ir.info['decoding']['strategy']}); a model decodes one way")
-        costs = ()
-        if self.adapt:
-            from rewriter.calibrate import verify_cost  # times the runtime's programs
-            most = min(self.tokens + 1, MAX_NODES)
-            costs = tuple((b, 0.0, tuple(round(min(max(c, 1e-3), 1e3), 4)
-                                         for c in verify_cost(ir, most, runs=5, batch=b)[1:]))
-                          for b in BATCHES)
-            self.report = {"verify_cost": {str(b): list(c) for b, _, c in costs}}
+        costs = self._costs(ir) if self.adapt else ()
         record = Strategy("lookup", lookup=self.tokens, costs=costs).record()
         why = check_record(record)
         if why:
             raise PassError(f"{self!r}: the decoding record needs {why}")
         ir.info["decoding"] = record
         return ir
+
+    def _costs(self, ir: IR) -> tuple:
+        """``((batch, 0.0, (round of 1, 2, .. tokens)), ..)`` in plain steps."""
+        from rewriter import round_cost
+        from rewriter.calibrate import verify_cost  # times the runtime's programs
+        most = min(self.tokens + 1, MAX_NODES)
+        programs = {b: verify_cost(ir, most, runs=5, batch=b)[1:] for b in BATCHES}
+        rough = tuple((b, 0.0, tuple(min(max(c, 1e-3), 1e3) for c in programs[b])) for b in BATCHES)
+        times = round_cost.measure(ir, Strategy("lookup", lookup=self.tokens, costs=rough), BATCHES)
+        costs = tuple((b, 0.0, tuple(round(c, 4) for c in round_cost.adjust(0.0, programs[b], times[b])[1]))
+                      for b in BATCHES)
+        self.report = {"verify_cost": {str(b): [round(c, 3) for c in programs[b]] for b in BATCHES},
+                       "round_cost": {str(b): list(c) for b, _, c in costs}}
+        return costs

@@ -15,8 +15,9 @@ with ``runtime.speculative``. ``MedusaHeads`` records::
      "batch_trees": [[4, [[0], [1], [0, 0]]], [8, []]]}
 
 (``batch_trees``, optional: from a batch of 4 rows on verify only those nodes of the tree,
-from 8 on none, which decodes plainly; a larger batch makes verifying many tokens dearer.
-``[1, []]`` first: even one row decodes plainly, where no tree pays on the machine.)
+from 8 on none, which decodes plainly (or, with ``lookup``, verifies copied chains alone);
+a larger batch makes verifying many tokens dearer. ``[1, []]`` first: even one row
+verifies no tree, where no tree pays on the machine.)
 
 (``dynamic``, optional: an integer ``e``: every round the runtime re-grows a tree of as many
 nodes from the heads' own probabilities, expanding the ``e`` likeliest nodes of each level:
@@ -24,11 +25,13 @@ nodes from the heads' own probabilities, expanding the ``e`` likeliest nodes of 
 
 (``lookup``, optional: an integer ``L``: every round also verifies a chain of up to ``L``
 tokens copied from each row's own text after the latest earlier occurrence of its last
-tokens: ``runtime.tree_lookup``.)
+tokens; with ``adapt`` as many of them as pay on the text being decoded:
+``runtime.tree_lookup``.)
 
 (``adapt``, optional: ``{"accuracy": [[..], ..], "costs": [[1, 0.11, [1.0, 1.01, ..]], ..]}``,
 the heads' held-out rank accuracies and, from each batch size on, one heads call's cost and
-a round's cost verifying 1, 2, .. tokens (its programs and its own work:
+a round's cost verifying 1, 2, .. tokens (at one row as far as the tree and a chain; a
+larger batch's may stop short of the tree: its sub-trees are cut to them) (its programs and its own work:
 ``rewriter.round_cost``), in plain decode steps. With it the runtime learns the heads'
 accuracies on the text it decodes and re-chooses the sub-tree it verifies:
 ``runtime.tree_adapt``.)
@@ -263,16 +266,18 @@ def _check_adapt(v, nodes: int, num_heads: int) -> str | None:
         return (f"adapt: accuracy: {num_heads} lists (one a head) of at most {MAX_RANK} "
                 f"rank accuracies in [0, 1], each summing to at most 1")
     costs = v["costs"]
+    # (a batch's costs may stop short of the tree: its sub-trees are cut to them, and
+    # where no tree pays only a copied chain's are measured)
     what = (f"adapt: costs: a list of [batch, heads cost, [verify cost of 1 .. at least "
-            f"{nodes + 1} and at most {MAX_NODES + 1} tokens]], batches increasing from 1, "
-            f"costs positive numbers")
+            f"2 and at most {MAX_NODES + 1} tokens]], batches increasing from 1, the first "
+            f"at least {nodes + 1} long, costs positive numbers")
     if not isinstance(costs, list) or not costs or not all(
             isinstance(c, list) and len(c) == 3 and _is_int(c[0]) and _is_number(c[1], 0, 1e3)
-            and isinstance(c[2], list) and nodes + 1 <= len(c[2]) <= MAX_NODES + 1
+            and isinstance(c[2], list) and 2 <= len(c[2]) <= MAX_NODES + 1
             and all(_is_number(x, 1e-3, 1e3) for x in c[2]) for c in costs):
         return what
     batches = [c[0] for c in costs]
-    if batches[0] != 1 or batches != sorted(set(batches)):
+    if batches[0] != 1 or batches != sorted(set(batches)) or len(costs[0][2]) < nodes + 1:
         return what
     return None
 

@@ -42,7 +42,7 @@ from rewriter.calibrate import sync
 from rewriter.decoding import Strategy
 from rewriter.ir.core import IR
 from rewriter.runtime.tree_adapt import AdaptiveTree
-from rewriter.tree import make_tree
+from rewriter.tree import Tree, make_tree
 from rewriter.values import context_length
 
 PROMPT = 64  # tokens of the made-up prompt (fewer where the context is short): as verify_cost's
@@ -67,7 +67,8 @@ def measure(ir: IR, strategy: Strategy, batches, vocab: Optional[torch.Tensor] =
     if type(new) is not int or new < 2:
         raise ValueError(f"round_cost.measure: new must be an int >= 2, got {new!r}")
     strategy = replace(strategy, batch_trees=())  # the whole tree at every batch size
-    size = len(strategy.tree) + 1
+    # prompt lookup (no tree): rounds of a whole copied chain, from a prompt that repeats
+    size = len(strategy.tree) + 1 + (strategy.lookup if strategy.name == "lookup" else 0)
     tokens = new + size  # the last ``size`` tokens' rounds are cut short
     context = context_length(ir.info.get("config", {}))
     prompt = min(PROMPT, context - tokens - strategy.cache_slack())
@@ -108,8 +109,12 @@ def _measure_batch(ir: IR, programs: dict, strategy: Strategy, vocab, batch: int
     weight = max((t for t in ir.weights().values() if t.is_floating_point()), key=torch.Tensor.numel)
     device = weight.device
     vocab_size = int(ir.info.get("config", {}).get("vocab_size") or 2)
-    # arbitrary tokens, different per row, the same every run (no random state touched)
-    ids = (torch.arange(batch * prompt, device=device).view(batch, prompt) * 7919 + 13) % vocab_size
+    # arbitrary tokens, different per row, the same every run (no random state touched);
+    # for prompt lookup a period of 8 of them, so that every round has a chain to copy
+    at = torch.arange(batch * prompt, device=device).view(batch, prompt)  # [B, prompt]
+    if strategy.name == "lookup":
+        at = at // prompt * prompt + at % prompt % 8
+    ids = (at * 7919 + 13) % vocab_size
     settings = GenerationSettings(max_new_tokens=new, eos_token_id=(), pad_token_id=0)
     cache = KVCache(cache_table(ir.gm), batch, prompt + new + strategy.cache_slack(),
                     weight.dtype, device)
@@ -131,7 +136,8 @@ def _measure_batch(ir: IR, programs: dict, strategy: Strategy, vocab, batch: int
     trees = {}
     if strategy.costs_at(batch) is not None:  # the adaptive tree counts every round: keep
         trees[(batch, strategy)] = _Pinned(strategy, batch)  # its work, never its choices
-    whole = batch * len(strategy.tree)  # tokens a round drafts with the whole tree
+    # tokens a round drafts with the whole tree (prompt lookup: the whole chain)
+    whole = batch * (len(strategy.tree) + (strategy.lookup if strategy.name == "lookup" else 0))
     rounds = []
     for _ in range(GENERATIONS):  # a generation's rounds verify the whole tree until its end
         looping = _TreeRounds(plain, cache, prepare(ids, None, 0, device), settings, None,
@@ -178,11 +184,16 @@ class _Pinned(AdaptiveTree):
     verifies the whole tree."""
 
     def __init__(self, strategy: Strategy, batch: int):
-        super().__init__(make_tree(strategy.tree, strategy.num_heads), strategy, batch)
+        super().__init__(make_tree(strategy.tree, strategy.num_heads) if strategy.tree else Tree(()),
+                         strategy, batch)
 
     def next(self, current, accuracy=None):
         super().next(current, accuracy)
         return current
+
+    def chain_length(self, tree):
+        super().chain_length(tree)
+        return self.chain.lookup
 
 
 def _replayed_decode(program, cache, prompt: int, n: int, graph: bool) -> list[float]:

@@ -190,7 +190,11 @@ class Engine:
             return batch, speculative_loop(programs, cache, batch, settings, generator,
                                            self.stats, strategy, **replay)
         b = batch.ids.shape[0]  # rounds of a copied chain alone need the costs to choose it
-        if strategy.name == "lookup" or strategy.name == "medusa" and (strategy.tree_at(b) or (
+        learnt = self.trees.get((b, strategy))  # runtime.tree_adapt: counts of earlier generations
+        chains_only = not strategy.tree_at(b)
+        if chains_only and learnt is not None and learnt.chain is not None and learnt.chain.rests():
+            pass  # the chain chose no copies at this batch size: plain steps are cheaper
+        elif strategy.name == "lookup" or strategy.name == "medusa" and (not chains_only or (
                 strategy.lookup and strategy.costs_at(b) is not None)):
             vocab = self.ir.weight("medusa.vocab") if strategy.draft_vocab is not None else None
             return batch, tree_loop(programs, cache, batch, settings, generator, self.stats,

@@ -25,9 +25,11 @@ the lagging row's own counts in this generation, with the pooled counts as their
 (``row_accuracy``).
 
 Where the pass found that nothing pays at a batch size even by the held-out accuracies
-(an empty ``batch_trees`` entry), the engine decodes plainly from the start and nothing
-adapts: the counts on other text are rarely better, and the plain decode loop is the
-faster one (on a GPU it replays a CUDA graph).
+(an empty ``batch_trees`` entry), the heads' tree is never verified there: the counts on
+other text are rarely better, and the plain decode loop is the faster one (on a GPU it
+replays a CUDA graph). With ``lookup`` the rounds may still verify a chain copied from the
+text (``runtime.tree_lookup``); once the chain chooses no copies, the engine decodes such a
+batch plainly for the next ``ChainLength.RETRY`` generations before it tries again.
 
 Greedy and sampled acceptance are exact whatever the tree: the tokens (or their
 distribution) do not change, only the time. Typical acceptance (lossy) accepts by the
@@ -100,11 +102,16 @@ class AdaptiveTree:
         """The copied tokens a round verifies beside ``tree`` (``ChainLength.choose``)."""
         verify = monotone(self.cost)
         n = min(tree.size, len(verify) - 1)
+        short = n + self.chain.lookup - (len(verify) - 1)
+        if short > 0:  # costs recorded only as far as the tree (before chains were measured):
+            # the rest at the measured curve's mean slope
+            slope = (verify[-1] - verify[1]) / max(len(verify) - 2, 1)
+            verify = verify + [verify[-1] + slope * (i + 1) for i in range(short)]
         heads = self.heads_cost * (tree.depth if self.hydra else 1) if n > 1 else 0.0
         # a plain round is a plain step (no mask, no acceptance: ``_TreeRounds.round``); a
         # round with copies costs what verifying as many tokens does, the round's own work in
         chained = [verify[n] + heads if n > 1 else 1.0] + \
-            [verify[s] + heads for s in range(n + 1, min(n + self.chain.lookup, len(verify) - 1) + 1)]
+            [verify[s] + heads for s in range(n + 1, n + self.chain.lookup + 1)]
         return self.chain.choose(expected_tokens(tree, self.accuracy()), chained)
 
     def next(self, current: Tree, accuracy=None) -> Tree:

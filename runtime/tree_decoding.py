@@ -108,7 +108,7 @@ class _TreeRounds(_Rounds):
         self.row_hits = [[[0] * MAX_RANK for _ in range(k)] for _ in range(b)]
         self.row_trials = [[0] * k for _ in range(b)]
         # verifying many tokens costs more in a larger batch: from some batch on the
-        # strategy may verify a sub-tree (the engine decodes plainly where it is empty)
+        # strategy may verify a sub-tree (where it is empty: chains alone, or plain steps)
         paths = strategy.tree_at(b)  # none: rounds of a copied chain alone (chains_only)
         start = make_tree(paths, strategy.num_heads) if paths else Tree(())
         self.use(self.adapt.current if self.adapt is not None and self.adapt.current else start)
@@ -181,14 +181,15 @@ class _TreeRounds(_Rounds):
         self._chain()
 
     def _chain(self) -> None:
-        """The tree a round verifies: the drafted one, and with ``lookup`` (and a tree to
-        draft) a chain copied from each row's text below the root (``tree_lookup``)."""
+        """The tree a round verifies: the drafted one, and with ``lookup`` a chain copied
+        from each running row's text below the root (``tree_lookup``); a row whose text has
+        ended copies none."""
         self.verified, self.to_head, self.proposed = self.tree, None, None
         if self.lookup and (self.tree.size > 1 or self.chains_only or self.chain is not None):
             done = self.done or [False] * len(self.contexts)
             # every row's whole chain, to be scored (``ChainLength``) whatever is verified
-            self.proposed = [None if d else (len(c.tokens), c.propose(self.lookup))
-                             for c, d in zip(self.contexts, done)]
+            self.proposed = [None if d or e else (len(c.tokens), c.propose(self.lookup))
+                             for c, d, e in zip(self.contexts, done, self.ended)]
             room = min(self.copy, MAX_NODES - self.tree.size)  # a step verifies <= MAX_NODES
             chains = [p[1][:room] if p is not None else [] for p in self.proposed]
             self.verified, self.nodes = with_chain(self.tree, self.nodes, chains, self.nodes[:, 0])

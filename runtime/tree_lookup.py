@@ -76,9 +76,12 @@ class ChainLength:
     ``gain(l)``: the mean over scored row-rounds; ``found``: the share of rounds where some
     row had a chain (the others verify none).
     Until ``MIN`` row-rounds are scored the chain is verified whole. The counts halve
-    every ``HALVE`` row-rounds so they follow a workload that changes."""
+    every ``HALVE`` rounds, so they follow a workload that changes. Where rounds verify a
+    chain alone (no heads' tree pays) and it chose none, a generation would only pay for
+    the rounds' own work: the engine decodes plainly for ``RETRY`` generations (``rests``)."""
     MIN = 8
     HALVE = 512
+    RETRY = 8
 
     def __init__(self, lookup: int):
         self.lookup = lookup
@@ -87,12 +90,14 @@ class ChainLength:
         self.rounds = 0.0  # rounds, and those where some row had a chain
         self.found = 0.0
         self.current: Optional[int] = None  # the last choice: the next generation's start
+        self.rested = 0  # generations decoded plainly since the chain chose none
 
     def count_round(self, found: bool) -> None:
         self.rounds += 1
         self.found += found
-        if self.rounds >= self.HALVE:
-            self.rounds, self.found = self.rounds / 2, self.found / 2
+        if self.rounds >= self.HALVE:  # every count at once: one window
+            self.rounds, self.found, self.scored = self.rounds / 2, self.found / 2, self.scored / 2
+            self.gains = [g / 2 for g in self.gains]
 
     def score(self, proposal: Sequence[int], text: Sequence[int], accepted: int) -> None:
         """A row's chain ``proposal`` against the ``text`` that followed it, in a round
@@ -103,9 +108,17 @@ class ChainLength:
         for j in range(accepted + 1, m + 1):
             self.gains[j] += 1
         self.scored += 1
-        if self.scored >= self.HALVE:
-            self.scored /= 2
-            self.gains = [g / 2 for g in self.gains]
+
+    def rests(self) -> bool:
+        """Whether a generation of chains alone should decode plainly instead: the chain
+        chose no copies, and its next try is not due (every ``RETRY``-th generation)."""
+        if self.current != 0:
+            return False
+        self.rested += 1
+        if self.rested >= self.RETRY:
+            self.rested = 0
+            return False
+        return True
 
     def choose(self, tokens: float, chained: Sequence[float]) -> int:
         """The chain's length beside a tree expected to give ``tokens`` a round, where

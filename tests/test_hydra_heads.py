@@ -105,11 +105,11 @@ def test_greedy_tokens_equal_plain_greedy(config, tmp_path):
     assert s["head_passes"] >= 3 * s["rounds"]  # one call a level
 
 
-def sampled(plain, hy, prompt: list[int], rows: int = 3000):
-    """Three sampled tokens after ``prompt``, ``rows`` times, from ``plain`` and from ``hy``
+def sampled(plain, hy, prompt: list[int], rows: int = 3000, new: int = 3):
+    """``new`` sampled tokens after ``prompt``, ``rows`` times, from ``plain`` and from ``hy``
     (different seeds): the samples a two-sample chi-square compares."""
     ids = torch.tensor([prompt]).expand(rows, len(prompt))
-    kw = dict(max_new_tokens=3, do_sample=True, top_k=0, eos_token_id=[])
+    kw = dict(max_new_tokens=new, do_sample=True, top_k=0, eos_token_id=[])
     return plain.generate(ids, seed=1, **kw), hy.generate(ids, seed=2, **kw)
 
 

@@ -54,8 +54,8 @@ def test_sampling_follows_the_model():
     model = make_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)
     plain = rewriter.optimize(model)
     pl = rewriter.optimize(model, passes=[PromptLookup(tokens=3, adapt=False)])
-    a, b = sampled(plain, pl, [5, 9, 2, 5, 9])  # "5 9" repeats: a chain is copied
-    assert pl.stats["accepted"] > 0
+    a, b = sampled(plain, pl, [5, 9, 2, 5, 9], new=6)  # "5 9" repeats: a chain is copied
+    assert pl.stats["accepted"] > 0 and pl.stats["copied"] > 0
     assert_same_distribution(a, b, (6, 7), 48)
 
 
@@ -63,7 +63,8 @@ def test_costs_are_measured_per_batch_and_a_chain_that_cannot_pay_is_dropped():
     plain, pl = pair(tokens=3)
     record = pl.ir.info["decoding"]
     assert [b for b, _ in record["costs"]] == [1, 2, 4, 8]
-    assert all(len(c) == 4 and c[0] == 1.0 for _, c in record["costs"])  # 1 .. 1 + 3 tokens
+    # a round of 1 .. 1 + 3 tokens in plain steps: the programs and the round's own work
+    assert all(len(c) == 4 and 1.0 <= c[0] <= c[-1] * 1.5 for _, c in record["costs"])
     ids = repeating(plain, RAGGED)
     record["costs"] = [[1, [1.0, 11.0, 21.0, 31.0]]]  # a copy costs 10 steps: none pays
     pl.trees.clear()  # the counts learnt so far, by batch size and strategy
