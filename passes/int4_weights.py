@@ -36,9 +36,11 @@ class Int4Weights(Pass):
         self.lm_head = lm_head
 
     def run(self, ir: IR) -> IR:
-        if self.lm_head and (ir.info.get("decoding") or {}).get("strategy") == "medusa":
-            raise PassError(f"{self!r}: the draft heads (MedusaHeads/HydraHeads) share the LM "
-                            f"head as a dense linear; keep lm_head=False after them")
+        strategy = (ir.info.get("decoding") or {}).get("strategy")
+        if self.lm_head and strategy in ("medusa", "lookup"):
+            raise PassError(f"{self!r}: the {strategy} strategy's rounds read the LM head as a "
+                            f"dense linear (MedusaHeads/HydraHeads share it; PromptLookup's "
+                            f"rounds return its input too); keep lm_head=False after them")
         head = _lm_head(ir)
         done, error, scale = 0, 0.0, 0.0
         for node in list(ir.graph.find_nodes(op="call_function", target=torch.ops.rw.linear.default)):

@@ -8,7 +8,9 @@ answer quotes its question or a retrieved passage). Each round, every row copies
 that followed the latest earlier occurrence of its text's last 1-3 tokens
 (``runtime.tree_lookup``), and the model verifies them in one step: the output is the
 model's own (greedy tokens, or its sampling distribution). No draft model and no heads: it
-needs nothing trained and works on any model the runtime decodes.
+needs nothing trained and works on any model whose logits come from a linear LM head (the
+rounds are the draft heads', which return the head's input too; not with
+``Int4Weights(lm_head=True)``).
 
 The graph is left as it is; the pass records the strategy (``rewriter.decoding``). With
 ``adapt=True`` it measures here what a round verifying 1 .. ``tokens + 1`` tokens costs
@@ -48,6 +50,12 @@ class PromptLookup(Pass):
         if ir.info.get("decoding") is not None:
             raise PassError(f"{self!r}: the IR already has a decoding strategy "
                             f"({ir.info['decoding']['strategy']}); a model decodes one way")
+        from rewriter.passes.draft_heads import lm_head
+        try:
+            lm_head(ir)
+        except PassError:
+            raise PassError(f"{self!r}: its rounds (the draft heads' loop) need the logits to come "
+                            f"from a plain linear LM head (not Int4Weights(lm_head=True))") from None
         costs = self._costs(ir) if self.adapt else ()
         record = Strategy("lookup", lookup=self.tokens, costs=costs).record()
         why = check_record(record)
@@ -63,7 +71,11 @@ class PromptLookup(Pass):
         most = min(self.tokens + 1, MAX_NODES)
         programs = {b: verify_cost(ir, most, runs=5, batch=b)[1:] for b in BATCHES}
         rough = tuple((b, 0.0, tuple(min(max(c, 1e-3), 1e3) for c in programs[b])) for b in BATCHES)
-        times = round_cost.measure(ir, Strategy("lookup", lookup=self.tokens, costs=rough), BATCHES)
+        try:
+            times = round_cost.measure(ir, Strategy("lookup", lookup=self.tokens, costs=rough), BATCHES)
+        except RuntimeError as e:  # no timed round verified a whole chain on the made-up text
+            raise PassError(f"{self!r}: could not time a round of {self.tokens} copied tokens on "
+                            f"this model ({e}); give adapt=False (every chain verified whole)") from None
         costs = tuple((b, 0.0, tuple(round(c, 4) for c in round_cost.adjust(0.0, programs[b], times[b])[1]))
                       for b in BATCHES)
         self.report = {"verify_cost": {str(b): [round(c, 3) for c in programs[b]] for b in BATCHES},

@@ -41,8 +41,8 @@ and the runtime lowers ``tree_prefill``, ``verify`` (logits and hidden states) a
 
     {"strategy": "lookup", "lookup": 4, "costs": [[1, [1.0, 1.02, ..]], [2, [..]], ..]}
 
-(``costs``, optional: from each batch size on, a round verifying 1, 2, .. tokens in decode
-steps) and the runtime verifies copied chains alone, with no heads, in the same rounds. Artifacts keep the record, so a
+(``costs``, optional: from each batch size on, a round verifying 1, 2, .. tokens in plain
+decode steps, the round's own work included) and the runtime verifies copied chains alone, with no heads, in the same rounds. Artifacts keep the record, so a
 loaded model decodes the same way. ``check_record`` is what the artifact loader and the
 passes apply.
 """

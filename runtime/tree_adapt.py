@@ -28,8 +28,8 @@ Where the pass found that nothing pays at a batch size even by the held-out accu
 (an empty ``batch_trees`` entry), the heads' tree is never verified there: the counts on
 other text are rarely better, and the plain decode loop is the faster one (on a GPU it
 replays a CUDA graph). With ``lookup`` the rounds may still verify a chain copied from the
-text (``runtime.tree_lookup``); once the chain chooses no copies, the engine decodes such a
-batch plainly for the next ``ChainLength.RETRY`` generations before it tries again.
+text (``runtime.tree_lookup``); once the chain chooses no copies, the engine decodes the
+next ``ChainLength.RETRY - 1`` generations of such a batch plainly, then tries again.
 
 Greedy and sampled acceptance are exact whatever the tree: the tokens (or their
 distribution) do not change, only the time. Typical acceptance (lossy) accepts by the

@@ -1,4 +1,5 @@
-"""Draft heads verified as a token tree (Medusa, Hydra), lossless.
+"""Draft heads verified as a token tree (Medusa, Hydra), lossless; and chains copied from
+the text (``lookup``, ``runtime.tree_lookup``), beside the tree or alone (``PromptLookup``).
 
 A round, for every row at once (each row at its own cache length ``length[b]``):
 
@@ -306,7 +307,9 @@ class _TreeRounds(_Rounds):
         self.ended = [e or any(t in eos for t in row) for e, row in zip(self.ended, rows)]
         if not self.chains_only:
             self._choose_tree(rows, done, length)
-        if self.chain is not None and self.rounds % AdaptiveTree.EVERY == 0:
+        # every few rounds; while no copy is verified, every round (a short generation
+        # would otherwise never bring the chain back)
+        if self.chain is not None and (self.rounds % AdaptiveTree.EVERY == 0 or self.copy == 0):
             self.copy = self.chain.current = self.adapt.chain_length(self.budget)
 
     def _choose_tree(self, rows: list[list[int]], done: list[bool], length: list[int]) -> None:

@@ -50,12 +50,14 @@ class Context:
                     self.last[tuple(self.tokens[i - n + 1:i + 1])] = i
 
     def propose(self, length: int) -> list[int]:
-        """Up to ``length`` tokens that followed the latest earlier occurrence of the
-        text's longest matching suffix (none: ``[]``)."""
+        """``length`` tokens that followed the latest earlier occurrence of the text's
+        longest matching suffix (none: ``[]``). Where fewer follow it, the text since that
+        occurrence is a loop: the chain goes round it again."""
         for n in range(min(NGRAM, len(self.tokens)), 0, -1):
             i = self.last.get(tuple(self.tokens[-n:]))
             if i is not None:
-                return self.tokens[i + 1:i + 1 + length]
+                loop = self.tokens[i + 1:]  # [..]: at least one token
+                return (loop * -(-length // len(loop)))[:length]
         return []
 
 
@@ -78,7 +80,8 @@ class ChainLength:
     Until ``MIN`` row-rounds are scored the chain is verified whole. The counts halve
     every ``HALVE`` rounds, so they follow a workload that changes. Where rounds verify a
     chain alone (no heads' tree pays) and it chose none, a generation would only pay for
-    the rounds' own work: the engine decodes plainly for ``RETRY`` generations (``rests``)."""
+    the rounds' own work: the engine decodes the next ``RETRY - 1`` generations plainly and
+    tries again at the ``RETRY``-th, with fresh counts (``rests``)."""
     MIN = 8
     HALVE = 512
     RETRY = 8
@@ -115,8 +118,10 @@ class ChainLength:
         if self.current != 0:
             return False
         self.rested += 1
-        if self.rested >= self.RETRY:
+        if self.rested >= self.RETRY:  # a try: on what the text is now, not what it was
             self.rested = 0
+            self.gains, self.scored = [0.0] * (self.lookup + 1), 0.0
+            self.rounds = self.found = 0.0
             return False
         return True
 

@@ -116,3 +116,41 @@ def test_the_triton_backend_gives_the_same_tokens():
     kw = dict(max_new_tokens=8, eos_token_id=[])
     assert torch.equal(pl.generate(ids, **kw), plain.generate(ids, **kw))
     assert pl.stats["copied"] > 0  # chain nodes went through the kernels
+
+
+def test_on_text_that_loops_the_chain_is_kept_and_where_it_cannot_pay_it_rests():
+    model = make_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)  # text loops
+    plain = rewriter.optimize(model)
+    pl = rewriter.optimize(model, passes=[PromptLookup()])
+    ids = repeating(plain, [[5, 9, 2] * 4, [7, 3] * 6, [4, 4, 8] * 3], 12)
+    kw = dict(max_new_tokens=40, eos_token_id=[])
+    assert torch.equal(pl.generate(ids, **kw), plain.generate(ids, **kw))
+    (learnt,) = pl.trees.values()
+    assert learnt.chain.current > 0 and learnt.chain.gains[1] > 10
+    pl.stats.clear()
+    assert torch.equal(pl.generate(ids, **kw), plain.generate(ids, **kw))
+    assert pl.stats["copied"] > 0 and pl.stats["forward_passes"] < 20
+    pl.ir.info["decoding"]["costs"] = [[1, [1.0, 11.0, 21.0, 31.0, 41.0]]]  # no copy pays
+    pl.trees.clear()
+    looped = []
+    for _ in range(9):
+        pl.stats.clear()
+        assert torch.equal(pl.generate(ids, **kw), plain.generate(ids, **kw))
+        looped.append(pl.stats["rounds"] > 0)
+    assert looped == [True] + [False] * 7 + [True]  # rests 7 generations, then tries again
+
+
+def test_the_default_model_and_an_int4_lm_head():
+    from rewriter.checkpoints import default_model
+    from rewriter.passes import Int4Weights
+    model, tok = default_model()
+    plain = rewriter.optimize(model)
+    pl = rewriter.optimize(model, passes=[PromptLookup()])  # its text loops with a period of 2
+    encoded = tok.encode("def fibonacci(n):")
+    ids = [getattr(encoded, "ids", encoded)]
+    assert torch.equal(pl.generate(ids, **KW), plain.generate(ids, **KW))
+    small = make_model("llama-gqa-3l")
+    for passes in ([Int4Weights(lm_head=True), PromptLookup(adapt=False)],
+                   [PromptLookup(adapt=False), Int4Weights(lm_head=True)]):
+        with pytest.raises(PassError, match="LM head"):
+            rewriter.optimize(small, passes=passes)
