@@ -57,7 +57,7 @@ from typing import Optional
 import torch
 
 from rewriter import heads as heads_file
-from rewriter.decoding import MAX_EXPAND, MAX_LOOKUP, Strategy, check_record
+from rewriter.decoding import MAX_EXPAND, MAX_LOOKUP, Strategy, check_record, check_undecided
 from rewriter.errors import PassError
 from rewriter.ir.core import IR
 from rewriter.pass_manager import Pass
@@ -139,11 +139,7 @@ class MedusaHeads(Pass):
         self.report: Optional[dict] = None  # the tree choice: expected tokens, cost curve
 
     def run(self, ir: IR) -> IR:
-        if not ir.is_causal_lm:
-            raise PassError(f"{self!r} needs a causal LM")
-        if ir.info.get("decoding") is not None:
-            raise PassError(f"{self!r}: the IR already has a decoding strategy "
-                            f"({ir.info['decoding']['strategy']}); a model decodes one way")
+        check_undecided(ir, self)
         head = lm_head(ir)
         weight = ir.weight(head.args[1].target)
         if self.heads is not None:

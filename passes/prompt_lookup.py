@@ -25,7 +25,7 @@ then the engine decodes plainly for a few generations before it tries again.
 """
 from __future__ import annotations
 
-from rewriter.decoding import MAX_LOOKUP, Strategy, check_record
+from rewriter.decoding import MAX_LOOKUP, Strategy, check_record, check_undecided
 from rewriter.errors import PassError
 from rewriter.ir.core import IR
 from rewriter.pass_manager import Pass
@@ -45,11 +45,7 @@ class PromptLookup(Pass):
         self.report: dict | None = None  # the costs measured
 
     def run(self, ir: IR) -> IR:
-        if not ir.is_causal_lm:
-            raise PassError(f"{self!r} needs a causal LM")
-        if ir.info.get("decoding") is not None:
-            raise PassError(f"{self!r}: the IR already has a decoding strategy "
-                            f"({ir.info['decoding']['strategy']}); a model decodes one way")
+        check_undecided(ir, self)
         from rewriter.passes.draft_heads import lm_head
         try:
             lm_head(ir)

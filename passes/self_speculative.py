@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
-from rewriter.decoding import MAX_DRAFT, Strategy, check_record
+from rewriter.decoding import MAX_DRAFT, Strategy, check_record, check_undecided
 from rewriter.errors import PassError
 from rewriter.ir.core import IR
 from rewriter.ir.skip import check_skip_set
@@ -70,11 +70,9 @@ class SelfSpeculative(Pass):
         return f"SelfSpeculative({', '.join(f'{k}={v}' if k == 'calibrate' else f'{k}={v!r}' for k, v in shown.items())})"
 
     def run(self, ir: IR) -> IR:
-        if not ir.is_causal_lm or not ir.layers:
+        if not ir.layers:
             raise PassError(f"{self!r} needs a causal LM with decoder layers")
-        if ir.info.get("decoding") is not None:
-            raise PassError(f"{self!r}: the IR already has a decoding strategy "
-                            f"({ir.info['decoding']['strategy']})")
+        check_undecided(ir, self)
         layers, attention, mlp, max_draft = (self.skip_layers, self.skip_attention, self.skip_mlp,
                                              self.max_draft)
         if self.calibrate is not None:

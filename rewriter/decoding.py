@@ -128,6 +128,17 @@ class Strategy:
                 "max_draft": self.max_draft, "threshold": self.threshold}
 
 
+def check_undecided(ir, who) -> None:
+    """``PassError`` unless ``ir`` is a causal LM with no decoding strategy recorded yet
+    (``who``: the strategy's pass; a model decodes one way)."""
+    from rewriter.errors import PassError
+    if not ir.is_causal_lm:
+        raise PassError(f"{who!r} needs a causal LM")
+    if ir.info.get("decoding") is not None:
+        raise PassError(f"{who!r}: the IR already has a decoding strategy "
+                        f"({ir.info['decoding']['strategy']}); a model decodes one way")
+
+
 def strategy_of(info: dict) -> Strategy:
     """The strategy ``info`` records (checked when it was recorded or loaded)."""
     r = info.get("decoding")
