@@ -193,7 +193,7 @@ class _Pinned(AdaptiveTree):
 
     def chain_length(self, tree):
         super().chain_length(tree)
-        return self.chain.lookup
+        return self.chain.whole
 
 
 def _replayed_decode(program, cache, prompt: int, n: int, graph: bool) -> list[float]:

@@ -48,7 +48,7 @@ from .settings import GenerationSettings
 from .speculative import _Rounds
 from .tree_adapt import AdaptiveTree
 from .tree_dynamic import grow
-from .tree_lookup import Context, with_chain
+from .tree_lookup import NGRAM, Context, with_chain
 
 LAYOUTS = 512  # laid-out trees a generation keeps (re-shaped trees repeat: code, chat)
 
@@ -98,10 +98,12 @@ class _TreeRounds(_Rounds):
         # copied chain (when one pays), and the heads' tree is never probed
         self.chains_only = not strategy.tree_at(b)
         self.chain = self.adapt.chain if self.adapt is not None else None  # tree_lookup.ChainLength
-        # copied tokens a round verifies: the chain's last choice at this batch size
-        self.copy = strategy.lookup if self.chain is None or self.chain.current is None \
-            else self.chain.current
-        self.proposed: Optional[list] = None  # per row: (where its chain starts, the chain)
+        # copied tokens a round verifies, by its rows' highest match order (ChainLength):
+        # the chain's last choice at this batch size
+        self.copy = (0,) + (strategy.lookup,) * NGRAM if self.chain is None \
+            or self.chain.current is None else self.chain.current
+        # per row: (where its chain starts, the chain, its match order)
+        self.proposed: Optional[list] = None
         self.pending: list = [[] for _ in range(b)]  # per row: chains not yet scored
         self.tree_depth: Optional[list] = None  # per row: the heads' tree's accepted depth
         self.rounds = 0
@@ -189,15 +191,20 @@ class _TreeRounds(_Rounds):
         if self.lookup and (self.tree.size > 1 or self.chains_only or self.chain is not None):
             done = self.done or [False] * len(self.contexts)
             # every row's whole chain, to be scored (``ChainLength``) whatever is verified
-            self.proposed = [None if d or e else (len(c.tokens), c.propose(self.lookup))
+            self.proposed = [None if d or e else (len(c.tokens), *c.match(self.lookup)[::-1])
                              for c, d, e in zip(self.contexts, done, self.ended)]
-            room = min(self.copy, MAX_NODES - self.tree.size)  # a step verifies <= MAX_NODES
+            # as many copies as the longest match was given, for every row (already paid)
+            room = min(self.copy[self._highest()], MAX_NODES - self.tree.size)  # <= MAX_NODES
             chains = [p[1][:room] if p is not None else [] for p in self.proposed]
             self.verified, self.nodes = with_chain(self.tree, self.nodes, chains, self.nodes[:, 0])
             if self.verified is not self.tree:
                 where = {p: i for i, p in enumerate(((),) + self.tree.paths)}
                 self.to_head = [where.get(p, -1) for p in ((),) + self.verified.paths]
         self.max_draft = self.verified.size - 1
+
+    def _highest(self) -> int:
+        """The longest match order among this round's proposed chains (0: none)."""
+        return max((p[2] for p in self.proposed if p is not None and p[1]), default=0)
 
     def _hydra(self, h: Tensor, root: Tensor) -> None:
         b, n = root.shape[0], self.tree.size
@@ -309,7 +316,7 @@ class _TreeRounds(_Rounds):
             self._choose_tree(rows, done, length)
         # every few rounds; while no copy is verified, every round (a short generation
         # would otherwise never bring the chain back)
-        if self.chain is not None and (self.rounds % AdaptiveTree.EVERY == 0 or self.copy == 0):
+        if self.chain is not None and (self.rounds % AdaptiveTree.EVERY == 0 or not any(self.copy)):
             self.copy = self.chain.current = self.adapt.chain_length(self.budget)
 
     def _choose_tree(self, rows: list[list[int]], done: list[bool], length: list[int]) -> None:
@@ -335,15 +342,16 @@ class _TreeRounds(_Rounds):
                 depth = [len(p) if self.to_head is None or not p or self.to_head[p[0]] >= 0
                          else 0 for p in paths]
             running = [not d and not e for d, e in zip(done, self.ended)]
-            self.chain.count_round(any(p is not None and p[1] and r
-                                       for p, r in zip(self.proposed, running)))
+            self.chain.count_round(max((p[2] for p, r in zip(self.proposed, running)
+                                        if p is not None and p[1] and r), default=0))
             for r, p in enumerate(self.proposed):
                 if p is not None and running[r]:
                     self.pending[r].append((*p, depth[r]))
         for context, queue in zip(self.contexts, self.pending):
             while queue and queue[0][0] + len(queue[0][1]) <= len(context.tokens):
-                start, proposal, accepted = queue.pop(0)
-                self.chain.score(proposal, context.tokens[start:start + len(proposal)], accepted)
+                start, proposal, order, accepted = queue.pop(0)
+                self.chain.score(proposal, context.tokens[start:start + len(proposal)], accepted,
+                                 order)
 
     def observe(self, tokens: Tensor, paths: list[list[int]], bonus: list[int],
                 done: list[bool]) -> None:

@@ -126,7 +126,7 @@ def test_on_text_that_loops_the_chain_is_kept_and_where_it_cannot_pay_it_rests()
     kw = dict(max_new_tokens=40, eos_token_id=[])
     assert torch.equal(pl.generate(ids, **kw), plain.generate(ids, **kw))
     (learnt,) = pl.trees.values()
-    assert learnt.chain.current > 0 and learnt.chain.gains[1] > 10
+    assert any(learnt.chain.current) and sum(g[1] for g in learnt.chain.gains) > 10
     pl.stats.clear()
     assert torch.equal(pl.generate(ids, **kw), plain.generate(ids, **kw))
     assert pl.stats["copied"] > 0 and pl.stats["forward_passes"] < 20

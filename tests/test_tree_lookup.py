@@ -177,37 +177,72 @@ def test_a_round_verifies_at_most_64_tokens(monkeypatch):
 
 def test_a_chain_is_credited_with_what_it_adds_to_the_heads_tree():
     c = ChainLength(4)
-    c.score([1, 2, 3, 4], [1, 2, 9, 9], accepted=0)  # two copies right, the tree had none
-    assert c.gains == [0, 1, 1, 0, 0] and c.scored == 1
-    c.score([1, 2, 3, 4], [1, 2, 9, 9], accepted=1)  # the tree had the first: one gained
-    assert c.gains == [0, 1, 2, 0, 0]
-    c.score([1, 2, 3, 4], [1, 2, 3, 4], accepted=4)  # the tree had them all
-    c.score([], [], accepted=0)  # no chain: a round that gained nothing
-    c.score([5, 6], [5, 6], accepted=0)  # a shorter chain
-    assert c.gains == [0, 2, 3, 0, 0] and c.scored == 5
+    c.score([1, 2, 3, 4], [1, 2, 9, 9], accepted=0, order=2)  # two copies right, the tree had none
+    assert c.gains[2] == [0, 1, 1, 0, 0] and c.scored == 1
+    c.score([1, 2, 3, 4], [1, 2, 9, 9], accepted=1, order=2)  # the tree had the first: one gained
+    assert c.gains[2] == [0, 1, 2, 0, 0]
+    c.score([1, 2, 3, 4], [1, 2, 3, 4], accepted=4, order=3)  # the tree had them all
+    c.score([], [], accepted=0, order=0)  # no chain: a round that gained nothing
+    c.score([5, 6], [5, 6], accepted=0, order=1)  # a shorter chain, of another order
+    assert c.gains[2] == [0, 1, 2, 0, 0] and c.gains[1] == [0, 1, 1, 0, 0] and c.scored == 5
+    assert c.gains[0] == c.gains[3] == [0] * 5
+
+
+def test_a_match_tells_its_order():
+    assert Context([1, 2, 3]).match(4) == (0, [])
+    assert Context([7, 8, 9, 7, 8]).match(4) == (2, [9, 7, 8, 9])
+    assert Context([5, 1, 2, 6, 1, 2]).match(2) == (2, [6, 1])
+    assert Context([4, 5, 6, 7, 5, 6, 7, 1]).match(3) == (0, [])
+    assert Context([4, 5, 6, 7, 5, 6, 7]).match(3) == (3, [5, 6, 7])
+    assert Context([3, 9, 1, 3]).match(2) == (1, [9, 1])
 
 
 def test_the_chain_length_maximises_tokens_a_round_over_its_cost():
-    """``choose`` against the formula evaluated at every length (ties: the shorter)."""
+    """``choose`` against the formula evaluated at every choice of copies by order,
+    written out here per round: a round verifies its highest order's copies, and a row
+    gains what its own order's copies add (ties: the first, fewest copies at low orders)."""
+    import itertools
     rng = random.Random(1)
     for trial in range(200):
         lookup = rng.randrange(1, 7)
         c = ChainLength(lookup)
+        rounds, rows = [], []  # each round's highest order; each row-round's (order, m, accepted)
         for _ in range(rng.randrange(ChainLength.MIN, 40)):
-            m = rng.randrange(lookup + 1)
-            c.score(list(range(lookup)), list(range(m)) + [-1] * (lookup - m), rng.randrange(3))
-            c.count_round(rng.random() < 0.7)
+            orders = [rng.randrange(NGRAM + 1) for _ in range(rng.randrange(1, 4))]
+            for n in orders:
+                m, a = rng.randrange(lookup + 1) if n else 0, rng.randrange(3)
+                c.score(list(range(lookup)) if n else [],
+                        list(range(m)) + [-1] * (lookup - m), a, order=n)
+                rows.append((n, m, a))
+            c.count_round(max(orders))
+            rounds.append(max(orders))
         chained = monotone([0.0] + [1 + rng.random() * 0.4 * s for s in range(rng.randrange(2, 9))])[1:]
-        tokens, cost = 1 + 2 * rng.random(), chained[0]
-        found = c.found / c.rounds
+        tokens = 1 + 2 * rng.random()
+        top = min(lookup, len(chained) - 1)  # costs measured that far
 
-        def rate(length):
-            gain = sum(c.gains[1:length + 1]) / c.scored
-            return (tokens + gain) / (cost + found * (chained[length] - cost))
-        lengths = range(min(lookup, len(chained) - 1) + 1)  # costs measured that far
-        assert c.choose(tokens, chained) == max(lengths, key=lambda x: (rate(x), -x))
+        def rate(lengths):
+            gain = sum(max(0, min(m, lengths[n]) - a) for n, m, a in rows) / len(rows)
+            cost = sum(chained[lengths[h]] for h in rounds) / len(rounds)
+            return (tokens + gain) / cost
+        choices = [(0, *x) for x in itertools.product(range(top + 1), repeat=NGRAM)
+                   if list(x) == sorted(x)]  # a longer match never gets fewer copies
+        best = max(choices, key=lambda x: (round(rate(x), 9), [-v for v in x]))
+        assert rate(c.choose(tokens, chained)) == pytest.approx(rate(best), abs=1e-9)
     fresh = ChainLength(5)
-    assert fresh.choose(1.0, [1.0 + s for s in range(10)]) == 5  # whole until counted
+    assert fresh.choose(1.0, [1.0 + s for s in range(10)]) == (0, 5, 5, 5)  # whole until counted
+
+
+def test_chains_of_short_matches_are_dropped_where_they_do_not_pay():
+    """Single-token matches are right once in 5 rounds, three-token matches always: at 0.3
+    of a step a copy, only the long matches' chains are verified (whole)."""
+    c = ChainLength(4)
+    for r in range(20):
+        c.score([7, 8, 9, 10], [7 if r % 5 == 0 else 0, 0, 0, 0], accepted=0, order=1)
+        c.count_round(1)
+        c.score([7, 8, 9, 10], [7, 8, 9, 10], accepted=0, order=3)
+        c.count_round(3)
+    assert c.choose(1.0, [1.0 + 0.3 * s for s in range(5)]) == (0, 0, 0, 4)
+    assert c.choose(1.0, [1.0 + 0.01 * s for s in range(5)]) == (0, 1, 1, 4)  # cheap: 1 pays
 
 
 def chains_pass(tmp_path, monkeypatch, slope: float, lookup: int = 4, **model_kw):
@@ -240,7 +275,7 @@ def test_where_no_tree_pays_rounds_verify_the_copied_chain_alone(tmp_path, monke
     assert torch.equal(med.generate(ids, **kw), plain.generate(ids, **kw))
     (learnt,) = med.trees.values()
     assert med.stats["head_passes"] == 0 and med.stats["accepted"] > 40
-    assert learnt.chain.gains[1] > 10 and learnt.chain.current > 0
+    assert sum(g[1] for g in learnt.chain.gains) > 10 and any(learnt.chain.current)
     med.stats.clear()
     assert torch.equal(med.generate(ids, **kw), plain.generate(ids, **kw))
     assert med.stats["copied"] > 0 and med.stats["forward_passes"] < 20
@@ -255,7 +290,7 @@ def test_a_chain_that_costs_more_than_it_adds_is_dropped(tmp_path, monkeypatch):
     kw = dict(max_new_tokens=32, eos_token_id=[])
     assert torch.equal(med.generate(ids, **kw), plain.generate(ids, **kw))
     (learnt,) = med.trees.values()
-    assert med.stats["copied"] > 0 and learnt.chain.current == 0
+    assert med.stats["copied"] > 0 and not any(learnt.chain.current)
     looped = []  # generations of chains alone (rounds) or plain steps: the chain rests
     for _ in range(ChainLength.RETRY):
         med.stats.clear()
@@ -302,9 +337,10 @@ def test_beside_no_tree_a_chain_must_beat_a_plain_step():
     for right, want in ((1, 0), (3, 1)):  # of 5 rounds: the first copy the text's own
         a = AdaptiveTree(make_tree(WIDE, 3), replace(strategy(costs), lookup=4), batch=1)
         for r in range(10):
-            a.chain.score([7, 8, 9, 10], [7 if r % 5 < right else 0] + [0] * 3, accepted=0)
-            a.chain.count_round(True)
-        assert a.chain_length(Tree(())) == want
+            a.chain.score([7, 8, 9, 10], [7 if r % 5 < right else 0] + [0] * 3, accepted=0,
+                          order=3)
+            a.chain.count_round(3)
+        assert a.chain_length(Tree(())) == (0, 0, 0, want)
 
 
 def test_costs_recorded_only_as_far_as_the_tree_go_on_at_their_slope():
@@ -316,9 +352,9 @@ def test_costs_recorded_only_as_far_as_the_tree_go_on_at_their_slope():
     costs = ((1, 0.0, tuple(1.0 + 0.01 * s for s in range(whole.size))),)
     a = AdaptiveTree(whole, replace(strategy(costs), lookup=4), batch=1)
     for _ in range(10):
-        a.chain.score([7, 8, 9, 10], [7, 8, 9, 10], accepted=0)
-        a.chain.count_round(True)
-    assert a.chain_length(whole) == 4
+        a.chain.score([7, 8, 9, 10], [7, 8, 9, 10], accepted=0, order=2)
+        a.chain.count_round(2)
+    assert a.chain_length(whole) == (0, 0, 4, 4)
     record = {"strategy": "medusa", "arch": "medusa", "num_heads": 3, "tree": WIDE,
               "draft_vocab": None, "acceptance": "exact", "posterior_threshold": 0.09,
               "posterior_alpha": 0.3, "lookup": 4,
@@ -334,8 +370,8 @@ def test_a_rows_chain_is_scored_against_the_text_after_its_root():
     from rewriter.runtime.tree_decoding import _TreeRounds
     r = _TreeRounds.__new__(_TreeRounds)
     r.chain, r.contexts = ChainLength(3), [Context([1, 2, 3, 1, 2])]  # root: the last 2
-    r.proposed = [(5, r.contexts[0].propose(3))]
-    assert r.proposed == [(5, [3, 1, 2])]  # after the earlier "1 2"
+    r.proposed = [(5, *r.contexts[0].match(3)[::-1])]
+    assert r.proposed == [(5, [3, 1, 2], 2)]  # after the earlier "1 2"
     r.tree_depth, r.to_head, r.ended, r.pending = None, None, [False], [[]]
     r.contexts[0].extend([3])  # a plain round: the model's token after the root
     r._score([[]], [False])
@@ -343,4 +379,24 @@ def test_a_rows_chain_is_scored_against_the_text_after_its_root():
     r.proposed = None
     r.contexts[0].extend([1, 9])
     r._score([[]], [False])
-    assert r.chain.scored == 1 and r.chain.gains == [0, 1, 1, 0]  # "3 1" were the text's
+    assert r.chain.scored == 1 and r.chain.gains[2] == [0, 1, 1, 0]  # "3 1" were the text's
+
+
+def test_a_round_verifies_as_many_copies_as_its_longest_match_was_given_for_every_row():
+    """Copies by order (0, 0, 0, 3): a round where one row matched 3 tokens verifies 3
+    copies, and a row of a single-token match fills them from its own chain (paid for
+    already); a round of single-token matches alone verifies none."""
+    from rewriter.runtime.tree_decoding import _TreeRounds
+    r = _TreeRounds.__new__(_TreeRounds)
+    r.lookup, r.tree, r.chains_only, r.chain = 4, Tree(()), True, ChainLength(4)
+    r.done, r.ended, r.copy = None, [False, False], (0, 0, 0, 3)
+    r.contexts = [Context([1, 2, 3, 9, 1, 2, 3]), Context([8, 7, 1, 8])]  # orders 3 and 1
+    r.nodes = torch.tensor([[5], [6]])
+    r._chain()
+    assert [p[2] for p in r.proposed] == [3, 1]
+    assert r.verified.size == 4 and r.nodes.tolist() == [[5, 9, 1, 2], [6, 7, 1, 8]]
+    r.contexts = [Context([1, 2, 3, 4]), Context([8, 7, 1, 8])]  # no match, and order 1
+    r.nodes = torch.tensor([[5], [6]])
+    r._chain()
+    assert r.verified.size == 1 and r.nodes.tolist() == [[5], [6]]
+    assert r.proposed[1][1] == [7, 1, 8, 7]  # proposed whole all the same: it is scored
