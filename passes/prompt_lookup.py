@@ -18,8 +18,10 @@ against a plain decode step, at 1, 2, 4 and 8 rows: the programs' cost
 (``calibrate.verify_cost``) and the round's own work (building and scoring chains,
 accepting), timed through the runtime on a made-up prompt that repeats
 (``rewriter.round_cost``). The rounds then verify as many copies as pay for their cost on
-the text being decoded: none where it never repeats (``tree_lookup.ChainLength``), and
-then the engine decodes plainly for a few generations before it tries again.
+the text being decoded, by how long a match found them (a chain after a 3-token match is
+right far more often than one after a single token): none where the text never repeats
+(``tree_lookup.ChainLength``), and then the engine decodes plainly for a few generations
+before it tries again.
 ``MedusaHeads`` and ``HydraHeads`` copy the same chains beside their trees (their
 ``lookup``).
 """
