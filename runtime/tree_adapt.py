@@ -98,8 +98,9 @@ class AdaptiveTree:
         acc = accuracy() if accuracy is not None else self.accuracy()
         return best_subtree(self.whole, acc, self.cost, self.heads_cost, self.hydra)[0]
 
-    def chain_length(self, tree: Tree) -> int:
-        """The copied tokens a round verifies beside ``tree`` (``ChainLength.choose``)."""
+    def chain_length(self, tree: Tree) -> tuple:
+        """The copied tokens a round verifies beside ``tree``, by its highest match order
+        (``ChainLength.choose``)."""
         verify = monotone(self.cost)
         n = min(tree.size, len(verify) - 1)
         short = n + self.chain.lookup - (len(verify) - 1)

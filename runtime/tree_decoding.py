@@ -342,16 +342,19 @@ class _TreeRounds(_Rounds):
                 depth = [len(p) if self.to_head is None or not p or self.to_head[p[0]] >= 0
                          else 0 for p in paths]
             running = [not d and not e for d, e in zip(done, self.ended)]
-            self.chain.count_round(max((p[2] for p, r in zip(self.proposed, running)
-                                        if p is not None and p[1] and r), default=0))
+            # the round's highest order set its copies for every row: each row's gain is
+            # that order's (ChainLength)
+            highest = max((p[2] for p, r in zip(self.proposed, running) if p is not None
+                           and p[1] and r), default=0)
+            self.chain.count_round(highest)
             for r, p in enumerate(self.proposed):
                 if p is not None and running[r]:
-                    self.pending[r].append((*p, depth[r]))
+                    self.pending[r].append((p[0], p[1], highest, depth[r]))
         for context, queue in zip(self.contexts, self.pending):
             while queue and queue[0][0] + len(queue[0][1]) <= len(context.tokens):
-                start, proposal, order, accepted = queue.pop(0)
+                start, proposal, highest, accepted = queue.pop(0)
                 self.chain.score(proposal, context.tokens[start:start + len(proposal)], accepted,
-                                 order)
+                                 highest)
 
     def observe(self, tokens: Tensor, paths: list[list[int]], bonus: list[int],
                 done: list[bool]) -> None:

@@ -83,19 +83,18 @@ class ChainLength:
     accepts; sampled text matches a copied token as often as verification accepts it
     (one-token proposals; an estimate where the chain is tried after the tree's nodes).
 
-    Gains are counted by the chain's order ``n`` (``Context.match``), and a length
-    ``l[n]`` is chosen per order: a round verifies as many copies as its longest match's
-    order was given (``l[h]``, ``h`` the highest order among the rows), and every row
-    fills them from its own chain. The lengths maximise tokens a round over its cost::
+    A length ``l[h]`` is chosen per match order (``Context.match``): a round verifies as
+    many copies as its rows' longest match's order ``h`` was given, and every row fills
+    them from its own chain. So a row's gain is counted under its round's ``h`` (at one
+    row: its own chain's order), and the lengths maximise tokens a round over its cost::
 
-        (tokens(tree) + sum_n gain_n(l[n])) / sum_h share_h * cost(tree + l[h])
+        (tokens(tree) + sum_h gain_h(l[h])) / sum_h share_h * cost(tree + l[h])
 
-    ``gain_n(l)``: the tokens the first ``l`` copies of order-``n`` chains gained, over all
-    scored row-rounds (what rows gain from copies verified for another row's longer match
-    is not counted); ``share_h``: the share of rounds whose highest order was ``h``
-    (``h = 0``: no row had a chain, ``l[0] = 0``). A longer match is never given fewer
-    copies than a shorter one: it is the surer guess, and the rule keeps sparse counts from
-    choosing gaps (and the search small).
+    ``gain_h(l)``: the tokens the first ``l`` copies gained in rounds of highest order
+    ``h``, over all scored row-rounds; ``share_h``: the share of rounds whose highest order
+    was ``h`` (``h = 0``: no row had a chain, ``l[0] = 0``). A longer match is never given
+    fewer copies than a shorter one: it is the surer guess, and the rule keeps sparse
+    counts from choosing gaps (and the search small).
     Until ``MIN`` row-rounds are scored every chain is verified whole. The counts halve
     every ``HALVE`` rounds, so they follow a workload that changes. Where rounds verify a
     chain alone (no heads' tree pays) and it chose none, a generation would only pay for
@@ -113,7 +112,7 @@ class ChainLength:
         self.rested = 0  # generations decoded plainly since the chain chose none
 
     def _clear(self) -> None:
-        # gains[n][j]: row-rounds where the j-th copy of an order-n chain gained a token
+        # gains[h][j]: row-rounds where the j-th copy gained a token, in rounds of highest order h
         self.gains = [[0.0] * (self.lookup + 1) for _ in range(NGRAM + 1)]
         self.scored = 0.0  # row-rounds scored
         self.rounds = 0.0  # rounds, and by the highest order of their chains (0: none)
@@ -130,8 +129,8 @@ class ChainLength:
 
     def score(self, proposal: Sequence[int], text: Sequence[int], accepted: int,
               order: int) -> None:
-        """A row's chain ``proposal`` of order ``order`` against the ``text`` that followed
-        it, in a round that accepted ``accepted`` tokens of the heads' tree."""
+        """A row's chain ``proposal`` against the ``text`` that followed it, in a round of
+        highest match order ``order`` that accepted ``accepted`` tokens of the heads' tree."""
         m = 0
         while m < min(len(proposal), len(text), self.lookup) and proposal[m] == text[m]:
             m += 1
@@ -160,7 +159,7 @@ class ChainLength:
             return self.whole
         top = min(self.lookup, len(chained) - 1)
         share = [h / self.rounds for h in self.highest]
-        gained = []  # gained[n][l]: tokens a row-round, the first l copies of order n
+        gained = []  # gained[h][l]: tokens a row-round, l copies in rounds of highest order h
         for row in self.gains:
             sums = [0.0]
             for g in row[1:top + 1]:

@@ -199,8 +199,8 @@ def test_a_match_tells_its_order():
 
 def test_the_chain_length_maximises_tokens_a_round_over_its_cost():
     """``choose`` against the formula evaluated at every choice of copies by order,
-    written out here per round: a round verifies its highest order's copies, and a row
-    gains what its own order's copies add (ties: the first, fewest copies at low orders)."""
+    written out here per round: a round verifies its highest order's copies for every row,
+    and each row gains what they add (compared by rate: a tie may go either way)."""
     import itertools
     rng = random.Random(1)
     for trial in range(200):
@@ -209,13 +209,14 @@ def test_the_chain_length_maximises_tokens_a_round_over_its_cost():
         rounds, rows = [], []  # each round's highest order; each row-round's (order, m, accepted)
         for _ in range(rng.randrange(ChainLength.MIN, 40)):
             orders = [rng.randrange(NGRAM + 1) for _ in range(rng.randrange(1, 4))]
+            h = max(orders)
             for n in orders:
                 m, a = rng.randrange(lookup + 1) if n else 0, rng.randrange(3)
                 c.score(list(range(lookup)) if n else [],
-                        list(range(m)) + [-1] * (lookup - m), a, order=n)
-                rows.append((n, m, a))
-            c.count_round(max(orders))
-            rounds.append(max(orders))
+                        list(range(m)) + [-1] * (lookup - m), a, order=h)
+                rows.append((h, m, a))
+            c.count_round(h)
+            rounds.append(h)
         chained = monotone([0.0] + [1 + rng.random() * 0.4 * s for s in range(rng.randrange(2, 9))])[1:]
         tokens = 1 + 2 * rng.random()
         top = min(lookup, len(chained) - 1)  # costs measured that far
@@ -380,6 +381,44 @@ def test_a_rows_chain_is_scored_against_the_text_after_its_root():
     r.contexts[0].extend([1, 9])
     r._score([[]], [False])
     assert r.chain.scored == 1 and r.chain.gains[2] == [0, 1, 1, 0]  # "3 1" were the text's
+    assert r.chain.highest == [0, 0, 1, 0] and r.chain.rounds == 1  # one round, of order 2
+
+
+def test_a_rows_gain_counts_under_its_rounds_highest_order():
+    """A round of two rows whose longest match is 3 tokens verifies that order's copies for
+    both rows: the single-token match's right copies count as order 3's gain."""
+    from rewriter.runtime.tree_decoding import _TreeRounds
+    r = _TreeRounds.__new__(_TreeRounds)
+    r.chain = ChainLength(3)
+    r.contexts = [Context([1, 2, 3, 9, 1, 2, 3]), Context([8, 7, 1, 8])]  # orders 3 and 1
+    r.proposed = [(len(c.tokens), *c.match(3)[::-1]) for c in r.contexts]
+    assert [p[2] for p in r.proposed] == [3, 1]
+    r.tree_depth, r.to_head, r.ended, r.pending = [0, 0], None, [False, False], [[], []]
+    r.contexts[0].extend([4, 4, 4])  # row 0's copies were wrong, row 1's (7 1 8) right
+    r.contexts[1].extend([7, 1, 8])
+    r._score([[], []], [False, False])
+    assert r.chain.highest == [0, 0, 0, 1] and r.chain.scored == 2
+    assert r.chain.gains[3] == [0, 1, 1, 1] and r.chain.gains[1] == [0] * 4
+
+
+def test_the_counts_halve_together():
+    """At ``HALVE`` rounds every count halves at once: the same ratios, the same choice as
+    counts that never halve."""
+    class Unhalved(ChainLength):
+        HALVE = 10 ** 9
+    c, u = ChainLength(4), Unhalved(4)
+    rng = random.Random(3)
+    for _ in range(ChainLength.HALVE):
+        h, m = rng.randrange(NGRAM + 1), rng.randrange(5)
+        for x in (c, u):
+            x.score([1, 2, 3, 4] if h else [], [1, 2, 3, 4][:m] + [0] * (4 - m), 0, order=h)
+            x.count_round(h)
+    assert c.rounds == u.rounds / 2 == ChainLength.HALVE / 2 and c.scored == u.scored / 2
+    assert c.highest == [h / 2 for h in u.highest]
+    assert c.gains == [[g / 2 for g in row] for row in u.gains]
+    for slope in (0.01, 0.2, 0.5):
+        costs = [1.0 + slope * s for s in range(5)]
+        assert c.choose(1.2, costs) == u.choose(1.2, costs)
 
 
 def test_a_round_verifies_as_many_copies_as_its_longest_match_was_given_for_every_row():
