@@ -309,7 +309,7 @@ class _TreeRounds(_Rounds):
         if self.drafted is not None:  # text past a row's end of sequence is not counted
             self.observe(tokens, paths, bonus, [d or e for d, e in zip(done, self.ended)])
         if self.chain is not None:
-            self._score(paths, done)
+            self._score(paths, done, length)
         eos = set(self.s.eos_token_id)
         self.ended = [e or any(t in eos for t in row) for e, row in zip(self.ended, rows)]
         if not self.chains_only:
@@ -333,9 +333,10 @@ class _TreeRounds(_Rounds):
             self.use(tree)
             self.stats.update(tree_changes=1)
 
-    def _score(self, paths: list[list[int]], done: list[bool]) -> None:
-        """Queue the chains proposed for this round with the heads' tree's accepted depth,
-        and score those whose text is now known (``tree_lookup.ChainLength``)."""
+    def _score(self, paths: list[list[int]], done: list[bool], length: list[int]) -> None:
+        """Queue the lagging rows' chains proposed for this round (``length``: each row's
+        cache length before it) with the heads' tree's accepted depth, and score those
+        whose text is now known (``tree_lookup.ChainLength``)."""
         if self.proposed is not None:
             depth = self.tree_depth
             if depth is None:  # a sampled walk tries the chain after the tree: via it, none
@@ -347,8 +348,12 @@ class _TreeRounds(_Rounds):
             highest = max((p[2] for p, r in zip(self.proposed, running) if p is not None
                            and p[1] and r), default=0)
             self.chain.count_round(highest)
+            # a batch takes as many rounds as its slowest row: what counts is what the
+            # chain adds to the row that lags (the fewest tokens; every row at one length)
+            lag = min((n for n, p, r in zip(length, self.proposed, running) if p is not None and r),
+                      default=None)
             for r, p in enumerate(self.proposed):
-                if p is not None and running[r]:
+                if p is not None and running[r] and length[r] == lag:
                     self.pending[r].append((p[0], p[1], highest, depth[r]))
         for context, queue in zip(self.contexts, self.pending):
             while queue and queue[0][0] + len(queue[0][1]) <= len(context.tokens):

@@ -375,11 +375,11 @@ def test_a_rows_chain_is_scored_against_the_text_after_its_root():
     assert r.proposed == [(5, [3, 1, 2], 2)]  # after the earlier "1 2"
     r.tree_depth, r.to_head, r.ended, r.pending = None, None, [False], [[]]
     r.contexts[0].extend([3])  # a plain round: the model's token after the root
-    r._score([[]], [False])
+    r._score([[]], [False], [5])
     assert r.chain.scored == 0 and len(r.pending[0]) == 1  # its text is not known yet
     r.proposed = None
     r.contexts[0].extend([1, 9])
-    r._score([[]], [False])
+    r._score([[]], [False], [5])
     assert r.chain.scored == 1 and r.chain.gains[2] == [0, 1, 1, 0]  # "3 1" were the text's
     assert r.chain.highest == [0, 0, 1, 0] and r.chain.rounds == 1  # one round, of order 2
 
@@ -396,9 +396,29 @@ def test_a_rows_gain_counts_under_its_rounds_highest_order():
     r.tree_depth, r.to_head, r.ended, r.pending = [0, 0], None, [False, False], [[], []]
     r.contexts[0].extend([4, 4, 4])  # row 0's copies were wrong, row 1's (7 1 8) right
     r.contexts[1].extend([7, 1, 8])
-    r._score([[], []], [False, False])
+    r._score([[], []], [False, False], [10, 10])  # rows at one length: both lag
     assert r.chain.highest == [0, 0, 0, 1] and r.chain.scored == 2
     assert r.chain.gains[3] == [0, 1, 1, 1] and r.chain.gains[1] == [0] * 4
+
+
+def test_in_a_batch_only_the_lagging_rows_chain_is_scored():
+    """A batch takes as many rounds as its slowest row: a chain that speeds up a row ahead
+    is not counted; the row behind's (wrong) chain is."""
+    from rewriter.runtime.tree_decoding import _TreeRounds
+    r = _TreeRounds.__new__(_TreeRounds)
+    r.chain = ChainLength(3)
+    r.contexts = [Context([1, 2, 3, 9, 1, 2, 3]), Context([8, 7, 1, 8])]
+    r.proposed = [(len(c.tokens), *c.match(3)[::-1]) for c in r.contexts]
+    r.tree_depth, r.to_head, r.ended, r.pending = [0, 0], None, [False, False], [[], []]
+    r.contexts[0].extend([9, 1, 2])  # row 0's copies right, row 1's wrong
+    r.contexts[1].extend([4, 4, 4])
+    r._score([[], []], [False, False], [12, 10])  # row 0 is 2 tokens ahead
+    assert r.chain.scored == 1 and sum(map(sum, r.chain.gains)) == 0 and r.chain.highest[3] == 1
+    r.proposed = [(len(c.tokens), *c.match(3)[::-1]) for c in r.contexts]
+    r.contexts[0].extend([5, 5, 5])
+    r.contexts[1].extend(r.proposed[1][1])  # now row 1 is ahead, row 0 behind and wrong
+    r._score([[], []], [False, False], [15, 16])
+    assert r.chain.scored == 2 and sum(map(sum, r.chain.gains)) == 0
 
 
 def test_the_counts_halve_together():
