@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 from tabulate import tabulate
@@ -41,15 +42,16 @@ def texts(plain, batches, new: int, eos: bool) -> list[tuple[list[int], list[int
 
 
 def count(rows, length: int) -> dict[int, list[int]]:
-    """``{order: histogram}``: at each position after the first new token, how many of a
+    """``{order: histogram}``: at each position after the first new token whose next
+    ``length`` tokens are known (as the rounds score a chain), how many of a
     ``length``-token chain's copies were the text's own (``histogram[m]``)."""
     hist = {n: [0] * (length + 1) for n in range(NGRAM + 1)}
     for prompt, made in rows:
         context = Context(prompt + made[:1])
-        for t in range(1, len(made)):
+        for t in range(1, len(made) - length + 1):
             order, chain = context.match(length)
             m = 0
-            while m < len(chain) and t + m < len(made) and chain[m] == made[t + m]:
+            while m < len(chain) and chain[m] == made[t + m]:
                 m += 1
             hist[order][m] += 1
             context.extend(made[t:t + 1])
@@ -64,9 +66,10 @@ def main():
     ap.add_argument("--length", type=int, default=4, help="copies a chain proposes")
     ap.add_argument("--json", default="benchmarks/results/chain_orders.json")
     args = ap.parse_args()
-    for name, v in (("--samples", args.samples), ("--new", args.new), ("--length", args.length)):
-        if v < 1:
-            ap.error(f"{name} must be at least 1, got {v}")
+    for name, v, top in (("--samples", args.samples, 64), ("--new", args.new, 4096),
+                         ("--length", args.length, 64)):
+        if not 1 <= v <= top:
+            ap.error(f"{name} must be in [1, {top}], got {v}")
     model, tok = load(args.model)
     plain = rewriter.optimize(cast(model, torch.float32, "cpu"), tokenizer=tok)
     results = {"model": args.model, "date": time.strftime("%Y-%m-%d"), "new_tokens": args.new,
@@ -85,6 +88,7 @@ def main():
                           "-" if first is None else f"{first:.2f}"])
     print(tabulate(table, headers=["prompts", "match order", "share of positions",
                                    f"copies right, mean of {args.length}", "first copy right"]))
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(results, f, indent=1)
 

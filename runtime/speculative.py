@@ -18,7 +18,9 @@ A round, for every row at once (each row at its own cache length ``length[b]``):
    draft and the verification wrote past it is masked until overwritten. Nothing is copied.
 
 Tokens come out as plain decoding's do: one ``[B]`` column per position (rows that ran
-ahead wait in a queue), EOS and padding handled identically. ``stats`` counts rounds,
+ahead wait in a queue), EOS and padding handled identically. A row whose accepted tokens
+hold an end of sequence is done: what follows is padding, queued at once, so the rows still
+writing set the batch's pace. ``stats`` counts rounds,
 drafted and accepted tokens, and the forward passes and layer evaluations of both models.
 """
 from __future__ import annotations
@@ -77,6 +79,7 @@ class _Rounds:
         s, batch = self.s, self.batch
         b, width = batch.ids.shape
         eos_t = torch.tensor(list(s.eos_token_id), dtype=torch.int64, device=self.device)
+        ends = set(s.eos_token_id)
         finished = torch.zeros(b, dtype=torch.bool, device=self.device)
         last = self.first()  # [B], not yet in the cache
         length = [width] * b  # cache positions each row holds
@@ -109,6 +112,11 @@ class _Rounds:
                 pending[r] += accepted[r]
                 produced[r] += len(accepted[r])
                 length[r] += len(accepted[r])
+                if ends.intersection(accepted[r]):  # ended: the rest is padding, made now
+                    # (else the row, copying nothing and drafting past its end, would hold
+                    # every column of the batch to about a token a round)
+                    pending[r] += [s.pad_token_id] * max(0, s.max_new_tokens - produced[r])
+                    produced[r] = max(produced[r], s.max_new_tokens)
             self.stats.update(rounds=1, row_rounds=len(active),
                               accepted=sum(len(accepted[r]) - 1 for r in active))
 

@@ -194,7 +194,8 @@ class _TreeRounds(_Rounds):
             self.proposed = [None if d or e else (len(c.tokens), *c.match(self.lookup)[::-1])
                              for c, d, e in zip(self.contexts, done, self.ended)]
             # as many copies as the longest match was given, for every row (already paid)
-            room = min(self.copy[self._highest()], MAX_NODES - self.tree.size)  # <= MAX_NODES
+            self.order = self._highest()  # the round's, scored under it (_score)
+            room = min(self.copy[self.order], MAX_NODES - self.tree.size)  # <= MAX_NODES
             chains = [p[1][:room] if p is not None else [] for p in self.proposed]
             self.verified, self.nodes = with_chain(self.tree, self.nodes, chains, self.nodes[:, 0])
             if self.verified is not self.tree:
@@ -345,8 +346,7 @@ class _TreeRounds(_Rounds):
             running = [not d and not e for d, e in zip(done, self.ended)]
             # the round's highest order set its copies for every row: each row's gain is
             # that order's (ChainLength)
-            highest = max((p[2] for p, r in zip(self.proposed, running) if p is not None
-                           and p[1] and r), default=0)
+            highest = self.order
             self.chain.count_round(highest)
             # a batch takes as many rounds as its slowest row: what counts is what the
             # chain adds to the row that lags (the fewest tokens; every row at one length)

@@ -154,3 +154,24 @@ def test_the_default_model_and_an_int4_lm_head():
                    [PromptLookup(adapt=False), Int4Weights(lm_head=True)]):
         with pytest.raises(PassError, match="LM head"):
             rewriter.optimize(small, passes=passes)
+
+
+def test_a_row_past_its_end_does_not_hold_the_batch_to_a_token_a_round():
+    """Past its end of sequence a row's output is padding: the rounds go at the pace of
+    the row still writing (a row copying nothing past its end would hold every column of
+    the batch to one token a round), and the output is plain decoding's."""
+    model = make_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)  # text loops
+    plain = rewriter.optimize(model)
+    pl = rewriter.optimize(model, passes=[PromptLookup(adapt=False)])
+    ids = repeating(plain, [[5, 9, 2] * 4, [7, 3] * 6], 12)
+    width = max(map(len, ids))
+    free = plain.generate(ids, max_new_tokens=40, eos_token_id=[])
+    later = set(free[1, width:].tolist())  # an end of sequence row 0 writes soon, row 1 never
+    eos = next(t for t in free[0, width + 1:width + 8].tolist() if t not in later)
+    kw = dict(max_new_tokens=40, eos_token_id=[eos])
+    assert torch.equal(pl.generate(ids, **kw), plain.generate(ids, **kw))
+    together = pl.stats["rounds"]
+    pl.stats.clear()
+    pl.generate([ids[1]], **kw)
+    alone = pl.stats["rounds"]
+    assert alone < 25 and together <= alone + 1, (together, alone)  # the ended row is done (13 before)

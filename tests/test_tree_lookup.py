@@ -372,6 +372,7 @@ def test_a_rows_chain_is_scored_against_the_text_after_its_root():
     r = _TreeRounds.__new__(_TreeRounds)
     r.chain, r.contexts = ChainLength(3), [Context([1, 2, 3, 1, 2])]  # root: the last 2
     r.proposed = [(5, *r.contexts[0].match(3)[::-1])]
+    r.order = max((p[2] for p in r.proposed if p[1]), default=0)  # _chain's
     assert r.proposed == [(5, [3, 1, 2], 2)]  # after the earlier "1 2"
     r.tree_depth, r.to_head, r.ended, r.pending = None, None, [False], [[]]
     r.contexts[0].extend([3])  # a plain round: the model's token after the root
@@ -392,6 +393,7 @@ def test_a_rows_gain_counts_under_its_rounds_highest_order():
     r.chain = ChainLength(3)
     r.contexts = [Context([1, 2, 3, 9, 1, 2, 3]), Context([8, 7, 1, 8])]  # orders 3 and 1
     r.proposed = [(len(c.tokens), *c.match(3)[::-1]) for c in r.contexts]
+    r.order = max((p[2] for p in r.proposed if p[1]), default=0)  # _chain's
     assert [p[2] for p in r.proposed] == [3, 1]
     r.tree_depth, r.to_head, r.ended, r.pending = [0, 0], None, [False, False], [[], []]
     r.contexts[0].extend([4, 4, 4])  # row 0's copies were wrong, row 1's (7 1 8) right
@@ -409,12 +411,14 @@ def test_in_a_batch_only_the_lagging_rows_chain_is_scored():
     r.chain = ChainLength(3)
     r.contexts = [Context([1, 2, 3, 9, 1, 2, 3]), Context([8, 7, 1, 8])]
     r.proposed = [(len(c.tokens), *c.match(3)[::-1]) for c in r.contexts]
+    r.order = max((p[2] for p in r.proposed if p[1]), default=0)  # _chain's
     r.tree_depth, r.to_head, r.ended, r.pending = [0, 0], None, [False, False], [[], []]
     r.contexts[0].extend([9, 1, 2])  # row 0's copies right, row 1's wrong
     r.contexts[1].extend([4, 4, 4])
     r._score([[], []], [False, False], [12, 10])  # row 0 is 2 tokens ahead
     assert r.chain.scored == 1 and sum(map(sum, r.chain.gains)) == 0 and r.chain.highest[3] == 1
     r.proposed = [(len(c.tokens), *c.match(3)[::-1]) for c in r.contexts]
+    r.order = max((p[2] for p in r.proposed if p[1]), default=0)  # _chain's
     r.contexts[0].extend([5, 5, 5])
     r.contexts[1].extend(r.proposed[1][1])  # now row 1 is ahead, row 0 behind and wrong
     r._score([[], []], [False, False], [15, 16])
