@@ -79,12 +79,13 @@ class _Rounds:
         s, batch = self.s, self.batch
         b, width = batch.ids.shape
         eos_t = torch.tensor(list(s.eos_token_id), dtype=torch.int64, device=self.device)
-        ends = set(s.eos_token_id)
         finished = torch.zeros(b, dtype=torch.bool, device=self.device)
         last = self.first()  # [B], not yet in the cache
         length = [width] * b  # cache positions each row holds
         pending = [[t] for t in last.tolist()]  # made, not yet yielded
         produced = [1] * b
+        for r in range(b):
+            self._ended(r, list(pending[r]), produced, pending)
         yielded = 0
         while True:
             while all(pending):  # a whole column is ready
@@ -112,13 +113,17 @@ class _Rounds:
                 pending[r] += accepted[r]
                 produced[r] += len(accepted[r])
                 length[r] += len(accepted[r])
-                if ends.intersection(accepted[r]):  # ended: the rest is padding, made now
-                    # (else the row, copying nothing and drafting past its end, would hold
-                    # every column of the batch to about a token a round)
-                    pending[r] += [s.pad_token_id] * max(0, s.max_new_tokens - produced[r])
-                    produced[r] = max(produced[r], s.max_new_tokens)
+                self._ended(r, accepted[r], produced, pending)
             self.stats.update(rounds=1, row_rounds=len(active),
                               accepted=sum(len(accepted[r]) - 1 for r in active))
+
+    def _ended(self, r: int, new: list[int], produced: list[int], pending: list[list[int]]) -> None:
+        """Row ``r`` made ``new``: where they hold an end of sequence the rest of its output
+        is padding, queued now, and the row is done (else, copying nothing and drafting past
+        its end, it would hold every column of the batch to about a token a round)."""
+        if set(self.s.eos_token_id).intersection(new):
+            pending[r] += [self.s.pad_token_id] * max(0, self.s.max_new_tokens - produced[r])
+            produced[r] = max(produced[r], self.s.max_new_tokens)
 
     def first(self) -> Tensor:
         """Prefill the prompts; the first new token of every row ``[B]``."""

@@ -175,3 +175,10 @@ def test_a_row_past_its_end_does_not_hold_the_batch_to_a_token_a_round():
     pl.generate([ids[1]], **kw)
     alone = pl.stats["rounds"]
     assert alone < 25 and together <= alone + 1, (together, alone)  # the ended row is done (13 before)
+    # a row whose very first token (from the prompt's prefill) is its end
+    first = int(free[0, width])
+    assert first not in later
+    kw["eos_token_id"] = [first]
+    pl.stats.clear()
+    assert torch.equal(pl.generate(ids, **kw), plain.generate(ids, **kw))
+    assert pl.stats["rounds"] <= alone + 1
