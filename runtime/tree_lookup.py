@@ -54,15 +54,11 @@ class Context:
                 if i - n + 1 >= 0:
                     self.last[tuple(self.tokens[i - n + 1:i + 1])] = i
 
-    def propose(self, length: int) -> list[int]:
-        """``length`` tokens that followed the latest earlier occurrence of the text's
-        longest matching suffix (none: ``[]``). Where fewer follow it, the text since that
-        occurrence is a loop: the chain goes round it again."""
-        return self.match(length)[1]
-
     def match(self, length: int) -> tuple[int, list[int]]:
-        """``(n, chain)``: the chain ``propose`` gives, and the length ``n`` of the suffix
-        it matched (its order; ``(0, [])`` where nothing matched)."""
+        """``(n, chain)``: the ``length`` tokens that followed the latest earlier occurrence
+        of the text's longest matching suffix, and that suffix's length ``n`` (its order;
+        ``(0, [])`` where nothing matched). Where fewer follow it, the text since that
+        occurrence is a loop: the chain goes round it again."""
         for n in range(min(NGRAM, len(self.tokens)), 0, -1):
             i = self.last.get(tuple(self.tokens[-n:]))
             if i is not None:

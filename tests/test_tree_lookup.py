@@ -38,12 +38,12 @@ def test_the_index_finds_what_a_search_finds_as_text_grows():
         text = [rng.randrange(6) for _ in range(rng.randrange(1, 12))]
         c = Context(text)
         for _ in range(10):
-            assert c.propose(4) == brute(c.tokens, 4), c.tokens
+            assert c.match(4)[1] == brute(c.tokens, 4), c.tokens
             c.extend([rng.randrange(6) for _ in range(rng.randrange(1, 4))])
-    assert Context([1, 2, 3]).propose(4) == []  # nothing repeats
-    assert Context([7, 8, 9, 7, 8]).propose(4) == [9, 7, 8, 9]  # the longest suffix; the loop again
-    assert Context([9, 9, 9]).propose(4) == [9, 9, 9, 9]
-    assert Context([5, 1, 2, 6, 1, 2]).propose(2) == [6, 1]  # latest occurrence of "1 2"
+    assert Context([1, 2, 3]).match(4)[1] == []  # nothing repeats
+    assert Context([7, 8, 9, 7, 8]).match(4)[1] == [9, 7, 8, 9]  # the longest suffix; the loop again
+    assert Context([9, 9, 9]).match(4)[1] == [9, 9, 9, 9]
+    assert Context([5, 1, 2, 6, 1, 2]).match(2)[1] == [6, 1]  # latest occurrence of "1 2"
 
 
 def test_the_chain_hangs_below_the_root_in_depth_order():
