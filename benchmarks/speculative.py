@@ -28,7 +28,10 @@ with a chain of up to L tokens copied from the row's own text ("lookup: L",
 
 Prompt lookup (``--strategies lookup``: ``PromptLookup(tokens=L)``, L from ``--lookup`` or 4):
 drafts copied from the row's own text and nothing else, with the rounds choosing how many
-copies pay (``adapt``) and always the whole chain, against plain decode in the same run.
+copies pay (``adapt``), always the whole chain, and "guarded": as a user gets it, each
+generation running the rounds or plain steps, whichever were timed faster on this machine
+(``runtime/speed_guard.py``; every other engine here always runs its rounds), against plain
+decode in the same run.
 
 For each dtype: the verify cost curve (the decode program over S tokens against one, batch
 1 and the largest batch), then for each skip set — LayerSkip's evenly spread one
@@ -65,6 +68,8 @@ from rewriter.passes.layer_skip import kept_positions
 from rewriter.runtime.chat import chat_prompt
 from rewriter.tree import MAX_NODES, Tree, choose_tree, expected_tokens
 
+RUNS = 3  # timed runs of every prompt set, after a warm-up
+
 
 def code_prompts(tok, n: int, length: int) -> list[list[int]]:
     """``n`` consecutive chunks of ``length`` tokens from the first held-out files (the
@@ -96,7 +101,7 @@ def spread_code_prompts(tok, n: int, length: int) -> list[list[int]]:
     return out
 
 
-def timed(engine, batches, new: int, runs: int = 3, eos: bool = False):
+def timed(engine, batches, new: int, runs: int = RUNS, eos: bool = False):
     """(tokens of each batch, tokens/s, stats) over ``batches`` (lists of prompts, generated
     one after another; a run is all of them). With ``eos`` generation stops at the model's
     end of sequence, as a chat answer does (text after it is not what anyone decodes, and
@@ -104,7 +109,7 @@ def timed(engine, batches, new: int, runs: int = 3, eos: bool = False):
     return timed_together([(engine, contextlib.nullcontext)], batches, new, runs, eos)[0]
 
 
-def timed_together(variants, batches, new: int, runs: int = 3, eos: bool = False) -> list:
+def timed_together(variants, batches, new: int, runs: int = RUNS, eos: bool = False) -> list:
     """``timed`` for several ``(engine, setting)`` variants (``setting()``: a context in
     which the engine runs as that variant), their runs interleaved (A, B, A, B, ..) so
     that a drift of the machine's speed hits every variant alike; each run starts with
@@ -163,6 +168,14 @@ def eager_baseline(plain, prompts, new: int, eos: bool = False):
         return timed(plain, prompts, new, eos=eos)[1]
     finally:
         plain.static_decode = None
+
+
+def strategy_engine(model, **kw):
+    """``rewriter.optimize(model, **kw)`` whose generations always run the strategy's rounds:
+    its own speed, not the speed guard's plain fallback (``runtime/speed_guard.py``)."""
+    engine = rewriter.optimize(model, **kw)
+    engine.fallback = False
+    return engine
 
 
 def sync() -> None:
@@ -235,7 +248,7 @@ def main():
         calibrated = SelfSpeculative(calibrate=calib, budget=args.budget, max_draft=args.max_draft,
                                      threshold=0.0)
         try:
-            tuned = rewriter.optimize(model, passes=[calibrated], tokenizer=tok, backend=args.backend)
+            tuned = strategy_engine(model, passes=[calibrated], tokenizer=tok, backend=args.backend)
         except rewriter.RewriterError as e:
             tuned, note = None, str(e)
         else:
@@ -246,7 +259,7 @@ def main():
             sets["calibrated"] = dict(skip_attention=tuned.ir.info["decoding"]["skip_attention"],
                                       skip_mlp=tuned.ir.info["decoding"]["skip_mlp"])
         for name, skip in sets.items():
-            spec = rewriter.optimize(model, tokenizer=tok, backend=args.backend, passes=[
+            spec = strategy_engine(model, tokenizer=tok, backend=args.backend, passes=[
                 SelfSpeculative(**skip, max_draft=args.max_draft, threshold=0.0)])
             pred = predicted_speedup(plain.ir, calib, skip.get("skip_layers", []),
                                      skip.get("skip_attention", []), skip.get("skip_mlp", []),
@@ -283,7 +296,8 @@ def main():
     if lookup_rows:
         print(tabulate(lookup_rows, headers=["dtype", "PromptLookup", "batch", "prompts", "plain tok/s",
                                              "tok/s", "speed-up", "accepted length",
-                                             "copies verified/round", "same tokens"]))
+                                             "copies verified/round", "plain generations",
+                                             "same tokens"]))
         print()
     if rows:
         print(tabulate(rows, headers=["dtype", "skip set", "batch", "prompts", "plain tok/s",
@@ -315,7 +329,7 @@ def heads_rows(model, tok, plain, args, dtype, results, rows, arch):
         # rounds choose its length by them); each mode below sets the record's own lookup
         p = cls(weights=weights, draft_vocab=vocab, max_nodes=args.max_nodes, tree=given,
                 lookup=args.lookup)
-        med = rewriter.optimize(model, tokenizer=tok, passes=[p], backend=args.backend)
+        med = strategy_engine(model, tokenizer=tok, passes=[p], backend=args.backend)
         record = med.ir.info["decoding"]
         tree, adapt = record["tree"], record.get("adapt")
         for b in args.batch:
@@ -368,11 +382,14 @@ def prompt_lookup_rows(model, tok, plain, args, dtype, results, rows) -> None:
     """``PromptLookup`` choosing its chain's length and always verifying the whole chain,
     every batch and prompt set, against plain decode (interleaved runs)."""
     tokens = args.lookup or 4
-    engines = {f"tokens={tokens}": rewriter.optimize(model, tokenizer=tok, backend=args.backend,
-                                                     passes=[PromptLookup(tokens=tokens)]),
-               f"tokens={tokens}, adapt=False": rewriter.optimize(
+    engines = {f"tokens={tokens}": strategy_engine(model, tokenizer=tok, backend=args.backend,
+                                                   passes=[PromptLookup(tokens=tokens)]),
+               f"tokens={tokens}, adapt=False": strategy_engine(
                    model, tokenizer=tok, backend=args.backend,
-                   passes=[PromptLookup(tokens=tokens, adapt=False)])}
+                   passes=[PromptLookup(tokens=tokens, adapt=False)]),
+               # what a user gets by default: rounds or plain steps, whichever were timed faster
+               f"tokens={tokens}, guarded": rewriter.optimize(
+                   model, tokenizer=tok, backend=args.backend, passes=[PromptLookup(tokens=tokens)])}
     for b in args.batch:
         for kind, prompts in prompt_sets(plain, tok, b, args.samples).items():
             variants = [(plain, contextlib.nullcontext)] + [(e, contextlib.nullcontext)
@@ -386,11 +403,15 @@ def prompt_lookup_rows(model, tok, plain, args, dtype, results, rows) -> None:
                        "speedup": rate / base_rate,
                        "accepted_length": 1 + st.get("accepted", 0) / rounds if rounds else 1.0,
                        "copied_per_round": st.get("copied", 0) / st["rounds"] if st.get("rounds") else 0.0,
-                       "same_tokens": same(out, ref), "samples": len(prompts)}
+                       "same_tokens": same(out, ref), "samples": len(prompts),
+                       # timed generations that ran plain steps (the guard's, or the chain's rest)
+                       "plain_generations": st.get("plain_generations", 0),
+                       "generations": RUNS * len(prompts)}
                 results["runs"].append(run)
                 rows.append([dtype, name, b, kind, f"{base_rate:.1f}", f"{rate:.1f}",
                              f"{rate / base_rate:.2f}x", f"{run['accepted_length']:.2f}",
-                             f"{run['copied_per_round']:.1f}", run["same_tokens"]])
+                             f"{run['copied_per_round']:.1f}",
+                             f"{run['plain_generations']}/{run['generations']}", run["same_tokens"]])
 
 
 @contextlib.contextmanager

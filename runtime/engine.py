@@ -34,6 +34,7 @@ from .programs import build_programs
 from .replay import Replays
 from .settings import PREFILL_CHUNK, GenerationSettings, is_int, token_ids
 from .speculative import speculative_loop
+from .speed_guard import PLAIN, ROUNDS, SpeedGuard
 from .tree_decoding import tree_loop
 
 Prompts = Union[Tensor, Sequence[Sequence[int]]]
@@ -59,6 +60,11 @@ class Engine:
         # The draft-head tree each (batch size, decoding strategy) verifies, learnt from the
         # text decoded so far (``runtime.tree_adapt``); clear it to start from the pass's.
         self.trees: dict = {}
+        # Whether a speculative strategy's generations fall back to plain decode steps at a
+        # batch size where those run faster on this machine, timed (``runtime.speed_guard``);
+        # the timings, by (batch size, strategy), in ``guards``.
+        self.fallback = True
+        self.guards: dict = {}
         # Stored kernel sources (kernel name -> source) to run as they are; set by
         # ``rewriter.load(..., trust_code=True)`` only.
         self.trusted_kernels: dict[str, str] = {}
@@ -186,21 +192,38 @@ class Engine:
         cuda = device.type == "cuda"
         static = self.static_decode if self.static_decode is not None else cuda
         replay = dict(static=static, cuda_graph=static and cuda, replays=self.replays)
+        if strategy.name == "plain":
+            return batch, decode_loop(programs["prefill"], programs["decode"], cache, batch,
+                                      settings, generator, self.stats, **replay)
+        b = batch.ids.shape[0]
+        guard = self.guards.setdefault((b, strategy), SpeedGuard())
+        arm = guard.choose(settings.max_new_tokens) if self.fallback else ROUNDS
+        steps = self._rounds(programs, cache, batch, settings, generator, strategy, replay) \
+            if arm == ROUNDS else None
+        if steps is None:  # the guard's choice, or the strategy's own (no rounds pay here)
+            arm = PLAIN
+            self.stats.update(plain_generations=1)
+            steps = decode_loop(programs["prefill"], programs["decode"], cache, batch, settings,
+                                generator, self.stats, **replay)
+        return batch, guard.timed(steps, arm, device)
+
+    def _rounds(self, programs, cache, batch, settings, generator, strategy,
+                replay: dict) -> Optional[Iterator[Tensor]]:
+        """The strategy's rounds, or None where it decodes plainly at this batch size."""
         if strategy.name == "self_speculative":
-            return batch, speculative_loop(programs, cache, batch, settings, generator,
-                                           self.stats, strategy, **replay)
+            return speculative_loop(programs, cache, batch, settings, generator, self.stats,
+                                    strategy, **replay)
         b = batch.ids.shape[0]  # rounds of a copied chain alone need the costs to choose it
         learnt = self.trees.get((b, strategy))  # runtime.tree_adapt: counts of earlier generations
         chains_only = not strategy.tree_at(b)
         if chains_only and learnt is not None and learnt.chain is not None and learnt.chain.rests():
-            pass  # the chain chose no copies at this batch size: plain steps are cheaper
-        elif strategy.name == "lookup" or strategy.name == "medusa" and (not chains_only or (
+            return None  # the chain chose no copies at this batch size: plain steps are cheaper
+        if strategy.name == "lookup" or strategy.name == "medusa" and (not chains_only or (
                 strategy.lookup and strategy.costs_at(b) is not None)):
             vocab = self.ir.weight("medusa.vocab") if strategy.draft_vocab is not None else None
-            return batch, tree_loop(programs, cache, batch, settings, generator, self.stats,
-                                    strategy, vocab, self.trees, **replay)
-        return batch, decode_loop(programs["prefill"], programs["decode"], cache, batch, settings,
-                                  generator, self.stats, **replay)
+            return tree_loop(programs, cache, batch, settings, generator, self.stats,
+                             strategy, vocab, self.trees, **replay)
+        return None
 
     def __call__(self, input_ids: Tensor, positions: Optional[Tensor] = None) -> Tensor:
         """Logits ``[B, S, vocab]`` of the whole IR, no cache (the reference semantics)."""

@@ -286,6 +286,7 @@ def test_a_chain_that_costs_more_than_it_adds_is_dropped(tmp_path, monkeypatch):
     """Each verified token costs 10 steps: no chain can pay. The first rounds verify the
     whole chain; once scored, none; the next generation starts with none."""
     model, p, med = chains_pass(tmp_path, monkeypatch, slope=10.0)
+    med.fallback = False  # the chain's own rests, not the timed guard's (test_speed_guard)
     plain = rewriter.optimize(model)
     ids = repeating(plain, RAGGED)
     kw = dict(max_new_tokens=32, eos_token_id=[])

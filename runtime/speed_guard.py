@@ -1,0 +1,119 @@
+"""A strategy's rounds or plain decode steps: whichever this machine runs faster, timed.
+
+A speculative strategy chooses its drafts from a cost model: what verifying ``n`` tokens
+costs in plain decode steps, measured when the pass ran. The loop's own work between the
+model's calls (matching chains, accepting paths, counting) is not in it, nor is the load
+the machine carries now, nor a batch whose rows lag one another. Where those decide, the
+rounds run slower than plain decoding though the model predicted them faster: PromptLookup
+on the default model at batch 4 predicted 1.25x and ran at 0.87x on a 2-core CPU.
+
+So the engine times its generations at each batch size and strategy (``SpeedGuard``, kept
+in ``Engine.guards``): seconds per new token, counted only inside the token iterator and
+from its second token on (the first is the prompt's step, whatever decodes after it). Each
+generation runs the arm whose recent generations were faster (the median of the last
+``KEEP``; the rounds until plain steps are timed), and the other is tried after ``wait``
+generations (first after ``WAIT``: the first generations run the rounds, as without a
+guard), so that a change of text or of load is seen. A try that changes nothing doubles
+the wait (up to ``MAX_WAIT``: trying the slower arm costs its difference for one
+generation); a change of the choice (by a try, or by the faster arm's own generations
+slowing down) resets it. An arm's first timed generation
+carries one-off work (kernels compiled, CUDA graphs captured, tree layouts built): it is
+dropped once the arm has a second. Generations too short to time (fewer than
+``MIN_TOKENS`` tokens past the first) run the faster arm and are not counted.
+
+Greedy output is plain decoding's either way; sampled output follows the same
+distribution (not the same draws under one seed: a guarded engine's sampled text under a
+seed depends on which ran). ``Engine.fallback = False`` always runs the rounds.
+
+On a GPU a generation is timed until its work has finished (one synchronisation at its
+end); work queued inside the iterator and run while the caller holds a token is counted
+only where a loop waits for it (every loop does, for the end of sequence, unless
+generation runs with no end-of-sequence ids).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Iterator, Optional
+
+import torch
+from torch import Tensor
+
+ROUNDS, PLAIN = "rounds", "plain"
+
+
+class SpeedGuard:
+    KEEP = 5  # recent generations an arm's speed is the median of
+    MIN_TOKENS = 8  # shorter generations are not timed
+    WAIT = 4  # generations before the slower arm is tried again, at first
+    MAX_WAIT = 64
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock
+        self.times: dict[str, list[float]] = {ROUNDS: [], PLAIN: []}  # seconds a token
+        self.warm = {ROUNDS: False, PLAIN: False}  # whether the arm's first one was dropped
+        self.wait = self.WAIT
+        self.since = 0  # generations on the faster arm since the other was tried
+        self.best = ROUNDS  # the faster arm when the last timed generation was chosen
+        self.tried = False  # whether that one tried the other arm
+
+    def speed(self, arm: str) -> Optional[float]:
+        """Seconds a token of ``arm``'s recent generations (their median); None: untimed."""
+        return statistics.median(self.times[arm]) if self.times[arm] else None
+
+    def faster(self) -> str:
+        """The arm whose recent generations were faster (the rounds until plain is timed)."""
+        rounds, plain = self.speed(ROUNDS), self.speed(PLAIN)
+        return PLAIN if plain is not None and (rounds is None or plain < rounds) else ROUNDS
+
+    def choose(self, max_new_tokens: int) -> str:
+        """The arm the next generation runs, of at most ``max_new_tokens`` tokens."""
+        best = self.faster()
+        if max_new_tokens - 1 < self.MIN_TOKENS:  # too short to time: no try is spent on it
+            return best
+        if best != self.best:  # a try, or the faster arm's own generations, changed it
+            self.wait, self.since = self.WAIT, 0
+        elif self.tried:
+            self.wait = min(2 * self.wait, self.MAX_WAIT)
+        self.best, self.tried = best, False
+        self.since += 1
+        if self.since > self.wait:
+            self.since, self.tried = 0, True
+            return PLAIN if best == ROUNDS else ROUNDS
+        return best
+
+    def record(self, arm: str, seconds: float, tokens: int) -> None:
+        """A generation of ``arm`` made ``tokens`` tokens (past its first) in ``seconds``."""
+        if tokens < self.MIN_TOKENS:
+            return
+        kept = self.times[arm]
+        if len(kept) == 1 and not self.warm[arm]:  # the first carried one-off work
+            kept.pop()
+            self.warm[arm] = True
+        kept.append(seconds / tokens)
+        del kept[:-self.KEEP]
+
+    def timed(self, steps: Iterator[Tensor], arm: str, device: torch.device) -> Iterator[Tensor]:
+        """``steps``, yielded as they are, with the time spent making them from the second
+        on recorded for ``arm`` when they end (or the caller drops them)."""
+        spent, made = 0.0, 0
+        try:
+            first = next(steps, None)
+            if first is None:
+                return
+            yield first
+            while True:
+                start = self.clock()
+                token = next(steps, None)
+                if token is None:
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    spent += self.clock() - start
+                    return
+                spent += self.clock() - start
+                made += 1
+                yield token
+        finally:
+            if hasattr(steps, "close"):  # a dropped stream: its loop's cache is released now
+                steps.close()
+            self.record(arm, spent, made)
