@@ -95,8 +95,8 @@ class SpeedGuard:
 
     def timed(self, steps: Iterator[Tensor], arm: str, device: torch.device) -> Iterator[Tensor]:
         """``steps``, yielded as they are, with the time spent making them from the second
-        on recorded for ``arm`` when they end (or the caller drops them)."""
-        spent, made = 0.0, 0
+        on recorded for ``arm`` when they end (or the caller drops them; not when they fail)."""
+        spent, made, failed = 0.0, 0, False
         try:
             first = next(steps, None)
             if first is None:
@@ -113,7 +113,13 @@ class SpeedGuard:
                 spent += self.clock() - start
                 made += 1
                 yield token
+        except GeneratorExit:  # dropped by the caller: what it made was timed
+            raise
+        except BaseException:
+            failed = True
+            raise
         finally:
             if hasattr(steps, "close"):  # a dropped stream: its loop's cache is released now
                 steps.close()
-            self.record(arm, spent, made)
+            if not failed:
+                self.record(arm, spent, made)

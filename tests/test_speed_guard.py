@@ -104,6 +104,16 @@ def test_timed_counts_the_time_inside_the_iterator_from_its_second_token():
     stream.close()
     assert guard.times[PLAIN] == [1.0] and len(closed) == 2
 
+    def failing():
+        for i in range(12):
+            clock.now += 3.0
+            yield torch.tensor([i])
+        raise RuntimeError("the loop failed")
+
+    with pytest.raises(RuntimeError, match="failed"):
+        list(guard.timed(failing(), PLAIN, torch.device("cpu")))
+    assert guard.times[PLAIN] == [1.0]  # a failed generation is not timed
+
 
 def work_clock(engine):
     """A clock that reads the work an engine has done: a model call costs 1 plus 0.25 a
