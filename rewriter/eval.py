@@ -171,12 +171,12 @@ def cost(engine, prompt, new_tokens: int, runs: int = 3) -> dict:
     counters), KV-cache bytes per token, and wall milliseconds per token at batch 1: the
     median of ``runs`` timed generations after a warm-up, and their min and max."""
     prompt = prompt[:1] if isinstance(prompt, torch.Tensor) else [list(prompt[0])]
-    engine.generate(prompt, max_new_tokens=4, eos_token_id=[])  # warm-up
-    engine.stats.clear()
     times = []
     # the pipeline's own decoding, never the speed guard's plain fallback (runtime.speed_guard)
-    kept, engine.fallback = getattr(engine, "fallback", None), False
+    kept, engine.fallback = engine.fallback, False
     try:
+        engine.generate(prompt, max_new_tokens=4, eos_token_id=[])  # warm-up
+        engine.stats.clear()
         for _ in range(runs):
             start = time.perf_counter()
             engine.generate(prompt, max_new_tokens=new_tokens, eos_token_id=[])

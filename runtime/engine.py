@@ -63,7 +63,7 @@ class Engine:
         # Whether a speculative strategy's generations fall back to plain decode steps at a
         # batch size where those run faster on this machine, timed (``runtime.speed_guard``);
         # the timings, by (batch size, strategy), in ``guards``.
-        self.fallback = True
+        self._fallback = True
         self.guards: dict = {}
         # Stored kernel sources (kernel name -> source) to run as they are; set by
         # ``rewriter.load(..., trust_code=True)`` only.
@@ -88,6 +88,18 @@ class Engine:
     @tokenizer.setter
     def tokenizer(self, tokenizer) -> None:
         self._tokenizer, self.text = split_tokenizer(tokenizer)
+
+    @property
+    def fallback(self) -> bool:
+        """Whether a speculative strategy's generations may run plain decode steps where
+        those were timed faster at their batch size (``runtime.speed_guard``)."""
+        return self._fallback
+
+    @fallback.setter
+    def fallback(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise ValueError(f"fallback must be True or False, got {value!r}")
+        self._fallback = value
 
     @property
     def config(self) -> dict:

@@ -15,20 +15,25 @@ generation runs the arm whose recent generations were faster (the median of the 
 generations (first after ``WAIT``: the first generations run the rounds, as without a
 guard), so that a change of text or of load is seen. A try that changes nothing doubles
 the wait (up to ``MAX_WAIT``: trying the slower arm costs its difference for one
-generation); a change of the choice (by a try, or by the faster arm's own generations
-slowing down) resets it. An arm's first timed generation
+generation); a try faster than the chosen arm's median, or a change of the choice (by a
+try, or by the faster arm's own generations slowing down), starts it over. A try whose
+generation was not timed (it ended early, failed or was dropped) is made again at the
+next generation, ``RETRIES`` times at most. An arm's first timed generation
 carries one-off work (kernels compiled, CUDA graphs captured, tree layouts built): it is
 dropped once the arm has a second. Generations too short to time (fewer than
 ``MIN_TOKENS`` tokens past the first) run the faster arm and are not counted.
 
-Greedy output is plain decoding's either way; sampled output follows the same
-distribution (not the same draws under one seed: a guarded engine's sampled text under a
-seed depends on which ran). ``Engine.fallback = False`` always runs the rounds.
+Greedy output is plain decoding's either way (bit for bit in float32; in bfloat16 the
+rounds' multi-token steps round differently, as they do without a guard); sampled output
+follows the same distribution, but not the same draws under one seed: which arm ran
+decides them. ``Engine.fallback = False`` always runs the rounds.
 
-On a GPU a generation is timed until its work has finished (one synchronisation at its
-end); work queued inside the iterator and run while the caller holds a token is counted
-only where a loop waits for it (every loop does, for the end of sequence, unless
-generation runs with no end-of-sequence ids).
+On a GPU the timing starts once the prompt's step has finished (a synchronisation after
+the first token) and ends once the last token's work has (one at the end); a stream the
+caller drops is not recorded there (its queued work was never waited for). Work queued
+inside the iterator and run while the caller holds a token is counted only where a loop
+waits for it (every loop does, for the end of sequence, unless generation runs with no
+end-of-sequence ids).
 """
 from __future__ import annotations
 
@@ -47,6 +52,7 @@ class SpeedGuard:
     MIN_TOKENS = 8  # shorter generations are not timed
     WAIT = 4  # generations before the slower arm is tried again, at first
     MAX_WAIT = 64
+    RETRIES = 3  # a try whose generation was not timed is made again, this many times at most
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter):
         self.clock = clock
@@ -54,8 +60,10 @@ class SpeedGuard:
         self.warm = {ROUNDS: False, PLAIN: False}  # whether the arm's first one was dropped
         self.wait = self.WAIT
         self.since = 0  # generations on the faster arm since the other was tried
-        self.best = ROUNDS  # the faster arm when the last timed generation was chosen
-        self.tried = False  # whether that one tried the other arm
+        self.best = ROUNDS  # the faster arm when the last timed-length generation was chosen
+        # while the other arm is tried: (that arm, its generations timed before, retries left)
+        self.trying: Optional[tuple] = None
+        self.recorded = {ROUNDS: 0, PLAIN: 0}  # generations timed, by arm
 
     def speed(self, arm: str) -> Optional[float]:
         """Seconds a token of ``arm``'s recent generations (their median); None: untimed."""
@@ -71,15 +79,26 @@ class SpeedGuard:
         best = self.faster()
         if max_new_tokens - 1 < self.MIN_TOKENS:  # too short to time: no try is spent on it
             return best
-        if best != self.best:  # a try, or the faster arm's own generations, changed it
+        if self.trying is not None:  # the last timed-length generation tried the other arm
+            arm, seen, left = self.trying
+            if self.recorded[arm] == seen and left > 0:  # not timed (ended short, failed,
+                self.trying = (arm, seen, left - 1)  # dropped): the try is made again
+                return arm
+            self.trying = None
+            now = self.speed(self.best)
+            promising = self.recorded[arm] > seen and (now is None or self.times[arm][-1] < now)
+            if best != self.best or promising:  # changed, or may soon: look again soon
+                self.wait, self.since = self.WAIT, 0
+            else:
+                self.wait = min(2 * self.wait, self.MAX_WAIT)
+        elif best != self.best:  # the faster arm's own generations slowed down past the other
             self.wait, self.since = self.WAIT, 0
-        elif self.tried:
-            self.wait = min(2 * self.wait, self.MAX_WAIT)
-        self.best, self.tried = best, False
+        self.best = best
         self.since += 1
         if self.since > self.wait:
-            self.since, self.tried = 0, True
-            return PLAIN if best == ROUNDS else ROUNDS
+            other = PLAIN if best == ROUNDS else ROUNDS
+            self.since, self.trying = 0, (other, self.recorded[other], self.RETRIES)
+            return other
         return best
 
     def record(self, arm: str, seconds: float, tokens: int) -> None:
@@ -92,6 +111,7 @@ class SpeedGuard:
             self.warm[arm] = True
         kept.append(seconds / tokens)
         del kept[:-self.KEEP]
+        self.recorded[arm] += 1
 
     def timed(self, steps: Iterator[Tensor], arm: str, device: torch.device) -> Iterator[Tensor]:
         """``steps``, yielded as they are, with the time spent making them from the second
@@ -102,6 +122,8 @@ class SpeedGuard:
             if first is None:
                 return
             yield first
+            if device.type == "cuda":  # the prompt's step is not the first token's
+                torch.cuda.synchronize(device)
             while True:
                 start = self.clock()
                 token = next(steps, None)
@@ -113,7 +135,8 @@ class SpeedGuard:
                 spent += self.clock() - start
                 made += 1
                 yield token
-        except GeneratorExit:  # dropped by the caller: what it made was timed
+        except GeneratorExit:  # dropped by the caller: what it made was timed (on a GPU
+            failed = device.type == "cuda"  # its queued work was never waited for: not kept)
             raise
         except BaseException:
             failed = True

@@ -41,13 +41,33 @@ def test_tries_are_spaced_out_while_they_confirm_and_reset_when_they_do_not():
     tries = [i for i, a in enumerate(arms) if a == PLAIN]
     gaps = [b - a - 1 for a, b in zip(tries, tries[1:])]
     assert gaps[:5] == [8, 16, 32, 64, 64] and set(gaps[4:]) == {SpeedGuard.MAX_WAIT}
-    # the machine changes: plain steps are now the faster; the next try finds it out
     # the machine changes: the rounds slow down past plain's last timings; once their median
     # has, plain steps run, and the rounds are tried again soon (the wait starts over)
     arms = run(guard, {ROUNDS: 3.0, PLAIN: 2.0}, 40)
     switch = arms.index(PLAIN)
     assert switch <= SpeedGuard.KEEP // 2 + 1 and arms[-1] == PLAIN
     assert ROUNDS in arms[switch:switch + SpeedGuard.WAIT + 2]
+
+
+def test_a_try_faster_than_the_chosen_arm_brings_the_next_try_soon():
+    guard = SpeedGuard()
+    run(guard, {ROUNDS: 1.0, PLAIN: 2.0}, 400)  # the wait is at its longest
+    assert guard.wait == SpeedGuard.MAX_WAIT
+    arms = run(guard, {ROUNDS: 1.0, PLAIN: 0.5}, 200)  # now plain steps are twice as fast
+    # one try at the longest wait, then tries every WAIT + 1 until plain's median flips
+    assert PLAIN in arms[:SpeedGuard.MAX_WAIT + 3 * (SpeedGuard.WAIT + 1) + 1]
+    assert set(arms[SpeedGuard.MAX_WAIT + 3 * (SpeedGuard.WAIT + 1) + 1:][:SpeedGuard.WAIT]) == {PLAIN}
+
+
+def test_a_try_that_was_not_timed_is_made_again():
+    guard = SpeedGuard()
+    w, r = SpeedGuard.WAIT, SpeedGuard.RETRIES
+    arms = []
+    for _ in range(w + r + 3):  # plain generations end (at an end of sequence) too soon to time
+        arm = guard.choose(LONG)
+        arms.append(arm)
+        guard.record(arm, 1.0 * (LONG - 1) if arm == ROUNDS else 0.1, LONG - 1 if arm == ROUNDS else 3)
+    assert arms == [ROUNDS] * w + [PLAIN] * (1 + r) + [ROUNDS] * 2  # then the wait goes on
 
 
 def test_an_arms_first_generation_is_dropped_once_it_has_a_second():
@@ -58,6 +78,8 @@ def test_an_arms_first_generation_is_dropped_once_it_has_a_second():
     assert guard.speed(ROUNDS) == 1.0
     guard.record(ROUNDS, 30.0, 10)
     assert guard.speed(ROUNDS) == 2.0  # the median of 1 and 3: the warm-up is gone for good
+    guard.record(ROUNDS, 100.0, 10)
+    assert guard.speed(ROUNDS) == 3.0  # the median of 1, 3 and 10, not their mean
     for _ in range(2 * SpeedGuard.KEEP):
         guard.record(ROUNDS, 50.0, 10)
     assert guard.times[ROUNDS] == [5.0] * SpeedGuard.KEEP
@@ -97,12 +119,14 @@ def test_timed_counts_the_time_inside_the_iterator_from_its_second_token():
         clock.now += 5.0  # the caller's own time is not the loop's
         out.append(int(token))
     assert out == list(range(12)) and guard.times[ROUNDS] == [1.0] and closed
-    # a stream dropped part way: what it made is timed, and the loop is closed (its cache freed)
-    stream = guard.timed(steps(), PLAIN, torch.device("cpu"))
+    # a stream dropped part way: what it made is timed, and the loop is closed (its cache
+    # freed) then, though the caller still holds it
+    inner = steps()
+    stream = guard.timed(inner, PLAIN, torch.device("cpu"))
     for _ in range(SpeedGuard.MIN_TOKENS + 1):
         next(stream)
     stream.close()
-    assert guard.times[PLAIN] == [1.0] and len(closed) == 2
+    assert guard.times[PLAIN] == [1.0] and len(closed) == 2 and inner.gi_frame is None
 
     def failing():
         for i in range(12):
@@ -167,3 +191,26 @@ def test_plain_decoding_has_no_guard(fallback):
     plain.fallback = fallback
     plain.generate([[1, 2, 3]], max_new_tokens=LONG)
     assert plain.guards == {} and "plain_generations" not in plain.stats
+
+
+def test_a_strategy_resting_is_timed_as_plain_steps_and_each_batch_size_has_its_guard(monkeypatch):
+    model = make_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)
+    pl = rewriter.optimize(model, passes=[PromptLookup(tokens=4, adapt=False)])
+    strategy = rewriter.decoding.strategy_of(pl.ir.info)
+    kw = dict(max_new_tokens=LONG, eos_token_id=[])
+    pl.generate([[5, 9, 2] * 4], **kw)
+    pl.generate([[5, 9, 2] * 4, [7, 3] * 6], **kw)
+    assert set(pl.guards) == {(1, strategy), (2, strategy)}
+    assert pl.guards[(2, strategy)].recorded == {ROUNDS: 1, PLAIN: 0}
+    monkeypatch.setattr(pl, "_rounds", lambda *a, **k: None)  # e.g. a chain that rests
+    pl.generate([[5, 9, 2] * 4], **kw)
+    assert pl.guards[(1, strategy)].recorded == {ROUNDS: 1, PLAIN: 1}
+    assert pl.stats["plain_generations"] == 1
+
+
+@pytest.mark.parametrize("value", ["false", 0, None, 1.0])
+def test_fallback_is_true_or_false(value):
+    engine = rewriter.optimize(make_model("llama-gqa-3l"))
+    with pytest.raises(ValueError, match="fallback must be True or False"):
+        engine.fallback = value
+    assert engine.fallback is True
