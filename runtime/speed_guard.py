@@ -17,8 +17,8 @@ guard), so that a change of text or of load is seen. A try that changes nothing 
 the wait (up to ``MAX_WAIT``: trying the slower arm costs its difference for one
 generation); a try faster than the chosen arm's median, or a change of the choice (by a
 try, or by the faster arm's own generations slowing down), starts it over. A try whose
-generation was not timed (it ended early, failed or was dropped) is made again at the
-next generation, ``RETRIES`` times at most. An arm's first timed generation
+generation was not timed (it ended early or was dropped) is made again at the next
+generation, ``RETRIES`` times at most (not one whose generation failed). An arm's first timed generation
 carries one-off work (kernels compiled, CUDA graphs captured, tree layouts built): it is
 dropped once the arm has a second. Generations too short to time (fewer than
 ``MIN_TOKENS`` tokens past the first) run the faster arm and are not counted.
@@ -89,7 +89,7 @@ class SpeedGuard:
             promising = self.recorded[arm] > seen and (now is None or self.times[arm][-1] < now)
             if best != self.best or promising:  # changed, or may soon: look again soon
                 self.wait, self.since = self.WAIT, 0
-            else:
+            elif self.recorded[arm] > seen:  # a try that confirmed the choice
                 self.wait = min(2 * self.wait, self.MAX_WAIT)
         elif best != self.best:  # the faster arm's own generations slowed down past the other
             self.wait, self.since = self.WAIT, 0
@@ -112,6 +112,11 @@ class SpeedGuard:
         kept.append(seconds / tokens)
         del kept[:-self.KEEP]
         self.recorded[arm] += 1
+
+    def failed(self, arm: str) -> None:
+        """A generation of ``arm`` failed: a try of it is not made again."""
+        if self.trying is not None and self.trying[0] == arm:
+            self.trying = (arm, self.trying[1], 0)
 
     def timed(self, steps: Iterator[Tensor], arm: str, device: torch.device) -> Iterator[Tensor]:
         """``steps``, yielded as they are, with the time spent making them from the second
@@ -140,6 +145,7 @@ class SpeedGuard:
             raise
         except BaseException:
             failed = True
+            self.failed(arm)
             raise
         finally:
             if hasattr(steps, "close"):  # a dropped stream: its loop's cache is released now

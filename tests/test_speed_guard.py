@@ -68,6 +68,12 @@ def test_a_try_that_was_not_timed_is_made_again():
         arms.append(arm)
         guard.record(arm, 1.0 * (LONG - 1) if arm == ROUNDS else 0.1, LONG - 1 if arm == ROUNDS else 3)
     assert arms == [ROUNDS] * w + [PLAIN] * (1 + r) + [ROUNDS] * 2  # then the wait goes on
+    assert guard.wait == w  # unconfirmed: not doubled
+    # a try whose generation failed is not made again
+    guard = SpeedGuard()
+    arms = [guard.choose(LONG) for _ in range(w + 1)]
+    guard.failed(arms[-1])
+    assert arms[-1] == PLAIN and guard.choose(LONG) == ROUNDS
 
 
 def test_an_arms_first_generation_is_dropped_once_it_has_a_second():
@@ -134,9 +140,11 @@ def test_timed_counts_the_time_inside_the_iterator_from_its_second_token():
             yield torch.tensor([i])
         raise RuntimeError("the loop failed")
 
+    guard.trying = (PLAIN, 1, SpeedGuard.RETRIES)
     with pytest.raises(RuntimeError, match="failed"):
         list(guard.timed(failing(), PLAIN, torch.device("cpu")))
-    assert guard.times[PLAIN] == [1.0]  # a failed generation is not timed
+    assert guard.times[PLAIN] == [1.0]  # a failed generation is not timed, nor tried again
+    assert guard.trying == (PLAIN, 1, 0)
 
 
 def work_clock(engine):
