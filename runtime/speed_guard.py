@@ -81,8 +81,8 @@ class SpeedGuard:
             return best
         if self.trying is not None:  # the last timed-length generation tried the other arm
             arm, seen, left = self.trying
-            if self.recorded[arm] == seen and left > 0:  # not timed (ended short, failed,
-                self.trying = (arm, seen, left - 1)  # dropped): the try is made again
+            if self.recorded[arm] == seen and left > 0:  # not timed (it ended short or was
+                self.trying = (arm, seen, left - 1)  # dropped; ``failed``): made again
                 return arm
             self.trying = None
             now = self.speed(self.best)
