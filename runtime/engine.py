@@ -204,9 +204,11 @@ class Engine:
         cuda = device.type == "cuda"
         static = self.static_decode if self.static_decode is not None else cuda
         replay = dict(static=static, cuda_graph=static and cuda, replays=self.replays)
+        def plain() -> Iterator[Tensor]:
+            return decode_loop(programs["prefill"], programs["decode"], cache, batch, settings,
+                               generator, self.stats, **replay)
         if strategy.name == "plain":
-            return batch, decode_loop(programs["prefill"], programs["decode"], cache, batch,
-                                      settings, generator, self.stats, **replay)
+            return batch, plain()
         b = batch.ids.shape[0]
         guard = self.guards.setdefault((b, strategy), SpeedGuard())
         arm = guard.choose(settings.max_new_tokens) if self.fallback else ROUNDS
@@ -215,8 +217,7 @@ class Engine:
         if steps is None:  # the guard's choice, or the strategy's own (no rounds pay here)
             arm = PLAIN
             self.stats.update(plain_generations=1)
-            steps = decode_loop(programs["prefill"], programs["decode"], cache, batch, settings,
-                                generator, self.stats, **replay)
+            steps = plain()
         return batch, guard.timed(steps, arm, device)
 
     def _rounds(self, programs, cache, batch, settings, generator, strategy,
