@@ -18,7 +18,7 @@ mkdir -p .gpu/w .gpu/p .git/info
 python3 -m pip download -q --no-deps --disable-pip-version-check -d .gpu/w gguf pydot accelerate tabulate
 gguf=$(python3 -c "from rewriter.gguf import smollm2_file; print(smollm2_file())")
 rm -f .gpu/p/part_*
-split -b 20M "$gguf" .gpu/p/part_
+split -n "${PARTS:-2}" "$gguf" .gpu/p/part_
 (cd "$(dirname "$gguf")" && sha256sum "$(basename "$gguf")") | awk '{print $1}' > .gpu/p/SHA256
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
 du -sh .gpu/w .gpu/p

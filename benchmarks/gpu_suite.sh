@@ -66,12 +66,11 @@ smollm2() {  # the GGUF file: the argument, or the parts held in /tmp/gpu_parts
         --new 128 --repeat 3 --json "$out/decode.json" ;;
     smollm2)
       gguf=$(smollm2 "${2:-}") || exit 1
-      timeout 200 python3 benchmarks/decode.py --device cuda --model "$gguf" --dtype bfloat16 \
-        --batch 1 --prompt 128 --new 128 --repeat 3 --json "$out/decode_smollm2.json"
-      for s in medusa hydra self; do  # one process each: a failure costs one strategy; the
-        # torch backend, whose rounds replay CUDA graphs (the Triton backend's capture fails)
-        timeout 110 python3 benchmarks/speculative.py --device cuda --backend torch --model "$gguf" \
-          --heads smollm2 --strategies $s --dtype bfloat16 --batch 1 4 --json "$out/spec_$s.json"
+      for s in medusa hydra lookup self; do  # one process each: a failure costs one strategy;
+        # the torch backend, whose rounds replay CUDA graphs (the Triton backend's capture fails)
+        timeout 135 python3 benchmarks/speculative.py --device cuda --backend torch --model "$gguf" \
+          --heads smollm2 --strategies $s --dtype bfloat16 --batch ${BATCHES:-1} \
+          --samples ${SAMPLES:-3} --json "$out/spec_$s.json"
       done ;;
     sparse)
       gguf=$(smollm2 "${2:-}") || exit 1
