@@ -285,7 +285,7 @@ def main():
                            "calibration_note": note, "guarded_tok_s": guarded_rate,
                            "guarded_speedup": guarded_rate / base_rate,
                            "guarded_plain_generations": fell_back}
-                    record(results, run, args.json)
+                    keep_row(results, run, args.json)
                     rows.append([dtype, name, b, kind, f"{base_rate:.1f}",
                                  f"{eager:.1f}" if eager else "-", f"{rate:.1f}",
                                  f"{rate / base_rate:.2f}x", f"{run['accepted_per_round']:.2f}",
@@ -375,7 +375,7 @@ def heads_rows(model, tok, plain, args, dtype, results, rows, arch):
                            if st.get("row_rounds") else 1.0,  # plain decoding has no rounds
                            "forward_per_token": st["forward_passes"] / max(st["tokens"], 1),
                            "same_tokens": same(out, ref), "samples": len(prompts)}
-                    record(results, run, args.json)
+                    keep_row(results, run, args.json)
                     predicted = expected_tokens(Tree(tuple(map(tuple, sub))), trained.accuracy)
                     rows.append([dtype, arch, vocab or "full",
                                  f"{n} of {whole}" + (f", adaptive: {verified:.1f}" if adaptive else "")
@@ -417,7 +417,7 @@ def prompt_lookup_rows(model, tok, plain, args, dtype, results, rows) -> None:
                        # timed generations that ran plain steps (the guard's, or the chain's rest)
                        "plain_generations": st.get("plain_generations", 0),
                        "generations": RUNS * len(prompts)}
-                record(results, run, args.json)
+                keep_row(results, run, args.json)
                 rows.append([dtype, name, b, kind, f"{base_rate:.1f}", f"{rate:.1f}",
                              f"{rate / base_rate:.2f}x", f"{run['accepted_length']:.2f}",
                              f"{run['copied_per_round']:.1f}",
@@ -469,7 +469,7 @@ def load(name: str):
     return load_model(name)
 
 
-def record(results: dict, run: dict, path: str):
+def keep_row(results: dict, run: dict, path: str):
     """Keeps a finished row: in the results, as a line of the log and in the JSON file, so a
     run stopped at its time limit (a GPU lease) keeps the rows it finished."""
     results["runs"].append(run)

@@ -143,7 +143,9 @@ def rope_into_cache(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_
     check(cache.dim() == 4 and cache.shape[0] == b and cache.shape[1] * head_dim == hd
           and cache.shape[3] == head_dim and cache.stride(3) == 1, "rope_into_cache",
           f"cache {list(cache.shape)} does not hold k {list(k.shape)} as heads of {head_dim}")
-    check(isinstance(start, torch.Tensor) or 0 <= start <= cache.shape[2] - s, "rope_into_cache",
-          f"positions [{start}, {start} + {s}) are outside a cache of {cache.shape[2]}")
+    if not isinstance(start, torch.Tensor):  # a device tensor is never read here: under
+        # CUDA-graph capture, even formatting it into the message would sync the stream
+        check(0 <= start <= cache.shape[2] - s, "rope_into_cache",
+              f"positions [{start}, {start} + {s}) are outside a cache of {cache.shape[2]}")
     _launch(k, cos, sin, head_dim, cache, start, (cache.stride(0), cache.stride(2), cache.stride(1)),
             v, v_cache)

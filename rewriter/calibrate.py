@@ -225,7 +225,10 @@ def _batch(ir: IR, prompts) -> torch.Tensor:
 
 
 def _argmax(ir: IR, ids: torch.Tensor) -> torch.Tensor:
-    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    """The model's greedy next token at every position of ``ids`` ``[B, S]``, on the
+    device of the IR's weights (the prompts arrive as host lists)."""
+    ids = ids.to(next(iter(ir.weights().values())).device)
+    positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     with torch.inference_mode():
         return ir.gm(ids, positions).argmax(-1)
 

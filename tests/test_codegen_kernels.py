@@ -242,6 +242,23 @@ def test_rope_into_cache_stores_v_in_the_same_launch(device_start):
         assert c[:, :, :start].isnan().all() and c[:, :, start + s:].isnan().all()
 
 
+def test_rope_into_cache_never_reads_a_device_start_on_the_host(monkeypatch):
+    """Under CUDA-graph capture any host read of the start (``item``, formatting it into a
+    message) is forbidden: the H100 run of 2026-11-22 failed its capture on exactly that."""
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a device tensor was read on the host")
+    b, s, heads, head_dim = 1, 1, 2, 16
+    k, cos, sin = torch.randn(b, s, heads * head_dim), torch.randn(b, s, 16), torch.randn(b, s, 16)
+    cache = poisoned((b, heads, 8, head_dim))
+    start = torch.tensor([5])
+    for name in ("__format__", "__repr__", "item", "tolist", "__bool__", "__int__"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+    rope.rope_into_cache(k, cos, sin, head_dim, cache, start)
+    monkeypatch.undo()
+    want = REFERENCE["rope"](k, cos, sin, head_dim).view(b, s, heads, head_dim).transpose(1, 2)
+    torch.testing.assert_close(cache[:, :, 5:6], want, rtol=1e-5, atol=1e-5)
+
+
 def test_decode_attention_ignores_token_indices_outside_the_cache():
     """A bad index list is masked inside the kernel, never read out of bounds."""
     b, hq, hkv, dim, end = 1, 4, 2, 16, 30

@@ -112,9 +112,6 @@ def test_cuda_graph_decode_matches_eager_decode():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.xfail(strict=True, reason="H100, triton 3.6, 2026-11-22: the Triton step's first "
-                   "kernel launch fails inside CUDA-graph capture ('operation not permitted "
-                   "when stream is capturing'), so the step falls back to eager launches")
 def test_the_triton_decode_step_is_captured_as_a_cuda_graph():
     model = make_model("llama-gqa-3l", initializer_range=0.2).cuda()
     tri = rewriter.optimize(model, passes=[p() for p in FUSIONS], backend="triton")
