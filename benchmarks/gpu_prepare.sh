@@ -3,15 +3,18 @@
 # package index, and the working tree travels only up to 64 MiB):
 #   .gpu/w  wheels of pure-Python packages the device image lacks (gguf, pydot, accelerate,
 #           tabulate: gpu_suite.sh installs them with --no-deps)
-#   .gpu/p  SmolLM2's GGUF file (98 MB) in 20 MB parts, with its SHA-256
-# and adds /.gpu/ to .git/info/exclude, so it is carried, never committed. The tracked tree
-# is about 42 MB of the 64 MiB a call may send, so one call carries one part; each stage of
-# gpu_suite.sh first keeps the parts it was given in /tmp/gpu_parts, which lasts while the
-# machine stays warm (30 s after a call: make the calls back to back). So:
-#   run(carry=[".gpu/w", ".gpu/p/SHA256", ".gpu/p/part_aa"], command="bash benchmarks/gpu_suite.sh tests")
-#   run(carry=[".gpu/w", ".gpu/p/part_ab"], command="bash benchmarks/gpu_suite.sh capture")
-#   ... one part per call (kernels, decode, stash) ..., then the stages that read the model:
-#   run(carry=[".gpu/w"], command="bash benchmarks/gpu_suite.sh smollm2")  # and sparse
+#   .gpu/p  SmolLM2's GGUF file (98 MB) in PARTS (default 2) parts, with its SHA-256
+# and adds /.gpu/ to .git/info/exclude, so it is carried, never committed. A call sends the
+# tracked tree (~42 MB, ~15 MB after `gpu_slim.sh on`) plus what it carries, so each half
+# travels in its own call with the slim tree; gpu_suite.sh keeps the parts it was given in
+# /tmp/gpu_parts, which lasts while the machine stays warm (30 s after a call: make the calls
+# back to back). The 2026-11-24 lease ran:
+#   bash benchmarks/gpu_slim.sh on
+#   run(carry=[".gpu/p/SHA256", ".gpu/p/part_aa"], command="bash benchmarks/gpu_suite.sh stash")
+#   run(carry=[".gpu/w", ".gpu/p/part_ab"], command="bash benchmarks/gpu_suite.sh smollm2")
+#   run(carry=[".gpu/w"], command="bash benchmarks/gpu_suite.sh sparse")
+#   bash benchmarks/gpu_slim.sh off
+#   run(carry=[".gpu/w"], command="bash benchmarks/gpu_suite.sh gpu-tests; bash benchmarks/gpu_suite.sh capture")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .gpu/w .gpu/p .git/info
