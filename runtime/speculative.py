@@ -74,12 +74,14 @@ class _Rounds:
         self.device = batch.ids.device
         self.pad0 = batch.pad if batch.pad is not None else torch.zeros(b, dtype=torch.int64,
                                                                         device=self.device)
+        self._on_device = {}  # the round's lengths and done rows as device tensors (``on_device``)
 
     def run(self) -> Iterator[Tensor]:
         s, batch = self.s, self.batch
         b, width = batch.ids.shape
-        eos_t = torch.tensor(list(s.eos_token_id), dtype=torch.int64, device=self.device)
-        finished = torch.zeros(b, dtype=torch.bool, device=self.device)
+        # rows past an end of sequence, on the host: the tokens are host values here, and a
+        # device flag read back every column would wait for the GPU's queue each time
+        eos, finished = set(s.eos_token_id), [False] * b
         last = self.first()  # [B], not yet in the cache
         length = [width] * b  # cache positions each row holds
         pending = [[t] for t in last.tolist()]  # made, not yet yielded
@@ -88,16 +90,20 @@ class _Rounds:
             self._ended(r, list(pending[r]), produced, pending)
         yielded = 0
         while True:
-            while all(pending):  # a whole column is ready
-                column = torch.tensor([p.pop(0) for p in pending], device=self.device)
-                token = column
-                if len(eos_t):
-                    token = column.masked_fill(finished, s.pad_token_id)
-                    finished |= torch.isin(token, eos_t)
-                self.stats["tokens"] += 1
-                yielded += 1
-                yield token
-                if yielded == s.max_new_tokens or (len(eos_t) and bool(finished.all())):
+            columns = []  # the whole columns ready, each row's finished ones as padding
+            while all(pending) and len(columns) < s.max_new_tokens - yielded:
+                column = [s.pad_token_id if f else t
+                          for t, f in zip([p.pop(0) for p in pending], finished)]
+                finished = [f or t in eos for t, f in zip(column, finished)]
+                columns.append(column)
+                if eos and all(finished):
+                    break
+            if columns:  # copied to the device at once: [C, B]
+                for token in torch.tensor(columns, device=self.device):
+                    self.stats["tokens"] += 1
+                    yielded += 1
+                    yield token
+                if yielded == s.max_new_tokens or (eos and all(finished)):
                     return
             # rows with every token they need are frozen (computed on, results dropped);
             # an ended row still needs a token per column, which masking turns into padding
@@ -137,7 +143,18 @@ class _Rounds:
         """A step's start: an int when every row is at the same length, else ``[B]``."""
         if len(set(length)) == 1:
             return length[0] + offset
-        return torch.tensor(length, device=self.device) + offset
+        return self.on_device(length) + offset
+
+    def on_device(self, values: list) -> Tensor:
+        """``values`` (each row's length, or whether it is done) as a ``[B]`` tensor, copied
+        once a round rather than once a step: on a GPU each copy from the host waits for
+        the work queued before it."""
+        key = (type(values[0]), tuple(values))
+        if key not in self._on_device:
+            if len(self._on_device) >= 8:
+                self._on_device.clear()
+            self._on_device[key] = torch.tensor(values, device=self.device)
+        return self._on_device[key]
 
     def step(self, name: str, length: list[int], offset: int, tokens: Tensor,
              positions: Tensor, tree: Optional[Tensor] = None, depth: Optional[Tensor] = None):
@@ -152,7 +169,7 @@ class _Rounds:
             step = Step(self.cache, self.start(length, offset), m, self.batch.pad,
                         end=max(length) + offset + m, tree=tree, depth=depth)
             return _run(self.programs[name], step, tokens, positions)
-        start = torch.tensor(length, device=self.device) + offset  # [B]
+        start = self.on_device(length) + offset  # [B]
         program, cache = self.programs[name], self.cache
         given = {k: v for k, v in (("pad", self.batch.pad), ("tree", tree), ("depth", depth))
                  if v is not None}  # buffers too
@@ -182,36 +199,37 @@ class _Rounds:
         drafts, q = self.draft(last, length, k)
         n_draft = len(drafts)
         tokens = torch.stack([last, *drafts], dim=1)  # [B, n + 1]
-        positions = (torch.tensor(length, device=self.device) - self.pad0)[:, None] \
+        positions = (self.on_device(length) - self.pad0)[:, None] \
             + torch.arange(n_draft + 1, device=self.device)  # [B, n + 1]
         logits = self.step("decode", length, 0, tokens, positions)  # [B, n + 1, V]
         self.stats.update(forward_passes=1, layer_evals=self.full,
                           drafted=n_draft * sum(not d for d in done))
         n, bonus = self.accept(logits, tokens[:, 1:], q)
-        rows = []
-        for r, (count, extra) in enumerate(zip(n.tolist(), bonus.tolist())):
-            rows.append(tokens[r, 1:1 + count].tolist() + [extra])
-        keep = torch.tensor(done, device=self.device)
-        return torch.where(keep, last, bonus), rows
+        # one read back a round: [B, 2 + n] = accepted count, the token after, the drafts
+        read = torch.cat([n[:, None], bonus[:, None], tokens[:, 1:]], 1).tolist()
+        rows = [row[2:2 + row[0]] + [row[1]] for row in read]
+        return torch.where(self.on_device(done), last, bonus), rows
 
     def draft(self, last: Tensor, length: list[int], k: int) -> tuple[list[Tensor], list[Tensor]]:
         """Up to ``k`` draft tokens ``[B]`` each, and (sampling) their distributions ``[B, V]``."""
         drafts, dists, token = [], [], last
         for j in range(k):
-            positions = (torch.tensor(length, device=self.device) + j - self.pad0)[:, None]
+            positions = (self.on_device(length) + j - self.pad0)[:, None]
             logits = self.step("draft", length, j, token[:, None], positions)[:, -1]  # [B, V]
             self.stats.update(draft_passes=1, draft_layer_evals=self.draft_layers)
+            stop = j + 1 < k and self.strategy.threshold > 0  # no confidence is below 0
             if self.s.do_sample:
                 q = warp(logits, self.s).softmax(-1)
                 token = torch.multinomial(q, 1, generator=self.generator).squeeze(-1)
                 dists.append(q)
             else:
-                q = logits.float().softmax(-1)
+                q = logits.float().softmax(-1) if stop else None
                 token = logits.argmax(-1)
             drafts.append(token)
-            confidence = q.gather(-1, token[:, None]).squeeze(-1)  # [B]
-            if j + 1 < k and bool((confidence < self.strategy.threshold).all()):
-                break
+            if stop:  # read back: the one wait for the GPU a draft step has
+                confidence = q.gather(-1, token[:, None]).squeeze(-1)  # [B]
+                if bool((confidence < self.strategy.threshold).all()):
+                    break
         return drafts, dists
 
     def accept(self, logits: Tensor, drafts: Tensor, q: list[Tensor]) -> tuple[Tensor, Tensor]:

@@ -32,7 +32,7 @@ text (``runtime.tree_adapt``).
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -50,7 +50,7 @@ from .tree_adapt import AdaptiveTree
 from .tree_dynamic import grow
 from .tree_lookup import NGRAM, Context, with_chain
 
-LAYOUTS = 512  # laid-out trees a generation keeps (re-shaped trees repeat: code, chat)
+LAYOUTS = 512  # laid-out trees kept across generations (re-shaped trees repeat: code, chat)
 
 
 def tree_loop(programs: dict, cache: KVCache, batch: Batch, settings: GenerationSettings,
@@ -82,7 +82,6 @@ class _TreeRounds(_Rounds):
         self.dynamic = strategy.dynamic  # > 0: the shape is re-grown every round (tree_dynamic)
         self.lookup = strategy.lookup  # > 0: a chain copied from each row's text (tree_lookup)
         self.contexts: list = []
-        self.laid: dict = {}  # re-shaped trees' layouts, by paths
         self.done: Optional[list] = None  # the last round's rows that are done
         # ranks drafted at each depth: the whole tree's, so the counts cover every sub-tree
         self.ranks = [1 + max(p[-1] for p in self.whole.paths if len(p) == d + 1)
@@ -106,6 +105,9 @@ class _TreeRounds(_Rounds):
         self.proposed: Optional[list] = None
         self.pending: list = [[] for _ in range(b)]  # per row: chains not yet scored
         self.tree_depth: Optional[list] = None  # per row: the heads' tree's accepted depth
+        # greedy acceptance's one read back a round: (the tokens verified on the host
+        # [B][m], the accepted node [B] and the token after it [B] on the device)
+        self.read: Optional[tuple] = None
         self.rounds = 0
         k = strategy.num_heads  # each row's counts in this generation (tree_adapt.row_accuracy)
         self.row_hits = [[[0] * MAX_RANK for _ in range(k)] for _ in range(b)]
@@ -128,17 +130,14 @@ class _TreeRounds(_Rounds):
         self.budget = self.tree = self.verified = tree
         self.max_draft = tree.size - 1
         self.to_head = None  # a verified node's index in the drafted tree (None: the same)
-        self.levels = _levels(tree.layout(self.device), tree.depth) \
+        self.levels = _kept(("levels", tree.paths), self.device,
+                            lambda: _levels(tree.layout(self.device), tree.depth)) \
             if self.hydra and tree.size > 1 and not self.dynamic else None
 
     def layout(self, m: int, tree=None) -> dict:
         """The layout of the first ``m`` nodes of ``tree`` (default: the one verified)."""
         key = (tree or self.verified).paths[:m - 1]
-        if key not in self.laid:
-            if len(self.laid) >= LAYOUTS:
-                self.laid.pop(next(iter(self.laid)))  # the oldest
-            self.laid[key] = Tree(key).layout(self.device)
-        return self.laid[key]
+        return _kept(("layout", key), self.device, lambda: Tree(key).layout(self.device))
 
     def first(self) -> Tensor:
         batch = self.batch
@@ -271,8 +270,7 @@ class _TreeRounds(_Rounds):
         if m > 1:
             tokens[:, 1:] = self.nodes[:, 1:m]  # [B, m - 1]
         tree = m > 1  # the root alone attends as a plain decode step does: no mask to build
-        positions = (torch.tensor(length, device=self.device) - self.pad0)[:, None] \
-            + lay["depth"][None]  # [B, m]
+        positions = (self.on_device(length) - self.pad0)[:, None] + lay["depth"][None]  # [B, m]
         logits, h = self.step("verify", length, 0, tokens, positions,  # [B, m, V], [B, m, H]
                               tree=lay["ancestors"] if tree else None,
                               depth=lay["depth"] if tree else None)
@@ -280,7 +278,7 @@ class _TreeRounds(_Rounds):
                           drafted=(m - 1) * sum(not d for d in done))
         if self.to_head is not None:  # chain nodes copied from the text, verified this round
             self.stats.update(copied=sum(i < 0 for i in self.to_head[1:m]))
-        self.tree_depth = None
+        self.tree_depth, self.read = None, None
         if m > 1:
             paths, bonus = self.accept(logits, tokens, lay)
             self.compact(length, paths)
@@ -288,22 +286,27 @@ class _TreeRounds(_Rounds):
             # plain decoding chooses it, with no acceptance or K/V moves to pay for
             paths = [[] for _ in range(b)]
             bonus = next_token(logits[:, 0], self.s, self.generator).tolist()
-        rows = [tokens[r, p].tolist() + [bonus[r]] for r, p in enumerate(paths)]
+        # the verified tokens on the host: greedy acceptance read them back with its result
+        host = self.read[0] if self.read is not None else tokens.tolist() if m > 1 else None
+        rows = [[host[r][i] for i in p] + [bonus[r]] for r, p in enumerate(paths)]
         if self.lookup:
             for context, row, d in zip(self.contexts, rows, done):
                 if not d:
                     context.extend(row)
         if self.adapt is not None:
-            self._adapt(tokens, paths, bonus, done, rows, length)
-        ends = torch.tensor([p[-1] if p else 0 for p in paths], device=self.device)
-        keep = torch.tensor(done, device=self.device)
-        nxt = torch.where(keep, last, torch.tensor(bonus, device=self.device))
+            self._adapt(host, paths, bonus, done, rows, length)
+        if self.read is not None:  # each row's deepest accepted node and the token after it
+            ends, after = self.read[1], self.read[2]
+        else:
+            ends = torch.tensor([p[-1] if p else 0 for p in paths], device=self.device)
+            after = torch.tensor(bonus, device=self.device)
+        nxt = torch.where(self.on_device(done), last, after)
         self.done = done
         self.draft_from(h[torch.arange(b, device=self.device), ends][:, None], nxt)  # [B, 1, H]
         return nxt, rows
 
-    def _adapt(self, tokens: Tensor, paths: list[list[int]], bonus: list[int], done: list[bool],
-               rows: list[list[int]], length: list[int]) -> None:
+    def _adapt(self, tokens: Optional[list], paths: list[list[int]], bonus: list[int],
+               done: list[bool], rows: list[list[int]], length: list[int]) -> None:
         """Count this round, then verify the tree (and the chain) the counts choose from the
         next round on."""
         self.rounds += 1
@@ -361,11 +364,11 @@ class _TreeRounds(_Rounds):
                 self.chain.score(proposal, context.tokens[start:start + len(proposal)], accepted,
                                  highest)
 
-    def observe(self, tokens: Tensor, paths: list[list[int]], bonus: list[int],
+    def observe(self, rows: Optional[list], paths: list[list[int]], bonus: list[int],
                 done: list[bool]) -> None:
         """Count, for every head that drafted after a row's accepted path, the rank of the
-        model's token among its guesses there (``runtime.tree_adapt``)."""
-        rows = tokens.tolist()
+        model's token among its guesses there (``runtime.tree_adapt``). ``rows``: the
+        tokens verified, on the host ``[B][m]`` (None when only the root was)."""
         if self.hydra:
             levels = [(p.tolist(), ids.tolist()) for p, ids in self.drafted]
         else:
@@ -413,12 +416,17 @@ class _TreeRounds(_Rounds):
         # tokens, except a copied chain's first token, which may repeat a head's: then
         # both branches are the model's own text, and the deepest is still exact)
         best = torch.where(ok, depth[None] * m + torch.arange(m, device=self.device), -1).argmax(1)
+        bonus = target[torch.arange(len(best), device=self.device), best]  # [B]
+        parts = [best[:, None], bonus[:, None]]
         if self.to_head is not None and self.chain is not None:  # the heads' nodes' own best
             heads = torch.tensor([i >= 0 for i in self.to_head[:m]], device=self.device)
-            self.tree_depth = torch.where(ok & heads[None], depth[None], 0).amax(1).tolist()
-        paths = [lay["paths"][e] for e in best.tolist()]
-        bonus = target[torch.arange(len(best), device=self.device), best]
-        return paths, bonus.tolist()
+            parts.append(torch.where(ok & heads[None], depth[None], 0).amax(1)[:, None])
+        # one read back a round (on a GPU each one waits for the queued work): [B, 2 (+ 1) + m]
+        read = torch.cat([*parts, tokens], 1).tolist()
+        if len(parts) == 3:
+            self.tree_depth = [row[2] for row in read]
+        self.read = ([row[len(parts):] for row in read], best, bonus)
+        return [lay["paths"][row[0]] for row in read], [row[1] for row in read]
 
     def _walk(self, logits, tokens, lay):
         """Sampling (exact or typical) and greedy typical: node by node from the root."""
@@ -477,11 +485,28 @@ class _TreeRounds(_Rounds):
                  for d, i in enumerate(p, start=1) if i != d]
         if not moves:
             return
-        rows, src, dst = (torch.tensor(v, device=self.device) for v in zip(*moves))
+        rows, src, dst = torch.tensor(moves, device=self.device).unbind(1)  # one copy: [n, 3]
         for store in (self.cache.k, self.cache.v):
             for t in store.values():
                 t[rows, :, dst] = t[rows, :, src]  # gathered first: sources lie past targets
         self.stats.update(kv_moves=len(moves))
+
+
+_KEPT: dict = {}  # (what, paths, device) -> a tree's layout or Hydra's plan (``_kept``)
+
+
+def _kept(key: tuple, device: torch.device, make: Callable[[], Any]):
+    """``make()``, kept across generations and engines by ``key`` and device (the most
+    recent ``LAYOUTS``): a layout is a few tensors copied from the host, and each copy
+    waits for a GPU's queued work. What is kept is only read, never written."""
+    key = (*key, str(device))
+    value = _KEPT.pop(key, None)
+    if value is None:
+        value = make()
+        while len(_KEPT) >= LAYOUTS:
+            del _KEPT[next(iter(_KEPT))]  # the least recently used
+    _KEPT[key] = value
+    return value
 
 
 def _levels(lay: dict, depth: int) -> list[tuple]:

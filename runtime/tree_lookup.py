@@ -184,8 +184,10 @@ def with_chain(tree: Tree, nodes: Tensor, chains: list[list[int]], fill: Tensor)
         return tree, nodes
     chain = tuple((LOOKUP,) * d for d in range(1, length + 1))
     paths = tuple(sorted(tree.paths + chain, key=lambda p: (len(p), p)))
-    padded = torch.tensor([c + [int(fill[r])] * (length - len(c)) for r, c in enumerate(chains)],
-                          dtype=torch.int64, device=nodes.device)  # [B, L]
+    # shorter chains padded with -1, then with ``fill`` on the device: no read back
+    padded = torch.tensor([c + [-1] * (length - len(c)) for c in chains], dtype=torch.int64,
+                          device=nodes.device)  # [B, L]
+    padded = torch.where(padded < 0, fill[:, None], padded)
     n = nodes.shape[1]
     where = {p: i for i, p in enumerate(tree.paths, start=1)}
     order = [0] + [where[p] if p[-1] != LOOKUP else n + len(p) - 1 for p in paths]

@@ -118,7 +118,7 @@ def test_greedy_acceptance_on_hand_made_logits():
     r.s, r.device = GenerationSettings(), torch.device("cpu")
     r.strategy = rewriter.decoding.Strategy("medusa", num_heads=2, tree=((0,), (1,), (1, 0)))
     r.tree, r.layouts = make_tree([[0], [1], [1, 0]], 2), {}
-    r.laid, r.verified, r.to_head, r.chain = {}, r.tree, None, None
+    r.verified, r.to_head, r.chain = r.tree, None, None
     lay = r.layout(4)
     v = 10
     tokens = torch.tensor([[5, 1, 2, 3]] * 4)  # root, n1, n2, n3 (child of n2)
@@ -247,7 +247,7 @@ def test_typical_acceptance_on_hand_made_logits_accepts_what_greedy_would_not():
     r.strategy = rewriter.decoding.Strategy("medusa", num_heads=1, tree=((0,), (1,)),
                                             acceptance="typical")
     r.tree, r.layouts = make_tree([[0], [1]], 1), {}
-    r.laid, r.verified, r.to_head, r.chain = {}, r.tree, None, None
+    r.verified, r.to_head, r.chain = r.tree, None, None
     lay = r.layout(3)
     p = torch.tensor([0.5, 0.3, 0.15, 0.05])
     after = torch.tensor([0.0, 0.0, 0.0, 9.0])  # after the accepted child: token 3

@@ -1,0 +1,67 @@
+"""A round reads the device back once. On a GPU every read back (``tolist``, ``item``,
+``bool`` of a tensor) and every copy from the host waits for the work queued before it, so
+their number per round, not the ops' cost, bounds how fast rounds go there (the H100 run of
+2026-11-24 timed a round's own work at 3.2 decode steps). Counted here on the CPU, where the
+same calls are made: static rounds (the GPU's path, without the graphs), greedy, with an end
+of sequence to watch for, over a ragged batch."""
+import collections
+
+import pytest
+import torch
+
+import rewriter
+from rewriter.passes import HydraHeads, MedusaHeads, SelfSpeculative
+
+from conftest import make_model, varied_init
+from test_hydra_heads import hydra_heads
+
+TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+ROWS = [[3, 17, 42, 5, 99, 8, 64, 11, 12], [1, 2, 3], [50, 51, 52, 53, 54]]
+READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__")
+
+
+def counted(engine, **kw) -> tuple[collections.Counter, int]:
+    """(read backs and host-to-device copies made by a generation, its rounds)."""
+    count = collections.Counter()
+    real = {name: getattr(torch.Tensor, name) for name in READS}
+    tensor = torch.tensor
+
+    def reading(name):
+        def read(self, *args, **kwargs):
+            count["reads"] += 1
+            return real[name](self, *args, **kwargs)
+        return read
+
+    def copying(*args, **kwargs):
+        count["copies"] += 1
+        return tensor(*args, **kwargs)
+    engine.stats.clear()
+    try:
+        for name in READS:
+            setattr(torch.Tensor, name, reading(name))
+        torch.tensor = copying
+        engine.generate(ROWS, max_new_tokens=24, **kw)
+    finally:
+        for name in READS:
+            setattr(torch.Tensor, name, real[name])
+        torch.tensor = tensor
+    return count, engine.stats["rounds"]
+
+
+@pytest.mark.parametrize("strategy", ["self_speculative", "medusa", "hydra"])
+def test_a_greedy_round_reads_the_device_back_once(strategy, tmp_path):
+    model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
+    passes = {"self_speculative": lambda: [SelfSpeculative(skip_layers=[1], threshold=0.0,
+                                                           max_draft=3)],
+              "medusa": lambda: [MedusaHeads(num_heads=3, tree=TREE)],
+              "hydra": lambda: [HydraHeads(weights=str(hydra_heads(model, tmp_path / "h.safetensors")),
+                                           tree=TREE)]}[strategy]()
+    engine = rewriter.optimize(model, passes=passes)
+    engine.fallback, engine.static_decode = False, True  # the rounds, as a GPU runs them
+    engine.generate(ROWS, max_new_tokens=4, eos_token_id=[])  # layouts and replays made once
+    count, rounds = counted(engine, eos_token_id=[7])
+    assert rounds >= 5
+    # the prompt's first token and the last round's columns aside: one read back a round
+    assert count["reads"] <= rounds + 2, (count, rounds)
+    # a round's lengths and finished rows, its K/V moves and the tokens it hands out
+    assert count["copies"] <= 4 * rounds + 4, (count, rounds)
