@@ -16,6 +16,7 @@ import operator
 
 import torch
 from torch import fx
+from torch.utils.weak import WeakIdKeyDictionary
 
 from rewriter.errors import RewriterError
 from rewriter.ir.cacheable import check_cacheable
@@ -274,10 +275,25 @@ def _transpose_linear_weights(ir: IR, graph: fx.Graph, transposed: dict) -> None
             continue  # bfloat16 streams faster untransposed (measured: docs/benchmarks.md)
         name = w.target + ".__transposed"
         if name not in transposed:
-            transposed[name] = weight.t().contiguous()  # [in, out]
+            transposed[name] = _transposed(weight)  # [in, out]
         with graph.inserting_before(node):
             node.args = (node.args[0], graph.get_attr(name), *node.args[2:])
         node.target = linear_t
+
+
+# a weight's transposed copy, kept while the weight lives and is not written in place
+# (its version counter): a pass that times its programs lowers the model a dozen times,
+# and copying every weight each time was a fifth of optimize() for SmolLM2 on a CPU. A
+# write through ``.data`` bypasses the counter (as it does autograd's): replace the weight
+_TRANSPOSED = WeakIdKeyDictionary()
+
+
+def _transposed(weight: torch.Tensor) -> torch.Tensor:
+    kept = _TRANSPOSED.get(weight)
+    if kept is None or kept[0] != weight._version:
+        kept = (weight._version, weight.t().contiguous())
+        _TRANSPOSED[weight] = kept
+    return kept[1]
 
 
 def _lower_int4(ir: IR, graph: fx.Graph, target, extra: dict) -> None:

@@ -56,3 +56,22 @@ def test_prefill_and_decode_programs_share_one_transposed_copy():
     # gate and up projections [96, 64] are read as [64, 96] copies (2 x 3 layers), one per weight
     assert opt.ir.weight("model.layers.0.mlp.up_proj.weight").shape == (96, 64)
     assert len(transposed(prefill)) == 6 and transposed(prefill) == transposed(decode)
+
+
+def test_a_lowering_reuses_a_transposed_copy_until_its_weight_is_written():
+    """Timing passes lower a model many times: each weight is transposed once, and again
+    only after it changed in place (its version counter), never read stale."""
+    import rewriter
+    from conftest import make_model
+    from rewriter.runtime.lower import lower
+    opt = rewriter.optimize(make_model("llama-gqa-3l"))
+    name = "model.layers.0.mlp.up_proj.weight"
+    weight = opt.ir.weight(name)
+    copies = lambda: [t for t in lower(opt.ir, False, "torch", {}).buffers()  # noqa: E731
+                      if t.shape == weight.t().shape and torch.equal(t, weight.t())]
+    first, again = copies(), copies()
+    assert len(first) == 1 and first[0].data_ptr() == again[0].data_ptr()
+    with torch.no_grad():
+        weight.mul_(2)  # in place: the kept copy is stale
+    fresh = copies()
+    assert len(fresh) == 1 and fresh[0].data_ptr() != first[0].data_ptr()
