@@ -141,12 +141,26 @@ class KVCache:
         # masked attention weights are exactly 0 and 0 * NaN would still be NaN.
         parts = [(key, (batch, heads, slots, s.head_dim))  # [B, Hkv, slots, D]
                  for s in table.values() for key, heads, slots in s.parts(max_len)]
-        self.k = {key: torch.zeros(shape, dtype=dtype, device=device) for key, shape in parts}
-        self.v = {key: torch.zeros(shape, dtype=dtype, device=device) for key, shape in parts}
+        # caches of one shape are views of one block [n, B, Hkv, slots, D], so that moving
+        # slots in all of them (``move``) is one copy, not one per layer
+        shapes = {shape: [key for key, s in parts if s == shape] for _, shape in parts}
+        self.blocks = [(keys, torch.zeros((len(keys), *shape), dtype=dtype, device=device),
+                        torch.zeros((len(keys), *shape), dtype=dtype, device=device))
+                       for shape, keys in shapes.items()]  # (keys, K block, V block)
+        at = {key: (kb[i], vb[i]) for keys, kb, vb in self.blocks for i, key in enumerate(keys)}
+        self.k = {key: at[key][0] for key, _ in parts}
+        self.v = {key: at[key][1] for key, _ in parts}
         self.busy = False  # a generation in progress (e.g. a paused stream) holds it
         # Quest's per-page key bounds (max, min) ``[B, Hkv, pages, D]`` by cache id, made by
         # the first write of a layer with a page selection (runtime.page_selection)
         self.bounds: dict = {}
+
+    def move(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy slot ``src[i]`` of row ``rows[i]`` to its slot ``dst[i]`` in every cache, K
+        and V (``[n]`` each; every source read before any target is written)."""
+        for _, kb, vb in self.blocks:
+            for block in (kb, vb):
+                block[:, rows, :, dst] = block[:, rows, :, src]  # [n moves, caches, Hkv, D]
 
     def fits(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> bool:
         k = next(iter(self.k.values()), None)

@@ -284,14 +284,19 @@ def _transpose_linear_weights(ir: IR, graph: fx.Graph, transposed: dict) -> None
 # a weight's transposed copy, kept while the weight lives and is not written in place
 # (its version counter): a pass that times its programs lowers the model a dozen times,
 # and copying every weight each time was a fifth of optimize() for SmolLM2 on a CPU. A
-# write through ``.data`` bypasses the counter (as it does autograd's): replace the weight
+# write through ``.data`` bypasses the counter (as it does autograd's): replace the weight.
 _TRANSPOSED = WeakIdKeyDictionary()
 
 
 def _transposed(weight: torch.Tensor) -> torch.Tensor:
+    if weight.is_inference():  # made under inference_mode: no version counter to trust
+        return weight.t().contiguous()
+    # ``param.data = new`` (``module.to()``) keeps the object and its version: the address
+    # tells that change
+    stamp = (weight._version, weight.data_ptr())
     kept = _TRANSPOSED.get(weight)
-    if kept is None or kept[0] != weight._version:
-        kept = (weight._version, weight.t().contiguous())
+    if kept is None or kept[0] != stamp:
+        kept = (stamp, weight.t().contiguous())
         _TRANSPOSED[weight] = kept
     return kept[1]
 

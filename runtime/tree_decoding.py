@@ -106,7 +106,8 @@ class _TreeRounds(_Rounds):
         self.pending: list = [[] for _ in range(b)]  # per row: chains not yet scored
         self.tree_depth: Optional[list] = None  # per row: the heads' tree's accepted depth
         # greedy acceptance's one read back a round: (the tokens verified on the host
-        # [B][m], the accepted node [B] and the token after it [B] on the device)
+        # [B][m], the accepted node [B] and the token after it [B] on the device, and for
+        # the adaptive tree the heads' guesses on the host [B][all, flat], else None)
         self.read: Optional[tuple] = None
         self.rounds = 0
         k = strategy.num_heads  # each row's counts in this generation (tree_adapt.row_accuracy)
@@ -212,14 +213,14 @@ class _TreeRounds(_Rounds):
         nodes[:, 0] = root
         k = self.strategy.num_heads
         self.drafted = []  # per level: (the parents' node indices, their ranked tokens)
-        for d, (parents, chains, children, slot, rank, top) in enumerate(self.levels):
+        for d, (parents, chains, children, slot, rank, top, on_host) in enumerate(self.levels):
             path = torch.zeros(b, len(parents), k, dtype=torch.int64, device=self.device)
             path[:, :, :d + 1] = nodes[:, chains]  # [B, P, d + 1]: root .. parent
             logits = self._call(f"head{d}", h.expand(b, len(parents), h.shape[-1]), path)  # [B, P, V]
             self.stats.update(head_passes=1)
             ids = self._ids(logits.topk(max(top, self.ranks[d]), dim=-1).indices)  # [B, P, ranks]
             nodes[:, children] = ids[:, slot, rank]
-            self.drafted.append((parents, ids))
+            self.drafted.append((on_host, ids))
         self.nodes = nodes
 
     def _grow(self, h: Tensor, root: Tensor) -> None:
@@ -254,8 +255,14 @@ class _TreeRounds(_Rounds):
             self.drafted = ids
             return
         index = {p: i for i, p in enumerate(((),) + tree.paths)}  # a path's node, -1: not verified
-        self.drafted = [(torch.tensor([index.get(p, -1) for p in paths]), got)
-                        for paths, got in levels]
+        self.drafted = [([index.get(p, -1) for p in paths], got) for paths, got in levels]
+
+    def _guesses(self) -> list[Tensor]:
+        """The heads' ranked guesses behind this round's tree, each ``[B, n]``: Medusa's
+        ``[B, K, ranks]``, or each Hydra level's ``[B, parents, ranks]``, flattened."""
+        if self.hydra:
+            return [ids.flatten(1) for _, ids in self.drafted]
+        return [self.drafted.flatten(1)]
 
     def _ids(self, indices: Tensor) -> Tensor:
         """Token ids of draft-vocabulary indices."""
@@ -369,10 +376,19 @@ class _TreeRounds(_Rounds):
         """Count, for every head that drafted after a row's accepted path, the rank of the
         model's token among its guesses there (``runtime.tree_adapt``). ``rows``: the
         tokens verified, on the host ``[B][m]`` (None when only the root was)."""
-        if self.hydra:
-            levels = [(p.tolist(), ids.tolist()) for p, ids in self.drafted]
+        # [B][every guess, flat]: read back with the round's acceptance where it was greedy
+        guesses_read = self.read[3] if self.read is not None and self.read[3] is not None \
+            else torch.cat(self._guesses(), 1).tolist()
+        if self.hydra:  # per level: (the parents' node indices, [B][parents][ranks])
+            levels, at = [], 0
+            for parents, ids in self.drafted:
+                _, p, n = ids.shape
+                levels.append((parents, [[row[at + j * n:at + (j + 1) * n] for j in range(p)]
+                                         for row in guesses_read]))
+                at += p * n
         else:
-            drafted = self.drafted.tolist()  # [B][K][ranks]
+            _, k, n = self.drafted.shape  # [B][K][ranks]
+            drafted = [[row[j * n:(j + 1) * n] for j in range(k)] for row in guesses_read]
         for r, path in enumerate(paths):
             if done[r]:
                 continue
@@ -421,11 +437,16 @@ class _TreeRounds(_Rounds):
         if self.to_head is not None and self.chain is not None:  # the heads' nodes' own best
             heads = torch.tensor([i >= 0 for i in self.to_head[:m]], device=self.device)
             parts.append(torch.where(ok & heads[None], depth[None], 0).amax(1)[:, None])
-        # one read back a round (on a GPU each one waits for the queued work): [B, 2 (+ 1) + m]
-        read = torch.cat([*parts, tokens], 1).tolist()
-        if len(parts) == 3:
+        # the adaptive tree's counts need the heads' guesses behind this tree (``observe``)
+        guesses = self._guesses() if self.adapt is not None and self.drafted is not None else []
+        # one read back a round (on a GPU each one waits for the queued work):
+        # [B, 2 (+ 1) + m (+ guesses)]
+        read = torch.cat([*parts, tokens, *guesses], 1).tolist()
+        c = len(parts)
+        if c == 3:
             self.tree_depth = [row[2] for row in read]
-        self.read = ([row[len(parts):] for row in read], best, bonus)
+        self.read = ([row[c:c + m] for row in read], best, bonus,
+                     [row[c + m:] for row in read] if guesses else None)
         return [lay["paths"][row[0]] for row in read], [row[1] for row in read]
 
     def _walk(self, logits, tokens, lay):
@@ -486,9 +507,7 @@ class _TreeRounds(_Rounds):
         if not moves:
             return
         rows, src, dst = torch.tensor(moves, device=self.device).unbind(1)  # one copy: [n, 3]
-        for store in (self.cache.k, self.cache.v):
-            for t in store.values():
-                t[rows, :, dst] = t[rows, :, src]  # gathered first: sources lie past targets
+        self.cache.move(rows, src, dst)  # gathered first: sources lie past targets
         self.stats.update(kv_moves=len(moves))
 
 
@@ -529,5 +548,5 @@ def _levels(lay: dict, depth: int) -> list[tuple]:
             chains.append(chain[::-1])  # [d + 1]: root .. p
         slot = [parents.index(parent[c]) for c in children]
         out.append((t(parents), t(chains), t(children), t(slot), t([rank[c] for c in children]),
-                    max(rank[c] for c in children) + 1))
+                    max(rank[c] for c in children) + 1, parents))
     return out

@@ -118,7 +118,7 @@ def test_greedy_acceptance_on_hand_made_logits():
     r.s, r.device = GenerationSettings(), torch.device("cpu")
     r.strategy = rewriter.decoding.Strategy("medusa", num_heads=2, tree=((0,), (1,), (1, 0)))
     r.tree, r.layouts = make_tree([[0], [1], [1, 0]], 2), {}
-    r.verified, r.to_head, r.chain = r.tree, None, None
+    r.verified, r.to_head, r.chain, r.adapt = r.tree, None, None, None
     lay = r.layout(4)
     v = 10
     tokens = torch.tensor([[5, 1, 2, 3]] * 4)  # root, n1, n2, n3 (child of n2)
@@ -144,6 +144,30 @@ def test_compaction_moves_the_accepted_rows_only():
     assert cache.k[0][0, 0, :, 0].tolist()[:10] == [0, 1, 2, 3, 4, 6, 9, 7, 8, 9]
     assert cache.v[0][1, 0, :, 0].tolist()[:10] == [float(j) for j in range(10)]
     assert r.stats["kv_moves"] == 2
+
+
+def test_compaction_moves_every_cache_of_every_shape_and_nothing_else():
+    """Caches of one shape share a block and move in one copy; a cache of another shape
+    (more KV heads here) moves too; K and V alike, and no other slot or row changes."""
+    from dataclasses import replace
+
+    from rewriter.runtime.tree_decoding import _TreeRounds
+    spec = cache_table_entry()
+    table = {0: spec, 1: replace(spec, id=1), 2: replace(spec, id=2, num_heads=4, num_kv_heads=2)}
+    cache = KVCache(table, 2, 12, torch.float32, torch.device("cpu"))
+    assert len(cache.blocks) == 2 and cache.k[0].data_ptr() != cache.k[1].data_ptr()
+    for key, t in [*cache.k.items(), *cache.v.items()]:
+        t.copy_(torch.randn(t.shape))
+    before = {k: (cache.k[k].clone(), cache.v[k].clone()) for k in table}
+    r = _TreeRounds.__new__(_TreeRounds)
+    r.cache, r.device, r.stats = cache, torch.device("cpu"), __import__("collections").Counter()
+    r.compact([3, 5], [[1, 4], [2]])  # row 0: node 4 -> slot 5; row 1: node 2 -> slot 6
+    for key in table:
+        for got, old in zip((cache.k[key], cache.v[key]), before[key]):
+            want = old.clone()
+            want[0, :, 5] = old[0, :, 7]  # slot 3 + 4
+            want[1, :, 6] = old[1, :, 7]  # slot 5 + 2
+            assert torch.equal(got, want), key
 
 
 def test_choose_tree_weighs_accuracy_against_verify_cost():
@@ -247,7 +271,7 @@ def test_typical_acceptance_on_hand_made_logits_accepts_what_greedy_would_not():
     r.strategy = rewriter.decoding.Strategy("medusa", num_heads=1, tree=((0,), (1,)),
                                             acceptance="typical")
     r.tree, r.layouts = make_tree([[0], [1]], 1), {}
-    r.verified, r.to_head, r.chain = r.tree, None, None
+    r.verified, r.to_head, r.chain, r.adapt = r.tree, None, None, None
     lay = r.layout(3)
     p = torch.tensor([0.5, 0.3, 0.15, 0.05])
     after = torch.tensor([0.0, 0.0, 0.0, 9.0])  # after the accepted child: token 3

@@ -20,7 +20,7 @@ ROWS = [[3, 17, 42, 5, 99, 8, 64, 11, 12], [1, 2, 3], [50, 51, 52, 53, 54]]
 READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__")
 
 
-def counted(engine, **kw) -> tuple[collections.Counter, int]:
+def counted(engine, rows=ROWS, **kw) -> tuple[collections.Counter, int]:
     """(read backs and host-to-device copies made by a generation, its rounds)."""
     count = collections.Counter()
     real = {name: getattr(torch.Tensor, name) for name in READS}
@@ -40,7 +40,7 @@ def counted(engine, **kw) -> tuple[collections.Counter, int]:
         for name in READS:
             setattr(torch.Tensor, name, reading(name))
         torch.tensor = copying
-        engine.generate(ROWS, max_new_tokens=24, **kw)
+        engine.generate(rows, max_new_tokens=24, **kw)
     finally:
         for name in READS:
             setattr(torch.Tensor, name, real[name])
@@ -65,3 +65,19 @@ def test_a_greedy_round_reads_the_device_back_once(strategy, tmp_path):
     assert count["reads"] <= rounds + 2, (count, rounds)
     # a round's lengths and finished rows, its K/V moves and the tokens it hands out
     assert count["copies"] <= 4 * rounds + 4, (count, rounds)
+
+
+@pytest.mark.parametrize("cls", [MedusaHeads, HydraHeads])
+def test_an_adaptive_trees_counts_come_with_the_same_read(cls):
+    """The pass's defaults on the default model with its shipped heads: the tree adapts to
+    the text, and the heads' guesses it counts come back with the acceptance's one read."""
+    model, _ = rewriter.default_model()
+    engine = rewriter.optimize(model, passes=[cls(weights="default")])
+    engine.fallback, engine.static_decode = False, True
+    rows = [list(range(3, 40)), list(range(50, 70))]
+    engine.generate(rows, max_new_tokens=4, eos_token_id=[])
+    count, rounds = counted(engine, rows, eos_token_id=[7])
+    assert engine.ir.info["decoding"].get("adapt") is not None
+    assert rounds >= 5
+    # per generation, beside the prompt's first token: the prompts' text for prompt lookup
+    assert count["reads"] <= rounds + 5, (count, rounds)

@@ -75,3 +75,16 @@ def test_a_lowering_reuses_a_transposed_copy_until_its_weight_is_written():
         weight.mul_(2)  # in place: the kept copy is stale
     fresh = copies()
     assert len(fresh) == 1 and fresh[0].data_ptr() != first[0].data_ptr()
+
+
+def test_a_model_loaded_under_inference_mode_lowers_and_generates(tmp_path):
+    """Weights made under inference_mode have no version counter: their transposed copies
+    are not kept, and the model loads and decodes as any other."""
+    import rewriter
+    from conftest import make_model
+    opt = rewriter.optimize(make_model("llama-gqa-3l"))
+    want = opt.generate([[3, 4, 5]], max_new_tokens=4, eos_token_id=[])
+    opt.save(tmp_path / "m")
+    with torch.inference_mode():
+        got = rewriter.load(tmp_path / "m").generate([[3, 4, 5]], max_new_tokens=4, eos_token_id=[])
+    assert torch.equal(got, want)

@@ -120,7 +120,7 @@ def rounds_by_hand(tree, hydra=False, batch=3, costs=None):
     r.row_hits = [[[0] * MAX_RANK for _ in range(3)] for _ in range(batch)]
     r.row_trials = [[0] * 3 for _ in range(batch)]
     r.device, r.stats = torch.device("cpu"), Counter()
-    r.rounds, r.chain, r.chains_only = 0, None, False
+    r.rounds, r.chain, r.chains_only, r.read = 0, None, False, None
     return r
 
 
@@ -134,7 +134,7 @@ def test_medusa_rounds_count_every_head_down_the_accepted_path():
     tokens = torch.zeros(3, 9, dtype=torch.int64)
     tokens[0, 1], tokens[0, 5] = 10, 20  # row 0 accepted (0,) then (0, 0); then head 2's
     # third guess was the model's token (the bonus)
-    r.observe(tokens, [[1, 5], [], [1]], [32, 99, 1], [False, False, True])  # row 2: done
+    r.observe(tokens.tolist(), [[1, 5], [], [1]], [32, 99, 1], [False, False, True])  # row 2: done
     # row 1 accepted nothing and its token (99) was none of head 0's guesses
     assert r.adapt.trials == [2, 1, 1]
     assert r.adapt.hits[0][:4] == [1, 0, 0, 0] and r.adapt.hits[1][:4] == [1, 0, 0, 0]
@@ -149,10 +149,10 @@ def test_hydra_rounds_count_a_head_only_where_it_ran_on_the_path():
     assert [p.tolist() for p in parents] == [[0], [1, 2], [5]]
     ids = [torch.tensor([[[10, 11, 12, 13]]]),  # [B, P, ranks]
            torch.tensor([[[20, 21], [25, 26]]]), torch.tensor([[[30]]])]
-    r.drafted = list(zip(parents, ids))
+    r.drafted = list(zip([p.tolist() for p in parents], ids))  # parents on the host
     tokens = torch.zeros(1, 9, dtype=torch.int64)
     tokens[0, 2], tokens[0, 7] = 11, 26  # (1,) then (1, 0): head 1 on node 2's path, rank 1
-    r.observe(tokens, [[2, 7]], [5], [False])  # node 7 has no children: head 2 never ran
+    r.observe(tokens.tolist(), [[2, 7]], [5], [False])  # node 7 has no children: head 2 never ran
     assert r.adapt.trials == [1, 1, 0]
     assert r.adapt.hits[0][:2] == [0, 1] and r.adapt.hits[1][:2] == [0, 1]
     # a sub-tree numbers its own nodes: 1 (0), 2 (1), 3 (0, 0); (1,) has no children in it
@@ -161,12 +161,12 @@ def test_hydra_rounds_count_a_head_only_where_it_ran_on_the_path():
     r.tree = sub
     levels = _levels(sub.layout(), sub.depth)
     assert [lv[0].tolist() for lv in levels] == [[0], [1]]
-    r.drafted = list(zip([lv[0] for lv in levels],
+    r.drafted = list(zip([lv[0].tolist() for lv in levels],
                          [torch.tensor([[[10, 11, 12, 13]]] * 2).view(2, 1, 4),
                           torch.tensor([[[20, 21]]] * 2).view(2, 1, 2)]))
     tokens = torch.zeros(2, 4, dtype=torch.int64)
     tokens[:, 1], tokens[:, 2], tokens[:, 3] = 10, 11, 20
-    r.observe(tokens, [[1, 3], [2]], [7, 8], [False, False])  # head 1 ran on node 1's path only
+    r.observe(tokens.tolist(), [[1, 3], [2]], [7, 8], [False, False])  # head 1 ran on node 1's path only
     assert r.adapt.trials == [2, 1, 0]
     assert r.adapt.hits[0][:2] == [1, 1] and r.adapt.hits[1][:1] == [1]
 
@@ -178,9 +178,9 @@ def test_rows_past_their_end_of_sequence_are_not_counted():
     r.s, r.ended = GenerationSettings(eos_token_id=[2]), [False, False]
     r.drafted = torch.tensor([[[10, 11, 12, 13]] * 3] * 2)  # [B, K, ranks]
     tokens = torch.zeros(2, 9, dtype=torch.int64)
-    r._adapt(tokens, [[], []], [2, 10], [False, False], [[2], [10]], [9, 9])  # row 0 ends here
+    r._adapt(tokens.tolist(), [[], []], [2, 10], [False, False], [[2], [10]], [9, 9])  # row 0 ends here
     assert r.ended == [True, False] and r.adapt.trials == [2, 0, 0]
-    r._adapt(tokens, [[], []], [10, 10], [False, False], [[10], [10]], [10, 10])
+    r._adapt(tokens.tolist(), [[], []], [10, 10], [False, False], [[10], [10]], [10, 10])
     assert r.adapt.trials == [3, 0, 0] and r.adapt.hits[0][0] == 2  # row 1 alone
     assert r.row_trials == [[1, 0, 0], [2, 0, 0]] and r.row_hits[1][0][0] == 2
 
@@ -204,7 +204,7 @@ def test_in_a_batch_the_lagging_rows_counts_choose_the_tree():
             r.row_hits[row][0][0] = 200 if hit else 0
         r.adapt.rounds = AdaptiveTree.EVERY - 1  # this round re-chooses
         made = made or [[5]] * batch  # this round's tokens per row (2 ends a row)
-        r._adapt(torch.zeros(batch, 9, dtype=torch.int64), [[]] * batch, [m[-1] for m in made],
+        r._adapt([[0] * 9] * batch, [[]] * batch, [m[-1] for m in made],
                  list(done), made, length)
         return r.tree
 
@@ -328,8 +328,7 @@ def test_hydra_rounds_do_not_count_past_a_copied_chains_node_or_an_unkept_path()
     r.verified = Tree(((0,), (1,), (10,), (0, 0), (10, 10)))
     r.to_head = [0, 1, 2, -1, 3, -1]
     # level 1 expanded node 1 and a path that was not kept (-1)
-    r.drafted = [(torch.tensor([0]), torch.tensor([[[10, 11]]])),
-                 (torch.tensor([1, -1]), torch.tensor([[[20, 21], [25, 26]]]))]
+    r.drafted = [([0], torch.tensor([[[10, 11]]])), ([1, -1], torch.tensor([[[20, 21], [25, 26]]]))]
     tokens = torch.tensor([[0, 10, 11, 10, 20, 25]])
-    r.observe(tokens, [[3, 5]], [7], [False])  # the chain's two tokens were the model's
+    r.observe(tokens.tolist(), [[3, 5]], [7], [False])  # the chain's two tokens were the model's
     assert r.adapt.trials == [1, 0, 0] and r.adapt.hits[0][:2] == [1, 0]  # head 0's rank 0

@@ -310,7 +310,7 @@ def test_greedy_rounds_tell_the_heads_trees_own_depth_where_a_chain_wins():
     from rewriter.runtime.settings import GenerationSettings
     from rewriter.runtime.tree_decoding import _TreeRounds
     r = _TreeRounds.__new__(_TreeRounds)
-    r.s, r.device, r.chain = GenerationSettings(), torch.device("cpu"), ChainLength(3)
+    r.s, r.device, r.chain, r.adapt = GenerationSettings(), torch.device("cpu"), ChainLength(3), None
     r.strategy = rewriter.decoding.Strategy("medusa", num_heads=2, tree=((0,), (0, 0)))
     tree = make_tree([[0], [0, 0]], 2)
     r.verified, tokens = with_chain(tree, torch.tensor([[5, 1, 2]] * 3), [[1, 7, 8]] * 3,
