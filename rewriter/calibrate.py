@@ -227,8 +227,9 @@ def _batch(ir: IR, prompts) -> torch.Tensor:
 def _argmax(ir: IR, ids: torch.Tensor) -> torch.Tensor:
     """The model's greedy next token at every position of ``ids`` ``[B, S]``, on the
     device of the IR's weights (the prompts arrive as host lists)."""
-    weight = max((t for t in ir.weights().values() if t.is_floating_point()), key=torch.Tensor.numel)
-    ids = ids.to(weight.device)
+    weight = max((t for t in ir.weights().values() if t.is_floating_point()),
+                 key=torch.Tensor.numel, default=None)
+    ids = ids.to(weight.device) if weight is not None else ids
     positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     with torch.inference_mode():
         return ir.gm(ids, positions).argmax(-1)

@@ -293,7 +293,7 @@ def _transposed(weight: torch.Tensor) -> torch.Tensor:
         return weight.t().contiguous()
     # ``param.data = new`` (``module.to()``) keeps the object and its version: the address
     # tells that change
-    stamp = (weight._version, weight.data_ptr())
+    stamp = (weight._version, weight.data_ptr(), weight.dtype, weight.device)
     kept = _TRANSPOSED.get(weight)
     if kept is None or kept[0] != stamp:
         kept = (stamp, weight.t().contiguous())

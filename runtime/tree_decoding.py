@@ -106,9 +106,11 @@ class _TreeRounds(_Rounds):
         self.pending: list = [[] for _ in range(b)]  # per row: chains not yet scored
         self.tree_depth: Optional[list] = None  # per row: the heads' tree's accepted depth
         # greedy acceptance's one read back a round: (the tokens verified on the host
-        # [B][m], the accepted node [B] and the token after it [B] on the device, and for
-        # the adaptive tree the heads' guesses on the host [B][all, flat], else None)
+        # [B][m], the accepted node [B] and the token after it [B] on the device)
         self.read: Optional[tuple] = None
+        # the heads' guesses behind this round's tree on the host [B][all, flat], read back
+        # with the round's result for the adaptive tree's counts (``observe``), else None
+        self.guessed: Optional[list] = None
         self.rounds = 0
         k = strategy.num_heads  # each row's counts in this generation (tree_adapt.row_accuracy)
         self.row_hits = [[[0] * MAX_RANK for _ in range(k)] for _ in range(b)]
@@ -132,7 +134,7 @@ class _TreeRounds(_Rounds):
         self.max_draft = tree.size - 1
         self.to_head = None  # a verified node's index in the drafted tree (None: the same)
         self.levels = _kept(("levels", tree.paths), self.device,
-                            lambda: _levels(tree.layout(self.device), tree.depth)) \
+                            lambda: _levels(_host_layout(tree), tree.depth, self.device)) \
             if self.hydra and tree.size > 1 and not self.dynamic else None
 
     def layout(self, m: int, tree=None) -> dict:
@@ -257,6 +259,10 @@ class _TreeRounds(_Rounds):
         index = {p: i for i, p in enumerate(((),) + tree.paths)}  # a path's node, -1: not verified
         self.drafted = [([index.get(p, -1) for p in paths], got) for paths, got in levels]
 
+    def _counted_guesses(self) -> list[Tensor]:
+        """``_guesses()`` where the adaptive tree counts them this round (``observe``)."""
+        return self._guesses() if self.adapt is not None and self.drafted is not None else []
+
     def _guesses(self) -> list[Tensor]:
         """The heads' ranked guesses behind this round's tree, each ``[B, n]``: Medusa's
         ``[B, K, ranks]``, or each Hydra level's ``[B, parents, ranks]``, flattened."""
@@ -285,14 +291,19 @@ class _TreeRounds(_Rounds):
                           drafted=(m - 1) * sum(not d for d in done))
         if self.to_head is not None:  # chain nodes copied from the text, verified this round
             self.stats.update(copied=sum(i < 0 for i in self.to_head[1:m]))
-        self.tree_depth, self.read = None, None
+        self.tree_depth, self.read, self.guessed = None, None, None
         if m > 1:
             paths, bonus = self.accept(logits, tokens, lay)
             self.compact(length, paths)
-        else:  # a plain round (the adaptive tree chose none): the model's token, chosen as
-            # plain decoding chooses it, with no acceptance or K/V moves to pay for
+        else:  # a plain round (the adaptive tree chose none, or a generation's last token):
+            # the model's token, chosen as plain decoding chooses it, with no acceptance or
+            # K/V moves to pay for; read back with the guesses the counts need
             paths = [[] for _ in range(b)]
-            bonus = next_token(logits[:, 0], self.s, self.generator).tolist()
+            guesses = self._counted_guesses()
+            read = torch.cat([next_token(logits[:, 0], self.s, self.generator)[:, None],
+                              *guesses], 1).tolist()  # [B, 1 (+ guesses)]
+            bonus = [row[0] for row in read]
+            self.guessed = [row[1:] for row in read] if guesses else None
         # the verified tokens on the host: greedy acceptance read them back with its result
         host = self.read[0] if self.read is not None else tokens.tolist() if m > 1 else None
         rows = [[host[r][i] for i in p] + [bonus[r]] for r, p in enumerate(paths)]
@@ -377,7 +388,7 @@ class _TreeRounds(_Rounds):
         model's token among its guesses there (``runtime.tree_adapt``). ``rows``: the
         tokens verified, on the host ``[B][m]`` (None when only the root was)."""
         # [B][every guess, flat]: read back with the round's acceptance where it was greedy
-        guesses_read = self.read[3] if self.read is not None and self.read[3] is not None \
+        guesses_read = self.guessed if self.guessed is not None \
             else torch.cat(self._guesses(), 1).tolist()
         if self.hydra:  # per level: (the parents' node indices, [B][parents][ranks])
             levels, at = [], 0
@@ -437,16 +448,15 @@ class _TreeRounds(_Rounds):
         if self.to_head is not None and self.chain is not None:  # the heads' nodes' own best
             heads = torch.tensor([i >= 0 for i in self.to_head[:m]], device=self.device)
             parts.append(torch.where(ok & heads[None], depth[None], 0).amax(1)[:, None])
-        # the adaptive tree's counts need the heads' guesses behind this tree (``observe``)
-        guesses = self._guesses() if self.adapt is not None and self.drafted is not None else []
+        guesses = self._counted_guesses()
         # one read back a round (on a GPU each one waits for the queued work):
         # [B, 2 (+ 1) + m (+ guesses)]
         read = torch.cat([*parts, tokens, *guesses], 1).tolist()
         c = len(parts)
         if c == 3:
             self.tree_depth = [row[2] for row in read]
-        self.read = ([row[c:c + m] for row in read], best, bonus,
-                     [row[c + m:] for row in read] if guesses else None)
+        self.read = ([row[c:c + m] for row in read], best, bonus)
+        self.guessed = [row[c + m:] for row in read] if guesses else None
         return [lay["paths"][row[0]] for row in read], [row[1] for row in read]
 
     def _walk(self, logits, tokens, lay):
@@ -528,13 +538,22 @@ def _kept(key: tuple, device: torch.device, make: Callable[[], Any]):
     return value
 
 
-def _levels(lay: dict, depth: int) -> list[tuple]:
+def _host_layout(tree: Tree) -> dict:
+    """``tree.layout()``'s ``parent``, ``depth`` and ``rank`` as host lists: the same
+    numbering, made without a device (a plan made mid-generation reads nothing back)."""
+    index = {p: i + 1 for i, p in enumerate(tree.paths)}
+    return {"parent": [-1] + [index.get(p[:-1], 0) for p in tree.paths],
+            "depth": [0] + [len(p) for p in tree.paths], "rank": [-1] + [p[-1] for p in tree.paths]}
+
+
+def _levels(lay: dict, depth: int, device: Optional[torch.device] = None) -> list[tuple]:
     """Hydra's drafting plan, one entry per tree level ``d``: the depth-``d`` nodes with
     children (``parents``), their paths from the root (``chains`` ``[P, d + 1]``), the
     depth-``d + 1`` nodes (``children``), each child's parent slot in ``parents`` and
     rank, and how many ranks the level needs."""
-    parent, depth_of, rank = lay["parent"].tolist(), lay["depth"].tolist(), lay["rank"].tolist()
-    device = lay["parent"].device
+    host = lambda v: v.tolist() if isinstance(v, Tensor) else list(v)  # noqa: E731
+    parent, depth_of, rank = host(lay["parent"]), host(lay["depth"]), host(lay["rank"])
+    device = device if device is not None else lay["parent"].device
     t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
     out = []
     for d in range(depth):

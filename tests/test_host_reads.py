@@ -78,6 +78,6 @@ def test_an_adaptive_trees_counts_come_with_the_same_read(cls):
     engine.generate(rows, max_new_tokens=4, eos_token_id=[])
     count, rounds = counted(engine, rows, eos_token_id=[7])
     assert engine.ir.info["decoding"].get("adapt") is not None
-    assert rounds >= 5
+    assert rounds >= 5 and engine.stats["head_passes"] > 0  # the heads drafted
     # per generation, beside the prompt's first token: the prompts' text for prompt lookup
     assert count["reads"] <= rounds + 5, (count, rounds)

@@ -120,7 +120,7 @@ def rounds_by_hand(tree, hydra=False, batch=3, costs=None):
     r.row_hits = [[[0] * MAX_RANK for _ in range(3)] for _ in range(batch)]
     r.row_trials = [[0] * 3 for _ in range(batch)]
     r.device, r.stats = torch.device("cpu"), Counter()
-    r.rounds, r.chain, r.chains_only, r.read = 0, None, False, None
+    r.rounds, r.chain, r.chains_only, r.read, r.guessed = 0, None, False, None, None
     return r
 
 
@@ -332,3 +332,18 @@ def test_hydra_rounds_do_not_count_past_a_copied_chains_node_or_an_unkept_path()
     tokens = torch.tensor([[0, 10, 11, 10, 20, 25]])
     r.observe(tokens.tolist(), [[3, 5]], [7], [False])  # the chain's two tokens were the model's
     assert r.adapt.trials == [1, 0, 0] and r.adapt.hits[0][:2] == [1, 0]  # head 0's rank 0
+
+
+def test_hydras_plan_made_on_the_host_numbers_nodes_as_the_layout_does():
+    """Hydra's level plan is made from the tree's paths alone (no read back mid-generation):
+    the same parents, depths and ranks as the device layout."""
+    from rewriter.runtime.tree_decoding import _host_layout
+    for paths in (WIDE, [[0], [1], [0, 0]], [[0], [0, 0], [0, 0, 0], [1], [1, 0], [2]]):
+        tree = make_tree(paths, 3)
+        lay = tree.layout()
+        host = _host_layout(tree)
+        for key in ("parent", "depth", "rank"):
+            assert host[key] == lay[key].tolist(), key
+        for a, b in zip(_levels(host, tree.depth, torch.device("cpu")), _levels(lay, tree.depth)):
+            assert all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+                       for x, y in zip(a, b))
