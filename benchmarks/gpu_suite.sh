@@ -3,10 +3,11 @@
 #
 #   bash benchmarks/gpu_suite.sh stash      # only keep the GGUF parts this call carried
 #   bash benchmarks/gpu_suite.sh tests      # GPU tests + the kernel tests on the GPU      (~3 min)
-#   bash benchmarks/gpu_suite.sh capture    # why the Triton step is not a CUDA graph       (~1 min)
+#   bash benchmarks/gpu_suite.sh capture    # the Triton step's CUDA-graph capture, probed  (~1 min)
 #   bash benchmarks/gpu_suite.sh kernels    # benchmarks/kernels.py timing                  (~3 min)
 #   bash benchmarks/gpu_suite.sh decode     # benchmarks/decode.py --device cuda, 1B        (~6 min)
-#   bash benchmarks/gpu_suite.sh smollm2 [F] # decode.py and speculative.py on SmolLM2's GGUF F
+#   [STRATEGIES="medusa hydra"] [SLOT=280] \
+#   bash benchmarks/gpu_suite.sh smollm2 [F] # speculative.py on SmolLM2's GGUF F, per strategy
 #                                            # (default: the parts carried so far, gpu_prepare.sh)
 #   bash benchmarks/gpu_suite.sh sparse [F]  # sparse.py decode speed at 8k on F, both backends (~8 min)
 #
@@ -66,9 +67,10 @@ smollm2() {  # the GGUF file: the argument, or the parts held in /tmp/gpu_parts
         --new 128 --repeat 3 --json "$out/decode.json" ;;
     smollm2)
       gguf=$(smollm2 "${2:-}") || exit 1
-      for s in medusa hydra lookup self; do  # one process each: a failure costs one strategy;
-        # the torch backend, whose rounds replay CUDA graphs (the Triton backend's capture fails)
-        timeout 135 python3 benchmarks/speculative.py --device cuda --backend torch --model "$gguf" \
+      # one process each: a failure costs one strategy. On 2026-11-24 none finished a row in
+      # 135 s (optimize() runs 3-6 times a strategy): one or two strategies a call, SLOT=280
+      for s in ${STRATEGIES:-medusa hydra lookup self}; do
+        timeout ${SLOT:-135} python3 benchmarks/speculative.py --device cuda --backend torch --model "$gguf" \
           --heads smollm2 --strategies $s --dtype bfloat16 --batch ${BATCHES:-1} \
           --samples ${SAMPLES:-3} --json "$out/spec_$s.json"
       done ;;
