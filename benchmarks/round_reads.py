@@ -13,17 +13,15 @@ first token, the rows' prompts for prompt lookup).
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 from pathlib import Path
 
-import torch
 from tabulate import tabulate
 
 import rewriter
+from rewriter.host_reads import counting
 from rewriter.passes import HydraHeads, MedusaHeads, PromptLookup, SelfSpeculative
 
-READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__")
 ROWS = [list(range(3, 40)), list(range(50, 70))]
 STRATEGIES = {
     "SelfSpeculative(skip_layers=[1], max_draft=3)":
@@ -38,29 +36,9 @@ STRATEGIES = {
 
 def counted(engine, eos: list[int]) -> dict:
     """Per round: reads back and copies from the host of one generation."""
-    count = collections.Counter()
-    real = {name: getattr(torch.Tensor, name) for name in READS}
-    tensor = torch.tensor
-
-    def reading(name):
-        def read(self, *args, **kwargs):
-            count["reads"] += 1
-            return real[name](self, *args, **kwargs)
-        return read
-
-    def copying(*args, **kwargs):
-        count["copies"] += 1
-        return tensor(*args, **kwargs)
     engine.stats.clear()
-    try:
-        for name in READS:
-            setattr(torch.Tensor, name, reading(name))
-        torch.tensor = copying
+    with counting() as count:
         engine.generate(ROWS, max_new_tokens=48, eos_token_id=eos)
-    finally:
-        for name in READS:
-            setattr(torch.Tensor, name, real[name])
-        torch.tensor = tensor
     rounds = max(1, engine.stats["rounds"])
     return {"rounds": engine.stats["rounds"], "reads_per_round": count["reads"] / rounds,
             "copies_per_round": count["copies"] / rounds}

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import rewriter
+from rewriter.host_reads import counting
 from rewriter.passes import HydraHeads, MedusaHeads, SelfSpeculative
 
 from conftest import make_model, varied_init
@@ -17,35 +18,26 @@ from test_hydra_heads import hydra_heads
 
 TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 ROWS = [[3, 17, 42, 5, 99, 8, 64, 11, 12], [1, 2, 3], [50, 51, 52, 53, 54]]
-READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__")
 
 
 def counted(engine, rows=ROWS, **kw) -> tuple[collections.Counter, int]:
     """(read backs and host-to-device copies made by a generation, its rounds)."""
-    count = collections.Counter()
-    real = {name: getattr(torch.Tensor, name) for name in READS}
-    tensor = torch.tensor
-
-    def reading(name):
-        def read(self, *args, **kwargs):
-            count["reads"] += 1
-            return real[name](self, *args, **kwargs)
-        return read
-
-    def copying(*args, **kwargs):
-        count["copies"] += 1
-        return tensor(*args, **kwargs)
     engine.stats.clear()
-    try:
-        for name in READS:
-            setattr(torch.Tensor, name, reading(name))
-        torch.tensor = copying
+    with counting() as count:
         engine.generate(rows, max_new_tokens=24, **kw)
-    finally:
-        for name in READS:
-            setattr(torch.Tensor, name, real[name])
-        torch.tensor = tensor
     return count, engine.stats["rounds"]
+
+
+def test_counting_counts_reads_and_copies_and_restores_torch():
+    tolist, tensor = torch.Tensor.tolist, torch.tensor
+    with pytest.raises(RuntimeError, match="inside"):
+        with counting() as count:
+            t = torch.tensor([1, 2])
+            t.tolist(), bool(t[0]), int(t[1])
+            t + 1  # neither a read nor a copy
+            raise RuntimeError("inside")
+    assert count == {"reads": 3, "copies": 1}
+    assert torch.Tensor.tolist is tolist and torch.tensor is tensor
 
 
 @pytest.mark.parametrize("strategy", ["self_speculative", "medusa", "hydra"])
