@@ -174,6 +174,9 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--questions", type=int, default=0,
                    help="--data mixed: chat questions the model asks itself (Magpie) and "
                         "answers, beside the prompts and rows")
+    t.add_argument("--init", default=None,
+                   help="a heads file (of this --arch and model; or a shipped name: default, "
+                        "smollm2) to start from instead of zero weights: more training on new data")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--generate-batch", type=int, default=32,
                    help="prompts continued at once while making the data")
@@ -222,7 +225,7 @@ def cmd_train_heads(args) -> int:
                          prompts=args.prompts, new_tokens=args.new_tokens, epochs=args.epochs,
                          lr=args.lr, seed=args.seed, progress=_bars(), arch=args.arch,
                          loss=args.loss, work_dir=args.work_dir, data=args.data, rows=args.rows,
-                         questions=args.questions,
+                         questions=args.questions, init=args.init,
                          generate_batch=args.generate_batch)
     print(json.dumps(report, indent=1))
     return 0

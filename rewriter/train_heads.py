@@ -64,12 +64,15 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
                 seed: int = 0, work_dir: Optional[Union[str, os.PathLike]] = None,
                 generate_batch: int = 32, progress: bool = True, chat: bool = True,
                 arch: str = "medusa", loss: str = "tokens", data: str = "generated",
-                rows: Optional[int] = None, questions: int = 0) -> dict:
+                rows: Optional[int] = None, questions: int = 0,
+                init: Optional[Union[str, os.PathLike]] = None) -> dict:
     """Train heads for ``model`` (a Hugging Face causal LM, frozen) and write them to ``out``
     (``rewriter.heads`` format); returns what was done and measured. ``arch``: "medusa"
     or "hydra"; ``loss``: "tokens" or "teacher"; ``data``: "generated", "corpus" or "mixed"
     (see the module's docstring; ``rows``: a mixed run's corpus rows, default ``prompts``;
-    ``questions``: a mixed run's self-asked chat questions)."""
+    ``questions``: a mixed run's self-asked chat questions; ``init``: a heads file of this
+    architecture and model to start from, so heads trained on earlier data learn from more:
+    its weights are the start and its token counts are added to this data's)."""
     if arch not in heads_file.ARCHS:
         raise ValueError(f"train_heads: arch must be one of {heads_file.ARCHS}, got {arch!r}")
     if data not in DATA:
@@ -97,6 +100,7 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
         raise ValueError(f"train_heads: lr must be a number in (0, 1), got {lr!r}")
     if questions:  # checked (an int by now) before hours of other data are made
         question_prefix(model, tokenizer)
+    start = _initial(init, arch, num_heads, model) if init is not None else None
     out = Path(out)
     work = Path(work_dir) if work_dir is not None else out.with_name(out.name + ".work")
     work.mkdir(parents=True, exist_ok=True)
@@ -112,6 +116,8 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
         settings["rows"] = rows
         if questions:  # mixed runs from before questions keep their key
             settings["questions"] = questions
+    # the training's own key (not the data's: a run from other heads reuses the data)
+    train_settings = {**settings, **({"init": start[1]} if start is not None else {})}
     sets, data_seconds, counts = {}, 0.0, torch.zeros(lm_head.shape[0], dtype=torch.int64)
     for split, n in (("train", prompts), ("heldout", heldout_prompts)):
         parts = []
@@ -125,19 +131,37 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
             parts.append(part)
             data_seconds = None if seconds is None or data_seconds is None else data_seconds + seconds
         sets[split] = parts[0] if len(parts) == 1 else _merge(parts)
+    if start is not None and start[0].counts is not None:  # the data the start was trained on
+        counts += start[0].counts
     w, b, trained = _train(sets["train"], lm_head, embed, num_heads, epochs, lr, batch, seed,
-                           work, settings, progress, loss)
+                           work, train_settings, progress, loss,
+                           start[0] if start is not None else None)
     accuracy = rank_accuracy(sets["heldout"], lm_head, w, b, embed)
     report = {**trained, "seconds_data": data_seconds and round(data_seconds, 1),
               "settings": {k: v for k, v in settings.items() if k != "model"},
               "train_tokens": int((sets["train"]["end"] - sets["train"]["start"]).sum()),
               "heldout_top1": [round(a[0], 4) for a in accuracy],
               "heldout_top5": [round(sum(a[:5]), 4) for a in accuracy],
-              "device": str(lm_head.device), "arch": arch, "loss": loss, "data": data}
+              "device": str(lm_head.device), "arch": arch, "loss": loss, "data": data,
+              **({"init": {"file": Path(init).name, "sha256": start[1],
+                           "trained": start[0].trained}} if start is not None else {})}
     w = [t.to(torch.bfloat16) for t in w] if arch == "hydra" else w.to(torch.bfloat16)
     heads_file.Heads(w, b.to(torch.bfloat16), lm_head.shape[0], heads_file.probe_of(lm_head),
                      accuracy, report, counts, arch).save(out)
     return report
+
+
+def _initial(init, arch: str, num_heads: int, model) -> tuple:
+    """``(heads, sha256 of the file)``: the heads a run starts from, checked against the
+    run's architecture, head count and model before any data is made."""
+    import hashlib
+    heads = heads_file.load(init, want=arch)
+    if heads.num_heads != num_heads:
+        raise ValueError(f"train_heads: init {init} holds {heads.num_heads} heads; this run "
+                         f"trains {num_heads} (num_heads)")
+    heads.fits(model.get_output_embeddings().weight.detach(), f"train_heads: init {init}")
+    digest = hashlib.sha256(heads_file.resolve(init, arch).read_bytes()).hexdigest()
+    return heads, digest
 
 
 # ---------------------------------------------------------------------------- data
@@ -573,7 +597,7 @@ def heads_forward(h: Tensor, w, b: Tensor, embed: Optional[Tensor], path: Option
 
 def _train(data: dict, lm_head: Tensor, embed: Optional[Tensor], num_heads: int, epochs: int,
            lr: float, batch: int, seed: int, work: Path, settings: dict, progress: bool,
-           loss_kind: str = "tokens"):
+           loss_kind: str = "tokens", init: Optional[heads_file.Heads] = None):
     from safetensors.torch import load_file
     device = lm_head.device
     hidden_size = lm_head.shape[1]
@@ -590,6 +614,10 @@ def _train(data: dict, lm_head: Tensor, embed: Optional[Tensor], num_heads: int,
         params = list(w)
     b = torch.zeros(num_heads, hidden_size, device=device, requires_grad=True)
     params.append(b)
+    if init is not None:  # float32 master weights from the (bfloat16) file
+        with torch.no_grad():
+            for p, t in zip(params, (init.w if embed is not None else [init.w]) + [init.b]):
+                p.copy_(t.to(device, torch.float32))
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     steps_per_epoch = math.ceil(len(pairs) / batch)
     total = steps_per_epoch * epochs

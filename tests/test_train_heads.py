@@ -40,6 +40,34 @@ def test_training_is_seeded_and_resumes_after_an_interruption(tmp_path, monkeypa
     assert torch.equal(a.w, b.w) and torch.equal(a.b, b.b)
 
 
+def test_training_from_earlier_heads_starts_at_their_weights(tmp_path):
+    """``init``: the run starts at the file's weights (a tiny learning rate leaves them where
+    they were), adds its token counts to the new data's, and names the file it came from;
+    heads of another architecture, head count or model are refused before any data is made."""
+    model, tok = default_model()
+    th.train_heads(model, tok, tmp_path / "a.safetensors", **SMALL)
+    a = heads_file.load(tmp_path / "a.safetensors")
+    report = th.train_heads(model, tok, tmp_path / "b.safetensors", init=tmp_path / "a.safetensors",
+                            work_dir=tmp_path / "work", **{**SMALL, "lr": 1e-12, "seed": 1})
+    b = heads_file.load(tmp_path / "b.safetensors")
+    assert torch.equal(a.w, b.w) and torch.equal(a.b, b.b)  # bfloat16 files: 1e-12 rounds away
+    assert b.counts.sum() == a.counts.sum() + 6 * 8  # the start's data and this run's
+    assert report["init"]["file"] == "a.safetensors" and len(report["init"]["sha256"]) == 64
+    # from zero weights instead, the same data and learning rate give untrained heads
+    th.train_heads(model, tok, tmp_path / "c.safetensors", work_dir=tmp_path / "work",
+                   **{**SMALL, "lr": 1e-12, "seed": 1})
+    assert heads_file.load(tmp_path / "c.safetensors").w.abs().max() < 1e-6
+    with pytest.raises(ValueError, match="holds 2 heads; this run trains 3"):
+        th.train_heads(model, tok, tmp_path / "x.safetensors", init=tmp_path / "a.safetensors",
+                       **{**SMALL, "num_heads": 3})
+    with pytest.raises(heads_file.HeadsFileError, match="not hydra heads"):
+        th.train_heads(model, tok, tmp_path / "x.safetensors", init=tmp_path / "a.safetensors",
+                       arch="hydra", **SMALL)
+    with pytest.raises(heads_file.HeadsFileError, match="trained for a model with hidden size 576"):
+        th.train_heads(model, tok, tmp_path / "x.safetensors", init="smollm2", **{**SMALL, "num_heads": 4})
+    assert not (tmp_path / "x.safetensors").exists() and not (tmp_path / "x.safetensors.work").exists()
+
+
 def test_bad_training_parameters_are_refused(tmp_path):
     model, tok = default_model()
     for kw in ({"num_heads": 0}, {"num_heads": 9}, {"epochs": 0}, {"lr": 0}, {"lr": True},
