@@ -10,6 +10,10 @@
 #   bash benchmarks/gpu_suite.sh smollm2 [F] # speculative.py on SmolLM2's GGUF F, per strategy
 #                                            # (default: the parts carried so far, gpu_prepare.sh)
 #   bash benchmarks/gpu_suite.sh sparse [F]  # sparse.py decode speed at 8k on F, both backends (~8 min)
+#   [INIT=smollm2] [PROMPTS=..] [ROWS=..] [QUESTIONS=..] [SLOT=540] \
+#   bash benchmarks/gpu_suite.sh heads [F]   # Hydra heads trained on the GPU on more data than a
+#                                            # CPU makes in a session; its work dir stays in
+#                                            # /tmp/heads_work: a call within 30 s resumes it
 #
 # Results and logs go to $OUT (the device tool's folder) or benchmarks/results/gpu. The
 # device image brings its own torch and triton and has no network, so the project is
@@ -17,7 +21,7 @@
 # packages the image lacks (gguf, pydot, ...) come as wheels in .gpu/w when present
 # (benchmarks/gpu_prepare.sh builds .gpu; name it in the run's carry).
 set -uo pipefail
-stage=${1:?usage: gpu_suite.sh stash|tests|gpu-tests|capture|kernels|decode|smollm2 [GGUF]|sparse [GGUF]}
+stage=${1:?usage: gpu_suite.sh stash|tests|gpu-tests|capture|kernels|decode|smollm2 [GGUF]|sparse [GGUF]|heads [GGUF]}
 out=${OUT:-benchmarks/results/gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -83,6 +87,15 @@ smollm2() {  # the GGUF file: the argument, or the parts held in /tmp/gpu_parts
           --quest-budget 768 --quest-dense-layers 2 --duo-gates smollm2 --duo-sinks 16 \
           --duo-window 240 --duo-sparsity 0.5 --json "$out/sparse_$backend.json"
       done ;;
+    heads)
+      gguf=$(smollm2 "${2:-}") || exit 1
+      # the heads are data-starved (docs/benchmarks.md); on the GPU the data is minutes. Seed 1:
+      # other prompts and questions than the shipped heads' (seed 0), for INIT=smollm2
+      timeout ${SLOT:-540} python3 -m rewriter train-heads "$gguf" --arch hydra --data mixed \
+        --prompts ${PROMPTS:-16384} --rows ${ROWS:-4096} --questions ${QUESTIONS:-8192} \
+        --epochs 1 --lr ${LR:-1e-3} --batch 2048 --generate-batch 256 --seed 1 --device cuda \
+        ${INIT:+--init $INIT} --out "$out/hydra_gpu.safetensors" --work-dir /tmp/heads_work
+      ls -la /tmp/heads_work ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 } 2>&1 | tee "$log"

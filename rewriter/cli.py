@@ -162,6 +162,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--new-tokens", type=int, default=96, help="greedy tokens per prompt")
     t.add_argument("--epochs", type=int, default=2)
     t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--batch", type=int, default=256,
+                   help="positions a training step (a GPU takes thousands)")
     t.add_argument("--loss", choices=LOSSES, default="tokens",
                    help="teacher: learn the model's whole next-token distribution (Hydra++)")
     t.add_argument("--data", choices=("generated", "corpus", "mixed"), default="generated",
@@ -223,7 +225,7 @@ def cmd_train_heads(args) -> int:
     model, tokenizer = load_model(args.model, args.dtype)
     report = train_heads(model.to(device), tokenizer, args.out, num_heads=args.num_heads,
                          prompts=args.prompts, new_tokens=args.new_tokens, epochs=args.epochs,
-                         lr=args.lr, seed=args.seed, progress=_bars(), arch=args.arch,
+                         lr=args.lr, batch=args.batch, seed=args.seed, progress=_bars(), arch=args.arch,
                          loss=args.loss, work_dir=args.work_dir, data=args.data, rows=args.rows,
                          questions=args.questions, init=args.init,
                          generate_batch=args.generate_batch)

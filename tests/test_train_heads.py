@@ -342,8 +342,10 @@ def test_the_cli_trains_heads(tmp_path, capsys):
     from rewriter.cli import main
     out = tmp_path / "h.safetensors"
     assert main(["train-heads", "default", "--out", str(out), "--num-heads", "1", "--prompts", "4",
-                 "--new-tokens", "8", "--epochs", "1", "--dtype", "float32"]) == 0
-    assert heads_file.load(out).num_heads == 1 and '"steps"' in capsys.readouterr().out
+                 "--new-tokens", "8", "--epochs", "1", "--dtype", "float32", "--batch", "4"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert heads_file.load(out).num_heads == 1 and report["batch"] == 4
+    assert report["steps"] == -(-report["positions"] // 4)
 
 
 def test_hydra_training_is_seeded_resumes_and_learns_from_the_path(tmp_path, monkeypatch):
