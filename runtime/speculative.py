@@ -196,7 +196,7 @@ class _Rounds:
     def round(self, last: Tensor, length: list[int], k: int, done: list[bool]):
         """Draft, verify, accept: (each row's new last token ``[B]``, the tokens each row
         accepted, the last one being the full model's)."""
-        drafts, q = self.draft(last, length, k)
+        drafts, q = self.draft(last, length, k, done)
         n_draft = len(drafts)
         tokens = torch.stack([last, *drafts], dim=1)  # [B, n + 1]
         positions = (self.on_device(length) - self.pad0)[:, None] \
@@ -210,8 +210,10 @@ class _Rounds:
         rows = [row[2:2 + row[0]] + [row[1]] for row in read]
         return torch.where(self.on_device(done), last, bonus), rows
 
-    def draft(self, last: Tensor, length: list[int], k: int) -> tuple[list[Tensor], list[Tensor]]:
-        """Up to ``k`` draft tokens ``[B]`` each, and (sampling) their distributions ``[B, V]``."""
+    def draft(self, last: Tensor, length: list[int], k: int,
+              done: Optional[list[bool]] = None) -> tuple[list[Tensor], list[Tensor]]:
+        """Up to ``k`` draft tokens ``[B]`` each, and (sampling) their distributions ``[B, V]``;
+        drafting stops once no running row (``done``: the rows that are not) is confident."""
         drafts, dists, token = [], [], last
         for j in range(k):
             positions = (self.on_device(length) + j - self.pad0)[:, None]
@@ -228,7 +230,10 @@ class _Rounds:
             drafts.append(token)
             if stop:  # read back: the one wait for the GPU a draft step has
                 confidence = q.gather(-1, token[:, None]).squeeze(-1)  # [B]
-                if bool((confidence < self.strategy.threshold).all()):
+                unsure = confidence < self.strategy.threshold  # [B]
+                if done is not None and any(done):  # a finished row's text has no say
+                    unsure |= self.on_device(done)
+                if bool(unsure.all()):
                     break
         return drafts, dists
 

@@ -313,6 +313,8 @@ class _TreeRounds(_Rounds):
                     context.extend(row)
         if self.adapt is not None:
             self._adapt(host, paths, bonus, done, rows, length)
+        else:  # a row whose text ended this round copies no chain from the next on
+            self._mark_ended(rows)
         if self.read is not None:  # each row's deepest accepted node and the token after it
             ends, after = self.read[1], self.read[2]
         else:
@@ -332,14 +334,18 @@ class _TreeRounds(_Rounds):
             self.observe(tokens, paths, bonus, [d or e for d, e in zip(done, self.ended)])
         if self.chain is not None:
             self._score(paths, done, length)
-        eos = set(self.s.eos_token_id)
-        self.ended = [e or any(t in eos for t in row) for e, row in zip(self.ended, rows)]
+        self._mark_ended(rows)
         if not self.chains_only:
             self._choose_tree(rows, done, length)
         # every few rounds; while no copy is verified, every round (a short generation
         # would otherwise never bring the chain back)
         if self.chain is not None and (self.rounds % AdaptiveTree.EVERY == 0 or not any(self.copy)):
             self.copy = self.chain.current = self.adapt.chain_length(self.budget)
+
+    def _mark_ended(self, rows: list[list[int]]) -> None:
+        """Rows whose accepted text (``rows``, this round's) holds an end of sequence."""
+        eos = set(self.s.eos_token_id)
+        self.ended = [e or any(t in eos for t in row) for e, row in zip(self.ended, rows)]
 
     def _choose_tree(self, rows: list[list[int]], done: list[bool], length: list[int]) -> None:
         # in a batch, the row with the fewest tokens decides when it ends: its counts choose

@@ -244,3 +244,24 @@ def test_parallel_blocks_refuse_sub_layer_skips_but_take_whole_layers():
         rewriter.optimize(model, passes=[SelfSpeculative(skip_attention=[1])])
     spec = rewriter.optimize(model, passes=[FuseQKV(), SelfSpeculative(skip_layers=[1])])
     assert torch.equal(spec.generate(IDS % 96, **KW), rewriter.optimize(model).generate(IDS % 96, **KW))
+
+
+def test_drafting_stops_when_no_running_row_is_confident():
+    """The confidence stop looks at running rows only: a finished row whose drafts stay
+    confident (it repeats itself) must not keep the others drafting."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from rewriter.runtime.speculative import _Rounds
+    confident = torch.tensor([20.0, 0.0, 0.0, 0.0])  # row 0: one token, probability ~1
+    unsure = torch.zeros(4)  # row 1: 4 tokens alike, 0.25 each
+    rounds = object.__new__(_Rounds)
+    rounds.strategy = SimpleNamespace(threshold=0.5)
+    rounds.s = SimpleNamespace(do_sample=False)
+    rounds.stats, rounds.draft_layers, rounds.device = Counter(), 1, torch.device("cpu")
+    rounds.pad0, rounds._on_device = torch.zeros(2, dtype=torch.int64), {}
+    rounds.step = lambda *a, **k: torch.stack([confident, unsure])[:, None]  # [B, 1, V]
+    last = torch.zeros(2, dtype=torch.int64)
+    assert len(rounds.draft(last, [5, 5], 4, [True, False])[0]) == 1  # row 0 is done
+    assert len(rounds.draft(last, [5, 5], 4, [False, False])[0]) == 4  # row 0 drafts on
+    assert len(rounds.draft(last, [5, 5], 4)[0]) == 4
