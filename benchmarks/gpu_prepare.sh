@@ -15,6 +15,10 @@
 #   run(carry=[".gpu/w"], command="bash benchmarks/gpu_suite.sh sparse")
 #   bash benchmarks/gpu_slim.sh off
 #   run(carry=[".gpu/w"], command="bash benchmarks/gpu_suite.sh gpu-tests; bash benchmarks/gpu_suite.sh capture")
+# Heads trained on the GPU (the SmolLM2 heads lack data; a CPU session makes ~0.5M positions)
+# go after the two "stash"-style calls, while the parts are held:
+#   run(carry=[".gpu/w"], command="INIT=smollm2 bash benchmarks/gpu_suite.sh heads")
+# its heads file comes back in $OUT; time it on the CPU with speculative.py --heads FILE.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .gpu/w .gpu/p .git/info

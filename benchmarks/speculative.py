@@ -223,6 +223,10 @@ def main():
                     help="also time the tree re-grown every round, expanding E nodes a level")
     ap.add_argument("--lookup", type=int, default=0,
                     help="also time the tree with a chain of L tokens copied from the text")
+    ap.add_argument("--default-only", action="store_true",
+                    help="heads: time only what the pass gives by default (the adaptive tree, "
+                         "with --lookup the chosen chain), with --draft-vocab only (compares "
+                         "heads files in a third of the time)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--backend", default="torch", choices=["torch", "triton"])
     ap.add_argument("--json", default="benchmarks/results/speculative.json")
@@ -345,7 +349,8 @@ def heads_rows(model, tok, plain, args, dtype, results, rows, arch):
     given = "auto"
     if args.tree_nodes is not None:  # the same budget for every heads file: its own best-first tree
         given = choose_tree(trained.accuracy, [1.0] * (args.tree_nodes + 2), args.tree_nodes)[0].record()
-    for vocab in (None, args.draft_vocab) if args.draft_vocab else (None,):
+    vocabs = (None, args.draft_vocab) if args.draft_vocab else (None,)
+    for vocab in vocabs[-1:] if args.default_only else vocabs:
         # with --lookup the pass measures the costs of verifying the chain too (the adaptive
         # rounds choose its length by them); each mode below sets the record's own lookup
         p = cls(weights=weights, draft_vocab=vocab, max_nodes=args.max_nodes, tree=given,
@@ -366,6 +371,8 @@ def heads_rows(model, tok, plain, args, dtype, results, rows, arch):
                     ([(False, 0, args.lookup)] if args.lookup else []) + \
                     ([(True, 0, args.lookup)] if args.lookup and adapt else []) + \
                     ([(False, args.dynamic, args.lookup)] if args.lookup and args.dynamic else [])
+                if args.default_only:
+                    modes = [(bool(adapt), 0, args.lookup)]
                 variants = [(plain, contextlib.nullcontext)] + [
                     (med, functools.partial(_adapting, record, adapt if a else None, e, k))
                     for a, e, k in modes]
