@@ -179,15 +179,26 @@ def strategy_engine(model, **kw):
     return engine
 
 
-@contextlib.contextmanager
-def guarded(engine):
-    """A ``strategy_engine`` as a user gets it, with the speed guard on: one engine serves
-    both rows (each ``optimize`` re-times the pass's costs; minutes on a GPU)."""
-    engine.fallback = True
-    try:
-        yield
-    finally:
-        engine.fallback = False
+class Guarded:
+    """A ``strategy_engine`` as a user gets it, with the speed guard on (``setting()``
+    for ``timed_together``): the same programs and pass (each ``optimize`` re-times the
+    pass's costs: minutes on a GPU), with the guard's timings and the learnt trees and
+    chains of its own, as a separately optimized engine has them (the engine records every
+    generation's speed, its unguarded ones too, which would tell the guard what it has not
+    tried)."""
+
+    def __init__(self, engine):
+        self.engine, self.guards, self.trees = engine, {}, {}
+
+    @contextlib.contextmanager
+    def __call__(self):
+        e = self.engine
+        saved = e.guards, e.trees
+        e.guards, e.trees, e.fallback = self.guards, self.trees, True
+        try:
+            yield
+        finally:
+            e.guards, e.trees, e.fallback = *saved, False
 
 
 def sync() -> None:
@@ -224,9 +235,9 @@ def main():
     ap.add_argument("--lookup", type=int, default=0,
                     help="also time the tree with a chain of L tokens copied from the text")
     ap.add_argument("--default-only", action="store_true",
-                    help="heads: time only what the pass gives by default (the adaptive tree, "
-                         "with --lookup the chosen chain), with --draft-vocab only (compares "
-                         "heads files in a third of the time)")
+                    help="heads (medusa, hydra): time only what the pass gives by default (the "
+                         "adaptive tree, with --lookup the chosen chain), and with --draft-vocab "
+                         "the trimmed vocabulary only (compares heads files in a third of the time)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--backend", default="torch", choices=["torch", "triton"])
     ap.add_argument("--json", default="benchmarks/results/speculative.json")
@@ -286,7 +297,7 @@ def main():
                     # and as a user gets it: the speed guard runs plain steps where those
                     # were faster (runs interleaved)
                     (out, rate, st), (_, guarded_rate, gst) = timed_together(
-                        [(spec, contextlib.nullcontext), (spec, functools.partial(guarded, spec))],
+                        [(spec, contextlib.nullcontext), (spec, Guarded(spec))],
                         prompts, args.new)
                     fell_back = f"{gst.get('plain_generations', 0)}/{RUNS * len(prompts)}"
                     run = {"dtype": dtype, "skip_set": name, "skip": skip, "batch": b, "prompts": kind,
@@ -417,7 +428,7 @@ def prompt_lookup_rows(model, tok, plain, args, dtype, results, rows) -> None:
                    model, tokenizer=tok, backend=args.backend,
                    passes=[PromptLookup(tokens=tokens, adapt=False)]), contextlib.nullcontext),
                # what a user gets by default: rounds or plain steps, whichever were timed faster
-               f"tokens={tokens}, guarded": (adapting, functools.partial(guarded, adapting))}
+               f"tokens={tokens}, guarded": (adapting, Guarded(adapting))}
     for b in args.batch:
         for kind, prompts in prompt_sets(plain, tok, b, args.samples).items():
             variants = [(plain, contextlib.nullcontext)] + list(engines.values())

@@ -116,6 +116,10 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
         settings["rows"] = rows
         if questions:  # mixed runs from before questions keep their key
             settings["questions"] = questions
+    if start is not None and start[0].trained.get("settings") == \
+            {k: v for k, v in settings.items() if k != "model"}:
+        raise ValueError(f"train_heads: init {init} was trained on this very data (the same "
+                         f"settings and seed): give another seed or more data")
     # the training's own key (not the data's: a run from other heads reuses the data)
     train_settings = {**settings, **({"init": start[1]} if start is not None else {})}
     sets, data_seconds, counts = {}, 0.0, torch.zeros(lm_head.shape[0], dtype=torch.int64)
@@ -143,8 +147,10 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
               "heldout_top1": [round(a[0], 4) for a in accuracy],
               "heldout_top5": [round(sum(a[:5]), 4) for a in accuracy],
               "device": str(lm_head.device), "arch": arch, "loss": loss, "data": data,
-              **({"init": {"file": Path(init).name, "sha256": start[1],
-                           "trained": start[0].trained}} if start is not None else {})}
+              **({"init": {"file": heads_file.resolve(init, arch).name, "sha256": start[1],
+                           # not its whole report: a chain of starts would nest every one
+                           **{k: start[0].trained.get(k) for k in ("positions", "settings")}}}
+                 if start is not None else {})}
     w = [t.to(torch.bfloat16) for t in w] if arch == "hydra" else w.to(torch.bfloat16)
     heads_file.Heads(w, b.to(torch.bfloat16), lm_head.shape[0], heads_file.probe_of(lm_head),
                      accuracy, report, counts, arch).save(out)
@@ -155,13 +161,18 @@ def _initial(init, arch: str, num_heads: int, model) -> tuple:
     """``(heads, sha256 of the file)``: the heads a run starts from, checked against the
     run's architecture, head count and model before any data is made."""
     import hashlib
-    heads = heads_file.load(init, want=arch)
+    path = heads_file.resolve(init, arch)
+    digest = hashlib.sha256()
+    if path.is_file():
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    heads = heads_file.load(path, want=arch)
     if heads.num_heads != num_heads:
         raise ValueError(f"train_heads: init {init} holds {heads.num_heads} heads; this run "
                          f"trains {num_heads} (num_heads)")
     heads.fits(model.get_output_embeddings().weight.detach(), f"train_heads: init {init}")
-    digest = hashlib.sha256(heads_file.resolve(init, arch).read_bytes()).hexdigest()
-    return heads, digest
+    return heads, digest.hexdigest()
 
 
 # ---------------------------------------------------------------------------- data

@@ -346,6 +346,16 @@ def test_the_cli_trains_heads(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert heads_file.load(out).num_heads == 1 and report["batch"] == 4
     assert report["steps"] == -(-report["positions"] // 4)
+    more = tmp_path / "more.safetensors"  # more training from those heads, on other prompts
+    assert main(["train-heads", "default", "--out", str(more), "--num-heads", "1", "--prompts", "4",
+                 "--new-tokens", "8", "--epochs", "1", "--dtype", "float32", "--init", str(out),
+                 "--seed", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["init"]["file"] == "h.safetensors"
+    # the same data again would count its tokens twice: refused
+    assert main(["train-heads", "default", "--out", str(tmp_path / "x.safetensors"), "--num-heads",
+                 "1", "--prompts", "4", "--new-tokens", "8", "--epochs", "1", "--dtype", "float32",
+                 "--init", str(out)]) != 0
+    assert "trained on this very data" in capsys.readouterr().err
 
 
 def test_hydra_training_is_seeded_resumes_and_learns_from_the_path(tmp_path, monkeypatch):
