@@ -184,3 +184,29 @@ def test_a_row_past_its_end_does_not_hold_the_batch_to_a_token_a_round():
     assert torch.equal(pl.generate(ids, **kw), plain.generate(ids, **kw))
     # done from the prefill on: no round ever runs it (one row a round: row 1's)
     assert pl.stats["row_rounds"] == pl.stats["rounds"] <= alone + 1
+
+
+def test_a_row_whose_text_ended_copies_no_chain_without_adapt(monkeypatch):
+    """With ``adapt=False`` too, a row whose accepted text holds its end of sequence is
+    marked ended in that round, so it proposes no copied chain from the next round on
+    (it had proposed one more)."""
+    from rewriter.runtime import tree_decoding
+    model = make_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)  # text loops
+    plain = rewriter.optimize(model)
+    pl = rewriter.optimize(model, passes=[PromptLookup(adapt=False)])
+    ids = repeating(plain, [[5, 9, 2] * 4, [7, 3] * 6], 12)
+    width = max(map(len, ids))
+    free = plain.generate(ids, max_new_tokens=40, eos_token_id=[])
+    later = set(free[1, width:].tolist())  # an end of sequence row 0 writes soon, row 1 never
+    eos = next(t for t in free[0, width + 1:width + 8].tolist() if t not in later)
+    seen, real = [], tree_decoding._TreeRounds._chain
+
+    def spy(self):
+        real(self)
+        seen.append((self.ended[0], self.proposed[0] if self.proposed else None))
+    monkeypatch.setattr(tree_decoding._TreeRounds, "_chain", spy)
+    kw = dict(max_new_tokens=40, eos_token_id=[eos])
+    assert torch.equal(pl.generate(ids, **kw), plain.generate(ids, **kw))
+    after = [proposed for ended, proposed in seen if ended]
+    assert after and all(p is None for p in after), seen
+    assert any(p is not None for ended, p in seen if not ended)  # it copied before its end
