@@ -512,3 +512,15 @@ def test_hidden_states_are_the_lm_heads_input(family):
     with torch.inference_mode():
         assert torch.allclose(lm(h.float()), full.logits, atol=0.05 * full.logits.abs().max())
     assert torch.equal(nxt, full.logits.argmax(-1))  # [3, 11]: corpus rows' targets
+
+
+def test_greedy_tokens_from_a_reused_logits_buffer_with_and_without_bias():
+    """The corpus rows' greedy tokens are computed into one logits buffer (a fresh block a
+    row fragmented the heap): the LM head's own argmax, with a bias or without."""
+    torch.manual_seed(0)
+    row = torch.randn(7, 16)
+    buf = torch.empty(7, 50)
+    for bias in (False, True):
+        lm = torch.nn.Linear(16, 50, bias=bias)
+        with torch.no_grad():
+            assert torch.equal(th._greedy(lm, row, buf), lm(row).argmax(-1))
