@@ -157,18 +157,26 @@ def test_the_default_model_and_an_int4_lm_head():
             rewriter.optimize(small, passes=passes)
 
 
-def test_a_row_past_its_end_does_not_hold_the_batch_to_a_token_a_round():
-    """Past its end of sequence a row's output is padding: the rounds go at the pace of
-    the row still writing (a row copying nothing past its end would hold every column of
-    the batch to one token a round), and the output is plain decoding's."""
+def one_row_ends():
+    """Plain and ``PromptLookup(adapt=False)`` engines on a model whose text loops, two rows,
+    the padded width, the rows' free text ``[2, width + 40]``, the tokens row 1 writes, and
+    an end of sequence that row 0 writes soon and row 1 never."""
     model = make_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)  # text loops
     plain = rewriter.optimize(model)
     pl = rewriter.optimize(model, passes=[PromptLookup(adapt=False)])
     ids = repeating(plain, [[5, 9, 2] * 4, [7, 3] * 6], 12)
     width = max(map(len, ids))
     free = plain.generate(ids, max_new_tokens=40, eos_token_id=[])
-    later = set(free[1, width:].tolist())  # an end of sequence row 0 writes soon, row 1 never
+    later = set(free[1, width:].tolist())
     eos = next(t for t in free[0, width + 1:width + 8].tolist() if t not in later)
+    return plain, pl, ids, width, free, later, eos
+
+
+def test_a_row_past_its_end_does_not_hold_the_batch_to_a_token_a_round():
+    """Past its end of sequence a row's output is padding: the rounds go at the pace of
+    the row still writing (a row copying nothing past its end would hold every column of
+    the batch to one token a round), and the output is plain decoding's."""
+    plain, pl, ids, width, free, later, eos = one_row_ends()
     kw = dict(max_new_tokens=40, eos_token_id=[eos])
     assert torch.equal(pl.generate(ids, **kw), plain.generate(ids, **kw))
     together = pl.stats["rounds"]
@@ -191,14 +199,7 @@ def test_a_row_whose_text_ended_copies_no_chain_without_adapt(monkeypatch):
     marked ended in that round, so it proposes no copied chain from the next round on
     (it had proposed one more)."""
     from rewriter.runtime import tree_decoding
-    model = make_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)  # text loops
-    plain = rewriter.optimize(model)
-    pl = rewriter.optimize(model, passes=[PromptLookup(adapt=False)])
-    ids = repeating(plain, [[5, 9, 2] * 4, [7, 3] * 6], 12)
-    width = max(map(len, ids))
-    free = plain.generate(ids, max_new_tokens=40, eos_token_id=[])
-    later = set(free[1, width:].tolist())  # an end of sequence row 0 writes soon, row 1 never
-    eos = next(t for t in free[0, width + 1:width + 8].tolist() if t not in later)
+    plain, pl, ids, width, free, later, eos = one_row_ends()
     seen, real = [], tree_decoding._TreeRounds._chain
 
     def spy(self):
