@@ -100,6 +100,9 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
         raise ValueError(f"train_heads: lr must be a number in (0, 1), got {lr!r}")
     if questions:  # checked (an int by now) before hours of other data are made
         question_prefix(model, tokenizer)
+    if init is not None and not isinstance(init, (str, os.PathLike)):
+        raise ValueError(f"train_heads: init must be a heads file's path or a shipped name "
+                         f"({', '.join(heads_file.SHIPPED)}), got {init!r}")
     start = _initial(init, arch, num_heads, model) if init is not None else None
     out = Path(out)
     work = Path(work_dir) if work_dir is not None else out.with_name(out.name + ".work")

@@ -57,6 +57,10 @@ def test_training_from_earlier_heads_starts_at_their_weights(tmp_path):
     th.train_heads(model, tok, tmp_path / "c.safetensors", work_dir=tmp_path / "work",
                    **{**SMALL, "lr": 1e-12, "seed": 1})
     assert heads_file.load(tmp_path / "c.safetensors").w.abs().max() < 1e-6
+    with pytest.raises(ValueError, match="init must be a heads file's path"):
+        th.train_heads(model, tok, tmp_path / "x.safetensors", init=3, **SMALL)
+    with pytest.raises(heads_file.HeadsFileError, match="no such heads file"):
+        th.train_heads(model, tok, tmp_path / "x.safetensors", init=tmp_path / "nothing", **SMALL)
     with pytest.raises(ValueError, match="holds 2 heads; this run trains 3"):
         th.train_heads(model, tok, tmp_path / "x.safetensors", init=tmp_path / "a.safetensors",
                        **{**SMALL, "num_heads": 3})
