@@ -22,6 +22,11 @@ input's own next tokens (teacher forcing: what the heads were trained on)::
     draft_k = linear(r_k, P)                                    [B, S, V or Vd]
     draft = cat([draft_0[.., None, :], ..], -2)                 [B, S, K, V or Vd]
 
+Heads of more than one block (a file trained with ``--blocks B``) run ``B - 1`` more
+residual blocks on ``r_k`` before the projection, the same ops again::
+
+    r_k = r_k + silu(linear(r_k, {medusa,hydra}.block{l}.w{k}, ...b{k}))   l = 1 .. B - 1
+
 and the runtime lowers one program per head with ``h`` and the path as inputs, run level
 by level over the tree's nodes (``runtime.tree_decoding``).
 
@@ -177,11 +182,12 @@ class MedusaHeads(Pass):
         if self.heads is None:
             w = ([torch.zeros(h, h * (i + 2), dtype=lm.dtype, device=lm.device) for i in range(k)]
                  if self.ARCH == "hydra" else torch.zeros(k, h, h, dtype=lm.dtype, device=lm.device))
-            return w, torch.zeros(k, h, dtype=lm.dtype, device=lm.device)
+            return w, torch.zeros(k, h, dtype=lm.dtype, device=lm.device), None
+        like = lambda t: t.to(lm.device, lm.dtype)  # noqa: E731
+        deep = tuple(map(like, self.heads.deep)) if self.heads.deep is not None else None
         if self.ARCH == "hydra":
-            return ([w.to(lm.device, lm.dtype) for w in self.heads.w],
-                    self.heads.b.to(lm.device, lm.dtype))
-        return self.heads.w.to(lm.device, lm.dtype), self.heads.b.to(lm.device, lm.dtype)
+            return [like(w) for w in self.heads.w], like(self.heads.b), deep
+        return like(self.heads.w), like(self.heads.b), deep
 
     def _vocab(self, lm: torch.Tensor):
         """The draft vocabulary's ids ``[N]`` (most produced first), or None."""
@@ -281,12 +287,13 @@ def lm_head(ir: IR):
 
 def insert(ir: IR, head, wb, vocab, pass_name: str) -> None:
     """Add the heads after ``head`` and return ``(logits, draft)``."""
-    w, b = wb
+    w, b, deep = wb
     g = ir.graph
     x = head.args[0]
     for k in range(w.shape[0]):
         ir.add_weight(f"medusa.w{k}", w[k].clone())
         ir.add_weight(f"medusa.b{k}", b[k].clone())
+    _add_deep(ir, "medusa", deep)
     if vocab is not None:
         ir.add_weight("medusa.vocab", vocab.to(w[0].device, torch.int64))
     (out,) = g.find_nodes(op="output")
@@ -297,6 +304,7 @@ def insert(ir: IR, head, wb, vocab, pass_name: str) -> None:
             a = _mark(call(ir, torch.ops.rw.linear.default, (x, wk, bk), f"medusa_{k}_linear"), k, pass_name)
             s = _mark(call(ir, torch.ops.rw.silu.default, (a,), f"medusa_{k}_silu"), k, pass_name)
             r = _mark(call(ir, torch.ops.aten.add.Tensor, (x, s), f"medusa_{k}"), k, pass_name)
+            r = _blocks(ir, r, k, deep, "medusa", lambda n, k=k: _mark(n, k, pass_name))
             rows.append(_mark(call(ir, torch.ops.aten.unsqueeze.default, (r, -2), f"medusa_{k}_row"),
                               k, pass_name))
         stacked = _mark(call(ir, torch.ops.aten.cat.default, (rows, -2), "medusa_rows"), None, pass_name)
@@ -336,7 +344,7 @@ def _source(node):
 
 def insert_hydra(ir: IR, head, embed, wb, vocab, pass_name: str) -> None:
     """Add Hydra's heads after ``head`` and return ``(logits, draft)``."""
-    w, b = wb
+    w, b, deep = wb
     g = ir.graph
     x = head.args[0]
     num = len(w)
@@ -344,6 +352,7 @@ def insert_hydra(ir: IR, head, embed, wb, vocab, pass_name: str) -> None:
     for k in range(num):
         ir.add_weight(f"hydra.w{k}", w[k].clone())
         ir.add_weight(f"hydra.b{k}", b[k].clone())
+    _add_deep(ir, "hydra", deep)
     if vocab is not None:
         ir.add_weight("medusa.vocab", vocab.to(w[0].device, torch.int64))
     (out,) = g.find_nodes(op="output")
@@ -366,11 +375,31 @@ def insert_hydra(ir: IR, head, embed, wb, vocab, pass_name: str) -> None:
             a = m(call(ir, torch.ops.rw.linear.default, (cat, wk, bk), f"hydra_{k}_linear"), k)
             s = m(call(ir, torch.ops.rw.silu.default, (a,), f"hydra_{k}_silu"), k)
             r = m(call(ir, torch.ops.aten.add.Tensor, (x, s), f"hydra_{k}"), k)
+            r = _blocks(ir, r, k, deep, "hydra", lambda n, k=k: m(n, k))
             logits = m(call(ir, torch.ops.rw.linear.default, (r, proj), f"hydra_{k}_logits"), k)
             logits.meta["head_logits"] = k
             rows.append(m(call(ir, torch.ops.aten.unsqueeze.default, (logits, -2), f"hydra_{k}_row"), k))
         draft = m(call(ir, torch.ops.aten.cat.default, (rows, -2), "hydra_logits"))
     out.args = ((head, draft),)
+
+
+def _add_deep(ir: IR, arch: str, deep) -> None:
+    """The weights of the blocks after each head's first (``rewriter.heads.deepen``)."""
+    for l, (v, c) in enumerate(zip(*deep) if deep is not None else (), start=1):  # [K, H, H], [K, H]
+        for k in range(v.shape[0]):
+            ir.add_weight(f"{arch}.block{l}.w{k}", v[k].clone())
+            ir.add_weight(f"{arch}.block{l}.b{k}", c[k].clone())
+
+
+def _blocks(ir: IR, r, k: int, deep, arch: str, m):
+    """Head ``k``'s blocks after its first on ``r``: ``r + silu(linear(r, V, c))`` each."""
+    g = ir.graph
+    for l in range(1, 1 + (deep[0].shape[0] if deep is not None else 0)):
+        v, c = g.get_attr(f"{arch}.block{l}.w{k}"), g.get_attr(f"{arch}.block{l}.b{k}")
+        a = m(call(ir, torch.ops.rw.linear.default, (r, v, c), f"{arch}_{k}_block{l}_linear"))
+        s = m(call(ir, torch.ops.rw.silu.default, (a,), f"{arch}_{k}_block{l}_silu"))
+        r = m(call(ir, torch.ops.aten.add.Tensor, (r, s), f"{arch}_{k}_block{l}"))
+    return r
 
 
 def _mark(node, k, pass_name: str):

@@ -179,6 +179,9 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--init", default=None,
                    help="a heads file (of this --arch and model; or a shipped name: default, "
                         "smollm2) to start from instead of zero weights: more training on new data")
+    t.add_argument("--blocks", type=int, default=1,
+                   help="residual blocks per head (Hydra++ trains 4): more fit the data better "
+                        "for a little more work a head call; at least --init's")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--generate-batch", type=int, default=32,
                    help="prompts continued at once while making the data")
@@ -227,7 +230,7 @@ def cmd_train_heads(args) -> int:
                          prompts=args.prompts, new_tokens=args.new_tokens, epochs=args.epochs,
                          lr=args.lr, batch=args.batch, seed=args.seed, progress=_bars(), arch=args.arch,
                          loss=args.loss, work_dir=args.work_dir, data=args.data, rows=args.rows,
-                         questions=args.questions, init=args.init,
+                         questions=args.questions, init=args.init, blocks=args.blocks,
                          generate_batch=args.generate_batch)
     print(json.dumps(report, indent=1))
     return 0

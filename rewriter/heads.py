@@ -17,8 +17,15 @@ drafted before it, so siblings deeper in the tree get different guesses::
 (Hydra proper maps the concatenation back with a learned projection; this keeps
 Medusa's residual on ``h``, so an untrained head is the LM head, as in Medusa.)
 
+Heads of ``B`` blocks (Medusa's ``medusa_num_layers``, Hydra++'s ``hydra_num_layers``)
+run ``B - 1`` more residual blocks on ``r_k`` before the LM head, each zero-initialised
+(the identity at first), so deeper heads can start from trained shallower ones::
+
+    r_k = r_k + SiLU(V_{l,k} r_k + c_{l,k})    V_{l,k} [H, H], l = 1 .. B - 1
+
 A heads file is safetensors (no pickle): ``w`` ``[K, H, H]`` (Hydra: ``w0`` .. ``w{K-1}``,
-``[H, H (k + 2)]``), ``b`` ``[K, H]`` and metadata: the architecture, the format tag, the model it was trained for (hidden size, vocabulary, a probe
+``[H, H (k + 2)]``), ``b`` ``[K, H]``, with more than one block ``deep_w`` ``[B - 1, K, H,
+H]`` and ``deep_b`` ``[B - 1, K, H]``, and metadata: the architecture, the format tag, the model it was trained for (hidden size, vocabulary, a probe
 of the LM head's weights) and, from training, each head's rank accuracies on held-out
 text (``accuracy[k][r]``: how often the head's ``r``-th best token was the right one),
 which choose the verification tree (``rewriter.tree.choose_tree``).
@@ -39,6 +46,8 @@ FORMAT = "rewriter-medusa-heads"
 VERSION = "1"
 PROBE = (4, 8)  # the LM head's first rows and columns, to recognise the model
 MAX_HEADS = 8
+MAX_BLOCKS = 8  # residual blocks per head
+DEEP = ("deep_w", "deep_b")  # the blocks after each head's first
 ASSETS = Path(__file__).resolve().parent / "assets" / "heads"
 SHIPPED = ("default", "smollm2")  # assets/heads/{name}-{arch}.safetensors
 ARCHS = ("medusa", "hydra")
@@ -58,10 +67,16 @@ class Heads:
     trained: dict = field(default_factory=dict)  # how (tokens, time, seed, corpus)
     counts: Optional[Tensor] = None  # [V] how often the model produced each token (VocabTrim)
     arch: str = "medusa"
+    deep: Optional[tuple] = None  # (deep_w [B - 1, K, H, H], deep_b [B - 1, K, H]), or None
 
     @property
     def num_heads(self) -> int:
         return self.b.shape[0]
+
+    @property
+    def blocks(self) -> int:
+        """Residual blocks per head."""
+        return 1 + (self.deep[0].shape[0] if self.deep is not None else 0)
 
     @property
     def hidden(self) -> int:
@@ -79,6 +94,8 @@ class Heads:
             tensors.update({f"w{k}": w.contiguous() for k, w in enumerate(self.w)})
         else:
             tensors["w"] = self.w.contiguous()
+        if self.deep is not None:
+            tensors.update({n: t.contiguous() for n, t in zip(DEEP, self.deep)})
         if self.counts is not None:
             tensors["counts"] = self.counts.to(torch.int64).contiguous()
         save_file(tensors, str(tmp), metadata=meta)
@@ -127,17 +144,21 @@ def load(weights: Union[str, os.PathLike], want: Optional[str] = None) -> Heads:
             w = [f.get_tensor(n) for n in names] if arch == "hydra" else f.get_tensor("w")
             b = f.get_tensor("b")
             counts = f.get_tensor("counts") if "counts" in keys else None
+            if len(keys & set(DEEP)) == 1:
+                raise HeadsFileError(f"{path}: deeper heads hold both {' and '.join(DEEP)}; "
+                                     f"this file holds one")
+            deep = tuple(f.get_tensor(n) for n in DEEP) if DEEP[0] in keys else None
     except HeadsFileError:
         raise
     except Exception as e:  # safetensors' own parse errors: a truncated or foreign file
         raise HeadsFileError(f"{path}: not a safetensors heads file ({e})") from None
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise HeadsFileError(f"{path}: not a {FORMAT} file of version {VERSION}")
-    why = _check_shapes(arch, w, b)
+    why = _check_shapes(arch, w, b) or _check_deep(deep, b)
     if why:
         raise HeadsFileError(f"{path}: {why}")
-    if not (all(torch.isfinite(t).all() for t in (w if arch == "hydra" else [w]))
-            and torch.isfinite(b).all()):
+    if not all(torch.isfinite(t).all() for t in
+               [*(w if arch == "hydra" else [w]), b, *(deep if deep is not None else ())]):
         raise HeadsFileError(f"{path}: the weights hold NaN or infinite values")
     try:
         vocab = int(meta["vocab"])
@@ -159,12 +180,12 @@ def load(weights: Union[str, os.PathLike], want: Optional[str] = None) -> Heads:
     if want is not None and arch != want:
         raise HeadsFileError(f"{path}: holds {arch} heads, not {want} heads "
                              f"({'HydraHeads' if arch == 'hydra' else 'MedusaHeads'} reads them)")
-    return Heads(w, b, vocab, probe, accuracy, trained, counts, arch)
+    return Heads(w, b, vocab, probe, accuracy, trained, counts, arch, deep)
 
 
 def _weight_names(arch: str, keys: set) -> Optional[list]:
     """The weight tensors' names in file order, or None when ``keys`` do not fit ``arch``."""
-    rest = keys - {"b", "counts"}
+    rest = keys - {"b", "counts", *DEEP}
     if "b" not in keys:
         return None
     if arch == "medusa":
@@ -190,25 +211,47 @@ def _check_shapes(arch: str, w, b: Tensor) -> Optional[str]:
     return None
 
 
+def _check_deep(deep: Optional[tuple], b: Tensor) -> Optional[str]:
+    if deep is None:
+        return None
+    (k, hidden), (w, c) = b.shape, deep
+    if w.dim() != 4 or not 1 <= w.shape[0] < MAX_BLOCKS or w.shape[1:] != (k, hidden, hidden) \
+            or w.dtype != b.dtype:
+        return (f"deep_w must be [B - 1, K, H, H] = [B - 1, {k}, {hidden}, {hidden}] of b's "
+                f"dtype, B in [2, {MAX_BLOCKS}]; got {list(w.shape)}")
+    if c.shape != (w.shape[0], k, hidden) or c.dtype != b.dtype:
+        return f"deep_b must be [B - 1, K, H] = {[w.shape[0], k, hidden]} of b's dtype; got {list(c.shape)}"
+    return None
+
+
 def probe_of(lm_head: Tensor) -> list:
     return lm_head[:PROBE[0], :PROBE[1]].float().tolist()
 
 
-def apply(h: Tensor, w: Tensor, b: Tensor) -> Tensor:
-    """Every head's residual block on ``h`` ``[..., H]`` -> ``[..., K, H]`` (training's
+def apply(h: Tensor, w: Tensor, b: Tensor, deep: Optional[tuple] = None) -> Tensor:
+    """Every head's residual blocks on ``h`` ``[..., H]`` -> ``[..., K, H]`` (training's
     form of what the pass writes into the IR)."""
     a = torch.einsum("...h,koh->...ko", h, w) + b  # [..., K, H]
-    return h[..., None, :] + torch.nn.functional.silu(a)
+    return deepen(h[..., None, :] + torch.nn.functional.silu(a), deep)
 
 
-def apply_hydra(h: Tensor, e: Tensor, w: list, b: Tensor) -> Tensor:
+def apply_hydra(h: Tensor, e: Tensor, w: list, b: Tensor, deep: Optional[tuple] = None) -> Tensor:
     """Hydra's heads on ``h`` ``[..., H]`` and the path's embeddings ``e`` ``[..., K, H]``
     (``e_0`` the token at ``t + 1``) -> ``[..., K, H]``."""
     rows = []
     for k, wk in enumerate(w):
         x = torch.cat([h, e[..., :k + 1, :].flatten(-2)], -1)  # [..., H (k + 2)]
         rows.append(h + torch.nn.functional.silu(x @ wk.t() + b[k]))
-    return torch.stack(rows, -2)
+    return deepen(torch.stack(rows, -2), deep)
+
+
+def deepen(r: Tensor, deep: Optional[tuple]) -> Tensor:
+    """The blocks after each head's first on ``r`` ``[..., K, H]``: ``r + SiLU(V r + c)``."""
+    if deep is None:
+        return r
+    for v, c in zip(*deep):  # [K, H, H], [K, H]
+        r = r + torch.nn.functional.silu(torch.einsum("...kh,koh->...ko", r, v) + c)
+    return r
 
 
 def _matrix(v, rows: int, cols: int) -> bool:

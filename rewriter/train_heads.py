@@ -28,7 +28,9 @@
    there (``loss="teacher"``: the LM head on the cached hidden state at ``t + k + 1``,
    so it costs no model call); a Hydra head also
    reads the embeddings of the tokens at ``t + 1 .. t + k + 1`` (teacher forcing: the
-   path verification accepts is the model's own text). AdamW, cosine decay,
+   path verification accepts is the model's own text). With ``blocks=B`` each head runs
+   ``B - 1`` more residual blocks (``rewriter.heads``; Hydra++ trains 4), zero-initialised,
+   so a run can start from shallower trained heads (``init``). AdamW, cosine decay,
    seeded; a checkpoint in ``work_dir`` after every few hundred steps, from which an
    interrupted run resumes.
 4. **Held-out rank accuracies** of each head (on continuations of held-out prompts), which
@@ -65,14 +67,15 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
                 generate_batch: int = 32, progress: bool = True, chat: bool = True,
                 arch: str = "medusa", loss: str = "tokens", data: str = "generated",
                 rows: Optional[int] = None, questions: int = 0,
-                init: Optional[Union[str, os.PathLike]] = None) -> dict:
+                init: Optional[Union[str, os.PathLike]] = None, blocks: int = 1) -> dict:
     """Train heads for ``model`` (a Hugging Face causal LM, frozen) and write them to ``out``
     (``rewriter.heads`` format); returns what was done and measured. ``arch``: "medusa"
     or "hydra"; ``loss``: "tokens" or "teacher"; ``data``: "generated", "corpus" or "mixed"
     (see the module's docstring; ``rows``: a mixed run's corpus rows, default ``prompts``;
     ``questions``: a mixed run's self-asked chat questions; ``init``: a heads file of this
     architecture and model to start from, so heads trained on earlier data learn from more:
-    its weights are the start and its token counts are added to this data's)."""
+    its weights are the start and its token counts are added to this data's; ``blocks``:
+    residual blocks per head, at least the start's: the blocks it lacks start at zero)."""
     if arch not in heads_file.ARCHS:
         raise ValueError(f"train_heads: arch must be one of {heads_file.ARCHS}, got {arch!r}")
     if data not in DATA:
@@ -93,9 +96,12 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
     for name, v, low in (("prompts", prompts, 1), ("rows", rows, 1), ("questions", questions, 0),
                          ("heldout_prompts", heldout_prompts, 1), ("prompt_tokens", prompt_tokens, 2),
                          ("new_tokens", new_tokens, num_heads + 2), ("epochs", epochs, 1),
-                         ("batch", batch, 1), ("generate_batch", generate_batch, 1)):
+                         ("batch", batch, 1), ("generate_batch", generate_batch, 1),
+                         ("blocks", blocks, 1)):
         if type(v) is not int or v < low:
             raise ValueError(f"train_heads: {name} must be an int >= {low}, got {v!r}")
+    if blocks > heads_file.MAX_BLOCKS:
+        raise ValueError(f"train_heads: blocks must be at most {heads_file.MAX_BLOCKS}, got {blocks}")
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < 1:
         raise ValueError(f"train_heads: lr must be a number in (0, 1), got {lr!r}")
     if questions:  # checked (an int by now) before hours of other data are made
@@ -103,7 +109,7 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
     if init is not None and not isinstance(init, (str, os.PathLike)):
         raise ValueError(f"train_heads: init must be a heads file's path or a shipped name "
                          f"({', '.join(heads_file.SHIPPED)}), got {init!r}")
-    start = _initial(init, arch, num_heads, model) if init is not None else None
+    start = _initial(init, arch, num_heads, model, blocks) if init is not None else None
     out = Path(out)
     work = Path(work_dir) if work_dir is not None else out.with_name(out.name + ".work")
     work.mkdir(parents=True, exist_ok=True)
@@ -140,29 +146,31 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
         sets[split] = parts[0] if len(parts) == 1 else _merge(parts)
     if start is not None and start[0].counts is not None:  # the data the start was trained on
         counts += start[0].counts
-    w, b, trained = _train(sets["train"], lm_head, embed, num_heads, epochs, lr, batch, seed,
-                           work, train_settings, progress, loss,
-                           start[0] if start is not None else None)
-    accuracy = rank_accuracy(sets["heldout"], lm_head, w, b, embed)
+    w, b, deep, trained = _train(sets["train"], lm_head, embed, num_heads, epochs, lr, batch,
+                                 seed, work, train_settings, progress, loss,
+                                 start[0] if start is not None else None, blocks)
+    accuracy = rank_accuracy(sets["heldout"], lm_head, w, b, embed, deep)
     report = {**trained, "seconds_data": data_seconds and round(data_seconds, 1),
               "settings": {k: v for k, v in settings.items() if k != "model"},
               "train_tokens": int((sets["train"]["end"] - sets["train"]["start"]).sum()),
               "heldout_top1": [round(a[0], 4) for a in accuracy],
               "heldout_top5": [round(sum(a[:5]), 4) for a in accuracy],
               "device": str(lm_head.device), "arch": arch, "loss": loss, "data": data,
+              "blocks": blocks,
               **({"init": {"file": heads_file.resolve(init, arch).name, "sha256": start[1],
                            # not its whole report: a chain of starts would nest every one
                            **{k: start[0].trained.get(k) for k in ("positions", "settings")}}}
                  if start is not None else {})}
     w = [t.to(torch.bfloat16) for t in w] if arch == "hydra" else w.to(torch.bfloat16)
+    deep = tuple(t.to(torch.bfloat16) for t in deep) if deep is not None else None
     heads_file.Heads(w, b.to(torch.bfloat16), lm_head.shape[0], heads_file.probe_of(lm_head),
-                     accuracy, report, counts, arch).save(out)
+                     accuracy, report, counts, arch, deep).save(out)
     return report
 
 
-def _initial(init, arch: str, num_heads: int, model) -> tuple:
+def _initial(init, arch: str, num_heads: int, model, blocks: int = 1) -> tuple:
     """``(heads, sha256 of the file)``: the heads a run starts from, checked against the
-    run's architecture, head count and model before any data is made."""
+    run's architecture, head count, blocks and model before any data is made."""
     import hashlib
     path = heads_file.resolve(init, arch)
     digest = hashlib.sha256()
@@ -174,6 +182,9 @@ def _initial(init, arch: str, num_heads: int, model) -> tuple:
     if heads.num_heads != num_heads:
         raise ValueError(f"train_heads: init {init} holds {heads.num_heads} heads; this run "
                          f"trains {num_heads} (num_heads)")
+    if heads.blocks > blocks:
+        raise ValueError(f"train_heads: init {init} holds heads of {heads.blocks} blocks; this "
+                         f"run trains {blocks} (blocks: at least the start's)")
     heads.fits(model.get_output_embeddings().weight.detach(), f"train_heads: init {init}")
     return heads, digest.hexdigest()
 
@@ -617,17 +628,18 @@ def _teacher(hidden: Tensor, rows: Tensor, at: Tensor, head: Tensor, device) -> 
         return torch.softmax((h.to(head.dtype) @ head.t()).float(), -1)
 
 
-def heads_forward(h: Tensor, w, b: Tensor, embed: Optional[Tensor], path: Optional[Tensor]) -> Tensor:
+def heads_forward(h: Tensor, w, b: Tensor, embed: Optional[Tensor], path: Optional[Tensor],
+                  deep: Optional[tuple] = None) -> Tensor:
     """Every head's output before the LM head, ``[b, K, H]``: Medusa's (``embed`` None) or
-    Hydra's on the path's embeddings."""
+    Hydra's on the path's embeddings; ``deep``: the blocks after the first."""
     if embed is None:
-        return heads_file.apply(h, w, b)
-    return heads_file.apply_hydra(h, embed[path].to(h.dtype), w, b)
+        return heads_file.apply(h, w, b, deep)
+    return heads_file.apply_hydra(h, embed[path].to(h.dtype), w, b, deep)
 
 
 def _train(data: dict, lm_head: Tensor, embed: Optional[Tensor], num_heads: int, epochs: int,
            lr: float, batch: int, seed: int, work: Path, settings: dict, progress: bool,
-           loss_kind: str = "tokens", init: Optional[heads_file.Heads] = None):
+           loss_kind: str = "tokens", init: Optional[heads_file.Heads] = None, blocks: int = 1):
     from safetensors.torch import load_file
     device = lm_head.device
     hidden_size = lm_head.shape[1]
@@ -644,10 +656,19 @@ def _train(data: dict, lm_head: Tensor, embed: Optional[Tensor], num_heads: int,
         params = list(w)
     b = torch.zeros(num_heads, hidden_size, device=device, requires_grad=True)
     params.append(b)
+    deep = None
+    if blocks > 1:  # [B - 1, K, H, H], [B - 1, K, H]: zero, each block the identity at first
+        deep = (torch.zeros(blocks - 1, num_heads, hidden_size, hidden_size, device=device,
+                            requires_grad=True),
+                torch.zeros(blocks - 1, num_heads, hidden_size, device=device, requires_grad=True))
+        params += list(deep)
     if init is not None:  # float32 master weights from the (bfloat16) file
         with torch.no_grad():
             for p, t in zip(params, (init.w if embed is not None else [init.w]) + [init.b]):
                 p.copy_(t.to(device, torch.float32))
+            if init.deep is not None:  # the start's blocks; those it lacks stay zero
+                for p, t in zip(deep, init.deep):
+                    p[:t.shape[0]] = t.to(device, torch.float32)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     steps_per_epoch = math.ceil(len(pairs) / batch)
     total = steps_per_epoch * epochs
@@ -656,7 +677,8 @@ def _train(data: dict, lm_head: Tensor, embed: Optional[Tensor], num_heads: int,
     ckpt = work / "checkpoint.safetensors"
     key = json.dumps({**settings, "num_heads": num_heads, "epochs": epochs, "lr": lr,
                       "batch": batch, "arch": "medusa" if embed is None else "hydra",
-                      "samples": 2, **({"loss": loss_kind} if loss_kind != "tokens" else {})},
+                      "samples": 2, **({"loss": loss_kind} if loss_kind != "tokens" else {}),
+                      **({"blocks": blocks} if blocks > 1 else {})},
                      sort_keys=True)  # samples 2: rows end at their text's end
     step, seconds, resumed_loss = 0, 0.0, float("nan")
     if ckpt.is_file():
@@ -693,7 +715,8 @@ def _train(data: dict, lm_head: Tensor, embed: Optional[Tensor], num_heads: int,
         h = data["hidden"][p[:, 0], p[:, 1]].to(device).float()  # [b, H]
         y = targets[idx].to(device)  # [b, K]
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            r = heads_forward(h, w, b, embed, path[idx].to(device) if path is not None else None)  # [b, K, H]
+            r = heads_forward(h, w, b, embed, path[idx].to(device) if path is not None else None,
+                              deep)  # [b, K, H]
             logits = r @ head.t().to(r.dtype) if device.type != "cpu" else r.to(torch.bfloat16) @ head.t()
         valid = (y != -100).float()
         if teacher_at is None:
@@ -715,7 +738,8 @@ def _train(data: dict, lm_head: Tensor, embed: Optional[Tensor], num_heads: int,
     bar.close()
     seconds += time.perf_counter() - began
     w = w.detach() if embed is None else [t.detach() for t in w]
-    return w, b.detach(), {"steps": total, "epochs": epochs, "positions": len(pairs),
+    deep = tuple(t.detach() for t in deep) if deep is not None else None
+    return w, b.detach(), deep, {"steps": total, "epochs": epochs, "positions": len(pairs),
                                     "seconds_training": round(seconds, 1), "final_loss": round(last_loss, 4),
                                     "seed": seed, "lr": lr, "batch": batch}
 
@@ -761,7 +785,7 @@ def produced(data: dict, vocab: int) -> Tensor:
 
 # ---------------------------------------------------------------------------- evaluation
 def rank_accuracy(data: dict, lm_head: Tensor, w, b: Tensor, embed: Optional[Tensor] = None,
-                  chunk: int = 512) -> list:
+                  deep: Optional[tuple] = None, chunk: int = 512) -> list:
     """``[K][RANKS]``: how often head ``k``'s ``r``-th best token is the right one (Hydra:
     given the right path before it)."""
     k = b.shape[0]
@@ -769,6 +793,7 @@ def rank_accuracy(data: dict, lm_head: Tensor, w, b: Tensor, embed: Optional[Ten
     targets = _targets(data, pairs, k)
     path = _path(data, pairs, k) if embed is not None else None
     w = [t.float() for t in w] if embed is not None else w.float()
+    deep = tuple(t.float() for t in deep) if deep is not None else None
     hits = torch.zeros(k, RANKS)
     counts = torch.zeros(k)
     head = lm_head.float()
@@ -778,7 +803,7 @@ def rank_accuracy(data: dict, lm_head: Tensor, w, b: Tensor, embed: Optional[Ten
             h = data["hidden"][p[:, 0], p[:, 1]].to(head.device).float()
             e = embed.float() if embed is not None else None
             q = path[i:i + chunk].to(head.device) if path is not None else None
-            logits = heads_forward(h, w, b.float(), e, q) @ head.t()  # [b, K, V]
+            logits = heads_forward(h, w, b.float(), e, q, deep) @ head.t()  # [b, K, V]
             top = logits.topk(RANKS, dim=-1).indices  # [b, K, RANKS]
             match = (top == y[..., None]) & (y[..., None] != -100)
             hits += match.sum(0).cpu().float()

@@ -19,15 +19,19 @@ DEEP = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]  # a fix
 WIDE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]]
 
 
-def hydra_heads(model, path, k=3, scale=0.05, seed=0):
-    """A Hydra heads file for ``model`` with seeded random weights, accuracies and counts."""
+def hydra_heads(model, path, k=3, scale=0.05, seed=0, blocks=1, arch="hydra"):
+    """A heads file (Hydra's, or Medusa's with ``arch``) for ``model`` with seeded random
+    weights (``blocks`` residual blocks a head), accuracies and counts."""
     lm = model.get_output_embeddings().weight.detach()
     g = torch.Generator().manual_seed(seed)
     v, h = lm.shape
-    w = [torch.randn(h, h * (i + 2), generator=g) * scale for i in range(k)]
+    w = [torch.randn(h, h * (i + 2), generator=g) * scale for i in range(k)] if arch == "hydra" \
+        else torch.randn(k, h, h, generator=g) * scale
+    deep = (torch.randn(blocks - 1, k, h, h, generator=g) * scale,
+            torch.randn(blocks - 1, k, h, generator=g) * scale) if blocks > 1 else None
     heads_file.Heads(w, torch.randn(k, h, generator=g) * scale, v, heads_file.probe_of(lm),
                      [[0.5, 0.2, 0.1]] + [[0.4, 0.1]] * (k - 1), {"seed": seed},
-                     torch.randint(0, 50, (v,), generator=g), "hydra").save(path)
+                     torch.randint(0, 50, (v,), generator=g), arch, deep).save(path)
     return path
 
 
@@ -55,6 +59,41 @@ def test_the_heads_in_the_ir_compute_hydras_math(tmp_path):
     e = model.get_input_embeddings().weight[torch.ops.rw.next_tokens(IDS, 3)]  # [B, S, K, H]
     want = heads_file.apply_hydra(h, e, heads.w, heads.b) @ model.lm_head.weight.t()
     assert torch.allclose(draft, want, atol=1e-4) and torch.allclose(logits, out.logits, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["hydra", "medusa"])
+def test_deeper_heads_compute_their_math_stay_lossless_and_round_trip(arch, tmp_path):
+    """Heads of 3 blocks: two more residual blocks after each head's first, in the IR, in
+    the lowered head programs and in an artifact."""
+    model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
+    path = hydra_heads(model, tmp_path / "h.safetensors", blocks=3, arch=arch)
+    heads = heads_file.load(path, arch)
+    assert heads.blocks == 3 and heads.deep[0].shape[:2] == (2, 3)
+    cls = HydraHeads if arch == "hydra" else MedusaHeads
+    opt = rewriter.optimize(model, passes=[cls(weights=str(path), tree=WIDE)])
+    assert f"{arch}_2_block2_linear" in str(opt.ir)
+    _, draft = opt.ir.gm(IDS, torch.arange(7).expand(2, 7))
+    out = model(IDS, output_hidden_states=True)
+    h = out.hidden_states[-1]
+    if arch == "hydra":
+        e = model.get_input_embeddings().weight[torch.ops.rw.next_tokens(IDS, 3)]  # [B, S, K, H]
+        r = heads_file.apply_hydra(h, e, heads.w, heads.b, heads.deep)
+        shallow = heads_file.apply_hydra(h, e, heads.w, heads.b)
+    else:
+        r = heads_file.apply(h, heads.w, heads.b, heads.deep)
+        shallow = heads_file.apply(h, heads.w, heads.b)
+    want = r @ model.lm_head.weight.t()
+    assert torch.allclose(draft, want, atol=1e-4)
+    assert not torch.allclose(draft, shallow @ model.lm_head.weight.t(), atol=1e-2)  # the blocks count
+    plain = rewriter.optimize(model)
+    assert torch.equal(opt.generate(RAGGED, **KW), plain.generate(RAGGED, **KW))
+    assert opt.stats["rounds"] > 0
+    opt.save(tmp_path / "a")
+    loaded = rewriter.load(tmp_path / "a")
+    assert torch.equal(loaded.generate(RAGGED, **KW), plain.generate(RAGGED, **KW))
+    # zero blocks are the identity: a 1-block file's heads
+    zero = (torch.zeros_like(heads.deep[0]), torch.zeros_like(heads.deep[1]))
+    assert torch.equal(heads_file.deepen(shallow, zero), shallow)
 
 
 def test_drafting_level_by_level_fills_each_node_from_its_parents_path(tmp_path):
@@ -151,7 +190,14 @@ def test_heads_files_name_their_architecture_and_bad_ones_are_refused(tmp_path):
     for name, edit, match in (
             ("gap", lambda t: t.pop("w1"), "holds the tensors"),
             ("shape", lambda t: t.update(w1=torch.zeros(64, 64)), "w1 must be"),
-            ("nan", lambda t: t["w2"].fill_(float("nan")), "NaN")):
+            ("nan", lambda t: t["w2"].fill_(float("nan")), "NaN"),
+            ("half", lambda t: t.update(deep_w=torch.zeros(1, 3, 64, 64)), "hold both deep_w and deep_b"),
+            ("deep", lambda t: t.update(deep_w=torch.zeros(1, 2, 64, 64), deep_b=torch.zeros(1, 2, 64)),
+             r"deep_w must be \[B - 1, K, H, H\]"),
+            ("deep_b", lambda t: t.update(deep_w=torch.zeros(1, 3, 64, 64), deep_b=torch.zeros(2, 3, 64)),
+             "deep_b must be"),
+            ("deep_nan", lambda t: t.update(deep_w=torch.full((1, 3, 64, 64), float("nan")),
+                                            deep_b=torch.zeros(1, 3, 64)), "NaN")):
         bad = {k: v.clone() for k, v in t.items()}
         edit(bad)
         save_file(bad, str(tmp_path / f"{name}.safetensors"), metadata=meta)

@@ -72,6 +72,35 @@ def test_training_from_earlier_heads_starts_at_their_weights(tmp_path):
     assert not (tmp_path / "x.safetensors").exists() and not (tmp_path / "x.safetensors.work").exists()
 
 
+def test_deeper_heads_train_and_start_from_shallower_ones(tmp_path):
+    """``blocks=2``: one more residual block a head, zero at first, so a run from 1-block
+    heads starts at their weights (a tiny learning rate leaves it there); it learns when the
+    rate allows; heads deeper than the run are refused as a start."""
+    model, tok = default_model()
+    th.train_heads(model, tok, tmp_path / "a.safetensors", arch="hydra", **SMALL)
+    a = heads_file.load(tmp_path / "a.safetensors")
+    assert a.blocks == 1 and a.deep is None
+    report = th.train_heads(model, tok, tmp_path / "b.safetensors", arch="hydra", blocks=2,
+                            init=tmp_path / "a.safetensors", work_dir=tmp_path / "work",
+                            **{**SMALL, "lr": 1e-12, "seed": 1})
+    b = heads_file.load(tmp_path / "b.safetensors", "hydra")
+    assert b.blocks == 2 and report["blocks"] == 2
+    assert all(torch.equal(x, y) for x, y in zip(a.w, b.w)) and torch.equal(a.b, b.b)
+    assert b.deep[0].abs().max() < 1e-6 and b.deep[1].abs().max() < 1e-6
+    # the same data, a real learning rate: the new block learns
+    th.train_heads(model, tok, tmp_path / "c.safetensors", arch="hydra", blocks=2,
+                   init=tmp_path / "a.safetensors", work_dir=tmp_path / "work", **{**SMALL, "seed": 1})
+    c = heads_file.load(tmp_path / "c.safetensors", "hydra")
+    assert c.deep[0].abs().sum() > 0 and c.deep[1].abs().sum() > 0
+    with pytest.raises(ValueError, match="holds heads of 2 blocks; this run trains 1"):
+        th.train_heads(model, tok, tmp_path / "x.safetensors", arch="hydra",
+                       init=tmp_path / "c.safetensors", **SMALL)
+    for bad in (0, 9, 2.0):
+        with pytest.raises(ValueError, match="blocks must be"):
+            th.train_heads(model, tok, tmp_path / "x.safetensors", blocks=bad, **SMALL)
+    assert not (tmp_path / "x.safetensors").exists()
+
+
 def test_bad_training_parameters_are_refused(tmp_path):
     model, tok = default_model()
     for kw in ({"num_heads": 0}, {"num_heads": 9}, {"epochs": 0}, {"lr": 0}, {"lr": True},
