@@ -1,5 +1,5 @@
 """Would deeper Hydra heads pay here? Held-out accuracy of Hydra heads with one residual
-block (what the pass builds) against heads with more blocks, trained the same way, offline.
+block against heads with more blocks, trained the same way, offline.
 
     python benchmarks/hydra_depth.py --work smollm2-hydra.safetensors.work \
         --heads OLD.safetensors [--blocks 1 2 4] [--steps 800] [--chat-heldout 1024]
@@ -14,7 +14,8 @@ from ``--heads``'s accuracies and all runs take the same steps over the same pos
 chat rows (``train-magpie.safetensors``) are split, the last ``--chat-heldout`` rows
 held out (the chat column), the rest trained on; ``heldout.safetensors`` (code chunks and
 docstring questions) is the other column. ``--heads`` must not have been trained on that
-directory's chat rows. Nothing is built into the IR or the runtime.
+directory's chat rows. This measured whether ``train-heads --blocks`` was worth building
+(it was built after it); the training here is its own, offline.
 """
 from __future__ import annotations
 
@@ -70,9 +71,13 @@ def main() -> None:
             "code": _load(work / "heldout.safetensors", eos)}
     pairs = torch.cat([_pairs(train, torch.arange(i, min(i + 256, cut))) for i in range(0, cut, 256)])
     results = []
+    start = heads_file.load(args.heads, "hydra")
+    if start.deep is not None:
+        ap.error(f"--heads {args.heads}: heads of {start.blocks} blocks; this compares runs "
+                 f"from 1-block heads")
     for blocks in args.blocks:
         torch.manual_seed(args.seed)
-        run = Deep(model, heads_file.load(args.heads, "hydra"), blocks)
+        run = Deep(model, start, blocks)
         before = {k: run.accuracy(v) for k, v in held.items()}
         began = time.perf_counter()
         loss = run.train(train, pairs, args)

@@ -60,6 +60,8 @@ def main() -> None:
     model, tok = load(args.model)
     data = {s: _load(Path(args.work) / f"{s}.safetensors", _eos_ids(model, tok))
             for s in ("train", "heldout")}
+    if heads_file.load(args.heads, "hydra").deep is not None:
+        ap.error(f"--heads {args.heads}: heads of more than one block; this measures 1-block heads")
     results = []
     for mode in ("heads", "prefix"):
         torch.manual_seed(args.seed)

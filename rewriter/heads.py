@@ -139,7 +139,8 @@ def load(weights: Union[str, os.PathLike], want: Optional[str] = None) -> Heads:
             names = _weight_names(arch, keys)
             if names is None:
                 raise HeadsFileError(f"{path}: a {arch} heads file holds the tensors "
-                                     f"{'w0, w1, ..' if arch == 'hydra' else 'w'}, b (and counts), "
+                                     f"{'w0, w1, ..' if arch == 'hydra' else 'w'}, b (and counts; "
+                                     f"deeper heads: deep_w, deep_b), "
                                      f"this one {sorted(keys)}")
             w = [f.get_tensor(n) for n in names] if arch == "hydra" else f.get_tensor("w")
             b = f.get_tensor("b")
@@ -218,9 +219,10 @@ def _check_deep(deep: Optional[tuple], b: Tensor) -> Optional[str]:
     if w.dim() != 4 or not 1 <= w.shape[0] < MAX_BLOCKS or w.shape[1:] != (k, hidden, hidden) \
             or w.dtype != b.dtype:
         return (f"deep_w must be [B - 1, K, H, H] = [B - 1, {k}, {hidden}, {hidden}] of b's "
-                f"dtype, B in [2, {MAX_BLOCKS}]; got {list(w.shape)}")
+                f"dtype ({b.dtype}), B in [2, {MAX_BLOCKS}]; got {list(w.shape)} {w.dtype}")
     if c.shape != (w.shape[0], k, hidden) or c.dtype != b.dtype:
-        return f"deep_b must be [B - 1, K, H] = {[w.shape[0], k, hidden]} of b's dtype; got {list(c.shape)}"
+        return (f"deep_b must be [B - 1, K, H] = {[w.shape[0], k, hidden]} of b's dtype "
+                f"({b.dtype}); got {list(c.shape)} {c.dtype}")
     return None
 
 

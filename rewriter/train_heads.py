@@ -128,7 +128,8 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
     if start is not None and start[0].trained.get("settings") == \
             {k: v for k, v in settings.items() if k != "model"}:
         raise ValueError(f"train_heads: init {init} was trained on this very data (the same "
-                         f"settings and seed): give another seed or more data")
+                         f"settings and seed; its token counts would be added twice, also "
+                         f"when deepening it): give another seed or more data")
     # the training's own key (not the data's: a run from other heads reuses the data)
     train_settings = {**settings, **({"init": start[1]} if start is not None else {})}
     sets, data_seconds, counts = {}, 0.0, torch.zeros(lm_head.shape[0], dtype=torch.int64)
@@ -149,7 +150,7 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
     w, b, deep, trained = _train(sets["train"], lm_head, embed, num_heads, epochs, lr, batch,
                                  seed, work, train_settings, progress, loss,
                                  start[0] if start is not None else None, blocks)
-    accuracy = rank_accuracy(sets["heldout"], lm_head, w, b, embed, deep)
+    accuracy = rank_accuracy(sets["heldout"], lm_head, w, b, embed, deep=deep)
     report = {**trained, "seconds_data": data_seconds and round(data_seconds, 1),
               "settings": {k: v for k, v in settings.items() if k != "model"},
               "train_tokens": int((sets["train"]["end"] - sets["train"]["start"]).sum()),
@@ -785,7 +786,7 @@ def produced(data: dict, vocab: int) -> Tensor:
 
 # ---------------------------------------------------------------------------- evaluation
 def rank_accuracy(data: dict, lm_head: Tensor, w, b: Tensor, embed: Optional[Tensor] = None,
-                  deep: Optional[tuple] = None, chunk: int = 512) -> list:
+                  *, deep: Optional[tuple] = None, chunk: int = 512) -> list:
     """``[K][RANKS]``: how often head ``k``'s ``r``-th best token is the right one (Hydra:
     given the right path before it)."""
     k = b.shape[0]

@@ -91,6 +91,16 @@ def test_deeper_heads_compute_their_math_stay_lossless_and_round_trip(arch, tmp_
     opt.save(tmp_path / "a")
     loaded = rewriter.load(tmp_path / "a")
     assert torch.equal(loaded.generate(RAGGED, **KW), plain.generate(RAGGED, **KW))
+    # the head programs the runtime runs, here and from the artifact, are the deeper heads
+    for engine in (opt, loaded):
+        programs = engine._lowered()
+        with torch.inference_mode():
+            if arch == "hydra":
+                path_ids = torch.ops.rw.next_tokens(IDS, 3)
+                got = torch.stack([programs[f"head{k}"](h, path_ids) for k in range(3)], -2)
+            else:
+                got = programs["heads"](h)
+        assert torch.allclose(got, want, atol=1e-4)
     # zero blocks are the identity: a 1-block file's heads
     zero = (torch.zeros_like(heads.deep[0]), torch.zeros_like(heads.deep[1]))
     assert torch.equal(heads_file.deepen(shallow, zero), shallow)
@@ -192,6 +202,11 @@ def test_heads_files_name_their_architecture_and_bad_ones_are_refused(tmp_path):
             ("shape", lambda t: t.update(w1=torch.zeros(64, 64)), "w1 must be"),
             ("nan", lambda t: t["w2"].fill_(float("nan")), "NaN"),
             ("half", lambda t: t.update(deep_w=torch.zeros(1, 3, 64, 64)), "hold both deep_w and deep_b"),
+            ("half_b", lambda t: t.update(deep_b=torch.zeros(1, 3, 64)), "hold both deep_w and deep_b"),
+            ("dtype", lambda t: t.update(deep_w=torch.zeros(1, 3, 64, 64, dtype=torch.float16),
+                                         deep_b=torch.zeros(1, 3, 64)), "float16"),
+            ("too_deep", lambda t: t.update(deep_w=torch.zeros(8, 3, 64, 64), deep_b=torch.zeros(8, 3, 64)),
+             r"B in \[2, 8\]"),
             ("deep", lambda t: t.update(deep_w=torch.zeros(1, 2, 64, 64), deep_b=torch.zeros(1, 2, 64)),
              r"deep_w must be \[B - 1, K, H, H\]"),
             ("deep_b", lambda t: t.update(deep_w=torch.zeros(1, 3, 64, 64), deep_b=torch.zeros(2, 3, 64)),

@@ -72,28 +72,50 @@ def test_training_from_earlier_heads_starts_at_their_weights(tmp_path):
     assert not (tmp_path / "x.safetensors").exists() and not (tmp_path / "x.safetensors.work").exists()
 
 
-def test_deeper_heads_train_and_start_from_shallower_ones(tmp_path):
+@pytest.mark.parametrize("arch", ["hydra", "medusa"])
+def test_deeper_heads_train_and_start_from_shallower_ones(arch, tmp_path, monkeypatch):
     """``blocks=2``: one more residual block a head, zero at first, so a run from 1-block
     heads starts at their weights (a tiny learning rate leaves it there); it learns when the
-    rate allows; heads deeper than the run are refused as a start."""
+    rate allows, and its accuracies are the deeper heads'; a 3-block run from it keeps its
+    block; heads deeper than the run are refused as a start."""
     model, tok = default_model()
-    th.train_heads(model, tok, tmp_path / "a.safetensors", arch="hydra", **SMALL)
-    a = heads_file.load(tmp_path / "a.safetensors")
+    ws = lambda h: h.w if arch == "hydra" else [h.w]  # noqa: E731
+    th.train_heads(model, tok, tmp_path / "a.safetensors", arch=arch, **SMALL)
+    a = heads_file.load(tmp_path / "a.safetensors", arch)
     assert a.blocks == 1 and a.deep is None
-    report = th.train_heads(model, tok, tmp_path / "b.safetensors", arch="hydra", blocks=2,
+    report = th.train_heads(model, tok, tmp_path / "b.safetensors", arch=arch, blocks=2,
                             init=tmp_path / "a.safetensors", work_dir=tmp_path / "work",
                             **{**SMALL, "lr": 1e-12, "seed": 1})
-    b = heads_file.load(tmp_path / "b.safetensors", "hydra")
+    b = heads_file.load(tmp_path / "b.safetensors", arch)
     assert b.blocks == 2 and report["blocks"] == 2
-    assert all(torch.equal(x, y) for x, y in zip(a.w, b.w)) and torch.equal(a.b, b.b)
+    assert all(torch.equal(x, y) for x, y in zip(ws(a), ws(b))) and torch.equal(a.b, b.b)
     assert b.deep[0].abs().max() < 1e-6 and b.deep[1].abs().max() < 1e-6
-    # the same data, a real learning rate: the new block learns
-    th.train_heads(model, tok, tmp_path / "c.safetensors", arch="hydra", blocks=2,
+    # the same data, a real learning rate: the new block learns; the stored accuracies
+    # are measured with it
+    seen = []
+    real = th.rank_accuracy
+    monkeypatch.setattr(th, "rank_accuracy", lambda *a, **k: seen.append(k["deep"]) or real(*a, **k))
+    th.train_heads(model, tok, tmp_path / "c.safetensors", arch=arch, blocks=2,
                    init=tmp_path / "a.safetensors", work_dir=tmp_path / "work", **{**SMALL, "seed": 1})
-    c = heads_file.load(tmp_path / "c.safetensors", "hydra")
+    c = heads_file.load(tmp_path / "c.safetensors", arch)
     assert c.deep[0].abs().sum() > 0 and c.deep[1].abs().sum() > 0
+    assert torch.equal(seen[-1][0].to(torch.bfloat16), c.deep[0])
+    # 3 blocks from 2: the file's block is the first, the new one starts at zero
+    th.train_heads(model, tok, tmp_path / "d.safetensors", arch=arch, blocks=3,
+                   init=tmp_path / "c.safetensors", work_dir=tmp_path / "work",
+                   **{**SMALL, "lr": 1e-12, "seed": 2})
+    d = heads_file.load(tmp_path / "d.safetensors", arch)
+    assert torch.equal(d.deep[0][:1], c.deep[0]) and torch.equal(d.deep[1][:1], c.deep[1])
+    assert d.deep[0][1:].abs().max() < 1e-6
+    # runs that differ only in their blocks do not resume each other's checkpoint
+    th.train_heads(model, tok, tmp_path / "f.safetensors", arch=arch, blocks=2,
+                   work_dir=tmp_path / "work", **{**SMALL, "seed": 2})
+    th.train_heads(model, tok, tmp_path / "e.safetensors", arch=arch, work_dir=tmp_path / "work",
+                   **{**SMALL, "seed": 2})
+    e, f = (heads_file.load(tmp_path / f"{n}.safetensors", arch) for n in "ef")
+    assert e.deep is None and not all(torch.equal(x, y) for x, y in zip(ws(e), ws(f)))
     with pytest.raises(ValueError, match="holds heads of 2 blocks; this run trains 1"):
-        th.train_heads(model, tok, tmp_path / "x.safetensors", arch="hydra",
+        th.train_heads(model, tok, tmp_path / "x.safetensors", arch=arch,
                        init=tmp_path / "c.safetensors", **SMALL)
     for bad in (0, 9, 2.0):
         with pytest.raises(ValueError, match="blocks must be"):
