@@ -10,7 +10,7 @@
 #   bash benchmarks/gpu_suite.sh smollm2 [F] # speculative.py on SmolLM2's GGUF F, per strategy
 #                                            # (default: the parts carried so far, gpu_prepare.sh)
 #   bash benchmarks/gpu_suite.sh sparse [F]  # sparse.py decode speed at 8k on F, both backends (~8 min)
-#   [INIT=smollm2] [PROMPTS=..] [ROWS=..] [QUESTIONS=..] [LR=..] [SLOT=540] \
+#   [INIT=smollm2] [PROMPTS=..] [ROWS=..] [QUESTIONS=..] [LR=..] [SEED=3] [BLOCKS=4] [SLOT=540] \
 #   bash benchmarks/gpu_suite.sh heads [F]   # Hydra heads trained on the GPU on more data than a
 #                                            # CPU makes in a session; its work dir stays in
 #                                            # /tmp/heads_work: a call within 30 s resumes it
@@ -89,13 +89,14 @@ smollm2() {  # the GGUF file: the argument, or the parts held in /tmp/gpu_parts
       done ;;
     heads)
       gguf=$(smollm2 "${2:-}") || exit 1
-      # the heads are data-starved (docs/benchmarks.md); on the GPU the data is minutes. Seed 1:
-      # other self-asked questions than the shipped heads' (seed 0); the corpus's prompts and
-      # rows are reshuffled subsets of the same sets (8192 prompts: the shipped heads' count)
+      # the heads are data-starved (docs/benchmarks.md); on the GPU the data is minutes. Seed 3:
+      # other self-asked questions than the shipped heads' (seeds 0, 1 and 2); the corpus's
+      # prompts and rows are reshuffled subsets of the same sets. 4 blocks a head (Hydra++'s
+      # depth; --init needs at least the start file's blocks)
       timeout ${SLOT:-540} python3 -m rewriter train-heads "$gguf" --arch hydra --data mixed \
         --prompts ${PROMPTS:-8192} --rows ${ROWS:-4096} --questions ${QUESTIONS:-16384} \
-        --epochs 1 --lr ${LR:-1e-3} --batch 2048 --generate-batch 256 --seed 1 --device cuda \
-        ${INIT:+--init "$INIT"} --out "$out/hydra_gpu.safetensors" --work-dir /tmp/heads_work
+        --epochs 1 --lr ${LR:-1e-3} --batch 2048 --generate-batch 256 --seed ${SEED:-3} --device cuda \
+        --blocks ${BLOCKS:-4} ${INIT:+--init "$INIT"} --out "$out/hydra_gpu.safetensors" --work-dir /tmp/heads_work
       rc=$?
       ls -la /tmp/heads_work
       exit $rc ;;
