@@ -31,10 +31,10 @@ import torch.nn.functional as F
 from tabulate import tabulate
 
 from rewriter import heads as heads_file
-from rewriter.train_heads import DECAY, _eos_ids, _path, _step, _targets, heads_loss
+from rewriter.train_heads import DECAY, _eos_ids, _path, _targets
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hydra_prefix import _load, _pairs  # noqa: E402
+from hydra_prefix import _load, _pairs, top1, train_step  # noqa: E402
 
 
 def main() -> None:
@@ -131,25 +131,11 @@ class Deep:
             batch = pairs[at]
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 logits = self.logits(data, batch)  # [P, K, V]
-            y = _targets(data, batch, self.k)  # [P, K]
-            valid = (y != -100).float()
-            ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100,
-                                 reduction="none").view_as(y)
-            loss = heads_loss(ce, valid, weight)
-            _step(opt, sched, loss)
+            loss = train_step(opt, sched, logits, _targets(data, batch, self.k), weight)
         return float(loss.detach())
 
     def accuracy(self, data: dict) -> list[float]:
-        """Top-1 of each head on every generated position (given the right path)."""
-        hits, count = torch.zeros(self.k), torch.zeros(self.k)
-        with torch.inference_mode():
-            for i in range(0, len(data["tokens"]), 16):
-                pairs = _pairs(data, torch.arange(i, min(i + 16, len(data["tokens"]))))
-                y = _targets(data, pairs, self.k)
-                ok = y != -100
-                hits += ((self.logits(data, pairs).argmax(-1) == y) & ok).sum(0).float()
-                count += ok.sum(0).float()
-        return [round(a, 4) for a in (hits / count.clamp_min(1)).tolist()]
+        return top1(data, self.k, lambda rows, pairs: self.logits(data, pairs), rows=16)
 
 
 if __name__ == "__main__":

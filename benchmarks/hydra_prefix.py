@@ -159,26 +159,36 @@ class Run:
             pairs = pairs[torch.randperm(len(pairs), generator=g)[:args.positions]]
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 logits = self.logits(data, rows, pairs)  # [P, K, V]
-            y = _targets(data, pairs, self.k)  # [P, K]
-            valid = (y != -100).float()
-            ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100,
-                                 reduction="none").view_as(y)
-            loss = heads_loss(ce, valid, weight)
-            _step(opt, sched, loss)
+            loss = train_step(opt, sched, logits, _targets(data, pairs, self.k), weight)
         return float(loss.detach())
 
     def accuracy(self, data: dict) -> list[float]:
-        """Top-1 of each head on every generated position (given the right path)."""
-        hits, count = torch.zeros(self.k), torch.zeros(self.k)
-        with torch.inference_mode():
-            for i in range(0, len(data["tokens"]), 8):
-                rows = torch.arange(i, min(i + 8, len(data["tokens"])))
-                pairs = _pairs(data, rows)
-                y = _targets(data, pairs, self.k)
-                ok = y != -100
-                hits += ((self.logits(data, rows, pairs).argmax(-1) == y) & ok).sum(0).float()
-                count += ok.sum(0).float()
-        return [round(a, 4) for a in (hits / count.clamp_min(1)).tolist()]
+        return top1(data, self.k, lambda rows, pairs: self.logits(data, rows, pairs))
+
+
+def train_step(opt, sched, logits: torch.Tensor, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """One step on the heads' logits ``[P, K, V]`` against the model's tokens ``y`` ``[P, K]``
+    (-100: past a row's end), heads weighted as ``train_heads``."""
+    ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100,
+                         reduction="none").view_as(y)
+    loss = heads_loss(ce, (y != -100).float(), weight)
+    _step(opt, sched, loss)
+    return loss
+
+
+def top1(data: dict, k: int, logits_of, rows: int = 8) -> list[float]:
+    """Top-1 of each of ``k`` heads on every generated position (given the right path);
+    ``logits_of(rows, pairs)``: the heads' logits ``[P, K, V]`` at ``pairs`` of ``rows``."""
+    hits, count = torch.zeros(k), torch.zeros(k)
+    with torch.inference_mode():
+        for i in range(0, len(data["tokens"]), rows):
+            chunk = torch.arange(i, min(i + rows, len(data["tokens"])))
+            pairs = _pairs(data, chunk)
+            y = _targets(data, pairs, k)
+            ok = y != -100
+            hits += ((logits_of(chunk, pairs).argmax(-1) == y) & ok).sum(0).float()
+            count += ok.sum(0).float()
+    return [round(a, 4) for a in (hits / count.clamp_min(1)).tolist()]
 
 
 def _pairs(data: dict, rows: torch.Tensor) -> torch.Tensor:
