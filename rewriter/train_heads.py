@@ -52,6 +52,7 @@ from torch import Tensor
 
 from rewriter import heads as heads_file
 from rewriter.corpus import load_corpus
+from rewriter.malloc import reuse_freed_memory
 
 RANKS = 10  # rank accuracies stored per head
 CHECKPOINT_EVERY = 200  # steps
@@ -147,9 +148,10 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
         sets[split] = parts[0] if len(parts) == 1 else _merge(parts)
     if start is not None and start[0].counts is not None:  # the data the start was trained on
         counts += start[0].counts
-    w, b, deep, trained = _train(sets["train"], lm_head, embed, num_heads, epochs, lr, batch,
-                                 seed, work, train_settings, progress, loss,
-                                 start[0] if start is not None else None, blocks)
+    with reuse_freed_memory():  # each step's large blocks reused, not faulted in again
+        w, b, deep, trained = _train(sets["train"], lm_head, embed, num_heads, epochs, lr, batch,
+                                     seed, work, train_settings, progress, loss,
+                                     start[0] if start is not None else None, blocks)
     accuracy = rank_accuracy(sets["heldout"], lm_head, w, b, embed, deep=deep)
     report = {**trained, "seconds_data": data_seconds and round(data_seconds, 1),
               "settings": {k: v for k, v in settings.items() if k != "model"},
@@ -708,9 +710,12 @@ def _train(data: dict, lm_head: Tensor, embed: Optional[Tensor], num_heads: int,
     bar.update(step)
     began = time.perf_counter()
     last_loss = resumed_loss  # a run resumed at its end trains no step
+    order_epoch, order = None, None
     while step < total:
         epoch, at = divmod(step, steps_per_epoch)
-        order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(seed * 1000 + epoch))
+        if epoch != order_epoch:  # one permutation an epoch, seeded: a resumed run draws the same
+            order_epoch = epoch
+            order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(seed * 1000 + epoch))
         idx = order[at * batch:(at + 1) * batch]
         p = pairs[idx]
         h = data["hidden"][p[:, 0], p[:, 1]].to(device).float()  # [b, H]

@@ -1,0 +1,47 @@
+"""glibc's allocator told to keep the memory a loop frees, for the loop's next turn.
+
+A heads training step allocates and frees the same large blocks every time: the heads'
+logits over the vocabulary (``[256, 4, 49152]`` bfloat16 is 100 MB), their float32 copy,
+the softmax and the gradients. glibc serves blocks over its mmap threshold (at most 32 MB)
+with ``mmap`` and unmaps them when they are freed, so every step faults in, and the kernel
+zeroes, about a gigabyte of pages again. Measured on a 2-core Xeon: 0.55 s a step, 0.36 s
+of it CPU time in the kernel; with the blocks kept, 0.41 s and 0.08 s.
+
+Other C libraries (and other systems) are left as they are.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import platform
+
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4            # mallopt's parameters (malloc.h)
+DEFAULT_TRIM_THRESHOLD, DEFAULT_MMAP_MAX = 128 * 1024, 65536
+
+
+def _glibc():
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        return ctypes.CDLL(None)
+    except OSError:
+        return None
+
+
+@contextlib.contextmanager
+def reuse_freed_memory():
+    """Inside, large blocks come from the heap (no ``mmap``) and freed memory stays in it;
+    on leaving, glibc's defaults come back and the heap's free memory goes back to the
+    system (``malloc_trim``). The memory held at the peak stays held while inside."""
+    libc = _glibc()
+    if libc is None:
+        yield
+        return
+    libc.mallopt(M_MMAP_MAX, 0)
+    libc.mallopt(M_TRIM_THRESHOLD, 1 << 40)
+    try:
+        yield
+    finally:
+        libc.mallopt(M_MMAP_MAX, DEFAULT_MMAP_MAX)
+        libc.mallopt(M_TRIM_THRESHOLD, DEFAULT_TRIM_THRESHOLD)
+        libc.malloc_trim(0)

@@ -1,0 +1,39 @@
+"""reuse_freed_memory: large blocks freed inside are reused without faulting pages in again,
+and glibc's defaults come back on leaving."""
+import platform
+import resource
+
+import pytest
+import torch
+
+from rewriter.malloc import reuse_freed_memory
+
+glibc = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
+                           reason="glibc's mallopt")
+BLOCK = 64 << 20  # bytes: above glibc's largest mmap threshold (32 MB)
+
+
+def faults_of_second_block() -> int:
+    """Page faults of filling a 64 MB block right after one of that size was freed."""
+    torch.empty(BLOCK, dtype=torch.uint8).fill_(1)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.empty(BLOCK, dtype=torch.uint8).fill_(1)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+@glibc
+def test_freed_blocks_are_reused_inside_and_unmapped_after():
+    pages = BLOCK // resource.getpagesize()
+    assert faults_of_second_block() > pages // 2        # glibc's default: mmap'd afresh
+    with reuse_freed_memory():
+        faults_of_second_block()                         # the heap grows once
+        assert faults_of_second_block() < pages // 20   # then its pages are reused
+    assert faults_of_second_block() > pages // 2        # defaults back
+
+
+def test_an_error_inside_still_restores():
+    with pytest.raises(RuntimeError, match="inside"):
+        with reuse_freed_memory():
+            raise RuntimeError("inside")
+    if platform.libc_ver()[0] == "glibc":
+        assert faults_of_second_block() > BLOCK // resource.getpagesize() // 2
