@@ -4,7 +4,7 @@
                                      [--batch 1 4] [--new 64] [--samples 8] [--max-draft 4] [--budget 24]
                                      [--strategies self medusa hydra lookup] [--heads PATH] [--draft-vocab 4096]
                                      [--max-nodes 32] [--tree-nodes N] [--dynamic E] [--lookup L]
-                                     [--device cpu|cuda] [--backend torch|triton]
+                                     [--chat eval|wide] [--device cpu|cuda] [--backend torch|triton]
                                      [--json benchmarks/results/speculative.json]
 
 On ``--device cuda`` plain decode replays its step as a CUDA graph, and the speculative
@@ -64,6 +64,36 @@ from rewriter.decoding import strategy_of
 from rewriter.calibrate import predicted_speedup, verify_cost
 from rewriter.corpus import load_corpus
 from rewriter.eval import CHAT_PROMPTS
+
+# ``--chat wide``: the eval's 8 questions, then 24 more of the kinds people ask a small
+# assistant (explain, list, compare, write), whose answers run longer than one fact.
+# Written for this benchmark; none is in the heads' training data (SmolLM2 asks its own).
+WIDE_CHAT = CHAT_PROMPTS + (
+    "Why is the sky blue?",
+    "Explain how a bicycle stays upright while moving.",
+    "What are the main differences between a list and a tuple in Python?",
+    "Give me three tips for sleeping better.",
+    "Describe the water cycle in a few sentences.",
+    "What is photosynthesis?",
+    "Write a short poem about the sea.",
+    "How do I make a cup of tea?",
+    "What causes the seasons on Earth?",
+    "Summarize the plot of Romeo and Juliet.",
+    "What is the difference between weather and climate?",
+    "List four healthy breakfast ideas.",
+    "How does a refrigerator keep food cold?",
+    "Write a polite email asking a colleague for a meeting next week.",
+    "What is machine learning, in simple terms?",
+    "Why do we need to drink water?",
+    "Explain what a prime number is and give two examples.",
+    "What should I pack for a weekend camping trip?",
+    "How can I improve my writing skills?",
+    "What is the role of the heart in the human body?",
+    "Write a Python function that checks whether a string is a palindrome.",
+    "What are the benefits of regular exercise?",
+    "Explain the difference between a virus and a bacterium.",
+    "How do airplanes fly?",
+)
 from rewriter.passes import HydraHeads, MedusaHeads, PromptLookup, SelfSpeculative
 from rewriter.passes.layer_skip import kept_positions
 from rewriter.runtime.chat import chat_prompt
@@ -238,6 +268,10 @@ def main():
                     help="heads (medusa, hydra): time only what the pass gives by default (the "
                          "adaptive tree, with --lookup the chosen chain), and with --draft-vocab "
                          "the trimmed vocabulary only (compares heads files in a third of the time)")
+    ap.add_argument("--chat", default="eval", choices=["eval", "wide"],
+                    help="chat questions: the eval's 8 (as every figure before 2026-11-25), or "
+                         "those and 24 more with longer answers (WIDE_CHAT; with --samples 32 "
+                         "at batch 1, each once)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--backend", default="torch", choices=["torch", "triton"])
     ap.add_argument("--json", default="benchmarks/results/speculative.json")
@@ -252,7 +286,8 @@ def main():
     results = {"model": args.model, "device": device_name(args.device), "backend": args.backend,
                "machine": platform.processor() or platform.machine(),
                "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
-               "new_tokens": args.new, "max_draft": args.max_draft, "runs": []}
+               "new_tokens": args.new, "max_draft": args.max_draft, "chat": args.chat,
+               "runs": []}
     rows, curves, head_rows, lookup_rows = [], [], [], []
     for dtype in args.dtype:
         model, tok = load(args.model)
@@ -292,7 +327,7 @@ def main():
                                      skip.get("skip_attention", []), skip.get("skip_mlp", []),
                                      args.max_draft)
             for b in args.batch:
-                for kind, prompts in prompt_sets(plain, tok, b, args.samples).items():
+                for kind, prompts in prompt_sets(plain, tok, b, args.samples, args.chat).items():
                     ref, base_rate, eager = baseline(plain, prompts, args.new)
                     # and as a user gets it: the speed guard runs plain steps where those
                     # were faster (runs interleaved)
@@ -373,7 +408,7 @@ def heads_rows(model, tok, plain, args, dtype, results, rows, arch):
             whole = len(tree)
             sub = strategy_of(med.ir.info).tree_at(b)  # the paths verified at b rows
             nodes = len(sub)
-            for kind, prompts in prompt_sets(plain, tok, b, args.samples).items():
+            for kind, prompts in prompt_sets(plain, tok, b, args.samples, args.chat).items():
                 # plain decode; the pass's tree (or its sub-tree at b rows) as it is; and
                 # re-chosen as the heads' accuracies on these prompts come in
                 # (runtime.tree_adapt): runs interleaved
@@ -430,7 +465,7 @@ def prompt_lookup_rows(model, tok, plain, args, dtype, results, rows) -> None:
                # what a user gets by default: rounds or plain steps, whichever were timed faster
                f"tokens={tokens}, guarded": (adapting, Guarded(adapting))}
     for b in args.batch:
-        for kind, prompts in prompt_sets(plain, tok, b, args.samples).items():
+        for kind, prompts in prompt_sets(plain, tok, b, args.samples, args.chat).items():
             variants = [(plain, contextlib.nullcontext)] + list(engines.values())
             (ref, base_rate, _), *timings = timed_together(variants, prompts, args.new,
                                                            eos=kind == "chat")
@@ -506,17 +541,19 @@ def keep_row(results: dict, run: dict, path: str):
     Path(path).write_text(json.dumps(results, indent=1, default=str))
 
 
-def prompt_sets(plain, tok, batch: int, samples: int) -> dict:
+def prompt_sets(plain, tok, batch: int, samples: int, chat: str = "eval") -> dict:
     """Per kind, ``samples`` batches of ``batch`` prompts: code chunks of distinct files
     while there are files enough (docs/benchmarks.md's figures before its section "Mixed
     data, self-asked questions, and code prompts from every held-out file" used
     consecutive chunks of the first files, ``code_prompts``); chat
-    questions, as many distinct batches as there are questions for."""
+    questions (``chat``: "eval", the eval's 8, or "wide", ``WIDE_CHAT``), as many distinct
+    batches as there are questions for."""
     code = spread_code_prompts(tok, batch * samples, 128)
     sets = {"code": [code[i * batch:(i + 1) * batch] for i in range(samples)]}
     if plain.text.chat_template is not None:
-        n = max(1, min(samples, len(CHAT_PROMPTS) // batch))
-        questions = [CHAT_PROMPTS[j % len(CHAT_PROMPTS)] for j in range(n * batch)]
+        pool = WIDE_CHAT if chat == "wide" else CHAT_PROMPTS
+        n = max(1, min(samples, len(pool) // batch))
+        questions = [pool[j % len(pool)] for j in range(n * batch)]
         sets["chat"] = [[chat_prompt(tok, plain.text, q) for q in questions[i * batch:(i + 1) * batch]]
                         for i in range(n)]
     return sets
