@@ -103,6 +103,17 @@ def decode_rate(engine, batch: int, length: int, new: int, warmup: int = 2) -> f
     return batch / statistics.median(times[warmup:])
 
 
+def selection_sets(ap, items: list) -> list:
+    """``--selection-layers``: plain integers are one set (``2 8 14``), comma-joined ones a
+    set each (``2,8,14 3,14``)."""
+    try:
+        if any("," in i for i in items):
+            return [[int(x) for x in i.split(",") if x] for i in items]
+        return [[int(i) for i in items]]
+    except ValueError:
+        ap.error(f"--selection-layers: layer indices, got {' '.join(items)}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
@@ -113,7 +124,14 @@ def main():
     ap.add_argument("--windows", type=int, nargs="*", default=[128, 512])
     ap.add_argument("--sinks", type=int, default=4)
     ap.add_argument("--top-k", type=int, nargs="*", default=[64, 128])
-    ap.add_argument("--selection-layers", type=int, nargs="+", default=[0])
+    ap.add_argument("--selection-layers", nargs="+", default=["0"],
+                    help="TidalDecode's selection layers: one set (2 8 14) or several, one row "
+                         "each (2,8,14 3,14)")
+    ap.add_argument("--tidal-max-read", type=float, nargs="*", default=[],
+                    help="TidalDecode rows whose selection layers are calibrated "
+                         "(TidalDecode(calibrate=...)) on 4 held-out prose chunks of "
+                         "--ppl-length tokens, a decode step reading at most this fraction "
+                         "of dense attention's KV bytes; one row each per top_k and recent")
     ap.add_argument("--quest-budget", type=int, nargs="*", default=[],
                     help="token budgets, one Quest row each")
     ap.add_argument("--recent", type=int, nargs="+", default=[0],
@@ -151,8 +169,13 @@ def main():
             StreamingAttention(sinks=args.sinks, window=w)]
     for k in args.top_k:
         for r in args.recent:
-            p = TidalDecode(selection_layers=args.selection_layers, top_k=k, recent=r)
-            pipelines[repr(p)] = [p]
+            for layers in selection_sets(ap, args.selection_layers):
+                p = TidalDecode(selection_layers=layers, top_k=k, recent=r)
+                pipelines[repr(p)] = [p]
+            for most in args.tidal_max_read:  # prose calibrates, code is scored
+                prose = heldout_chunks(tok, 4, args.ppl_length, corpus="prose").tolist()
+                p = TidalDecode(calibrate=prose, top_k=k, recent=r, max_read=most)
+                pipelines[repr(p).replace("<4 prompts>", "prose")] = [p]
     for b in args.quest_budget:
         for r in args.recent:
             p = Quest(page=args.quest_page, budget=b, dense_layers=args.quest_dense_layers, recent=r)
@@ -187,6 +210,9 @@ def main():
                "perplexity": ppl, "kv_bytes": engine.kv_bytes_per_token(longest) * longest,
                "kv_read_bytes": kv_read_bytes(engine, longest), "tok_s": rates,
                "seconds": time.perf_counter() - started}
+        if any(p.report for p in passes if isinstance(p, TidalDecode)):
+            row["calibration"] = {k: v for k, v in passes[0].report.items() if k != "kept"}
+            name = row["pipeline"] = name + f" -> {passes[0].selection_layers}"
         results["rows"].append(row)
         print(f"{name}: {row['seconds']:.0f} s", flush=True)
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,8 @@ only. Windows, sink caches and speculative strategies are refused beside it.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import math
+from typing import Optional, Sequence
 
 from rewriter.errors import PassError
 from rewriter.ir.core import IR
@@ -26,10 +27,20 @@ from rewriter.ops import MAX_INT, OPS, op_arguments
 from rewriter.pass_manager import Pass
 from rewriter.values import is_int
 
+CALIBRATION_QUERIES = 32  # the last positions of each calibration prompt, taken as decode steps
+
 
 class TidalDecode(Pass):
-    def __init__(self, selection_layers: Sequence[int] = (0,), top_k: int = 128, recent: int = 0):
-        if (isinstance(selection_layers, (str, bytes)) or not isinstance(selection_layers, (list, tuple))
+    def __init__(self, selection_layers: Optional[Sequence[int]] = None, top_k: int = 128,
+                 recent: int = 0, calibrate: Optional[Sequence[Sequence[int]]] = None,
+                 max_read: float = 0.25):
+        if selection_layers is not None and calibrate is not None:
+            raise ValueError("TidalDecode takes selection_layers or calibrate=prompts (which "
+                             "chooses them), not both")
+        if selection_layers is None and calibrate is None:
+            selection_layers = [0]
+        if selection_layers is not None and (
+                isinstance(selection_layers, (str, bytes)) or not isinstance(selection_layers, (list, tuple))
                 or not selection_layers or not all(is_int(i) and i >= 0 for i in selection_layers)):
             raise ValueError(f"TidalDecode: selection_layers must be a non-empty list of layer "
                              f"indices, got {selection_layers!r}")
@@ -37,8 +48,30 @@ class TidalDecode(Pass):
             raise ValueError(f"TidalDecode: top_k must be an integer >= 1, got {top_k!r}")
         if not is_int(recent) or not 0 <= recent <= MAX_INT:
             raise ValueError(f"TidalDecode: recent must be an integer >= 0, got {recent!r}")
-        self.selection_layers = sorted(set(int(i) for i in selection_layers))
+        if calibrate is not None and (
+                isinstance(calibrate, (str, bytes)) or not isinstance(calibrate, (list, tuple))
+                or not calibrate or not all(
+                    isinstance(p, (list, tuple)) and len(p) > CALIBRATION_QUERIES
+                    and all(type(t) is int and t >= 0 for t in p) for p in calibrate)):
+            raise ValueError(f"TidalDecode: calibrate must be a list of token-id lists (more "
+                             f"than {CALIBRATION_QUERIES} ids each)")
+        if (isinstance(max_read, bool) or not isinstance(max_read, (int, float))
+                or not math.isfinite(max_read) or not 0 < max_read <= 1):
+            raise ValueError(f"TidalDecode: max_read must be a fraction in (0, 1], got {max_read!r}")
+        self.selection_layers = (sorted(set(int(i) for i in selection_layers))
+                                 if selection_layers is not None else None)
         self.top_k, self.recent = int(top_k), int(recent)
+        self.calibrate = [list(p) for p in calibrate] if calibrate is not None else None
+        self.max_read = float(max_read)
+        self.report: Optional[dict] = None  # what calibration measured
+
+    def __repr__(self) -> str:
+        shown = {k: v for k, v in self.params().items() if v is not None}
+        if self.calibrate is None:
+            shown.pop("max_read")
+        else:
+            shown["calibrate"] = f"<{len(self.calibrate)} prompts>"
+        return f"TidalDecode({', '.join(f'{k}={v}' if k == 'calibrate' else f'{k}={v!r}' for k, v in shown.items())})"
 
     def run(self, ir: IR) -> IR:
         if ir.info.get("decoding") is not None:
@@ -47,6 +80,8 @@ class TidalDecode(Pass):
         nodes = sorted(ir.graph.find_nodes(op="call_function", target=OPS["attention"]),
                        key=lambda n: _args(n)["layer"])
         layers = [_args(n)["layer"] for n in nodes]
+        if self.calibrate is not None:
+            self.selection_layers = self._choose(ir, layers)
         missing = [i for i in self.selection_layers if i not in layers]
         if missing:
             raise PassError(f"{self!r}: no attention names cache {missing[0]}; the IR has {layers}")
@@ -75,6 +110,48 @@ class TidalDecode(Pass):
                 # its layer's node (the IR shows it there); layer spans skip integer values
                 selection.meta.update({k: n.meta[k] for k in ("layer", "role", "_scope") if k in n.meta})
         return ir
+
+
+    def _choose(self, ir: IR, layers: list) -> list:
+        """The selection layers that keep the most of the model's attention on the
+        calibration prompts, a decode step reading at most ``max_read`` of dense attention's
+        KV bytes at their length (``rewriter.attention_recall``)."""
+        from rewriter.attention_recall import (attention_rows, best_selection_layers,
+                                               kept_mass, kv_heads)
+        if len(layers) < 2:
+            raise PassError(f"{self!r}: the IR has {len(layers)} attention layer(s); a selection "
+                            f"needs a later layer to read it")
+        try:
+            heads = kv_heads(ir)
+        except ValueError as e:
+            raise PassError(f"{self!r}: {e}") from None
+        from rewriter.calibrate import calibration_batch
+        try:
+            batch = calibration_batch(ir, self.calibrate)  # [B, S]: vocabulary and context checked
+        except ValueError as e:
+            raise PassError(f"{self!r}: {e}") from None
+        tokens = batch.shape[1]
+        if tokens <= CALIBRATION_QUERIES:
+            raise PassError(f"{self!r}: the calibration prompts are cut to the context length, "
+                            f"{tokens} tokens; more than {CALIBRATION_QUERIES} are needed")
+        kept = None
+        for ids in batch.split(1):  # one at a time: rows are [Hq, queries, T] per layer
+            try:
+                rows = attention_rows(ir, ids, CALIBRATION_QUERIES)
+            except ValueError as e:
+                raise PassError(f"{self!r}: {e}") from None
+            m = kept_mass(rows, heads, self.top_k, self.recent)
+            kept = m if kept is None else kept + m
+        kept = kept / len(self.calibrate)
+        choice = best_selection_layers(kept, tokens, self.top_k, self.recent, self.max_read)
+        if choice is None:
+            raise PassError(f"{self!r}: no selection fits: a sparse layer reads "
+                            f"{self.top_k + self.recent + 1} of {tokens} tokens, and the first "
+                            f"layer must select; raise max_read or lower top_k")
+        self.report = {"tokens": tokens, "kept": kept.tolist(), "selection_layers": [
+            layers[i] for i in choice.selection_layers], "read": choice.bytes_read,
+            "mean_kept": choice.kept}
+        return self.report["selection_layers"]
 
 
 def _args(n) -> dict:

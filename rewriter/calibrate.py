@@ -35,7 +35,7 @@ def search(ir: IR, prompts: list[list[int]], max_draft: int, budget: int | None 
     """``{"skip_attention", "skip_mlp", "max_draft", "predicted_speedup", "agreement",
     "verify_cost", "seconds", "spread"}`` for the IR's best skip set found."""
     start = time.perf_counter()
-    ids = _batch(ir, prompts)
+    ids = calibration_batch(ir, prompts)
     target = _argmax(ir, ids)
     verify = verify_cost(ir, max_draft + 1)
     sizes = _unit_bytes(ir)
@@ -74,7 +74,7 @@ def best_k(agree: float, c_draft: float, verify: list[float], max_draft: int) ->
 
 def predicted_speedup(ir: IR, prompts, skip_layers, skip_attention, skip_mlp, max_draft) -> dict:
     """The cost model's prediction for a given skip set (e.g. the evenly spread one)."""
-    ids = _batch(ir, prompts)
+    ids = calibration_batch(ir, prompts)
     target = _argmax(ir, ids)
     verify = verify_cost(ir, max_draft + 1)
     sizes = _unit_bytes(ir)
@@ -211,7 +211,9 @@ def heads_cost(ir: IR, num_heads: int, hydra: bool, runs: int = 15, batch: int =
     return statistics.median(head_t) / statistics.median(step_t)
 
 
-def _batch(ir: IR, prompts) -> torch.Tensor:
+def calibration_batch(ir: IR, prompts) -> torch.Tensor:
+    """``[B, S]``: calibration prompts cut to the shortest and to the context length, each
+    id checked against the vocabulary."""
     if not prompts or not all(isinstance(p, (list, tuple)) and len(p) >= 2 for p in prompts):
         raise ValueError("calibration prompts must be lists of at least 2 token ids")
     vocab = ir.info.get("config", {}).get("vocab_size")

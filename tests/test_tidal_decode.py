@@ -172,3 +172,54 @@ def test_a_selection_wired_to_another_layer_is_refused_when_verified():
     sel.kwargs = {**sel.kwargs, "layer": 2}
     with pytest.raises(VerificationError, match="layer"):
         verify(opt.ir)
+
+
+CALIBRATION = [[(7 * i + 3 * j) % 97 + 1 for i in range(48)] for j in range(2)]  # 48 > 32 queries
+
+
+def test_calibration_chooses_the_layers_that_keep_the_most_attention(monkeypatch):
+    """The pass builds what best_selection_layers chooses from the measured kept mass, with
+    the matrix's positions mapped to the IR's layers."""
+    import rewriter.attention_recall as recall
+    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    kept = torch.tensor([[1.0, 0.1, 0.1], [0.0, 1.0, 0.9], [0.0, 0.0, 1.0]])
+    monkeypatch.setattr(recall, "kept_mass", lambda rows, heads, top_k, recent: kept)
+    tidal = TidalDecode(calibrate=CALIBRATION, top_k=4, max_read=0.8)
+    opt = rewriter.optimize(model, passes=[tidal])
+    assert tidal.selection_layers == [1] and tidal.report["selection_layers"] == [1]
+    assert tidal.report["tokens"] == 48
+    # layer 1 selects for layer 2: (2 dense + (4 + 1) / 48) / 3 layers of dense bytes
+    assert tidal.report["read"] == pytest.approx((2 + 5 / 48) / 3)
+    (sel,) = opt.ir.graph.find_nodes(op="call_function", target=OPS["select_tokens"])
+    assert sel.meta["layer"] == 1 and [u.meta["layer"] for u in sel.users] == [2]
+    same = rewriter.optimize(model, passes=[TidalDecode(selection_layers=[1], top_k=4)])
+    assert torch.equal(opt.generate(ROWS, **KW), same.generate(ROWS, **KW))
+    assert "calibrate=<2 prompts>" in repr(tidal)
+
+
+def test_calibration_on_the_model_itself_matches_its_measured_choice():
+    from rewriter.attention_recall import attention_rows, best_selection_layers, kept_mass
+    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    tidal = TidalDecode(calibrate=CALIBRATION, top_k=8, recent=2, max_read=0.9)
+    rewriter.optimize(model, passes=[tidal])
+    ir = rewriter.optimize(model).ir
+    kept = sum(kept_mass(attention_rows(ir, torch.tensor([p]), 32), 2, 8, 2) for p in CALIBRATION) / 2
+    assert torch.allclose(torch.tensor(tidal.report["kept"]), kept, atol=1e-6)
+    want = best_selection_layers(kept, 48, 8, 2, 0.9)
+    assert tidal.selection_layers == want.selection_layers
+
+
+def test_calibration_refusals_name_the_problem():
+    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    with pytest.raises(ValueError, match="not both"):
+        TidalDecode(selection_layers=[0], calibrate=CALIBRATION)
+    for bad in ([], [[1, 2, 3]], "abc", [[1.0] * 40], [[-1] * 40]):
+        with pytest.raises(ValueError, match="calibrate must be a list of token-id lists"):
+            TidalDecode(calibrate=bad)
+    for bad in (0, 1.5, float("nan"), True, "0.3"):
+        with pytest.raises(ValueError, match="max_read"):
+            TidalDecode(calibrate=CALIBRATION, max_read=bad)
+    with pytest.raises(PassError, match="no selection fits.*max_read"):
+        rewriter.optimize(model, passes=[TidalDecode(calibrate=CALIBRATION, top_k=4, max_read=0.3)])
+    with pytest.raises(PassError, match="outside the vocabulary"):
+        rewriter.optimize(model, passes=[TidalDecode(calibrate=[[10 ** 6] * 40])])

@@ -1,0 +1,96 @@
+"""rewriter.attention_recall: the attention a TidalDecode selection keeps, and the selection
+layers chosen within a KV-bytes budget."""
+import pytest
+import torch
+
+import rewriter
+
+from rewriter.attention_recall import (attention_rows, best_selection_layers, kept_mass,
+                                       selections)
+from rewriter.ops import REFERENCE
+from rewriter.passes import FuseQKV, FuseRoPE, TidalDecode
+
+from conftest import make_model
+
+
+def ir_of(model, passes=()):
+    return rewriter.optimize(model, passes=list(passes)).ir
+
+
+@pytest.mark.parametrize("passes", [(), (FuseQKV(), FuseRoPE())])
+def test_rows_are_the_models_own_attention_weights(passes):
+    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    ids = torch.randint(1, 100, (2, 24), generator=torch.Generator().manual_seed(0))
+    rows = attention_rows(ir_of(model, passes), ids, queries=5)
+    model.config._attn_implementation = "eager"
+    with torch.no_grad():
+        eager = model(ids, output_attentions=True)
+    assert len(rows) == len(eager.attentions) == 3
+    for mine, theirs in zip(rows, eager.attentions):  # theirs [B, Hq, T, T]
+        torch.testing.assert_close(mine, theirs[:, :, -5:], rtol=1e-4, atol=1e-6)
+
+
+def test_rows_refuse_bad_shapes_and_sparse_attention_by_name():
+    model = make_model("llama-gqa-3l")
+    ir = ir_of(model)
+    with pytest.raises(ValueError, match="queries"):
+        attention_rows(ir, torch.ones(1, 4, dtype=torch.long), queries=4)
+    with pytest.raises(ValueError, match=r"\[B, T\]"):
+        attention_rows(ir, torch.ones(4, dtype=torch.long), queries=1)
+    tidal = ir_of(model, [TidalDecode(selection_layers=[0], top_k=2)])
+    with pytest.raises(ValueError, match="layer 1's attention is not plain"):
+        attention_rows(tidal, torch.ones(1, 8, dtype=torch.long), queries=2)
+
+
+@pytest.mark.parametrize("top_k,recent", [(1, 0), (3, 0), (2, 3)])
+def test_selections_are_the_ops_own(top_k, recent):
+    """The positions each KV head's group gets are those rw.select_tokens picks (plus the
+    query itself, which attention always reads)."""
+    g = torch.Generator().manual_seed(1)
+    b, t, hq, hkv, d, q = 2, 12, 4, 2, 8, 6
+    qs, ks = torch.randn(b, t, hq * d, generator=g), torch.randn(b, t, hkv * d, generator=g)
+    scores = (qs.view(b, t, hq, d).transpose(1, 2) @ ks.view(b, t, hkv, d).transpose(1, 2)
+              .repeat_interleave(hq // hkv, 1).transpose(-1, -2)) / d ** 0.5  # [B, Hq, T, T]
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    rows = scores.masked_fill(~causal, float("-inf")).softmax(-1)[:, :, -q:]
+    got = selections(rows, hkv, top_k, recent)  # [B, Hkv, Q, T]
+    op = REFERENCE["select_tokens"](qs, ks, 0, hq, hkv, d, top_k, recent)[:, :, -q:]  # [B, Hkv, Q, k]
+    want = torch.zeros(b, hkv, q, t + 1, dtype=torch.bool)
+    want.scatter_(-1, torch.where(op < 0, t, op), True)
+    want = want[..., :t]
+    want[..., torch.arange(q), torch.arange(t - q, t)] = True
+    assert torch.equal(got, want)
+
+
+def test_a_selection_covering_every_token_keeps_everything():
+    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    ids = torch.randint(1, 100, (1, 20), generator=torch.Generator().manual_seed(2))
+    rows = attention_rows(ir_of(model), ids, queries=6)
+    whole = kept_mass(rows, 2, top_k=20, recent=0)
+    assert torch.allclose(whole.triu(), torch.ones(3, 3).triu(), atol=1e-5)
+    assert (whole.tril(-1) == 0).all()
+    small = kept_mass(rows, 2, top_k=2, recent=1)
+    upper = torch.ones(3, 3, dtype=torch.bool).triu()
+    assert (small[upper] < 0.99).all() and (small[upper] > 0).all()
+    # a layer's own top-k is the most any selection of that size keeps for it
+    for l in range(3):
+        assert small[l, l] >= small[:l + 1, l].max() - 1e-6
+
+
+def test_the_best_selection_layers_within_a_budget():
+    # 6 layers; layer 1's selection serves every later layer well, layer 0's poorly
+    kept = torch.full((6, 6), 0.2).triu()
+    kept[1, 2:] = 0.9
+    kept[3, 4:] = 0.95
+    # 1000 tokens, 99 + 0 + 1 read by a sparse layer: 0.1 of a dense layer
+    one = best_selection_layers(kept, 1000, 99, 0, budget=(1 + 1 + 4 * 0.1) / 6)
+    assert one.selection_layers == [1]  # layer 0 dense, 1 selects, 2..5 read its choice
+    assert one.bytes_read == pytest.approx(2.4 / 6)
+    assert one.kept == pytest.approx((2 + 4 * 0.9) / 6)
+    two = best_selection_layers(kept, 1000, 99, 0, budget=(3 + 3 * 0.1) / 6)
+    assert two.selection_layers == [1, 3]
+    assert two.kept == pytest.approx((2 + 0.9 + 1 + 2 * 0.95) / 6)
+    only_first = best_selection_layers(kept, 1000, 99, 0, budget=(1 + 5 * 0.1) / 6)
+    assert only_first.selection_layers == [0]
+    assert best_selection_layers(kept, 1000, 99, 0, budget=0.05) is None  # nothing fits
+    assert best_selection_layers(kept, 1000, 99, 0, budget=1.0, most=1).selection_layers == [3]
