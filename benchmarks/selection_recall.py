@@ -28,7 +28,7 @@ import torch
 from tabulate import tabulate
 
 import rewriter
-from rewriter.attention_recall import attention_rows, best_selection_layers, kept_mass, kv_heads
+from rewriter.attention_recall import attention_rows, best_selection_layers, kept_mass
 from rewriter.corpus import passkey_sample
 from rewriter.eval import _backend, _code_lines, heldout_chunks
 
@@ -57,7 +57,6 @@ def main():
     ap.add_argument("--top-k", type=int, default=96)
     ap.add_argument("--recent", type=int, default=32)
     ap.add_argument("--budget", type=float, nargs="+", default=[0.25])
-    ap.add_argument("--most", type=int, default=None, help="at most this many selection layers")
     ap.add_argument("--json", default="benchmarks/results/selection_recall.json")
     args = ap.parse_args()
     for name in ("length", "rows", "queries", "top_k"):
@@ -68,7 +67,6 @@ def main():
 
     opt = rewriter.from_pretrained(args.model)  # the unoptimized IR: dense attention
     tok = opt.tokenizer
-    heads = kv_heads(opt.ir)
     if args.text == "passkey":
         texts = passkey_texts(tok, args.rows, args.length)
     else:
@@ -77,7 +75,7 @@ def main():
     total = None
     for ids in texts:  # one row at a time: the rows are [Hq, Q, T] per layer
         rows = attention_rows(opt.ir, ids[None], min(args.queries, len(ids) - 1))
-        m = kept_mass(rows, heads, args.top_k, args.recent)
+        m = kept_mass(rows, args.top_k, args.recent)
         total = m if total is None else total + m
     kept = total / len(texts)
     seconds = time.perf_counter() - start
@@ -91,7 +89,7 @@ def main():
     print(tabulate(table, headers=["sel \\ layer"] + list(range(n))))
     choices = []
     for budget in args.budget:
-        c = best_selection_layers(kept, args.length, args.top_k, args.recent, budget, args.most)
+        c = best_selection_layers(kept, args.length, args.top_k, args.recent, budget)
         choices.append({"budget": budget, **(c.__dict__ if c else {"selection_layers": None})})
     print()
     print(tabulate([[c["budget"], c["selection_layers"], f"{1 / c['bytes_read']:.2f}x" if c.get("bytes_read") else "",

@@ -107,11 +107,13 @@ def selection_sets(ap, items: list) -> list:
     """``--selection-layers``: plain integers are one set (``2 8 14``), comma-joined ones a
     set each (``2,8,14 3,14``)."""
     try:
-        if any("," in i for i in items):
-            return [[int(x) for x in i.split(",") if x] for i in items]
-        return [[int(i) for i in items]]
+        sets = ([[int(x) for x in i.split(",") if x] for i in items] if any("," in i for i in items)
+                else [[int(i) for i in items]])
     except ValueError:
+        sets = []
+    if not sets or not all(sets):
         ap.error(f"--selection-layers: layer indices, got {' '.join(items)}")
+    return sets
 
 
 def main():

@@ -64,6 +64,10 @@ from rewriter.decoding import strategy_of
 from rewriter.calibrate import predicted_speedup, verify_cost
 from rewriter.corpus import load_corpus
 from rewriter.eval import CHAT_PROMPTS
+from rewriter.passes import HydraHeads, MedusaHeads, PromptLookup, SelfSpeculative
+from rewriter.passes.layer_skip import kept_positions
+from rewriter.runtime.chat import chat_prompt
+from rewriter.tree import MAX_NODES, Tree, choose_tree, expected_tokens
 
 # ``--chat wide``: the eval's 8 questions, then 24 more of the kinds people ask a small
 # assistant (explain, list, compare, write), whose answers run longer than one fact.
@@ -94,10 +98,6 @@ WIDE_CHAT = CHAT_PROMPTS + (
     "Explain the difference between a virus and a bacterium.",
     "How do airplanes fly?",
 )
-from rewriter.passes import HydraHeads, MedusaHeads, PromptLookup, SelfSpeculative
-from rewriter.passes.layer_skip import kept_positions
-from rewriter.runtime.chat import chat_prompt
-from rewriter.tree import MAX_NODES, Tree, choose_tree, expected_tokens
 
 RUNS = 3  # timed runs of every prompt set, after a warm-up
 

@@ -10,6 +10,11 @@ tokens and the current one; layers before the first selection layer stay dense. 
 the top-k is chosen among the keys before it). The selection is an IR value, so the IR and
 dumps show which layer feeds which.
 
+``TidalDecode(calibrate=prompts, max_read=0.25)`` chooses the selection layers instead: the
+ones whose selections keep the most of the later layers' attention on the prompts (token-id
+lists), a decode step reading at most ``max_read`` of dense attention's KV bytes at their
+length (``rewriter.attention_recall``; what it measured is in ``report``).
+
 The KV-cache runtime keeps the whole cache and selects at decode only: a prompt is
 attended densely (TidalDecode leaves prefill dense), so a decode step of a sparse layer
 reads ``top_k + 1`` keys instead of the whole cache. The whole-sequence graph selects at
@@ -28,12 +33,13 @@ from rewriter.pass_manager import Pass
 from rewriter.values import is_int
 
 CALIBRATION_QUERIES = 32  # the last positions of each calibration prompt, taken as decode steps
+MAX_READ = 0.25  # with calibrate: a decode step reads at most this of dense attention's KV bytes
 
 
 class TidalDecode(Pass):
     def __init__(self, selection_layers: Optional[Sequence[int]] = None, top_k: int = 128,
                  recent: int = 0, calibrate: Optional[Sequence[Sequence[int]]] = None,
-                 max_read: float = 0.25):
+                 max_read: Optional[float] = None):
         if selection_layers is not None and calibrate is not None:
             raise ValueError("TidalDecode takes selection_layers or calibrate=prompts (which "
                              "chooses them), not both")
@@ -55,21 +61,24 @@ class TidalDecode(Pass):
                     and all(type(t) is int and t >= 0 for t in p) for p in calibrate)):
             raise ValueError(f"TidalDecode: calibrate must be a list of token-id lists (more "
                              f"than {CALIBRATION_QUERIES} ids each)")
-        if (isinstance(max_read, bool) or not isinstance(max_read, (int, float))
-                or not math.isfinite(max_read) or not 0 < max_read <= 1):
+        if max_read is not None and calibrate is None:
+            raise ValueError("TidalDecode: max_read goes with calibrate=prompts (it bounds the "
+                             "bytes of the layers calibration chooses)")
+        if calibrate is not None and max_read is None:
+            max_read = MAX_READ
+        if max_read is not None and (isinstance(max_read, bool) or not isinstance(max_read, (int, float))
+                                     or not math.isfinite(max_read) or not 0 < max_read <= 1):
             raise ValueError(f"TidalDecode: max_read must be a fraction in (0, 1], got {max_read!r}")
         self.selection_layers = (sorted(set(int(i) for i in selection_layers))
                                  if selection_layers is not None else None)
         self.top_k, self.recent = int(top_k), int(recent)
         self.calibrate = [list(p) for p in calibrate] if calibrate is not None else None
-        self.max_read = float(max_read)
+        self.max_read = float(max_read) if max_read is not None else None
         self.report: Optional[dict] = None  # what calibration measured
 
     def __repr__(self) -> str:
         shown = {k: v for k, v in self.params().items() if v is not None}
-        if self.calibrate is None:
-            shown.pop("max_read")
-        else:
+        if self.calibrate is not None:
             shown["calibrate"] = f"<{len(self.calibrate)} prompts>"
         return f"TidalDecode({', '.join(f'{k}={v}' if k == 'calibrate' else f'{k}={v!r}' for k, v in shown.items())})"
 
@@ -80,6 +89,15 @@ class TidalDecode(Pass):
         nodes = sorted(ir.graph.find_nodes(op="call_function", target=OPS["attention"]),
                        key=lambda n: _args(n)["layer"])
         layers = [_args(n)["layer"] for n in nodes]
+        for n in nodes:  # before any calibration: it would measure for minutes, then refuse
+            args = _args(n)
+            if args["window"] is not None or args["sinks"] is not None or args["select"] is not None:
+                raise PassError(f"{self!r}: {n.name} already limits what it sees (window="
+                                f"{args['window']}, sinks={args['sinks']}); TidalDecode selects "
+                                f"from a whole cache")
+            if args["cos"] is not None:
+                raise PassError(f"{self!r} must run before FuseRoPE: the selection reads the "
+                                f"rotated q and k")
         if self.calibrate is not None:
             self.selection_layers = self._choose(ir, layers)
         missing = [i for i in self.selection_layers if i not in layers]
@@ -91,13 +109,6 @@ class TidalDecode(Pass):
         selection = None
         for n in nodes:
             args = _args(n)
-            if args["window"] is not None or args["sinks"] is not None or args["select"] is not None:
-                raise PassError(f"{self!r}: {n.name} already limits what it sees (window="
-                                f"{args['window']}, sinks={args['sinks']}); TidalDecode selects "
-                                f"from a whole cache")
-            if args["cos"] is not None:
-                raise PassError(f"{self!r} must run before FuseRoPE: the selection reads the "
-                                f"rotated q and k")
             if selection is not None and args["layer"] not in self.selection_layers:
                 n.kwargs = {**n.kwargs, "select": selection}  # selection layers attend fully
                 n.meta.pop("val", None)
@@ -116,16 +127,11 @@ class TidalDecode(Pass):
         """The selection layers that keep the most of the model's attention on the
         calibration prompts, a decode step reading at most ``max_read`` of dense attention's
         KV bytes at their length (``rewriter.attention_recall``)."""
-        from rewriter.attention_recall import (attention_rows, best_selection_layers,
-                                               kept_mass, kv_heads)
+        from rewriter.attention_recall import attention_rows, best_selection_layers, kept_mass
+        from rewriter.calibrate import calibration_batch
         if len(layers) < 2:
             raise PassError(f"{self!r}: the IR has {len(layers)} attention layer(s); a selection "
                             f"needs a later layer to read it")
-        try:
-            heads = kv_heads(ir)
-        except ValueError as e:
-            raise PassError(f"{self!r}: {e}") from None
-        from rewriter.calibrate import calibration_batch
         try:
             batch = calibration_batch(ir, self.calibrate)  # [B, S]: vocabulary and context checked
         except ValueError as e:
@@ -137,10 +143,9 @@ class TidalDecode(Pass):
         kept = None
         for ids in batch.split(1):  # one at a time: rows are [Hq, queries, T] per layer
             try:
-                rows = attention_rows(ir, ids, CALIBRATION_QUERIES)
-            except ValueError as e:
+                m = kept_mass(attention_rows(ir, ids, CALIBRATION_QUERIES), self.top_k, self.recent)
+            except ValueError as e:  # an attention that does not read every key, KV heads that differ
                 raise PassError(f"{self!r}: {e}") from None
-            m = kept_mass(rows, heads, self.top_k, self.recent)
             kept = m if kept is None else kept + m
         kept = kept / len(self.calibrate)
         choice = best_selection_layers(kept, tokens, self.top_k, self.recent, self.max_read)
@@ -148,9 +153,9 @@ class TidalDecode(Pass):
             raise PassError(f"{self!r}: no selection fits: a sparse layer reads "
                             f"{self.top_k + self.recent + 1} of {tokens} tokens, and the first "
                             f"layer must select; raise max_read or lower top_k")
-        self.report = {"tokens": tokens, "kept": kept.tolist(), "selection_layers": [
-            layers[i] for i in choice.selection_layers], "read": choice.bytes_read,
-            "mean_kept": choice.kept}
+        self.report = {"tokens": tokens, "layers": layers, "kept": kept.tolist(),  # rows, columns: layers
+                       "selection_layers": [layers[i] for i in choice.selection_layers],
+                       "read": choice.bytes_read, "mean_kept": choice.kept}
         return self.report["selection_layers"]
 
 

@@ -413,8 +413,9 @@ def _text(tok, ids: list[int]) -> str:
 
 
 def _pass_text(p: dict) -> str:
-    shown = ", ".join(f"{k}={v!r}" for k, v in p["params"].items() if v is not None)
-    return f"{p['name']}({shown})"
+    shown = ", ".join(f"{k}=<{len(v)} prompts>" if k == "calibrate" and isinstance(v, list)
+                      else f"{k}={v!r}" for k, v in p["params"].items() if v is not None)
+    return f"{p['name']}({shown})"  # calibration prompts (thousands of ids) counted, not listed
 
 
 if __name__ == "__main__":

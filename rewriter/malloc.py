@@ -37,8 +37,11 @@ def _glibc():
 @contextlib.contextmanager
 def reuse_freed_memory():
     """Inside, large blocks come from the heap (no ``mmap``) and freed memory stays in it;
-    on leaving, glibc's defaults come back and the heap's free memory goes back to the
-    system (``malloc_trim``). The memory held at the peak stays held while inside."""
+    on leaving, the two settings are glibc's defaults again and the heap's free memory goes
+    back to the system (``malloc_trim``). The memory held at the peak stays held while
+    inside. One default does not come back: any ``mallopt`` of these settings turns off
+    glibc's dynamic mmap threshold for the rest of the process, so afterwards every block
+    over 128 KiB is mapped afresh (the threshold no longer rises to 32 MiB)."""
     libc = _glibc()
     if libc is None:
         yield

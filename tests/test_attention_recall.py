@@ -4,9 +4,8 @@ import pytest
 import torch
 
 import rewriter
-
-from rewriter.attention_recall import (attention_rows, best_selection_layers, kept_mass,
-                                       selections)
+from rewriter.attention_recall import (Recorded, attention_rows, best_selection_layers,
+                                       kept_mass, selections)
 from rewriter.ops import REFERENCE
 from rewriter.passes import FuseQKV, FuseRoPE, TidalDecode
 
@@ -21,13 +20,15 @@ def ir_of(model, passes=()):
 def test_rows_are_the_models_own_attention_weights(passes):
     model = make_model("llama-gqa-3l", initializer_range=0.2)
     ids = torch.randint(1, 100, (2, 24), generator=torch.Generator().manual_seed(0))
-    rows = attention_rows(ir_of(model, passes), ids, queries=5)
+    layers = attention_rows(ir_of(model, passes), ids, queries=5)
     model.config._attn_implementation = "eager"
     with torch.no_grad():
         eager = model(ids, output_attentions=True)
-    assert len(rows) == len(eager.attentions) == 3
-    for mine, theirs in zip(rows, eager.attentions):  # theirs [B, Hq, T, T]
-        torch.testing.assert_close(mine, theirs[:, :, -5:], rtol=1e-4, atol=1e-6)
+    assert len(layers) == len(eager.attentions) == 3
+    for mine, theirs in zip(layers, eager.attentions):  # theirs [B, Hq, T, T]
+        torch.testing.assert_close(mine.weights, theirs[:, :, -5:], rtol=1e-4, atol=1e-6)
+        assert mine.q.shape[:3] == (2, 4, 5) and mine.k.shape[:3] == (2, 2, 24)  # Hq 4, Hkv 2
+        assert mine.q.shape[3] == mine.k.shape[3]
 
 
 def test_rows_refuse_bad_shapes_and_sparse_attention_by_name():
@@ -38,23 +39,24 @@ def test_rows_refuse_bad_shapes_and_sparse_attention_by_name():
     with pytest.raises(ValueError, match=r"\[B, T\]"):
         attention_rows(ir, torch.ones(4, dtype=torch.long), queries=1)
     tidal = ir_of(model, [TidalDecode(selection_layers=[0], top_k=2)])
-    with pytest.raises(ValueError, match="layer 1's attention is not plain"):
+    with pytest.raises(ValueError, match=r"^attention_rows: layer 1's attention has select"):
         attention_rows(tidal, torch.ones(1, 8, dtype=torch.long), queries=2)
 
 
-@pytest.mark.parametrize("top_k,recent", [(1, 0), (3, 0), (2, 3)])
+@pytest.mark.parametrize("top_k,recent", [(1, 0), (3, 0), (2, 3), (8, 3)])
 def test_selections_are_the_ops_own(top_k, recent):
     """The positions each KV head's group gets are those rw.select_tokens picks (plus the
-    query itself, which attention always reads)."""
+    query itself, which attention always reads); (8, 3) leaves -1 entries for the first
+    queries, which have fewer than 8 keys before their window."""
     g = torch.Generator().manual_seed(1)
     b, t, hq, hkv, d, q = 2, 12, 4, 2, 8, 6
     qs, ks = torch.randn(b, t, hq * d, generator=g), torch.randn(b, t, hkv * d, generator=g)
-    scores = (qs.view(b, t, hq, d).transpose(1, 2) @ ks.view(b, t, hkv, d).transpose(1, 2)
-              .repeat_interleave(hq // hkv, 1).transpose(-1, -2)) / d ** 0.5  # [B, Hq, T, T]
-    causal = torch.ones(t, t, dtype=torch.bool).tril()
-    rows = scores.masked_fill(~causal, float("-inf")).softmax(-1)[:, :, -q:]
-    got = selections(rows, hkv, top_k, recent)  # [B, Hkv, Q, T]
+    qh = qs.view(b, t, hq, d).transpose(1, 2)[:, :, -q:]  # [B, Hq, Q, D]
+    kh = ks.view(b, t, hkv, d).transpose(1, 2)  # [B, Hkv, T, D]
+    got = selections(Recorded(torch.zeros(b, hq, q, t), qh, kh), top_k, recent)  # [B, Hkv, Q, T]
     op = REFERENCE["select_tokens"](qs, ks, 0, hq, hkv, d, top_k, recent)[:, :, -q:]  # [B, Hkv, Q, k]
+    if top_k == 8:
+        assert (op[:, :, 0] < 0).any()  # the padding path is exercised
     want = torch.zeros(b, hkv, q, t + 1, dtype=torch.bool)
     want.scatter_(-1, torch.where(op < 0, t, op), True)
     want = want[..., :t]
@@ -65,16 +67,20 @@ def test_selections_are_the_ops_own(top_k, recent):
 def test_a_selection_covering_every_token_keeps_everything():
     model = make_model("llama-gqa-3l", initializer_range=0.2)
     ids = torch.randint(1, 100, (1, 20), generator=torch.Generator().manual_seed(2))
-    rows = attention_rows(ir_of(model), ids, queries=6)
-    whole = kept_mass(rows, 2, top_k=20, recent=0)
+    layers = attention_rows(ir_of(model), ids, queries=6)
+    whole = kept_mass(layers, top_k=20, recent=0)
     assert torch.allclose(whole.triu(), torch.ones(3, 3).triu(), atol=1e-5)
     assert (whole.tril(-1) == 0).all()
-    small = kept_mass(rows, 2, top_k=2, recent=1)
+    small = kept_mass(layers, top_k=2, recent=1)
     upper = torch.ones(3, 3, dtype=torch.bool).triu()
     assert (small[upper] < 0.99).all() and (small[upper] > 0).all()
-    # a layer's own top-k is the most any selection of that size keeps for it
-    for l in range(3):
-        assert small[l, l] >= small[:l + 1, l].max() - 1e-6
+
+
+def test_layers_whose_heads_differ_are_refused():
+    a = Recorded(torch.zeros(1, 4, 2, 5), torch.zeros(1, 4, 2, 8), torch.zeros(1, 2, 5, 8))
+    b = Recorded(torch.zeros(1, 4, 2, 5), torch.zeros(1, 4, 2, 8), torch.zeros(1, 1, 5, 8))
+    with pytest.raises(ValueError, match="KV heads"):
+        kept_mass([a, b], 2, 0)
 
 
 def test_the_best_selection_layers_within_a_budget():
@@ -88,9 +94,42 @@ def test_the_best_selection_layers_within_a_budget():
     assert one.bytes_read == pytest.approx(2.4 / 6)
     assert one.kept == pytest.approx((2 + 4 * 0.9) / 6)
     two = best_selection_layers(kept, 1000, 99, 0, budget=(3 + 3 * 0.1) / 6)
-    assert two.selection_layers == [1, 3]
+    assert two.selection_layers == [1, 3]  # [0, 1, 3] keeps as much with one more selection
     assert two.kept == pytest.approx((2 + 0.9 + 1 + 2 * 0.95) / 6)
     only_first = best_selection_layers(kept, 1000, 99, 0, budget=(1 + 5 * 0.1) / 6)
     assert only_first.selection_layers == [0]
     assert best_selection_layers(kept, 1000, 99, 0, budget=0.05) is None  # nothing fits
-    assert best_selection_layers(kept, 1000, 99, 0, budget=1.0, most=1).selection_layers == [3]
+    # no budget: the last layer never selects (nothing would read it), so it reads a
+    # selection; layer 3's serves 4 and 5 best, and needs no other selection layer
+    everything = best_selection_layers(kept, 1000, 99, 0, budget=1.0)
+    assert everything.selection_layers == [3]
+    assert everything.kept == pytest.approx((4 + 2 * 0.95) / 6)
+    assert everything.bytes_read == pytest.approx((4 + 2 * 0.1) / 6)
+
+
+def test_the_programme_equals_a_search_of_every_set():
+    """On random matrices, the dynamic programme finds the best of every selection set that
+    fits (brute force over all subsets of 7 layers)."""
+    import itertools
+    g = torch.Generator().manual_seed(3)
+    n, tokens, k = 7, 100, 9  # a sparse layer reads 0.1 of a dense one
+    for trial in range(20):
+        kept = torch.rand(n, n, generator=g).triu()
+        budget = 0.2 + 0.1 * (trial % 7)
+        best = None
+        for size in range(1, n):
+            for sel in itertools.combinations(range(n - 1), size):
+                dense = sel[0] + size
+                read = (dense + (n - dense) * 0.1) / n
+                if read > budget + 1e-12:
+                    continue
+                score, cur = 0.0, None
+                for layer in range(n):
+                    cur = layer if layer in sel else cur
+                    score += 1.0 if cur is None or layer in sel else float(kept[cur, layer])
+                if best is None or score > best + 1e-9:
+                    best = score
+        got = best_selection_layers(kept, tokens, k, 0, budget)
+        assert (got is None) == (best is None)
+        if got is not None:
+            assert got.kept * n == pytest.approx(best)

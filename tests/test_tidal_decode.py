@@ -183,7 +183,7 @@ def test_calibration_chooses_the_layers_that_keep_the_most_attention(monkeypatch
     import rewriter.attention_recall as recall
     model = make_model("llama-gqa-3l", initializer_range=0.2)
     kept = torch.tensor([[1.0, 0.1, 0.1], [0.0, 1.0, 0.9], [0.0, 0.0, 1.0]])
-    monkeypatch.setattr(recall, "kept_mass", lambda rows, heads, top_k, recent: kept)
+    monkeypatch.setattr(recall, "kept_mass", lambda rows, top_k, recent: kept)
     tidal = TidalDecode(calibrate=CALIBRATION, top_k=4, max_read=0.8)
     opt = rewriter.optimize(model, passes=[tidal])
     assert tidal.selection_layers == [1] and tidal.report["selection_layers"] == [1]
@@ -197,13 +197,15 @@ def test_calibration_chooses_the_layers_that_keep_the_most_attention(monkeypatch
     assert "calibrate=<2 prompts>" in repr(tidal)
 
 
-def test_calibration_on_the_model_itself_matches_its_measured_choice():
+def test_calibration_averages_each_prompts_measure_and_chooses_from_it():
+    """The pass's batching and averaging: its matrix is the mean of the prompts' own, and
+    its layers are what best_selection_layers makes of that mean."""
     from rewriter.attention_recall import attention_rows, best_selection_layers, kept_mass
     model = make_model("llama-gqa-3l", initializer_range=0.2)
     tidal = TidalDecode(calibrate=CALIBRATION, top_k=8, recent=2, max_read=0.9)
     rewriter.optimize(model, passes=[tidal])
     ir = rewriter.optimize(model).ir
-    kept = sum(kept_mass(attention_rows(ir, torch.tensor([p]), 32), 2, 8, 2) for p in CALIBRATION) / 2
+    kept = sum(kept_mass(attention_rows(ir, torch.tensor([p]), 32), 8, 2) for p in CALIBRATION) / 2
     assert torch.allclose(torch.tensor(tidal.report["kept"]), kept, atol=1e-6)
     want = best_selection_layers(kept, 48, 8, 2, 0.9)
     assert tidal.selection_layers == want.selection_layers
@@ -223,3 +225,49 @@ def test_calibration_refusals_name_the_problem():
         rewriter.optimize(model, passes=[TidalDecode(calibrate=CALIBRATION, top_k=4, max_read=0.3)])
     with pytest.raises(PassError, match="outside the vocabulary"):
         rewriter.optimize(model, passes=[TidalDecode(calibrate=[[10 ** 6] * 40])])
+    with pytest.raises(ValueError, match="max_read goes with calibrate"):
+        TidalDecode(selection_layers=[0], max_read=0.3)
+    assert TidalDecode(calibrate=CALIBRATION).max_read == 0.25
+
+
+def test_calibration_refuses_what_it_cannot_select_from_before_measuring(monkeypatch):
+    import rewriter.attention_recall as recall
+
+    def never(*args):
+        raise AssertionError("calibration ran")
+    monkeypatch.setattr(recall, "attention_rows", never)
+    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    with pytest.raises(PassError, match="before FuseRoPE"):
+        rewriter.optimize(model, passes=[FuseRoPE(), TidalDecode(calibrate=CALIBRATION)])
+    with pytest.raises(PassError, match="already limits"):
+        rewriter.optimize(model, passes=[StreamingAttention(window=8), TidalDecode(calibrate=CALIBRATION)])
+
+
+def test_calibration_names_the_ir_layers_after_layer_skip(monkeypatch):
+    """Matrix positions are the IR's remaining layers: after LayerSkip drops layer 0, the
+    first position is cache 1."""
+    import rewriter.attention_recall as recall
+    from rewriter.passes import LayerSkip
+    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    monkeypatch.setattr(recall, "kept_mass", lambda rows, top_k, recent: torch.tensor([[1.0, 0.9], [0.0, 1.0]]))
+    tidal = TidalDecode(calibrate=CALIBRATION, top_k=4, max_read=0.9)
+    opt = rewriter.optimize(model, passes=[LayerSkip(layers=[0]), tidal])
+    assert tidal.report["layers"] == [1, 2] and tidal.selection_layers == [1]
+    (sel,) = opt.ir.graph.find_nodes(op="call_function", target=OPS["select_tokens"])
+    assert [u.meta["layer"] for u in sel.users] == [2]
+
+
+def test_a_calibrated_artifact_keeps_its_layers_and_info_counts_the_prompts(tmp_path, capsys):
+    from rewriter.cli import main
+    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    tidal = TidalDecode(calibrate=CALIBRATION, top_k=4, max_read=0.9)
+    opt = rewriter.optimize(model, passes=[tidal])
+    opt.save(tmp_path / "a")
+    loaded = rewriter.load(tmp_path / "a")
+    assert torch.equal(loaded.generate(ROWS, **KW), opt.generate(ROWS, **KW))
+    (sel,) = loaded.ir.graph.find_nodes(op="call_function", target=OPS["select_tokens"])
+    assert [sel.meta["layer"]] == tidal.selection_layers
+    assert main(["info", str(tmp_path / "a")]) == 0
+    out = capsys.readouterr().out
+    assert f"selection_layers={tidal.selection_layers}" in out and "calibrate=<2 prompts>" in out
+    assert str(CALIBRATION[0][:8])[1:-1] not in out  # the ids themselves are not printed
