@@ -41,7 +41,9 @@ def reuse_freed_memory():
     back to the system (``malloc_trim``). The memory held at the peak stays held while
     inside. One default does not come back: any ``mallopt`` of these settings turns off
     glibc's dynamic mmap threshold for the rest of the process, so afterwards every block
-    over 128 KiB is mapped afresh (the threshold no longer rises to 32 MiB)."""
+    over 128 KiB is mapped afresh (the threshold no longer rises to 32 MiB). It helps the
+    main thread only: glibc serves other threads from arenas whose heaps are at most 64 MB,
+    which map large blocks afresh whatever the settings."""
     libc = _glibc()
     if libc is None:
         yield
