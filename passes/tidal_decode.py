@@ -93,8 +93,9 @@ class TidalDecode(Pass):
             args = _args(n)
             if args["window"] is not None or args["sinks"] is not None or args["select"] is not None:
                 raise PassError(f"{self!r}: {n.name} already limits what it sees (window="
-                                f"{args['window']}, sinks={args['sinks']}); TidalDecode selects "
-                                f"from a whole cache")
+                                f"{args['window']}, sinks={args['sinks']}, select="
+                                f"{'a selection' if args['select'] is not None else None}); "
+                                f"TidalDecode selects from a whole cache")
             if args["cos"] is not None:
                 raise PassError(f"{self!r} must run before FuseRoPE: the selection reads the "
                                 f"rotated q and k")
@@ -148,6 +149,9 @@ class TidalDecode(Pass):
                 raise PassError(f"{self!r}: {e}") from None
             kept = m if kept is None else kept + m
         kept = kept / len(self.calibrate)
+        if kept.shape[0] != len(layers):  # rows are cache ids: two attentions on one cache
+            raise PassError(f"{self!r}: measured {kept.shape[0]} attention layers, the IR has "
+                            f"{len(layers)} ({layers}); each needs a cache of its own")
         choice = best_selection_layers(kept, tokens, self.top_k, self.recent, self.max_read)
         if choice is None:
             raise PassError(f"{self!r}: no selection fits: a sparse layer reads "

@@ -27,8 +27,9 @@ def _glibc():
         libc = ctypes.CDLL(None)
     except OSError:
         return None
-    # int mallopt(int, int): ctypes cuts a larger Python int to 32 bits without a word
-    # (1 << 40 became 0: a heap trimmed at every free)
+    # int mallopt(int, int); ctypes cuts a larger Python int to 32 bits without a word,
+    # with or without these types (1 << 40 became 0: a heap trimmed at every free), so KEEP
+    # must fit a C int
     libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     libc.mallopt.restype = ctypes.c_int
     return libc

@@ -107,29 +107,51 @@ def test_the_best_selection_layers_within_a_budget():
     assert everything.bytes_read == pytest.approx((4 + 2 * 0.1) / 6)
 
 
-def test_the_programme_equals_a_search_of_every_set():
-    """On random matrices, the dynamic programme finds the best of every selection set that
-    fits (brute force over all subsets of 7 layers)."""
+def _score(kept, sel) -> float:
+    """Kept mass summed over layers for selection layers ``sel`` (dense before the first)."""
+    score, cur = 0.0, None
+    for layer in range(kept.shape[0]):
+        cur = layer if layer in sel else cur
+        score += 1.0 if cur is None or layer in sel else float(kept[cur, layer])
+    return score
+
+
+@pytest.mark.parametrize("tokens", [100, 5])  # 5: a sparse layer reads the whole cache
+def test_the_programme_equals_a_search_of_every_set(tokens):
+    """On random matrices (some with ties), for 2 to 7 layers, the dynamic programme finds
+    the best of every selection set that fits (brute force over all subsets), with its
+    bytes within the budget, as few selection layers as any equal set, and its score."""
     import itertools
     g = torch.Generator().manual_seed(3)
-    n, tokens, k = 7, 100, 9  # a sparse layer reads 0.1 of a dense one
-    for trial in range(20):
+    k = 9  # with tokens=100 a sparse layer reads 0.1 of a dense one
+    sparse = min(1.0, (k + 1) / tokens)
+    for trial in range(40):
+        n = 2 + trial % 6
         kept = torch.rand(n, n, generator=g).triu()
-        budget = 0.2 + 0.1 * (trial % 7)
-        best = None
+        if trial % 3 == 0:
+            kept = (kept * 4).round() / 4  # ties
+        budget = 0.2 + 0.1 * (trial % 9)
+        best = None  # (score, -selections)
         for size in range(1, n):
             for sel in itertools.combinations(range(n - 1), size):
                 dense = sel[0] + size
-                read = (dense + (n - dense) * 0.1) / n
-                if read > budget + 1e-12:
+                if (dense + (n - dense) * sparse) / n > budget + 1e-12:
                     continue
-                score, cur = 0.0, None
-                for layer in range(n):
-                    cur = layer if layer in sel else cur
-                    score += 1.0 if cur is None or layer in sel else float(kept[cur, layer])
-                if best is None or score > best + 1e-9:
-                    best = score
+                cand = (_score(kept, sel), -size)
+                if best is None or cand[0] > best[0] + 1e-9 or (
+                        abs(cand[0] - best[0]) <= 1e-9 and cand[1] > best[1]):
+                    best = cand
         got = best_selection_layers(kept, tokens, k, 0, budget)
         assert (got is None) == (best is None)
-        if got is not None:
-            assert got.kept * n == pytest.approx(best)
+        if got is None:
+            continue
+        sel = got.selection_layers
+        assert got.kept * n == pytest.approx(best[0]) == pytest.approx(_score(kept, sel))
+        assert len(sel) == -best[1] and sel == sorted(set(sel)) and sel[-1] < n - 1
+        dense = sel[0] + len(sel)
+        assert got.bytes_read == pytest.approx((dense + (n - dense) * sparse) / n)
+        assert got.bytes_read <= budget + 1e-12
+
+
+def test_one_layer_has_nothing_to_select_for():
+    assert best_selection_layers(torch.ones(1, 1), 100, 9, 0, budget=1.0) is None

@@ -1,12 +1,17 @@
 """reuse_freed_memory: large blocks freed inside are reused without faulting pages in again,
 and glibc's defaults come back on leaving.
 
-The checks run in a fresh interpreter's main thread: glibc serves other threads (pytest-xdist
-runs tests in one) from arenas whose heaps are at most 64 MB, which map such blocks afresh
-whatever the settings, so the count there would say nothing about the setting."""
+The checks run in a fresh interpreter, in its main thread: page faults are counted for the
+whole process, and a test process carries other tests' threads, heap and settings (an
+xdist worker failed the check that way); glibc serves threads other than the main one from
+arenas whose heaps are at most 64 MB, which map such blocks afresh whatever the settings;
+and allocator variables in the environment (a preloaded allocator, glibc tunables) are
+left out of the child's."""
+import os
 import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -38,8 +43,15 @@ def faults_of_second_block():
 '''
 
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
 def run_main_thread(body: str) -> None:
-    r = subprocess.run([sys.executable, "-c", PRELUDE + body], capture_output=True, text=True)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("LD_PRELOAD", "GLIBC_TUNABLES") and not k.startswith("MALLOC_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    r = subprocess.run([sys.executable, "-c", PRELUDE + body], capture_output=True, text=True,
+                       cwd=ROOT, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
 
 

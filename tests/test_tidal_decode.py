@@ -241,6 +241,10 @@ def test_calibration_refuses_what_it_cannot_select_from_before_measuring(monkeyp
         rewriter.optimize(model, passes=[FuseRoPE(), TidalDecode(calibrate=CALIBRATION)])
     with pytest.raises(PassError, match="already limits"):
         rewriter.optimize(model, passes=[StreamingAttention(window=8), TidalDecode(calibrate=CALIBRATION)])
+    from rewriter.passes import Quest
+    with pytest.raises(PassError, match="select=a selection"):
+        rewriter.optimize(model, passes=[Quest(page=4, budget=8, dense_layers=1),
+                                         TidalDecode(calibrate=CALIBRATION)])
 
 
 def test_calibration_names_the_ir_layers_after_layer_skip(monkeypatch):
