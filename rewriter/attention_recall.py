@@ -25,6 +25,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from torch import Tensor, fx
 
+from rewriter.calibrate import sequence_inputs
 from rewriter.ops import OPS, REFERENCE, op_arguments, top_tokens
 
 
@@ -88,13 +89,9 @@ def attention_rows(ir, ids: Tensor, queries: int) -> List[Recorded]:
     if ids.dim() != 2 or not 1 <= queries < ids.shape[1]:
         raise ValueError(f"attention_rows: ids must be [B, T] with T > queries >= 1, got "
                          f"{tuple(ids.shape)} and queries={queries}")
-    weight = max((t for t in ir.weights().values() if t.is_floating_point()),
-                 key=torch.Tensor.numel, default=None)
-    ids = ids.to(weight.device) if weight is not None else ids
-    positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     recorder = _Recorder(ir.gm, queries)
     with torch.inference_mode():
-        recorder.run(ids, positions)
+        recorder.run(*sequence_inputs(ir, ids))
     if not recorder.layers:
         raise ValueError("attention_rows: the IR has no rw.attention")
     return [recorder.layers[i] for i in sorted(recorder.layers)]

@@ -226,15 +226,19 @@ def calibration_batch(ir: IR, prompts) -> torch.Tensor:
     return torch.tensor([list(p[:width]) for p in prompts])  # [B, S]: cut to the shortest
 
 
-def _argmax(ir: IR, ids: torch.Tensor) -> torch.Tensor:
-    """The model's greedy next token at every position of ``ids`` ``[B, S]``, on the
-    device of the IR's weights (the prompts arrive as host lists)."""
+def sequence_inputs(ir: IR, ids: torch.Tensor) -> tuple:
+    """The whole-sequence graph's inputs for ``ids`` ``[B, S]`` (no padding): the ids on the
+    device of the IR's weights (prompts arrive as host lists) and their positions."""
     weight = max((t for t in ir.weights().values() if t.is_floating_point()),
                  key=torch.Tensor.numel, default=None)
     ids = ids.to(weight.device) if weight is not None else ids
-    positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    return ids, torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+
+
+def _argmax(ir: IR, ids: torch.Tensor) -> torch.Tensor:
+    """The model's greedy next token at every position of ``ids`` ``[B, S]``."""
     with torch.inference_mode():
-        return ir.gm(ids, positions).argmax(-1)
+        return ir.gm(*sequence_inputs(ir, ids)).argmax(-1)
 
 
 def _agreement(ir: IR, skip: set, ids: torch.Tensor, target: torch.Tensor) -> float:
