@@ -3,6 +3,7 @@
     python benchmarks/sparse.py [--model default|smollm2|PATH] [--lengths 256 512 1024]
                                 [--depths 0.1 0.5 0.9] [--trials 4] [--windows 128 512]
                                 [--sinks 4] [--top-k 64 128] [--selection-layers 0]
+                                [--tidal-max-read 0.25] [--tidal-select-own]
                                 [--quest-budget 64 128] [--quest-page 16] [--quest-dense-layers 2]
                                 [--recent 0 64] [--kv-length 4096]
                                 [--duo-gates default] [--duo-sparsity 0.5 0.75]
@@ -12,7 +13,8 @@
                                 [--device cuda] [--backend triton] [--dtype bfloat16]
 
 Pipelines: dense attention, ``StreamingAttention(sinks, window)`` for each window,
-``TidalDecode(selection_layers, top_k, recent)`` for each top_k and recent window,
+``TidalDecode(selection_layers, top_k, recent)`` for each top_k and recent window (with
+``--tidal-select-own``, each with ``select_own=True``),
 ``Quest(page, budget, recent)`` for each ``--quest-budget`` and recent window, and with
 ``--duo-gates``
 ``DuoAttention(gates)`` at its threshold and at each ``--duo-sparsity`` (the gates file's
@@ -58,17 +60,20 @@ def kv_read_bytes(engine, tokens: int) -> int:
     """KV bytes one decode step reads with ``tokens`` in the cache, batch 1: a dense cache
     reads every token, a ring its slots, a TidalDecode layer its ``top_k + recent + 1``
     (selection layers read everything; their second read of the keys, to select, is not
-    counted), a Quest layer its ``budget + recent + 1`` (the budget in whole pages) and the
+    counted; with ``select_own`` they read every key and the values of their selection), a
+    Quest layer its ``budget + recent + 1`` (the budget in whole pages) and the
     bounds of every page so far (at the cache's dtype: a step also converts them to float32
     to score, which is not counted)."""
     dtype = engine._dtype()
-    selected, bounds = {}, {}
+    selected, bounds, scored = {}, {}, set()
     for n in engine.ir.gm.graph.find_nodes(op="call_function", target=OPS["attention"]):
         args = op_arguments("attention", tuple(n.args), dict(n.kwargs))
         sel = args["select"]
         if sel is not None and sel.target is OPS["select_tokens"]:
             p = op_arguments("select_tokens", tuple(sel.args), dict(sel.kwargs))
             selected[args["layer"]] = p["top_k"] + p["recent"] + 1
+            if p["layer"] == args["layer"]:  # select_own: it scored every key itself
+                scored.add(args["layer"])
         elif sel is not None:  # Quest: budget and recent tokens, its own, every page's bounds
             p = op_arguments("select_pages", tuple(sel.args), dict(sel.kwargs))
             selected[args["layer"]] = p["budget"] // p["page"] * p["page"] + p["recent"] + 1
@@ -79,6 +84,9 @@ def kv_read_bytes(engine, tokens: int) -> int:
         for key, heads, _ in s.parts(tokens):  # a DuoAttention layer: full heads and a ring
             ring = s.bounded or key == ring_part(i)
             read = min(tokens, s.sinks + s.window) if ring else min(tokens, selected.get(i, tokens))
+            if i in scored:  # every key, and the values of the selection
+                total += per_head // 2 * heads * (tokens + read)
+                continue
             total += per_head * heads * read
         total += per_head // 2 * s.num_kv_heads * bounds.get(i, 0)  # [pages, D] bounds, twice
     return total
@@ -129,6 +137,9 @@ def main():
     ap.add_argument("--selection-layers", nargs="+", default=["0"],
                     help="TidalDecode's selection layers: one set (2 8 14) or several, one row "
                          "each (2,8,14 3,14)")
+    ap.add_argument("--tidal-select-own", action="store_true",
+                    help="TidalDecode rows with select_own=True: a selection layer attends to "
+                         "its own selection too (every key read to choose, the chosen values)")
     ap.add_argument("--tidal-max-read", type=float, nargs="*", default=[],
                     help="TidalDecode rows whose selection layers are calibrated "
                          "(TidalDecode(calibrate=...)) on 4 held-out prose chunks of "
@@ -172,11 +183,13 @@ def main():
     for k in args.top_k:
         for r in args.recent:
             for layers in selection_sets(ap, args.selection_layers):
-                p = TidalDecode(selection_layers=layers, top_k=k, recent=r)
+                p = TidalDecode(selection_layers=layers, top_k=k, recent=r,
+                                select_own=args.tidal_select_own)
                 pipelines[repr(p)] = [p]
             for most in args.tidal_max_read:  # prose calibrates, code is scored
                 prose = heldout_chunks(tok, 4, args.ppl_length, corpus="prose").tolist()
-                p = TidalDecode(calibrate=prose, top_k=k, recent=r, max_read=most)
+                p = TidalDecode(calibrate=prose, top_k=k, recent=r, max_read=most,
+                                select_own=args.tidal_select_own)
                 pipelines[repr(p).replace("<4 prompts>", "prose")] = [p]
     for b in args.quest_budget:
         for r in args.recent:

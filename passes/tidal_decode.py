@@ -10,6 +10,12 @@ tokens and the current one; layers before the first selection layer stay dense. 
 the top-k is chosen among the keys before it). The selection is an IR value, so the IR and
 dumps show which layer feeds which.
 
+``TidalDecode(..., select_own=True)`` is a cheaper variant (not the paper's): a selection
+layer also attends to its own selection, so it reads every key once, to choose, but the
+values of the chosen tokens only; the selection is made before its attention instead of
+after. On a model with few layers, where one layer attending fully is already a large
+share of a step's reads, this is what lets more than one layer select.
+
 ``TidalDecode(calibrate=prompts, max_read=0.25)`` chooses the selection layers instead: the
 ones whose selections keep the most of the later layers' attention on the prompts (token-id
 lists), a decode step reading at most ``max_read`` of dense attention's KV bytes at their
@@ -39,7 +45,7 @@ MAX_READ = 0.25  # with calibrate: a decode step reads at most this of dense att
 class TidalDecode(Pass):
     def __init__(self, selection_layers: Optional[Sequence[int]] = None, top_k: int = 128,
                  recent: int = 0, calibrate: Optional[Sequence[Sequence[int]]] = None,
-                 max_read: Optional[float] = None):
+                 max_read: Optional[float] = None, select_own: bool = False):
         if selection_layers is not None and calibrate is not None:
             raise ValueError("TidalDecode takes selection_layers or calibrate=prompts (which "
                              "chooses them), not both")
@@ -64,6 +70,8 @@ class TidalDecode(Pass):
         if max_read is not None and calibrate is None:
             raise ValueError("TidalDecode: max_read goes with calibrate=prompts (it bounds the "
                              "bytes of the layers calibration chooses)")
+        if not isinstance(select_own, bool):
+            raise ValueError(f"TidalDecode: select_own must be True or False, got {select_own!r}")
         if calibrate is not None and max_read is None:
             max_read = MAX_READ
         if max_read is not None and (isinstance(max_read, bool) or not isinstance(max_read, (int, float))
@@ -74,10 +82,12 @@ class TidalDecode(Pass):
         self.top_k, self.recent = int(top_k), int(recent)
         self.calibrate = [list(p) for p in calibrate] if calibrate is not None else None
         self.max_read = float(max_read) if max_read is not None else None
+        self.select_own = select_own
         self.report: Optional[dict] = None  # what calibration measured
 
     def __repr__(self) -> str:
-        shown = {k: v for k, v in self.params().items() if v is not None}
+        shown = {k: v for k, v in self.params().items() if v is not None
+                 and not (k == "select_own" and v is False)}  # the paper's TidalDecode: unsaid
         if self.calibrate is not None:
             shown["calibrate"] = f"<{len(self.calibrate)} prompts>"
         return f"TidalDecode({', '.join(f'{k}={v}' if k == 'calibrate' else f'{k}={v!r}' for k, v in shown.items())})"
@@ -104,23 +114,25 @@ class TidalDecode(Pass):
         missing = [i for i in self.selection_layers if i not in layers]
         if missing:
             raise PassError(f"{self!r}: no attention names cache {missing[0]}; the IR has {layers}")
-        if max(self.selection_layers) >= max(layers):
+        if max(self.selection_layers) >= max(layers) and not self.select_own:
             raise PassError(f"{self!r}: no layer follows selection layer {max(self.selection_layers)}, "
                             f"so its selection would be made and never read")
         selection = None
         for n in nodes:
             args = _args(n)
-            if selection is not None and args["layer"] not in self.selection_layers:
-                n.kwargs = {**n.kwargs, "select": selection}  # selection layers attend fully
-                n.meta.pop("val", None)
-            if args["layer"] in self.selection_layers:
-                with ir.graph.inserting_after(n):
+            selects = args["layer"] in self.selection_layers
+            if selects:  # before its attention when that reads it too, after it otherwise
+                where = ir.graph.inserting_before(n) if self.select_own else ir.graph.inserting_after(n)
+                with where:
                     selection = ir.graph.call_function(OPS["select_tokens"], (args["q"], args["k"]), {
                         "layer": args["layer"], "num_heads": args["num_heads"],
                         "num_kv_heads": args["num_kv_heads"], "head_dim": args["head_dim"],
                         "top_k": self.top_k, **({"recent": self.recent} if self.recent else {})})
                 # its layer's node (the IR shows it there); layer spans skip integer values
                 selection.meta.update({k: n.meta[k] for k in ("layer", "role", "_scope") if k in n.meta})
+            if selection is not None and (self.select_own or not selects):  # TidalDecode's attend fully
+                n.kwargs = {**n.kwargs, "select": selection}
+                n.meta.pop("val", None)
         return ir
 
 
@@ -130,7 +142,7 @@ class TidalDecode(Pass):
         KV bytes at their length (``rewriter.attention_recall``)."""
         from rewriter.attention_recall import attention_rows, best_selection_layers, kept_mass
         from rewriter.calibrate import calibration_batch
-        if len(layers) < 2:
+        if len(layers) < 2 and not self.select_own:
             raise PassError(f"{self!r}: the IR has {len(layers)} attention layer(s); a selection "
                             f"needs a later layer to read it")
         try:
@@ -152,7 +164,8 @@ class TidalDecode(Pass):
         if kept.shape[0] != len(layers):  # rows are cache ids: two attentions on one cache
             raise PassError(f"{self!r}: measured {kept.shape[0]} attention layers, the IR has "
                             f"{len(layers)} ({layers}); each needs a cache of its own")
-        choice = best_selection_layers(kept, tokens, self.top_k, self.recent, self.max_read)
+        choice = best_selection_layers(kept, tokens, self.top_k, self.recent, self.max_read,
+                                       select_own=self.select_own)
         if choice is None:
             raise PassError(f"{self!r}: no selection fits: a sparse layer reads "
                             f"{self.top_k + self.recent + 1} of {tokens} tokens, and the first "

@@ -138,45 +138,52 @@ class Choice:
 
 
 def best_selection_layers(kept: Tensor, tokens: int, top_k: int, recent: int,
-                          budget: float) -> Optional[Choice]:
+                          budget: float, select_own: bool = False) -> Optional[Choice]:
     """The selection layers that keep the most attention, summed over layers, with a decode
     step reading at most ``budget`` of dense attention's KV bytes at ``tokens`` cached (a
     fraction: 0.25 for 4x fewer); None if nothing fits. Layers before the first selection
-    layer and the selection layers themselves read everything (TidalDecode's), every other
-    layer ``top_k + recent + 1`` tokens, with the kept mass ``kept[s, l]`` of the latest
-    selection layer ``s`` before it. Of equal choices, the one with fewer selection layers.
+    layer read everything; a selection layer reads everything too (TidalDecode's) and keeps
+    all its attention, or with ``select_own`` reads every key and its selection's values
+    and keeps ``kept[s, s]``; every other layer reads ``top_k + recent + 1`` tokens, with the
+    kept mass ``kept[s, l]`` of the latest selection layer ``s`` before it. Of equal
+    choices, the one with fewer selection layers.
 
-    A dynamic programme over (latest selection layer, layers reading everything so far):
-    the bytes depend only on the second, so every state within the budget can end."""
+    A dynamic programme over (latest selection layer, layers before the first, selection
+    layers): the bytes depend only on the last two, and grow with each selection, so a
+    state over the budget has no extension within it."""
     n = kept.shape[0]
     sparse = min(1.0, (top_k + recent + 1) / tokens)
+    chooser = (1.0 + sparse) / 2 if select_own else 1.0  # a selection layer's read
 
-    def read(dense: int) -> float:
-        return (dense + (n - dense) * sparse) / n
+    def read(dense: int, chosen: int) -> float:
+        return (dense + chosen * chooser + (n - dense - chosen) * sparse) / n
 
-    most = max((d for d in range(1, n) if read(d) <= budget + 1e-12), default=0)
+    def fits(dense: int, chosen: int) -> bool:
+        return read(dense, chosen) <= budget + 1e-12
+
     rows = kept.tolist()
+    own = [rows[s][s] if select_own else 1.0 for s in range(n)]
+    last = n if select_own else n - 1  # without select_own the last layer's choice is unread
     run = [[0.0] * (n + 1) for _ in range(n)]  # run[s][e]: mass kept by layers s+1 .. e-1 reading s
     for s in range(n):
         for e in range(s + 1, n):
             run[s][e + 1] = run[s][e] + rows[s][e]
-    # best[(j, dense)]: (score, -selections, layers); layers 0 .. j scored, j the latest selection
+    # best[(j, dense, chosen)]: (score, -selections, layers); layers 0 .. j scored
     best: Dict[tuple, tuple] = {}
-    for first in range(min(most, n - 1)):  # layers 0 .. first read everything and keep 1
-        best[(first, first + 1)] = (first + 1.0, -1, [first])
-    for j in range(n - 1):
-        for dense in range(1, most):
-            state = best.get((j, dense))
-            if state is None:
+    for first in range(last):  # layers 0 .. first-1 read everything and keep 1
+        if fits(first, 1):
+            best[(first, first, 1)] = (first + own[first], -1, [first])
+    for j in range(last):
+        for (at, dense, chosen), (score, neg, layers) in [(k, v) for k, v in best.items() if k[0] == j]:
+            if not fits(dense, chosen + 1):
                 continue
-            score, neg, layers = state
-            for nxt in range(j + 1, n - 1):  # the last layer never selects: nothing reads it
-                cand = (score + run[j][nxt] + 1.0, neg - 1, layers + [nxt])
-                if cand[:2] > best.get((nxt, dense + 1), (-1.0, 0))[:2]:
-                    best[(nxt, dense + 1)] = cand
-    ends = [((score + run[j][n], neg), layers, dense)
-            for (j, dense), (score, neg, layers) in best.items()]
+            for nxt in range(j + 1, last):
+                cand = (score + run[j][nxt] + own[nxt], neg - 1, layers + [nxt])
+                if cand[:2] > best.get((nxt, dense, chosen + 1), (-1.0, 0))[:2]:
+                    best[(nxt, dense, chosen + 1)] = cand
+    ends = [((score + run[j][n], neg), layers, read(dense, chosen))
+            for (j, dense, chosen), (score, neg, layers) in best.items()]
     if not ends:
         return None
-    (total, _), layers, dense = max(ends, key=lambda e: e[0])
-    return Choice(layers, read(dense), total / n)
+    (total, _), layers, bytes_read = max(ends, key=lambda e: e[0])
+    return Choice(layers, bytes_read, total / n)

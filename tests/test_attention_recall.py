@@ -107,24 +107,37 @@ def test_the_best_selection_layers_within_a_budget():
     assert everything.bytes_read == pytest.approx((4 + 2 * 0.1) / 6)
 
 
-def _score(kept, sel) -> float:
-    """Kept mass summed over layers for selection layers ``sel`` (dense before the first)."""
+def _score(kept, sel, own=False) -> float:
+    """Kept mass summed over layers for selection layers ``sel`` (dense before the first; a
+    selection layer keeps its own top-k's mass with ``own``, everything without)."""
     score, cur = 0.0, None
     for layer in range(kept.shape[0]):
         cur = layer if layer in sel else cur
-        score += 1.0 if cur is None or layer in sel else float(kept[cur, layer])
+        if cur is None or (layer in sel and not own):
+            score += 1.0
+        else:
+            score += float(kept[cur, layer])
     return score
 
 
+@pytest.mark.parametrize("own", [False, True])
 @pytest.mark.parametrize("tokens", [100, 5])  # 5: a sparse layer reads the whole cache
-def test_the_programme_equals_a_search_of_every_set(tokens):
+def test_the_programme_equals_a_search_of_every_set(tokens, own):
     """On random matrices (some with ties), for 2 to 7 layers, the dynamic programme finds
     the best of every selection set that fits (brute force over all subsets), with its
-    bytes within the budget, as few selection layers as any equal set, and its score."""
+    bytes within the budget, as few selection layers as any equal set, and its score.
+    With ``own`` (select_own) a selection layer reads every key and its selection's values
+    and keeps its own top-k's mass, and the last layer may select."""
     import itertools
     g = torch.Generator().manual_seed(3)
     k = 9  # with tokens=100 a sparse layer reads 0.1 of a dense one
     sparse = min(1.0, (k + 1) / tokens)
+    chooser = (1 + sparse) / 2 if own else 1.0
+
+    def read(sel):
+        dense, chosen = sel[0], len(sel)
+        return (dense + chosen * chooser + (n - dense - chosen) * sparse) / n
+
     for trial in range(40):
         n = 2 + trial % 6
         kept = torch.rand(n, n, generator=g).triu()
@@ -132,25 +145,42 @@ def test_the_programme_equals_a_search_of_every_set(tokens):
             kept = (kept * 4).round() / 4  # ties
         budget = 0.2 + 0.1 * (trial % 9)
         best = None  # (score, -selections)
-        for size in range(1, n):
-            for sel in itertools.combinations(range(n - 1), size):
-                dense = sel[0] + size
-                if (dense + (n - dense) * sparse) / n > budget + 1e-12:
+        choosable = range(n) if own else range(n - 1)
+        for size in range(1, len(choosable) + 1):
+            for sel in itertools.combinations(choosable, size):
+                if read(sel) > budget + 1e-12:
                     continue
-                cand = (_score(kept, sel), -size)
+                cand = (_score(kept, sel, own), -size)
                 if best is None or cand[0] > best[0] + 1e-9 or (
                         abs(cand[0] - best[0]) <= 1e-9 and cand[1] > best[1]):
                     best = cand
-        got = best_selection_layers(kept, tokens, k, 0, budget)
+        got = best_selection_layers(kept, tokens, k, 0, budget, select_own=own)
         assert (got is None) == (best is None)
         if got is None:
             continue
         sel = got.selection_layers
-        assert got.kept * n == pytest.approx(best[0]) == pytest.approx(_score(kept, sel))
-        assert len(sel) == -best[1] and sel == sorted(set(sel)) and sel[-1] < n - 1
-        dense = sel[0] + len(sel)
-        assert got.bytes_read == pytest.approx((dense + (n - dense) * sparse) / n)
+        assert got.kept * n == pytest.approx(best[0]) == pytest.approx(_score(kept, sel, own))
+        assert len(sel) == -best[1] and sel == sorted(set(sel)) and sel[-1] < len(choosable)
+        assert got.bytes_read == pytest.approx(read(sel))
         assert got.bytes_read <= budget + 1e-12
+
+
+def test_with_select_own_the_layer_that_keeps_little_from_others_selects_for_itself():
+    # 4 layers: layer 0's selection serves 1 and 2 well, layer 3 (a retrieval layer) keeps
+    # little of it but much of its own top-k
+    kept = torch.zeros(4, 4)
+    kept[0] = torch.tensor([0.7, 0.9, 0.9, 0.2])
+    kept[3, 3] = 0.8
+    kept[1, 1] = kept[2, 2] = 0.5
+    # 1000 tokens, a sparse layer 0.1, a selecting one 0.55: [0, 3] reads (2 * 0.55 + 0.2) / 4
+    got = best_selection_layers(kept, 1000, 99, 0, budget=1.3 / 4, select_own=True)
+    assert got.selection_layers == [0, 3]
+    assert got.kept == pytest.approx((0.7 + 0.9 + 0.9 + 0.8) / 4)
+    assert got.bytes_read == pytest.approx(1.3 / 4)
+    # the paper's TidalDecode cannot afford two layers reading everything at that budget
+    paper = best_selection_layers(kept, 1000, 99, 0, budget=1.3 / 4)
+    assert paper.selection_layers == [0]
+    assert paper.kept == pytest.approx((1 + 0.9 + 0.9 + 0.2) / 4)
 
 
 def test_one_layer_has_nothing_to_select_for():

@@ -275,3 +275,106 @@ def test_a_calibrated_artifact_keeps_its_layers_and_info_counts_the_prompts(tmp_
     out = capsys.readouterr().out
     assert f"selection_layers={tidal.selection_layers}" in out and "calibrate=<2 prompts>" in out
     assert str(CALIBRATION[0][:8])[1:-1] not in out  # the ids themselves are not printed
+
+
+# select_own: a selection layer attends to its own selection too (every key scored, the
+# chosen values read); the selection is made before its attention
+
+
+def test_select_own_feeds_its_layers_attention_and_the_last_layer_may_select():
+    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    p = TidalDecode(selection_layers=[0, 2], top_k=3, select_own=True)
+    assert repr(p) == "TidalDecode(selection_layers=[0, 2], top_k=3, recent=0, select_own=True)"
+    ir = rewriter.optimize(model, passes=[p]).ir
+    order = {n: i for i, n in enumerate(ir.graph.nodes)}
+    attn = {n.meta["layer"]: n for n in ir.graph.find_nodes(op="call_function", target=OPS["attention"])}
+    sel = {n.kwargs["layer"]: n for n in ir.graph.find_nodes(op="call_function", target=OPS["select_tokens"])}
+    assert attn[0].kwargs["select"] is sel[0] and attn[1].kwargs["select"] is sel[0]
+    assert attn[2].kwargs["select"] is sel[2]  # the last layer selects for itself
+    assert order[sel[0]] < order[attn[0]] and order[sel[2]] < order[attn[2]]
+    assert sel[0].args[:2] == (attn[0].args[0], attn[0].args[1])  # its own rotated q and k
+
+
+@pytest.mark.parametrize("layers,top_k,recent", [([0], 2, 0), ([0, 2], 3, 0), ([1], 2, 3)])
+def test_select_own_decode_steps_equal_the_whole_sequence_graph(layers, top_k, recent):
+    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    opt = rewriter.optimize(model, passes=[TidalDecode(selection_layers=layers, top_k=top_k,
+                                                       recent=recent, select_own=True)])
+    paper = rewriter.optimize(model, passes=[TidalDecode(selection_layers=layers[:1], top_k=top_k,
+                                                         recent=recent)])
+    prompts = [[5], [17], [99]]
+    got = opt.generate(prompts, max_new_tokens=16, eos_token_id=[])
+    for i, row in enumerate(prompts):
+        assert torch.equal(got[i], reference_greedy(opt, row, 16))
+    # the selection layers no longer attend fully: not the paper's TidalDecode
+    assert not torch.equal(got, paper.generate(prompts, max_new_tokens=16, eos_token_id=[]))
+
+
+def test_select_own_with_top_k_covering_every_token_equals_dense_and_survives_an_artifact(tmp_path):
+    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    dense = rewriter.optimize(model).generate(ROWS, **KW)
+    every = rewriter.optimize(model, passes=[TidalDecode(selection_layers=[0, 2], top_k=1000,
+                                                         select_own=True)])
+    assert torch.equal(every.generate(ROWS, **KW), dense)
+    opt = rewriter.optimize(model, passes=[
+        from_spec("tidal_decode:selection_layers=[1],top_k=3,select_own=true"), FuseQKV()])
+    got = opt.generate(ROWS, **KW)
+    opt.save(tmp_path / "a")
+    loaded = rewriter.load(tmp_path / "a")
+    assert torch.equal(loaded.generate(ROWS, **KW), got)
+    (attn,) = [n for n in loaded.ir.graph.find_nodes(op="call_function", target=OPS["attention"])
+               if n.meta["layer"] == 1]
+    assert attn.kwargs["select"].kwargs["layer"] == 1  # still its own selection
+    opt.static_decode = True
+    assert torch.equal(opt.generate(ROWS, **KW), got)
+
+
+def test_select_own_refusals_and_a_selection_wired_backwards():
+    from rewriter.errors import VerificationError
+    from rewriter.ir.verify import verify
+    for bad in (1, "yes", None):
+        with pytest.raises(ValueError, match="select_own must be True or False"):
+            TidalDecode(select_own=bad)
+    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    opt = rewriter.optimize(model, passes=[TidalDecode(selection_layers=[1], top_k=3, select_own=True)])
+    verify(opt.ir)
+    (sel,) = opt.ir.graph.find_nodes(op="call_function", target=OPS["select_tokens"])
+    # layer 1's q and k scored, but the runtime would read cache 0's keys: refused
+    sel.kwargs = {**sel.kwargs, "layer": 0}
+    with pytest.raises(VerificationError, match="layer 0's own q and k"):
+        verify(opt.ir)
+
+
+@pytest.mark.slow
+def test_select_own_triton_backend_equals_torch():
+    pytest.importorskip("triton")
+    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    passes = lambda: [TidalDecode(selection_layers=[0, 2], top_k=3, recent=1, select_own=True),  # noqa: E731
+                      FuseQKV()]
+    ref = rewriter.optimize(model, passes=passes())
+    tri = rewriter.optimize(model, passes=passes(), backend="triton")
+    kw = dict(max_new_tokens=6, eos_token_id=[])
+    assert torch.equal(tri.generate(ROWS, **kw), ref.generate(ROWS, **kw))
+
+
+def test_select_own_calibration_lets_the_last_layer_select_for_itself(monkeypatch):
+    """With select_own the programme counts a selection layer as every key plus its
+    selection's values and its own top-k's kept mass: here the last layer, which keeps
+    little of layer 0's choice, selects for itself."""
+    import rewriter.attention_recall as recall
+    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    kept = torch.tensor([[0.8, 0.9, 0.1], [0.0, 0.5, 0.1], [0.0, 0.0, 0.9]])
+    monkeypatch.setattr(recall, "kept_mass", lambda rows, top_k, recent: kept)
+    sparse = 5 / 48  # top_k 4 + the query, of 48 tokens
+    budget = (2 * (1 + sparse) / 2 + sparse) / 3
+    tidal = TidalDecode(calibrate=CALIBRATION, top_k=4, max_read=budget, select_own=True)
+    opt = rewriter.optimize(model, passes=[tidal])
+    assert tidal.selection_layers == [0, 2]
+    assert tidal.report["read"] == pytest.approx(budget)
+    assert tidal.report["mean_kept"] == pytest.approx((0.8 + 0.9 + 0.9) / 3)
+    same = rewriter.optimize(model, passes=[TidalDecode(selection_layers=[0, 2], top_k=4,
+                                                        select_own=True)])
+    assert torch.equal(opt.generate(ROWS, **KW), same.generate(ROWS, **KW))
+    with pytest.raises(PassError, match="no selection fits"):  # the paper's layers cost more
+        rewriter.optimize(model, passes=[TidalDecode(calibrate=CALIBRATION, top_k=4,
+                                                     max_read=(1 + 2 * sparse) / 3 - 0.01)])

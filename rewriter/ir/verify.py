@@ -71,8 +71,10 @@ def _known_target(target) -> bool:
 
 def _check_sparse_inputs(ir: IR, n: fx.Node) -> None:
     """``rotary`` is a RoPE frequency table that fits the head; ``select`` comes from an
-    ``rw.select_tokens`` on an earlier layer's own q and k (the runtime reads that layer's
-    cache, so any other wiring would select from keys the graph never scored)."""
+    ``rw.select_tokens`` on an earlier layer's own q and k, placed after that layer's
+    attention, or (``TidalDecode(select_own=True)``) before it, when that attention reads
+    it too (the runtime reads that layer's cache, so any other wiring would select from
+    keys the graph never scored)."""
     args = op_arguments("attention", tuple(n.args), dict(n.kwargs))
     rotary, select = args["rotary"], args["select"]
     if rotary is not None:
@@ -92,15 +94,20 @@ def _check_sparse_inputs(ir: IR, n: fx.Node) -> None:
     sel = op_arguments("select_tokens", tuple(select.args), dict(select.kwargs))
     source = [a for a in ir.graph.find_nodes(op="call_function", target=OPS["attention"])
               if op_arguments("attention", tuple(a.args), dict(a.kwargs))["layer"] == sel["layer"]]
-    if not source or source[0] is n:
-        raise VerificationError(f"{select.name}: layer={sel['layer']} names no earlier attention")
+    if not source:
+        raise VerificationError(f"{select.name}: layer={sel['layer']} names no attention")
     src = op_arguments("attention", tuple(source[0].args), dict(source[0].kwargs))
     order = {node: i for i, node in enumerate(ir.graph.nodes)}
-    if not (order[source[0]] < order[select] < order[n]) or (sel["q"], sel["k"]) != (src["q"], src["k"]) \
+    # TidalDecode's selection follows its layer's attention; with select_own it precedes
+    # it and that attention reads it too (the keys it scores are then the earlier ones)
+    at, first, here = order[select], order[source[0]], order[n]
+    placed = at < first <= here if src["select"] is select else first < at < here
+    if not placed or (sel["q"], sel["k"]) != (src["q"], src["k"]) \
             or sel["num_kv_heads"] != args["num_kv_heads"] or src["sinks"] is not None:
         raise VerificationError(f"{select.name}: it must read layer {sel['layer']}'s own q and k "
-                                f"after that layer's attention (a whole cache, {args['num_kv_heads']} "
-                                f"KV heads) and before {n.name}")
+                                f"after that layer's attention, or before it when that attention "
+                                f"reads it too (a whole cache, {args['num_kv_heads']} KV heads), "
+                                f"and before {n.name}")
 
 
 def _check_page_selection(ir: IR, n: fx.Node, args: dict, select: fx.Node) -> None:
