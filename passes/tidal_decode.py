@@ -167,9 +167,12 @@ class TidalDecode(Pass):
         choice = best_selection_layers(kept, tokens, self.top_k, self.recent, self.max_read,
                                        select_own=self.select_own)
         if choice is None:
+            chooser = ("reads every key and the values of its selection" if self.select_own
+                       else "reads every token")
             raise PassError(f"{self!r}: no selection fits: a sparse layer reads "
-                            f"{self.top_k + self.recent + 1} of {tokens} tokens, and the first "
-                            f"layer must select; raise max_read or lower top_k")
+                            f"{self.top_k + self.recent + 1} of {tokens} tokens, a selection "
+                            f"layer {chooser}, and the first layer must select; raise max_read "
+                            f"or lower top_k")
         self.report = {"tokens": tokens, "layers": layers, "kept": kept.tolist(),  # rows, columns: layers
                        "selection_layers": [layers[i] for i in choice.selection_layers],
                        "read": choice.bytes_read, "mean_kept": choice.kept}

@@ -15,7 +15,9 @@ the op's own ranking (``rewriter.ops.top_tokens``). ``best_selection_layers``
 chooses the selection layers that keep the most attention within a budget of KV bytes
 read per decode step, TidalDecode's cost model: layers up to and including the first
 selection layer, and every selection layer, read the whole cache; the others read
-``top_k + recent + 1`` tokens.
+``top_k + recent + 1`` tokens. With ``select_own`` (``TidalDecode(select_own=True)``) a
+selection layer reads every key and its selection's values, and keeps its own top-k's
+mass.
 """
 from __future__ import annotations
 
@@ -179,11 +181,23 @@ def best_selection_layers(kept: Tensor, tokens: int, top_k: int, recent: int,
                 continue
             for nxt in range(j + 1, last):
                 cand = (score + run[j][nxt] + own[nxt], neg - 1, layers + [nxt])
-                if cand[:2] > best.get((nxt, dense, chosen + 1), (-1.0, 0))[:2]:
+                if _better(cand, best.get((nxt, dense, chosen + 1))):
                     best[(nxt, dense, chosen + 1)] = cand
-    ends = [((score + run[j][n], neg), layers, read(dense, chosen))
-            for (j, dense, chosen), (score, neg, layers) in best.items()]
-    if not ends:
-        return None
-    (total, _), layers, bytes_read = max(ends, key=lambda e: e[0])
-    return Choice(layers, bytes_read, total / n)
+    top = None  # (score, -selections, layers, bytes)
+    for (j, dense, chosen), (score, neg, layers) in best.items():
+        end = (score + run[j][n], neg, layers, read(dense, chosen))
+        if _better(end, top):
+            top = end
+    return Choice(top[2], top[3], top[0] / n) if top is not None else None
+
+
+def _better(a: tuple, b: Optional[tuple]) -> bool:
+    """(score, -selections, ...) ``a`` over ``b``: a higher score, or within rounding of it
+    (sums of floats in another order), fewer selection layers, then fewer bytes."""
+    if b is None:
+        return True
+    if abs(a[0] - b[0]) > 1e-9:
+        return a[0] > b[0]
+    if a[1] != b[1]:
+        return a[1] > b[1]
+    return len(a) > 3 and a[3] < b[3] - 1e-12

@@ -17,8 +17,9 @@ from rewriter.ops import top_tokens, with_recent
 def select_tokens(step, q: Tensor, k: Tensor, cache_id: int, num_heads: int, num_kv_heads: int,
                   head_dim: int, top_k: int, recent: int = 0) -> Optional[Tensor]:
     """``[B, Hkv, 1, top_k + recent]`` cache positions for a one-token step (-1: none): the
-    top-k read from cache ``cache_id`` (after its layer wrote the step's key) among the
-    tokens before the last ``recent``, then those; None for a longer step."""
+    top-k read from cache ``cache_id`` among the tokens before the last ``recent``, then
+    those; None for a longer step. The step's own slot is never scored (``_selectable``),
+    so this may run before its layer's attention writes it (``select_own``)."""
     if step.length != 1 or step.tree is not None:
         return None
     b = q.shape[0]
@@ -73,7 +74,8 @@ def selection_index(step, select: Tensor) -> Tensor:
 
 def _selectable(step, b: int, recent: int) -> Tensor:
     """``[B, 1, 1, end]``: the cached keys before the step's last ``recent`` tokens, padding
-    excluded."""
+    excluded. Never the step's own slot, nor any after it: a selection made before its
+    layer's attention (``select_own``) would read them unwritten or stale."""
     device = step.cache.device
     kj = torch.arange(step.end, device=device)
     current = step.pos if step.static else torch.as_tensor(step.start, device=device)

@@ -341,8 +341,55 @@ def test_select_own_refusals_and_a_selection_wired_backwards():
     (sel,) = opt.ir.graph.find_nodes(op="call_function", target=OPS["select_tokens"])
     # layer 1's q and k scored, but the runtime would read cache 0's keys: refused
     sel.kwargs = {**sel.kwargs, "layer": 0}
-    with pytest.raises(VerificationError, match="layer 0's own q and k"):
+    with pytest.raises(VerificationError, match="layer 0's own rotated q and k"):
         verify(opt.ir)
+    sel.kwargs = {**sel.kwargs, "layer": 1}
+    verify(opt.ir)
+    attn = {n.meta["layer"]: n for n in opt.ir.graph.find_nodes(op="call_function", target=OPS["attention"])}
+    # a selection before its layer's attention that this attention does not read: refused
+    attn[1].kwargs = {**attn[1].kwargs, "select": None}
+    with pytest.raises(VerificationError, match="before it when that attention reads it"):
+        verify(opt.ir)
+    # the paper's selection moved before its own layer's attention: refused
+    paper = rewriter.optimize(model, passes=[TidalDecode(selection_layers=[1], top_k=3)])
+    (sel,) = paper.ir.graph.find_nodes(op="call_function", target=OPS["select_tokens"])
+    attn = {n.meta["layer"]: n for n in paper.ir.graph.find_nodes(op="call_function", target=OPS["attention"])}
+    attn[1].prepend(sel)
+    with pytest.raises(VerificationError, match="after that layer's attention"):
+        verify(paper.ir)
+
+
+def test_a_selection_of_keys_rotated_inside_the_attention_is_refused():
+    """After FuseRoPE a layer's q and k are unrotated and its cache holds rotated keys, so a
+    selection scoring that q against that cache would rank the wrong keys."""
+    from rewriter.errors import VerificationError
+    from rewriter.ir.verify import verify
+    from rewriter.ops import op_arguments
+    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    opt = rewriter.optimize(model, passes=[FuseRoPE()])
+    attn = {n.meta["layer"]: n for n in opt.ir.graph.find_nodes(op="call_function", target=OPS["attention"])}
+    assert attn[1].kwargs.get("cos") is not None
+    a = attn[1]
+    args = op_arguments("attention", tuple(a.args), dict(a.kwargs))
+    with opt.ir.graph.inserting_before(a):
+        sel = opt.ir.graph.call_function(OPS["select_tokens"], (args["q"], args["k"]), {
+            "layer": 1, "num_heads": args["num_heads"], "num_kv_heads": args["num_kv_heads"],
+            "head_dim": args["head_dim"], "top_k": 3})
+    a.kwargs = {**a.kwargs, "select": sel}
+    with pytest.raises(VerificationError, match="no rotation inside the op"):
+        verify(opt.ir)
+
+
+def test_select_own_ragged_batch_with_a_window_equals_each_row_alone():
+    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    opt = rewriter.optimize(model, passes=[TidalDecode(selection_layers=[0, 2], top_k=3, recent=4,
+                                                       select_own=True)])
+    rows = [*ROWS, [7]]  # a one-token row: its window reaches into its left padding
+    together = opt.generate(rows, **KW)
+    for i, row in enumerate(rows):
+        assert torch.equal(together[i, -12:], opt.generate([row], **KW)[0, -12:])
+    opt.static_decode = True
+    assert torch.equal(opt.generate(rows, **KW), together)
 
 
 @pytest.mark.slow

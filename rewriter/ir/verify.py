@@ -103,11 +103,12 @@ def _check_sparse_inputs(ir: IR, n: fx.Node) -> None:
     at, first, here = order[select], order[source[0]], order[n]
     placed = at < first <= here if src["select"] is select else first < at < here
     if not placed or (sel["q"], sel["k"]) != (src["q"], src["k"]) \
-            or sel["num_kv_heads"] != args["num_kv_heads"] or src["sinks"] is not None:
-        raise VerificationError(f"{select.name}: it must read layer {sel['layer']}'s own q and k "
-                                f"after that layer's attention, or before it when that attention "
-                                f"reads it too (a whole cache, {args['num_kv_heads']} KV heads), "
-                                f"and before {n.name}")
+            or sel["num_kv_heads"] != args["num_kv_heads"] or src["sinks"] is not None \
+            or src["cos"] is not None:  # q and k rotated inside the op: the cache's keys are not k
+        raise VerificationError(f"{select.name}: it must read layer {sel['layer']}'s own rotated "
+                                f"q and k after that layer's attention, or before it when that "
+                                f"attention reads it too (a whole cache, {args['num_kv_heads']} "
+                                f"KV heads, no rotation inside the op), and before {n.name}")
 
 
 def _check_page_selection(ir: IR, n: fx.Node, args: dict, select: fx.Node) -> None:
