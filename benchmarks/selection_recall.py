@@ -4,6 +4,7 @@ layers that keep the most within a KV-bytes budget (``rewriter.attention_recall`
     python benchmarks/selection_recall.py [--model default|smollm2|PATH] [--text passkey|code]
                                           [--length 1024] [--rows 8] [--queries 32]
                                           [--top-k 96] [--recent 32] [--budget 0.25 0.35]
+                                          [--select-own]
                                           [--json benchmarks/results/selection_recall.json]
 
 The model runs densely over ``--rows`` texts of ``--length`` tokens: pass-key prompts with
@@ -14,7 +15,9 @@ layer's softmax rows are kept; the table gives, per selection layer, the mean at
 weight every later layer keeps when it reads that layer's ``top_k + recent`` selection.
 Then, for each budget (KV bytes a decode step reads, as a fraction of dense attention's,
 at ``--length`` tokens), the selection layers that keep the most attention summed over
-layers. Nothing is timed: the figures do not depend on the machine.
+layers, and with ``--select-own`` the same for ``TidalDecode(select_own=True)``'s cost
+model (a selection layer reads every key and its selection's values and keeps its own
+top-k's mass). Nothing is timed: the figures do not depend on the machine.
 """
 from __future__ import annotations
 
@@ -57,6 +60,8 @@ def main():
     ap.add_argument("--top-k", type=int, default=96)
     ap.add_argument("--recent", type=int, default=32)
     ap.add_argument("--budget", type=float, nargs="+", default=[0.25])
+    ap.add_argument("--select-own", action="store_true",
+                    help="also choose under select_own's cost model, a row each budget")
     ap.add_argument("--json", default="benchmarks/results/selection_recall.json")
     args = ap.parse_args()
     for name in ("length", "rows", "queries", "top_k"):
@@ -88,13 +93,17 @@ def main():
           f"(diagonal: the layer's own top-k).\n")
     print(tabulate(table, headers=["sel \\ layer"] + list(range(n))))
     choices = []
-    for budget in args.budget:
-        c = best_selection_layers(kept, args.length, args.top_k, args.recent, budget)
-        choices.append({"budget": budget, **(c.__dict__ if c else {"selection_layers": None})})
+    for own in ([False, True] if args.select_own else [False]):
+        for budget in args.budget:
+            c = best_selection_layers(kept, args.length, args.top_k, args.recent, budget,
+                                      select_own=own)
+            choices.append({"budget": budget, "select_own": own,
+                            **(c.__dict__ if c else {"selection_layers": None})})
     print()
-    print(tabulate([[c["budget"], c["selection_layers"], f"{1 / c['bytes_read']:.2f}x" if c.get("bytes_read") else "",
+    print(tabulate([[c["budget"], c["select_own"], c["selection_layers"],
+                     f"{1 / c['bytes_read']:.2f}x" if c.get("bytes_read") else "",
                      f"{c['kept']:.3f}" if c.get("kept") is not None else "nothing fits"] for c in choices],
-                   headers=["budget", "selection layers", "fewer KV bytes", "mean kept"]))
+                   headers=["budget", "select_own", "selection layers", "fewer KV bytes", "mean kept"]))
     out = {"model": args.model, "text": args.text, "length": args.length, "rows": args.rows,
            "queries": args.queries, "top_k": args.top_k, "recent": args.recent,
            "date": time.strftime("%Y-%m-%d"), "seconds": seconds,
