@@ -24,7 +24,7 @@ lies: StreamingLLM is the control that must fail when the key falls outside its 
 held-out perplexity (second half of each chunk scored one decode step at a time, so the
 cache policy shows) and its ratio to dense, KV memory allocated for one sequence of
 ``--kv-length`` tokens (default: the longest pass-key length), KV bytes a decode step reads
-there, and decode tokens/s at that length for each batch size (the median of ``--new``
+there (``engine.kv_read_bytes``), and decode tokens/s at that length for each batch size (the median of ``--new``
 decode steps timed one by one after one prefill, the first 2 not counted), with the
 ratio to dense.
 """
@@ -44,9 +44,7 @@ from tabulate import tabulate
 import rewriter
 from rewriter.checkpoints import cast
 from rewriter.eval import heldout_chunks, passkey_accuracy, perplexity
-from rewriter.ops import OPS, op_arguments
 from rewriter.passes import DuoAttention, Quest, StreamingAttention, TidalDecode
-from rewriter.runtime.kv_cache import cache_table, ring_part
 
 
 def load(name: str):
@@ -54,42 +52,6 @@ def load(name: str):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
     from quickstart import load as load_model
     return load_model(name)
-
-
-def kv_read_bytes(engine, tokens: int) -> int:
-    """KV bytes one decode step reads with ``tokens`` in the cache, batch 1: a dense cache
-    reads every token, a ring its slots, a TidalDecode layer its ``top_k + recent + 1``
-    (selection layers read everything; their second read of the keys, to select, is not
-    counted; with ``select_own`` they read every key and the values of their selection), a
-    Quest layer its ``budget + recent + 1`` (the budget in whole pages) and the
-    bounds of every page so far (at the cache's dtype: a step also converts them to float32
-    to score, which is not counted)."""
-    dtype = engine._dtype()
-    selected, bounds, scored = {}, {}, set()
-    for n in engine.ir.gm.graph.find_nodes(op="call_function", target=OPS["attention"]):
-        args = op_arguments("attention", tuple(n.args), dict(n.kwargs))
-        sel = args["select"]
-        if sel is not None and sel.target is OPS["select_tokens"]:
-            p = op_arguments("select_tokens", tuple(sel.args), dict(sel.kwargs))
-            selected[args["layer"]] = p["top_k"] + p["recent"] + 1
-            if p["layer"] == args["layer"]:  # select_own: it scored every key itself
-                scored.add(args["layer"])
-        elif sel is not None:  # Quest: budget and recent tokens, its own, every page's bounds
-            p = op_arguments("select_pages", tuple(sel.args), dict(sel.kwargs))
-            selected[args["layer"]] = p["budget"] // p["page"] * p["page"] + p["recent"] + 1
-            bounds[args["layer"]] = 2 * -(-tokens // p["page"])  # max and min, per page
-    total = 0
-    for i, s in cache_table(engine.ir.gm).items():
-        per_head = s.bytes_per_token(dtype) // s.num_kv_heads
-        for key, heads, _ in s.parts(tokens):  # a DuoAttention layer: full heads and a ring
-            ring = s.bounded or key == ring_part(i)
-            read = min(tokens, s.sinks + s.window) if ring else min(tokens, selected.get(i, tokens))
-            if i in scored:  # every key, and the values of the selection
-                total += per_head // 2 * heads * (tokens + read)
-                continue
-            total += per_head * heads * read
-        total += per_head // 2 * s.num_kv_heads * bounds.get(i, 0)  # [pages, D] bounds, twice
-    return total
 
 
 def decode_rate(engine, batch: int, length: int, new: int, warmup: int = 2) -> float:
@@ -223,7 +185,7 @@ def main():
         rates = {b: decode_rate(engine, b, longest, args.new) for b in args.batch}
         row = {"pipeline": name, "passkey_by_length": by_length, "passkey_by_depth": by_depth,
                "perplexity": ppl, "kv_bytes": engine.kv_bytes_per_token(longest) * longest,
-               "kv_read_bytes": kv_read_bytes(engine, longest), "tok_s": rates,
+               "kv_read_bytes": engine.kv_read_bytes(longest), "tok_s": rates,
                "seconds": time.perf_counter() - started}
         if any(p.report for p in passes if isinstance(p, TidalDecode)):
             row["calibration"] = {k: v for k, v in passes[0].report.items() if k != "kept"}

@@ -168,7 +168,8 @@ def _code_lines():
 
 def cost(engine, prompt, new_tokens: int, runs: int = 3) -> dict:
     """Forward passes and layer evaluations per generated token (from the runtime's
-    counters), KV-cache bytes per token, and wall milliseconds per token at batch 1: the
+    counters), KV-cache bytes per token and bytes a decode step reads at the context
+    length, and wall milliseconds per token at batch 1: the
     median of ``runs`` timed generations after a warm-up, and their min and max."""
     prompt = prompt[:1] if isinstance(prompt, torch.Tensor) else [list(prompt[0])]
     times = []
@@ -190,6 +191,7 @@ def cost(engine, prompt, new_tokens: int, runs: int = 3) -> dict:
             # verification of one row
             "accepted_per_round": s["accepted"] / s["row_rounds"] if s["row_rounds"] else None,
             "kv_bytes_per_token": engine.kv_bytes_per_token(),
+            "kv_read_per_step": engine.kv_read_bytes(),  # at the context length
             "ms_per_token": statistics.median(times), "ms_per_token_min": min(times),
             "ms_per_token_max": max(times)}
 
@@ -242,6 +244,8 @@ layers/tok       decoder layers evaluated per generated token, drafts included (
 acc/round        speculative decoding (self-speculative, draft heads): drafted tokens accepted
                  per verification (higher is better)
 KV B/tok         KV-cache bytes per token of one sequence (lower is cheaper)
+KV read KiB      KV-cache KiB one decode step of one sequence reads at the full context
+                 (lower is cheaper; token selection lowers it, not the memory)
 ms/tok           CPU milliseconds per generated token, batch 1: median [min-max] of the runs"""
 
 
@@ -253,7 +257,7 @@ def format_table(rows: list[dict], legend: bool = True) -> str:
     for c in corpora:
         head += [f"ppl {c}", "ratio"]
     head += ["greedy agree", "1st diverge", "exact", *[f"passkey@{n}" for n in lengths],
-             "fwd/tok", "layers/tok", "acc/round", "KV B/tok", "ms/tok"]
+             "fwd/tok", "layers/tok", "acc/round", "KV B/tok", "KV read KiB", "ms/tok"]
     body = []
     for r in rows:
         ppl = [x for c in corpora for x in (f"{r['perplexity'][c]:.2f}", f"{r['ppl_ratio'][c]:.3f}")]
@@ -263,6 +267,7 @@ def format_table(rows: list[dict], legend: bool = True) -> str:
                      f"{r['forward_per_token']:.2f}", f"{r['layers_per_token']:.1f}",
                      "-" if r.get("accepted_per_round") is None else f"{r['accepted_per_round']:.2f}",
                      r["kv_bytes_per_token"],
+                     "-" if r.get("kv_read_per_step") is None else f"{r['kv_read_per_step'] / 2**10:.0f}",
                      f"{r['ms_per_token']:.1f} [{r['ms_per_token_min']:.1f}-{r['ms_per_token_max']:.1f}]"])
     table = tabulate(body, headers=head)
     return table + ("\n\n" + LEGEND if legend else "")

@@ -29,7 +29,7 @@ from rewriter.ops import OPS
 from rewriter.values import context_length
 
 from .generate import Batch, decode_loop, prepare, score_loop
-from .kv_cache import KVCache, bounded, cache_table
+from .kv_cache import KVCache, bounded, cache_table, read_bytes
 from .programs import build_programs
 from .replay import Replays
 from .settings import PREFILL_CHUNK, GenerationSettings, is_int, token_ids
@@ -121,6 +121,15 @@ class Engine:
         counts its slots, not the sequence's length."""
         dtype, tokens = self._dtype(), tokens or self.max_len
         return sum(s.bytes_for(tokens, dtype) for s in cache_table(self.ir.gm).values()) // tokens
+
+    def kv_read_bytes(self, tokens: Optional[int] = None) -> int:
+        """KV-cache bytes one decode step of one sequence reads with ``tokens`` tokens
+        cached (default: the context length): the sparse passes' savings in bandwidth,
+        where ``kv_bytes_per_token`` is their savings in memory (``kv_cache.read_bytes``)."""
+        tokens = self.max_len if tokens is None else tokens
+        if not is_int(tokens) or tokens < 1:
+            raise ValueError(f"kv_read_bytes: tokens must be an integer >= 1, got {tokens!r}")
+        return read_bytes(self.ir.gm, self._dtype(), int(tokens))
 
     # ------------------------------------------------------------------ generation
     def generate(self, input_ids: Prompts, max_new_tokens: int = 20,

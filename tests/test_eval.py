@@ -40,6 +40,8 @@ def test_skipping_the_middle_layers_scores_worse(default):
     assert row["agreement"] < 0.5 and row["first_divergence"] < SMALL.new_tokens
     assert row["layers_per_token"] == 2 and ref["layers_per_token"] == 8
     assert row["kv_bytes_per_token"] * 4 == ref["kv_bytes_per_token"]
+    assert row["kv_read_per_step"] * 4 == ref["kv_read_per_step"]
+    assert "KV read KiB" in format_table([ref, row])
 
 
 def test_cost_counters_match_hand_counts():
@@ -50,6 +52,7 @@ def test_cost_counters_match_hand_counts():
     c = cost(opt, torch.zeros(1, 5, dtype=torch.long), 6)
     assert c["forward_per_token"] == 1.0 and c["layers_per_token"] == 2.0
     assert c["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4  # slots x (K, V) x kv heads x D x fp32
+    assert c["kv_read_per_step"] == c["kv_bytes_per_token"] * opt.max_len  # dense: every token
 
 
 def test_agreement_and_first_divergence_by_hand():
