@@ -191,7 +191,9 @@ def cost(engine, prompt, new_tokens: int, runs: int = 3) -> dict:
             # verification of one row
             "accepted_per_round": s["accepted"] / s["row_rounds"] if s["row_rounds"] else None,
             "kv_bytes_per_token": engine.kv_bytes_per_token(),
-            "kv_read_per_step": engine.kv_read_bytes(),  # at the context length
+            # at the context length; a speculative strategy's verify steps attend densely
+            "kv_read_per_step": (None if engine.ir.info.get("decoding") is not None
+                                 else engine.kv_read_bytes()),
             "ms_per_token": statistics.median(times), "ms_per_token_min": min(times),
             "ms_per_token_max": max(times)}
 
@@ -245,7 +247,8 @@ acc/round        speculative decoding (self-speculative, draft heads): drafted t
                  per verification (higher is better)
 KV B/tok         KV-cache bytes per token of one sequence (lower is cheaper)
 KV read KiB      KV-cache KiB one decode step of one sequence reads at the full context
-                 (lower is cheaper; token selection lowers it, not the memory)
+                 (lower is cheaper; token selection lowers it, not the memory; "-" for
+                 speculative rounds, whose verify steps read the whole cache)
 ms/tok           CPU milliseconds per generated token, batch 1: median [min-max] of the runs"""
 
 

@@ -114,13 +114,18 @@ def cache_table(gm: fx.GraphModule) -> dict[int, CacheSpec]:
 
 def read_bytes(gm: fx.GraphModule, dtype: torch.dtype, tokens: int) -> int:
     """KV bytes a one-token decode step of one sequence reads with ``tokens`` tokens cached,
-    every cache: a whole cache reads every token, a ring its slots, a layer reading a
-    TidalDecode selection its ``top_k + recent + 1`` tokens (a selection layer of the
-    paper's reads everything: its second read of the keys, to select, is not counted;
-    with ``select_own`` it reads every key and the values of its selection), a Quest layer
-    its ``budget + recent + 1`` (the budget in whole pages) and the bounds of every page so
-    far (at the cache's dtype: a step also converts them to float32 to score, which is not
-    counted). Multi-token steps (prompts, speculative verification) attend densely."""
+    every cache, counting the tokens the step attends to: a whole cache reads every token,
+    a sliding window its ``window``, a ring its slots, a layer reading a TidalDecode
+    selection its ``top_k + recent + 1`` tokens (a selection layer of the paper's reads
+    everything; with ``select_own`` it reads every key and the values of its selection), a
+    Quest layer its ``budget + recent + 1`` (the budget in whole pages) and the bounds of
+    every page so far.
+
+    Not counted: a second read of keys already counted (a selection layer scoring its keys,
+    ``select_own``'s attention over the chosen ones), the float32 copies the scoring makes,
+    and what a kernel loads only to mask (the torch backend's window masks a whole prefix;
+    a CUDA-graph step spans the allocated cache; the Triton kernel skips both).
+    Multi-token steps (prompts, speculative verification) attend densely."""
     selected, bounds, scored = {}, {}, set()
     for n in gm.graph.find_nodes(op="call_function", target=OPS["attention"]):
         args = op_arguments("attention", tuple(n.args), dict(n.kwargs))
@@ -130,7 +135,7 @@ def read_bytes(gm: fx.GraphModule, dtype: torch.dtype, tokens: int) -> int:
             selected[args["layer"]] = p["top_k"] + p["recent"] + 1
             if p["layer"] == args["layer"]:  # select_own: it scored every key itself
                 scored.add(args["layer"])
-        elif sel is not None:  # Quest: budget and recent tokens, its own, every page's bounds
+        elif sel is not None and sel.target is OPS["select_pages"]:  # Quest: its pages, every page's bounds
             p = op_arguments("select_pages", tuple(sel.args), dict(sel.kwargs))
             selected[args["layer"]] = p["budget"] // p["page"] * p["page"] + p["recent"] + 1
             bounds[args["layer"]] = 2 * -(-tokens // p["page"])  # max and min, per page
@@ -139,7 +144,11 @@ def read_bytes(gm: fx.GraphModule, dtype: torch.dtype, tokens: int) -> int:
         per_head = s.bytes_per_token(dtype) // s.num_kv_heads  # K and V of one token
         for key, heads, _ in s.parts(tokens):  # a DuoAttention layer: full heads and a ring
             ring = s.bounded or key == ring_part(i)
-            read = min(tokens, s.sinks + s.window) if ring else min(tokens, selected.get(i, tokens))
+            if ring:
+                read = min(tokens, s.sinks + s.window)
+            else:  # a sliding window (Mistral's layers; a split layer's is its ring's) or a selection
+                window = s.window if s.window is not None and not s.ring else tokens
+                read = min(tokens, window, selected.get(i, tokens))
             if i in scored:  # every key, and the values of the selection
                 total += per_head // 2 * heads * (tokens + read)
             else:

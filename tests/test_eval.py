@@ -55,6 +55,29 @@ def test_cost_counters_match_hand_counts():
     assert c["kv_read_per_step"] == c["kv_bytes_per_token"] * opt.max_len  # dense: every token
 
 
+def test_the_table_shows_what_a_decode_step_reads():
+    from rewriter.passes import SelfSpeculative, TidalDecode
+    model = make_model("llama-gqa-3l")
+    prompt = torch.zeros(1, 5, dtype=torch.long)
+    tidal = rewriter.optimize(model, passes=[TidalDecode(selection_layers=[0], top_k=9)])
+    c = cost(tidal, prompt, 4, runs=1)
+    # layer 0 reads the whole cache, layers 1 and 2 their top 9 and the query
+    per_layer = c["kv_bytes_per_token"] // 3
+    assert c["kv_read_per_step"] == per_layer * (tidal.max_len + 2 * 10)
+    assert c["kv_read_per_step"] < c["kv_bytes_per_token"] * tidal.max_len
+    spec = cost(rewriter.optimize(model, passes=[SelfSpeculative(skip_layers=[1])]), prompt, 4, runs=1)
+    assert spec["kv_read_per_step"] is None  # its verify steps read the whole cache
+    rows = [{"pipeline": name, "layers": 3, "perplexity": {}, "ppl_ratio": {}, "agreement": 1.0,
+             "first_divergence": 4.0, "exact_match": 1.0, "passkey": {}, **r}
+            for name, r in (("tidal", c), ("spec", spec))]
+    lines = format_table(rows, legend=False).splitlines()
+    head = lines[0].split()
+    assert "KiB" in head
+    tidal_line, spec_line = lines[2].split(), lines[3].split()
+    # the column after "KV B/tok": 2 words back from the end ("ms/tok" cell is 2 words)
+    assert tidal_line[-3] == f"{c['kv_read_per_step'] / 2**10:.0f}" and spec_line[-3] == "-"
+
+
 def test_agreement_and_first_divergence_by_hand():
     ref = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
     out = torch.tensor([[1, 2, 9, 4], [5, 6, 7, 8]])

@@ -8,7 +8,7 @@ import torch
 
 import rewriter
 from rewriter.attention_recall import best_selection_layers
-from rewriter.passes import Quest, StreamingAttention, TidalDecode
+from rewriter.passes import DuoAttention, Quest, StreamingAttention, TidalDecode
 
 from conftest import make_model
 
@@ -53,10 +53,29 @@ def test_quest_reads_its_pages_and_every_pages_bounds(model):
     got = reads(model, Quest(page=4, budget=8, dense_layers=1))
     bounds = TOKEN // 2 * 2 * (T // 4)  # max and min keys of 25 pages, both KV heads
     assert got == LAYER + 2 * (9 * TOKEN + bounds)
+    # 102 tokens: 26 pages, the last one partial; a budget of 10 is 2 whole pages
+    got = reads(model, Quest(page=4, budget=10, dense_layers=0, recent=3), tokens=102)
+    assert got == 3 * ((8 + 3 + 1) * TOKEN + TOKEN // 2 * 2 * 26)
+    # in bfloat16 every byte halves
+    half = rewriter.optimize(model.to(torch.bfloat16), passes=[Quest(page=4, budget=8, dense_layers=1)])
+    model.to(torch.float32)
+    assert half.kv_read_bytes(T) == (LAYER + 2 * (9 * TOKEN + TOKEN // 2 * 2 * (T // 4))) // 2
 
 
-def test_a_ring_reads_its_slots(model):
+def test_a_ring_reads_its_slots_and_a_split_layer_both_parts(model):
     assert reads(model, StreamingAttention(sinks=4, window=8)) == 3 * 12 * TOKEN
+    assert reads(model, StreamingAttention(sinks=4, window=8), tokens=7) == 3 * 7 * TOKEN
+    # layer 0 keeps KV head 0 whole and rings head 1; layer 1 rings both; layer 2 keeps both
+    duo = reads(model, DuoAttention(gates=[[1.0, 0.0], [0.0, 0.0], [1.0, 1.0]], sinks=2, window=6))
+    head = TOKEN // 2  # one KV head's K and V of one token
+    assert duo == head * T + head * 8 + 2 * head * 8 + LAYER
+
+
+def test_a_sliding_window_reads_its_window():
+    mistral = make_model("mistral-window-3l")  # every layer sees its last 5 tokens
+    opt = rewriter.optimize(mistral)
+    assert opt.kv_read_bytes(T) == 5 * opt.kv_bytes_per_token(T)
+    assert opt.kv_read_bytes(3) == 3 * opt.kv_bytes_per_token(3)
 
 
 def test_bad_lengths_are_refused(model):
