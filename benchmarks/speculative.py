@@ -4,7 +4,8 @@
                                      [--batch 1 4] [--new 64] [--samples 8] [--max-draft 4] [--budget 24]
                                      [--strategies self medusa hydra lookup] [--heads PATH] [--draft-vocab 4096]
                                      [--max-nodes 32] [--tree-nodes N] [--dynamic E] [--lookup L]
-                                     [--chat eval|wide] [--device cpu|cuda] [--backend torch|triton]
+                                     [--chat eval|wide] [--draft-weights dense|int4]
+                                     [--device cpu|cuda] [--backend torch|triton]
                                      [--json benchmarks/results/speculative.json]
 
 On ``--device cuda`` plain decode replays its step as a CUDA graph, and the speculative
@@ -38,7 +39,8 @@ For each dtype: the verify cost curve (the decode program over S tokens against 
 (``speedup=1.25``) and the one ``SelfSpeculative(calibrate=...)`` finds (its search time
 reported) — tokens/s against plain decode, mean accepted drafts per round, full-model and
 draft passes per token, the cost model's prediction, whether the tokens equal plain
-greedy decoding's, and "guarded": the speed-up as a user gets it, the speed guard running
+greedy decoding's (with ``--draft-weights int4``: ``SelfSpeculative(draft_weights="int4")``,
+no skip set, instead of both), and "guarded": the speed-up as a user gets it, the speed guard running
 plain steps where those were timed faster (and how many timed generations did). Prompts: chat questions through the model's template (SmolLM2) and
 held-out code chunks; greedy, no early stop (draft heads on chat: stopping at the end of
 the answer, tokens/s counting the answer's tokens); medians of 3 runs after a warm-up.
@@ -253,6 +255,10 @@ def main():
     ap.add_argument("--budget", type=int, default=24, help="sub-layers the calibration tries")
     ap.add_argument("--strategies", nargs="+", default=["self", "medusa", "hydra"],
                     choices=["self", "medusa", "hydra", "lookup"])
+    ap.add_argument("--draft-weights", default="dense", choices=["dense", "int4"],
+                    help="self: int4 times SelfSpeculative(draft_weights='int4') with no skip "
+                         "set instead of the spread and calibrated skip sets (its prediction: "
+                         "benchmarks/quantized_draft.py)")
     ap.add_argument("--heads", default=None, help="heads file (default: the model's shipped heads; "
                                                    "with one of medusa, hydra)")
     ap.add_argument("--draft-vocab", type=int, default=4096, help="trimmed draft vocabulary (0: none)")
@@ -306,6 +312,9 @@ def main():
             continue
         layers = sorted(s["index"] for s in plain.ir.layers)
         spread = [i for p, i in enumerate(layers) if p not in kept_positions(len(layers), 1.25)]
+        if args.draft_weights == "int4":
+            self_int4_rows(model, tok, plain, args, dtype, results, rows)
+            continue
         start = time.perf_counter()
         calibrated = SelfSpeculative(calibrate=calib, budget=args.budget, max_draft=args.max_draft,
                                      threshold=0.0)
@@ -378,6 +387,35 @@ def main():
     results["verify_cost"] = curves
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+
+
+def self_int4_rows(model, tok, plain, args, dtype, results, rows) -> None:
+    """``SelfSpeculative(draft_weights="int4")``, no skip set, against plain decode: the
+    same columns as the skip sets' rows (agreement and prediction left out)."""
+    spec = strategy_engine(model, tokenizer=tok, backend=args.backend, passes=[
+        SelfSpeculative(draft_weights="int4", max_draft=args.max_draft, threshold=0.0)])
+    name = "none, 4-bit draft"
+    for b in args.batch:
+        for kind, prompts in prompt_sets(plain, tok, b, args.samples, args.chat).items():
+            ref, base_rate, eager = baseline(plain, prompts, args.new)
+            (out, rate, st), (_, guarded_rate, gst) = timed_together(
+                [(spec, contextlib.nullcontext), (spec, Guarded(spec))], prompts, args.new)
+            fell_back = f"{gst.get('plain_generations', 0)}/{RUNS * len(prompts)}"
+            run = {"dtype": dtype, "skip_set": name, "skip": {}, "draft_weights": "int4",
+                   "batch": b, "prompts": kind, "plain_tok_s": base_rate,
+                   "plain_eager_tok_s": eager, "spec_tok_s": rate, "speedup": rate / base_rate,
+                   "accepted_per_round": st["accepted"] / st["row_rounds"],
+                   "forward_per_token": st["forward_passes"] / st["tokens"],
+                   "draft_per_token": st["draft_passes"] / st["tokens"],
+                   "same_tokens": same(out, ref), "samples": len(prompts),
+                   "guarded_tok_s": guarded_rate, "guarded_speedup": guarded_rate / base_rate,
+                   "guarded_plain_generations": fell_back}
+            keep_row(results, run, args.json)
+            rows.append([dtype, name, b, kind, f"{base_rate:.1f}", f"{eager:.1f}" if eager else "-",
+                         f"{rate:.1f}", f"{rate / base_rate:.2f}x",
+                         f"{run['accepted_per_round']:.2f}", f"{run['forward_per_token']:.2f}",
+                         "-", "-", run["same_tokens"],
+                         f"{guarded_rate / base_rate:.2f}x ({fell_back} plain)"])
 
 
 def heads_rows(model, tok, plain, args, dtype, results, rows, arch):

@@ -5,6 +5,9 @@ With no record the runtime decodes one token per step. ``SelfSpeculative`` recor
     {"strategy": "self_speculative", "skip_layers": [..], "skip_attention": [..],
      "skip_mlp": [..], "max_draft": 4, "threshold": 0.5}
 
+(``draft_weights``, optional: ``"int4"``: the draft reads the same weights in 4 bits,
+``Int4Weights``'s codes; the skip set may then be empty.)
+
 and the runtime then lowers a ``draft`` program (the same IR with those layers and
 sub-layers bypassed: ``rewriter.ir.skip``) beside ``prefill`` and ``decode``, and generates
 with ``runtime.speculative``. ``MedusaHeads`` records::
@@ -53,6 +56,7 @@ from dataclasses import dataclass, field
 MAX_DRAFT = 16  # verifying more tokens than this costs more than it can save on any machine
 MAX_EXPAND = 16  # a re-grown tree's nodes expanded a level: each costs a heads call's row
 MAX_LOOKUP = 16  # tokens copied from a row's text a round (each is verified)
+DRAFT_WEIGHTS = ("dense", "int4")  # what a self-speculative draft reads its weights as
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,7 @@ class Strategy:
     skip_mlp: tuple[int, ...] = field(default=())
     max_draft: int = 0
     threshold: float = 0.0
+    draft_weights: str = "dense"  # self_speculative: "int4" drafts with the weights in 4 bits
     # medusa (draft heads: arch "medusa" or "hydra")
     arch: str = "medusa"
     num_heads: int = 0
@@ -123,9 +128,12 @@ class Strategy:
             if self.lookup:
                 r["lookup"] = self.lookup
             return r
-        return {"strategy": self.name, "skip_layers": list(self.skip_layers),
-                "skip_attention": list(self.skip_attention), "skip_mlp": list(self.skip_mlp),
-                "max_draft": self.max_draft, "threshold": self.threshold}
+        r = {"strategy": self.name, "skip_layers": list(self.skip_layers),
+             "skip_attention": list(self.skip_attention), "skip_mlp": list(self.skip_mlp),
+             "max_draft": self.max_draft, "threshold": self.threshold}
+        if self.draft_weights != "dense":  # records from before the option keep their keys
+            r["draft_weights"] = self.draft_weights
+        return r
 
 
 def check_undecided(ir, who) -> None:
@@ -159,7 +167,8 @@ def strategy_of(info: dict) -> Strategy:
                                     for b, h, c in r.get("adapt", {}).get("costs", ())),
                         dynamic=r.get("dynamic", 0), lookup=r.get("lookup", 0))
     return Strategy(r["strategy"], tuple(r["skip_layers"]), tuple(r["skip_attention"]),
-                    tuple(r["skip_mlp"]), r["max_draft"], float(r["threshold"]))
+                    tuple(r["skip_mlp"]), r["max_draft"], float(r["threshold"]),
+                    draft_weights=r.get("draft_weights", "dense"))
 
 
 def check_record(r) -> str | None:
@@ -169,8 +178,10 @@ def check_record(r) -> str | None:
     if isinstance(r, dict) and r.get("strategy") == "lookup":
         return _check_lookup(r)
     keys = {"strategy", "skip_layers", "skip_attention", "skip_mlp", "max_draft", "threshold"}
-    if not isinstance(r, dict) or set(r) != keys:
-        return f"an object with exactly the keys {sorted(keys)}"
+    if not isinstance(r, dict) or set(r) - {"draft_weights"} != keys:
+        return f"an object with exactly the keys {sorted(keys)} (and draft_weights)"
+    if r.get("draft_weights", "int4") not in DRAFT_WEIGHTS[1:]:  # "dense" is no key at all
+        return "draft_weights: 'int4'"
     if r["strategy"] != "self_speculative":  # "plain" is no record at all
         return "strategy 'self_speculative'"
     for k in ("skip_layers", "skip_attention", "skip_mlp"):
@@ -182,8 +193,8 @@ def check_record(r) -> str | None:
     t = r["threshold"]
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t < 1.0:
         return "threshold: a number in [0, 1)"
-    if not (r["skip_layers"] or r["skip_attention"] or r["skip_mlp"]):
-        return "a skip set that skips something"
+    if not (r["skip_layers"] or r["skip_attention"] or r["skip_mlp"] or "draft_weights" in r):
+        return "a skip set that skips something (or draft_weights)"
     return None
 
 

@@ -4,7 +4,7 @@
 - ``decode``: any number of tokens per row, logits at every position: one token in plain
   decoding, the last token and the draft (k + 1) when verifying;
 - ``draft`` (self-speculative): the IR with its skip set bypassed (``rewriter.ir.skip``),
-  last-position logits;
+  its linears 4-bit with ``draft_weights="int4"``, last-position logits;
 - ``tree_prefill``, ``verify`` and ``heads`` (draft heads): prefill and decode that also
   return the LM head's input ``h``, and the heads alone on ``h`` (run on the accepted
   position only, not on every node of the tree); Hydra: ``head0`` .. one per head, on
@@ -34,8 +34,11 @@ def build_programs(ir: IR, backend: str, kernel_sources: dict) -> dict[str, fx.G
         check_no_ring(ir, s.name)
     if s.name == "self_speculative":
         # the record against this IR: a later pass, or an edited artifact, may not fit it
-        check_skip_set(ir, s.skip_layers, s.skip_attention, s.skip_mlp)
+        check_skip_set(ir, s.skip_layers, s.skip_attention, s.skip_mlp,
+                       empty_ok=s.draft_weights != "dense")
         draft = skipped(ir, s.skip_layers, s.skip_attention, s.skip_mlp)
+        if s.draft_weights == "int4":
+            draft = int4_draft(draft)
         programs["draft"] = lower(draft, True, backend, shared, kernel_sources)
     if s.name == "medusa":
         check_heads(ir, s)
@@ -49,6 +52,18 @@ def build_programs(ir: IR, backend: str, kernel_sources: dict) -> dict[str, fx.G
         else:
             programs["heads"] = lower_heads(ir, backend, shared)
     return programs
+
+
+def int4_draft(draft: IR) -> IR:
+    """``draft`` (a copy: ``skipped`` makes one) with its linears' weights in 4 bits, as
+    ``Int4Weights`` stores them; the LM head stays dense, as there."""
+    from rewriter.errors import PassError, RewriterError
+    from rewriter.passes.int4_weights import Int4Weights
+    try:
+        return Int4Weights().run(draft)
+    except PassError as e:  # e.g. the model's linears are 4-bit already
+        raise RewriterError(f"the self_speculative draft_weights='int4' draft has nothing to "
+                            f"quantize: {e}") from None
 
 
 def check_no_ring(ir: IR, strategy: str) -> None:

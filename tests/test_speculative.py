@@ -265,3 +265,60 @@ def test_drafting_stops_when_no_running_row_is_confident():
     assert len(rounds.draft(last, [5, 5], 4, [True, False])[0]) == 1  # row 0 is done
     assert len(rounds.draft(last, [5, 5], 4, [False, False])[0]) == 4  # row 0 drafts on
     assert len(rounds.draft(last, [5, 5], 4)[0]) == 4
+
+
+def test_a_4_bit_draft_gives_plain_greedy_tokens_and_reads_4_bit_weights():
+    """``draft_weights="int4"``: the draft multiplies ``Int4Weights``' copies of the same
+    weights (here dequantized: float32), the verifying programs the model's own; with no
+    skip set and with one."""
+    for skip in ({}, {"skip_mlp": [2]}):
+        plain, spec = pair("llama-gqa-3l", skip_layers=None, draft_weights="int4", **skip)
+        assert torch.equal(spec.generate(RAGGED, **KW), plain.generate(RAGGED, **KW))
+        s = spec.stats  # the 4-bit draft differs from the model: both paths ran
+        assert 0 < s["accepted"] < s["drafted"]
+        code = spec.programs()
+        assert "int4_codes" in code["draft"] and "int4" not in code["decode"]
+        assert code["draft"].count("cached_attention") == 3
+
+
+def test_a_4_bit_draft_runs_the_4_bit_kernel_in_bfloat16_and_accepts_most_drafts():
+    plain = rewriter.from_pretrained("default", dtype="bfloat16")
+    spec = rewriter.from_pretrained("default", dtype="bfloat16",
+                                    passes=[SelfSpeculative(draft_weights="int4", threshold=0.0)])
+    assert "linear_int4_cpu" in spec.programs()["draft"]
+    ids = [plain.tokenizer.encode("def main(").ids]
+    spec.generate(ids, max_new_tokens=32)
+    s = spec.stats
+    assert s["accepted"] > s["drafted"] / 2 and s["forward_passes"] < s["tokens"] / 2
+
+
+def test_a_4_bit_draft_survives_an_artifact_and_bad_settings_are_refused(tmp_path):
+    import json
+    from artifact_tools import artifact_files, reseal
+    from rewriter.errors import ArtifactError, RewriterError
+    from rewriter.passes import Int4Weights
+    plain, spec = pair("qwen2-mqa-3l", skip_layers=None, draft_weights="int4", max_draft=3)
+    spec.save(tmp_path / "a")
+    loaded = rewriter.load(tmp_path / "a")
+    assert loaded.ir.info["decoding"] == spec.ir.info["decoding"]
+    assert loaded.ir.info["decoding"]["draft_weights"] == "int4"
+    assert "int4_codes" in loaded.programs()["draft"]
+    assert torch.equal(loaded.generate(RAGGED, **KW), plain.generate(RAGGED, **KW))
+    path = artifact_files(tmp_path / "a")["ir.json"]
+    for record in ({**spec.ir.info["decoding"], "draft_weights": "int8"},
+                   {**spec.ir.info["decoding"], "draft_weights": None}):
+        data = json.loads(path.read_text())
+        data["info"]["decoding"] = record
+        path.write_text(json.dumps(data))
+        reseal(tmp_path / "a")
+        with pytest.raises(ArtifactError, match="draft_weights"):
+            rewriter.load(tmp_path / "a")
+    for kwargs in ({"draft_weights": "int8"}, {"draft_weights": True}, {"draft_weights": None},
+                   {"calibrate": [[1, 2, 3]], "draft_weights": "int4"},
+                   {"skip_layers": [1], "speedup": 1.5, "draft_weights": "int4"}):
+        with pytest.raises(ValueError):
+            SelfSpeculative(**kwargs)
+    with pytest.raises(RewriterError, match="draft_weights='int4'.*nothing to quantize"):
+        rewriter.optimize(make_model("llama-gqa-3l"),  # the model's linears are 4-bit already
+                          passes=[Int4Weights(), SelfSpeculative(draft_weights="int4")])
+    assert from_spec("self_speculative:draft_weights=int4").params()["draft_weights"] == "int4"

@@ -62,9 +62,10 @@ def skipped(ir: IR, layers=(), attention=(), mlp=()) -> IR:
     return IR(fx.GraphModule(ir.gm, graph), info)
 
 
-def check_skip_set(ir: IR, layers, attention, mlp) -> None:
+def check_skip_set(ir: IR, layers, attention, mlp, empty_ok: bool = False) -> None:
     """``PassError`` unless the skip set names existing layers, leaves at least one layer's
-    attention and MLP, and names sub-layers only where they can be skipped alone."""
+    attention and MLP, and names sub-layers only where they can be skipped alone; and skips
+    something, unless ``empty_ok`` (a draft that differs from the model otherwise)."""
     present = sorted(s["index"] for s in ir.layers)
     for name, ids in (("skip_layers", layers), ("skip_attention", attention), ("skip_mlp", mlp)):
         missing = [i for i in ids if i not in present]
@@ -76,11 +77,11 @@ def check_skip_set(ir: IR, layers, attention, mlp) -> None:
     if both:
         raise PassError(f"layer {min(both)} is in skip_layers and also has a sub-layer skipped")
     whole = set(layers) | (set(attention) & set(mlp))
-    if not layers and not attention and not mlp:
+    if not layers and not attention and not mlp and not empty_ok:
         raise PassError("the skip set is empty: the draft would be the model itself")
     if len(whole) == len(present):
         raise PassError("the skip set skips every layer: the draft would not use the model")
-    if ir.info.get("fusions", {}).get("FuseAddRMSNorm"):
+    if (layers or attention or mlp) and ir.info.get("fusions", {}).get("FuseAddRMSNorm"):
         raise PassError("run it before FuseAddRMSNorm: a fused add + norm joins two layers, "
                         "so neither can be skipped alone")
     for i in sorted(set(attention) | set(mlp)):
