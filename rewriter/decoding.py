@@ -181,7 +181,7 @@ def check_record(r) -> str | None:
     if not isinstance(r, dict) or set(r) - {"draft_weights"} != keys:
         return f"an object with exactly the keys {sorted(keys)} (and draft_weights)"
     if r.get("draft_weights", "int4") not in DRAFT_WEIGHTS[1:]:  # "dense" is no key at all
-        return "draft_weights: 'int4'"
+        return "draft_weights: 'int4' (a dense draft is written with no key)"
     if r["strategy"] != "self_speculative":  # "plain" is no record at all
         return "strategy 'self_speculative'"
     for k in ("skip_layers", "skip_attention", "skip_mlp"):

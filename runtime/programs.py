@@ -64,6 +64,9 @@ def int4_draft(draft: IR) -> IR:
     except PassError as e:  # e.g. the model's linears are 4-bit already
         raise RewriterError(f"the self_speculative draft_weights='int4' draft has nothing to "
                             f"quantize: {e}") from None
+    except (AttributeError, RuntimeError, TypeError, ValueError) as e:  # an artifact's odd names
+        raise RewriterError(f"the self_speculative draft_weights='int4' draft cannot be made "
+                            f"from these weights: {e}") from None
 
 
 def check_no_ring(ir: IR, strategy: str) -> None:

@@ -271,14 +271,34 @@ def test_a_4_bit_draft_gives_plain_greedy_tokens_and_reads_4_bit_weights():
     """``draft_weights="int4"``: the draft multiplies ``Int4Weights``' copies of the same
     weights (here dequantized: float32), the verifying programs the model's own; with no
     skip set and with one."""
+    import copy
     for skip in ({}, {"skip_mlp": [2]}):
-        plain, spec = pair("llama-gqa-3l", skip_layers=None, draft_weights="int4", **skip)
+        model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
+        before = copy.deepcopy(model.state_dict())
+        plain = rewriter.optimize(copy.deepcopy(model))  # weights of its own
+        spec = rewriter.optimize(model, passes=[SelfSpeculative(
+            draft_weights="int4", threshold=0.0, **skip)])
         assert torch.equal(spec.generate(RAGGED, **KW), plain.generate(RAGGED, **KW))
         s = spec.stats  # the 4-bit draft differs from the model: both paths ran
         assert 0 < s["accepted"] < s["drafted"]
         code = spec.programs()
-        assert "int4_codes" in code["draft"] and "int4" not in code["decode"]
-        assert code["draft"].count("cached_attention") == 3
+        assert "int4_codes" in code["draft"] and code["draft"].count("cached_attention") == 3
+        assert not any("int4" in code[p] for p in ("prefill", "decode"))
+        # the draft's copy of the IR took nothing from the model's, nor wrote into it
+        assert set(spec.ir.weights()) == set(plain.ir.weights())
+        assert not any("int4" in name for name, _ in spec.ir.gm.named_buffers())
+        after = model.state_dict()
+        assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_a_4_bit_draft_goes_with_fused_adds_and_norms_when_it_skips_nothing():
+    model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
+    spec = rewriter.optimize(model, passes=[FuseQKV(), FuseAddRMSNorm(), SelfSpeculative(
+        draft_weights="int4", threshold=0.0)])
+    assert torch.equal(spec.generate(RAGGED, **KW), rewriter.optimize(model).generate(RAGGED, **KW))
+    with pytest.raises(PassError, match="before FuseAddRMSNorm"):
+        rewriter.optimize(model, passes=[FuseAddRMSNorm(), SelfSpeculative(
+            draft_weights="int4", skip_mlp=[1])])
 
 
 def test_a_4_bit_draft_runs_the_4_bit_kernel_in_bfloat16_and_accepts_most_drafts():
@@ -305,13 +325,16 @@ def test_a_4_bit_draft_survives_an_artifact_and_bad_settings_are_refused(tmp_pat
     assert "int4_codes" in loaded.programs()["draft"]
     assert torch.equal(loaded.generate(RAGGED, **KW), plain.generate(RAGGED, **KW))
     path = artifact_files(tmp_path / "a")["ir.json"]
-    for record in ({**spec.ir.info["decoding"], "draft_weights": "int8"},
-                   {**spec.ir.info["decoding"], "draft_weights": None}):
+    no_key = {k: v for k, v in spec.ir.info["decoding"].items() if k != "draft_weights"}
+    for record, match in (({**spec.ir.info["decoding"], "draft_weights": "int8"}, "draft_weights"),
+                          ({**spec.ir.info["decoding"], "draft_weights": None}, "draft_weights"),
+                          ({**spec.ir.info["decoding"], "draft_weights": "dense"}, "no key"),
+                          (no_key, "skips something")):  # an empty skip set needs the 4 bits
         data = json.loads(path.read_text())
         data["info"]["decoding"] = record
         path.write_text(json.dumps(data))
         reseal(tmp_path / "a")
-        with pytest.raises(ArtifactError, match="draft_weights"):
+        with pytest.raises(ArtifactError, match=match):
             rewriter.load(tmp_path / "a")
     for kwargs in ({"draft_weights": "int8"}, {"draft_weights": True}, {"draft_weights": None},
                    {"calibrate": [[1, 2, 3]], "draft_weights": "int4"},
@@ -322,3 +345,18 @@ def test_a_4_bit_draft_survives_an_artifact_and_bad_settings_are_refused(tmp_pat
         rewriter.optimize(make_model("llama-gqa-3l"),  # the model's linears are 4-bit already
                           passes=[Int4Weights(), SelfSpeculative(draft_weights="int4")])
     assert from_spec("self_speculative:draft_weights=int4").params()["draft_weights"] == "int4"
+
+
+def test_a_4_bit_draft_of_weights_it_cannot_name_is_a_clear_error():
+    """An artifact may name a weight without a dot; its 4-bit copies would then be
+    registered on the tensor itself: refused with the strategy named, not AttributeError."""
+    from rewriter.errors import RewriterError
+    from rewriter.ir.skip import skipped
+    from rewriter.runtime.programs import int4_draft
+    ir = rewriter.optimize(make_model("llama-gqa-3l")).ir
+    node = next(n for n in ir.graph.find_nodes(op="get_attr") if n.target.endswith("q_proj.weight"))
+    ir.add_weight("flatw", ir.weight(node.target))
+    node.target = "flatw"
+    ir.gm.recompile()
+    with pytest.raises(RewriterError, match="draft_weights='int4' draft cannot be made"):
+        int4_draft(skipped(ir))
