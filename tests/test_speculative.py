@@ -24,6 +24,22 @@ def pair(config: str, **spec):
     return rewriter.optimize(model), rewriter.optimize(model, passes=[SelfSpeculative(**spec)])
 
 
+def refuses_records(artifact, cases) -> None:
+    """Each ``(record, match)``: the saved ``artifact`` with that decoding record (resealed,
+    as an editor with the tools would) fails to load with an error matching ``match``."""
+    import json
+    from artifact_tools import artifact_files, reseal
+    from rewriter.errors import ArtifactError
+    path = artifact_files(artifact)["ir.json"]
+    for record, match in cases:
+        data = json.loads(path.read_text())
+        data["info"]["decoding"] = record
+        path.write_text(json.dumps(data))
+        reseal(artifact)
+        with pytest.raises(ArtifactError, match=match):
+            rewriter.load(artifact)
+
+
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 def test_greedy_tokens_equal_plain_greedy_on_every_family(config):
     plain, spec = pair(config, max_draft=3)
@@ -172,21 +188,12 @@ def test_rolling_back_is_setting_a_length():
 
 
 def test_a_tampered_or_stale_decoding_record_is_refused(tmp_path):
-    import json
-    from artifact_tools import artifact_files, reseal
-    from rewriter.errors import ArtifactError
     _, spec = pair("llama-gqa-3l")
     spec.save(tmp_path / "a")
-    path = artifact_files(tmp_path / "a")["ir.json"]
-    for record, match in (({**spec.ir.info["decoding"], "skip_layers": [99]}, "layer 99"),
-                          ({**spec.ir.info["decoding"], "strategy": "plain"}, "self_speculative"),
-                          ({**spec.ir.info["decoding"], "max_draft": 99}, "max_draft")):
-        data = json.loads(path.read_text())
-        data["info"]["decoding"] = record
-        path.write_text(json.dumps(data))
-        reseal(tmp_path / "a")
-        with pytest.raises(ArtifactError, match=match):
-            rewriter.load(tmp_path / "a")
+    refuses_records(tmp_path / "a", (
+        ({**spec.ir.info["decoding"], "skip_layers": [99]}, "layer 99"),
+        ({**spec.ir.info["decoding"], "strategy": "plain"}, "self_speculative"),
+        ({**spec.ir.info["decoding"], "max_draft": 99}, "max_draft")))
     model = make_model("llama-gqa-3l")
     with pytest.raises(PassError, match="layer 1 is not in the model"):  # a later pass removed it
         rewriter.optimize(model, passes=[SelfSpeculative(skip_layers=[1]), LayerSkip(layers=[1])])
@@ -313,9 +320,7 @@ def test_a_4_bit_draft_runs_the_4_bit_kernel_in_bfloat16_and_accepts_most_drafts
 
 
 def test_a_4_bit_draft_survives_an_artifact_and_bad_settings_are_refused(tmp_path):
-    import json
-    from artifact_tools import artifact_files, reseal
-    from rewriter.errors import ArtifactError, RewriterError
+    from rewriter.errors import RewriterError
     from rewriter.passes import Int4Weights
     plain, spec = pair("qwen2-mqa-3l", skip_layers=None, draft_weights="int4", max_draft=3)
     spec.save(tmp_path / "a")
@@ -324,18 +329,12 @@ def test_a_4_bit_draft_survives_an_artifact_and_bad_settings_are_refused(tmp_pat
     assert loaded.ir.info["decoding"]["draft_weights"] == "int4"
     assert "int4_codes" in loaded.programs()["draft"]
     assert torch.equal(loaded.generate(RAGGED, **KW), plain.generate(RAGGED, **KW))
-    path = artifact_files(tmp_path / "a")["ir.json"]
     no_key = {k: v for k, v in spec.ir.info["decoding"].items() if k != "draft_weights"}
-    for record, match in (({**spec.ir.info["decoding"], "draft_weights": "int8"}, "draft_weights"),
-                          ({**spec.ir.info["decoding"], "draft_weights": None}, "draft_weights"),
-                          ({**spec.ir.info["decoding"], "draft_weights": "dense"}, "no key"),
-                          (no_key, "skips something")):  # an empty skip set needs the 4 bits
-        data = json.loads(path.read_text())
-        data["info"]["decoding"] = record
-        path.write_text(json.dumps(data))
-        reseal(tmp_path / "a")
-        with pytest.raises(ArtifactError, match=match):
-            rewriter.load(tmp_path / "a")
+    refuses_records(tmp_path / "a", (
+        ({**spec.ir.info["decoding"], "draft_weights": "int8"}, "draft_weights"),
+        ({**spec.ir.info["decoding"], "draft_weights": None}, "draft_weights"),
+        ({**spec.ir.info["decoding"], "draft_weights": "dense"}, "no key"),
+        (no_key, "skips something")))  # an empty skip set needs the 4 bits
     for kwargs in ({"draft_weights": "int8"}, {"draft_weights": True}, {"draft_weights": None},
                    {"calibrate": [[1, 2, 3]], "draft_weights": "int4"},
                    {"skip_layers": [1], "speedup": 1.5, "draft_weights": "int4"}):
