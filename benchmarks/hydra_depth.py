@@ -31,10 +31,10 @@ import torch.nn.functional as F
 from tabulate import tabulate
 
 from rewriter import heads as heads_file
-from rewriter.train_heads import DECAY, _eos_ids, _path, _targets
+from rewriter.train_heads import DECAY, _path, _targets
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hydra_prefix import _load, _pairs, top1, train_step  # noqa: E402
+from hydra_prefix import _pairs, chat_split, top1, train_step  # noqa: E402
 
 
 def main() -> None:
@@ -50,25 +50,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="benchmarks/results/hydra_depth.json")
     args = ap.parse_args()
-    work = Path(args.work)
-    for name in ("train-magpie", "heldout"):
-        if not (work / f"{name}.safetensors").is_file():
-            ap.error(f"--work {work}: no {name}.safetensors (a `train-heads --arch hydra "
-                     f"--data mixed --questions N` work directory)")
     if min(args.blocks) < 1 or min(args.steps, args.batch, args.chat_heldout) < 1:
         ap.error("--blocks, --steps, --batch and --chat-heldout must be >= 1")
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-    from quickstart import load
-    model, tok = load(args.model)
-    eos = _eos_ids(model, tok)
-    chat = _load(work / "train-magpie.safetensors", eos)
-    n = len(chat["tokens"])
-    if args.chat_heldout >= n:
-        ap.error(f"--chat-heldout {args.chat_heldout}: the work directory has {n} chat rows")
-    cut = n - args.chat_heldout
-    train = {k: v[:cut] for k, v in chat.items()}
-    held = {"chat": {k: v[cut:] for k, v in chat.items()},
-            "code": _load(work / "heldout.safetensors", eos)}
+    model, _, train, held = chat_split(ap, Path(args.work), args.model, args.chat_heldout)
+    cut = len(train["tokens"])
     pairs = torch.cat([_pairs(train, torch.arange(i, min(i + 256, cut))) for i in range(0, cut, 256)])
     results = []
     start = heads_file.load(args.heads, "hydra")

@@ -37,11 +37,11 @@ import torch.nn.functional as F
 from tabulate import tabulate
 
 from rewriter import heads as heads_file
-from rewriter.train_heads import (DECAY, _eos_ids, _merge, _path, _step, _targets,
+from rewriter.train_heads import (DECAY, _merge, _path, _step, _targets,
                                   _teacher_positions, heads_loss)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hydra_prefix import _load, _pairs, top1  # noqa: E402
+from hydra_prefix import _load, _pairs, chat_split, top1  # noqa: E402
 
 TRAIN_FILES = ("train.safetensors", "train-corpus.safetensors", "train-magpie.safetensors")
 
@@ -60,27 +60,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="benchmarks/results/hydra_features.json")
     args = ap.parse_args()
-    work = Path(args.work)
-    for name in ("train-magpie.safetensors", "heldout.safetensors"):
-        if not (work / name).is_file():
-            ap.error(f"--work {work}: no {name} (a `train-heads --arch hydra --data mixed "
-                     f"--questions N` work directory)")
     if min(args.weights) < 0 or min(args.steps, args.batch, args.chat_heldout, args.heads) < 1:
         ap.error("--weights must be >= 0; --steps, --batch, --heads and --chat-heldout >= 1")
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-    from quickstart import load
-    model, tok = load(args.model)
-    eos = _eos_ids(model, tok)
-    chat = _load(work / "train-magpie.safetensors", eos)
-    n = len(chat["tokens"])
-    if args.chat_heldout >= n:
-        ap.error(f"--chat-heldout {args.chat_heldout}: the work directory has {n} chat rows")
-    cut = n - args.chat_heldout
-    parts = [{k: v[:cut] for k, v in chat.items()}]
-    parts += [_load(work / f, eos) for f in TRAIN_FILES[:2] if (work / f).is_file()]
+    work = Path(args.work)
+    model, eos, chat, held = chat_split(ap, work, args.model, args.chat_heldout)
+    parts = [chat] + [_load(work / f, eos) for f in TRAIN_FILES[:2] if (work / f).is_file()]
     train = _merge(parts)
-    held = {"chat": {k: v[cut:] for k, v in chat.items()},
-            "code": _load(work / "heldout.safetensors", eos)}
     rows = len(train["tokens"])
     pairs = torch.cat([_pairs(train, torch.arange(i, min(i + 256, rows))) for i in range(0, rows, 256)])
     scale = train["hidden"].float().pow(2).mean().sqrt().item()  # the features' RMS

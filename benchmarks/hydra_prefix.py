@@ -80,6 +80,28 @@ def main() -> None:
     Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
 
 
+def chat_split(ap, work: Path, model_name: str, heldout: int) -> tuple:
+    """``(model, eos ids, chat rows to train on, {"chat": the last ``heldout`` chat rows,
+    "code": heldout.safetensors})`` of a ``train-heads --arch hydra --data mixed
+    --questions N`` work directory; ``ap.error`` where it is not one or has too few rows."""
+    for name in ("train-magpie", "heldout"):
+        if not (work / f"{name}.safetensors").is_file():
+            ap.error(f"--work {work}: no {name}.safetensors (a `train-heads --arch hydra "
+                     f"--data mixed --questions N` work directory)")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    from quickstart import load
+    model, tok = load(model_name)
+    eos = _eos_ids(model, tok)
+    chat = _load(work / "train-magpie.safetensors", eos)
+    n = len(chat["tokens"])
+    if heldout >= n:
+        ap.error(f"--chat-heldout {heldout}: the work directory has {n} chat rows")
+    cut = n - heldout
+    return (model, eos, {k: v[:cut] for k, v in chat.items()},
+            {"chat": {k: v[cut:] for k, v in chat.items()},
+             "code": _load(work / "heldout.safetensors", eos)})
+
+
 def _load(path: Path, eos: set) -> dict:
     from safetensors import safe_open
     from safetensors.torch import load_file
