@@ -1,0 +1,195 @@
+"""Would an EAGLE draft beat the Hydra heads here? Held-out accuracy of one decoder layer
+that drafts autoregressively over the model's features, trained on the same work
+directory, offline.
+
+    python benchmarks/eagle_draft.py --work W [--init random last] [--steps 800]
+        [--reference smollm2]
+
+EAGLE (SafeAILab/EAGLE) drafts with one decoder layer of its own. At position ``i`` it
+reads ``fc([f_i; e(x_{i+1})])``: the model's feature there (the LM head's input) beside
+the embedding of the next token, and attends over the same inputs at earlier positions
+with a KV cache of its own. Its output is a feature: the frozen LM head turns it into the
+token after ``x_{i+1}``. Deeper drafts feed the draft's own output feature back in place
+of the model's. Hydra's heads read only ``f_t`` and the path's embeddings; the draft layer
+also attends to the whole context, which is what heads lack on free text.
+
+Training follows EAGLE-3's "training-time test": the draft is unrolled ``--depth`` steps
+on its own features, and each step's cross-entropy (on the model's own greedy tokens,
+weighted 0.8^k as ``train_heads``) is trained on; no feature regression (the Hydra heads
+lost accuracy from it, ``hydra_features.py``). Step ``s``'s query at position ``i`` (a
+chain started at ``t = i - s + 1``) sees step 1's keys at positions ``<= t`` (made from
+the model's true features) and step ``m``'s key at ``t + m - 1`` for ``m = 2 .. s``: the
+keys a draft holds at inference. So held-out top-1 of step ``s`` is comparable with Hydra
+head ``s - 1``'s (both given the right path of tokens).
+
+``--work`` is a ``train-heads --arch hydra --data mixed --questions N`` work directory,
+split as ``hydra_features.py`` splits it (the last ``--chat-heldout`` chat rows held out;
+``heldout.safetensors`` the code column). ``--init random`` starts the layer as EAGLE does;
+``last`` from a copy of the model's last decoder layer (``fc`` the identity on the
+feature). The draft's math is ``rewriter.eagle``; nothing is built into the IR or the
+runtime: this measures whether it would be worth building.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tabulate import tabulate
+
+from rewriter import eagle
+from rewriter.train_heads import DECAY, _merge, _targets, heads_loss
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hydra_prefix import _load, _pairs, chat_split, top1  # noqa: E402
+
+TRAIN_FILES = ("train.safetensors", "train-corpus.safetensors")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--work", required=True, help="train-heads work directory (with chat rows)")
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--init", nargs="*", default=["random", "last"], choices=["random", "last"],
+                    help="the drafts to train (none: only --reference is measured)")
+    ap.add_argument("--steps", type=int, default=800)
+    ap.add_argument("--rows", type=int, default=8, help="whole rows the layer runs over a step")
+    ap.add_argument("--positions", type=int, default=256, help="chain starts trained on a step")
+    ap.add_argument("--depth", type=int, default=4, help="draft steps unrolled (Hydra: heads)")
+    ap.add_argument("--chat-heldout", type=int, default=256)
+    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--reference", default=None,
+                    help="a Hydra heads file (or 'smollm2': the shipped ones) measured on the "
+                         "same held-out rows, for comparison")
+    ap.add_argument("--json", default="benchmarks/results/eagle_draft.json")
+    args = ap.parse_args()
+    if min(args.steps, args.rows, args.positions, args.depth, args.chat_heldout) < 1:
+        ap.error("--steps, --rows, --positions, --depth and --chat-heldout must be >= 1")
+    if not args.lr > 0:
+        ap.error(f"--lr must be > 0, got {args.lr}")
+    if not args.init and args.reference is None:
+        ap.error("nothing to measure: give --init, --reference, or both")
+    work = Path(args.work)
+    model, eos, chat, held = chat_split(ap, work, args.model, args.chat_heldout)
+    train = _merge([chat] + [_load(work / f, eos) for f in TRAIN_FILES if (work / f).is_file()])
+    print(f"{len(train['tokens'])} training rows of {train['tokens'].shape[1]} positions", flush=True)
+    results = []
+    if args.reference is not None:
+        from hydra_prefix import Run
+        from rewriter import heads as heads_file
+        from rewriter.errors import RewriterError
+        try:
+            ref = Run(model, heads_file.load(args.reference, "hydra"), prefix=False)
+        except (OSError, ValueError, RewriterError) as e:
+            ap.error(f"--reference {args.reference}: {e}")
+        results.append({"init": f"Hydra heads {args.reference}", "steps": 0,
+                        "after": {k: ref.accuracy(v) for k, v in held.items()}})
+        print(results[-1], flush=True)
+    for init in args.init:
+        torch.manual_seed(args.seed)
+        draft = Draft(model, init, args.depth)
+        began = time.perf_counter()
+        loss = draft.train(train, args)
+        seconds = time.perf_counter() - began
+        after = {k: draft.accuracy(v) for k, v in held.items()}
+        results.append({"init": init, "steps": args.steps, "after": after,
+                        "final_loss": round(loss, 4), "seconds": round(seconds, 1),
+                        "parameters": sum(p.numel() for p in draft.p.values())})
+        print(results[-1], flush=True)
+    fmt = lambda a: " / ".join(f"{x:.3f}" for x in a)  # noqa: E731
+    print(tabulate([[r["init"], r["steps"], fmt(r["after"]["chat"]), fmt(r["after"]["code"]),
+                     r.get("final_loss"), r.get("seconds")] for r in results],
+                   headers=["init", "steps", "chat top-1 by step", "code top-1 by step",
+                            "final loss", "train s"]))
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({"args": vars(args), "cpu": platform.processor(),
+                                           "torch": torch.__version__, "results": results},
+                                          indent=1))
+
+
+class Draft:
+    """EAGLE's draft (``rewriter.eagle``) on the model's frozen embeddings and LM head."""
+
+    def __init__(self, model, init: str, depth: int):
+        c = model.config
+        self.lm = model.lm_head.weight.detach().to(torch.bfloat16)  # [V, H] frozen
+        self.embed = model.model.embed_tokens.weight.detach().float()  # [V, H] frozen
+        self.depth = depth
+        self.shape = eagle.Shape.of(c)
+        hidden = c.hidden_size
+        last = dict(model.model.layers[-1].named_parameters())
+        self.p = {}
+        for name in eagle.LAYER:  # drawn from the global generator, in this order
+            t = last[name].detach().float().clone()
+            if init == "random":
+                t = torch.ones_like(t) if name.endswith("layernorm.weight") else torch.randn_like(t) * 0.02
+            self.p[name] = t
+        fc = torch.randn(hidden, 2 * hidden) * 0.02  # [H, 2H]
+        if init == "last":  # the feature through, the embedding not: the model's last layer
+            fc = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], 1)
+        self.p["fc.weight"], self.p["fc.bias"] = fc, torch.zeros(hidden)
+        self.p["norm.weight"] = model.model.norm.weight.detach().float().clone()
+        for t in self.p.values():
+            t.requires_grad_(True)
+
+    def unroll(self, hidden: torch.Tensor, tokens: torch.Tensor) -> list:
+        """``eagle.unroll`` over whole rows ``[B, L]``: the next token at the last position
+        is padding, and no chain read there is trained on."""
+        nxt = torch.cat([tokens[:, 1:], tokens[:, -1:]], 1)  # [B, L] x_{i+1}
+        return eagle.unroll(self.p, self.shape, hidden.float(), self.embed[nxt], self.depth)
+
+    def logits(self, data: dict, rows: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+        """``[P, S, V]`` every draft step's logits for chains started at ``pairs`` (row,
+        position) of the sorted ``rows``."""
+        outs = self.unroll(data["hidden"][rows], data["tokens"][rows])
+        local = torch.searchsorted(rows, pairs[:, 0].contiguous())
+        at = pairs[:, 1]
+        length = outs[0].shape[1]
+        g = torch.stack([o[local, (at + s).clamp(max=length - 1)] for s, o in enumerate(outs)], 1)
+        return g.to(torch.bfloat16) @ self.lm.t()  # [P, S, V]
+
+    # -------------------------------------------------------------------- training
+    def train(self, data: dict, args) -> float:
+        params = list(self.p.values())
+        opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+        steps = args.steps
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+        weight = torch.tensor([DECAY ** k for k in range(self.depth)])
+        g = torch.Generator().manual_seed(args.seed)
+        loss = torch.tensor(float("nan"))
+        for step in range(steps):
+            rows = torch.randint(0, len(data["tokens"]), (args.rows,), generator=g).unique()  # sorted
+            pairs = _pairs(data, rows)
+            pairs = pairs[torch.randperm(len(pairs), generator=g)[:args.positions]]
+            y = _targets(data, pairs, self.depth)  # [P, S]
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = self.logits(data, rows, pairs)
+            ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100,
+                                 reduction="none").view_as(y)
+            loss = heads_loss(ce, (y != -100).float(), weight)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 0.5)  # EAGLE's clip
+            opt.step()
+            sched.step()
+            if step % 100 == 0:
+                print(f"step {step} loss {loss.detach().item():.3f}", flush=True)
+        return float(loss.detach())
+
+    def accuracy(self, data: dict) -> list[float]:
+        def logits_of(rows, pairs):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self.logits(data, rows, pairs)
+        return top1(data, self.depth, logits_of, rows=8)
+
+
+if __name__ == "__main__":
+    main()

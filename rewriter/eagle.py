@@ -1,0 +1,204 @@
+"""EAGLE's draft: one decoder layer that drafts autoregressively over the model's features.
+
+At position ``i`` the draft reads the model's feature ``f_i`` (its last hidden state, the
+LM head's input, after the final norm) beside the embedding of the next token::
+
+    z_i = fc([f_i; e(x_{i+1})])                 fc [H, 2H] with a bias
+    g_i = norm(Layer(z_i))                      one Llama decoder layer, its own KV cache
+    logits = lm_head(g_i)                       the model's own, frozen: guesses x_{i+2}
+
+and a deeper draft feeds its own output ``g_i`` back in place of the model's ``f_{i+1}``.
+Unlike draft heads it attends to the whole context, which is what heads lack on free text.
+
+Two forms of the same function:
+
+- ``step``: what decoding runs. New positions in, their output features out, their keys
+  and values appended to the caller's cache (positions are the cache's length onwards).
+- ``unroll``: what training runs (EAGLE-3's "training-time test"). ``depth`` draft steps at
+  every chain start of whole rows at once: step ``s``'s query at position ``i`` (the chain
+  started at ``t = i - s + 1``) sees step 1's keys at positions ``<= t`` (made from the
+  model's true features) and step ``m``'s key at ``t + m - 1`` for ``m = 2 .. s``: exactly
+  the keys ``step`` would hold. ``tests/test_eagle.py`` checks the two agree.
+
+The parameters are a plain ``{name: tensor}`` dict (``LAYER`` names the decoder layer's,
+as a Hugging Face Llama layer names them, plus ``fc.weight``, ``fc.bias``,
+``norm.weight``), so a file of them is safetensors.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+LAYER = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+         "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight",
+         "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The draft layer's sizes, a Llama layer's: ``hidden``, query heads, key/value heads,
+    the MLP's width, RoPE's base and the norms' epsilon."""
+    hidden: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    rope_theta: float = 10000.0
+    eps: float = 1e-5
+
+    def __post_init__(self):
+        for name in ("hidden", "heads", "kv_heads", "intermediate"):
+            v = getattr(self, name)
+            if type(v) is not int or v < 1:
+                raise ValueError(f"eagle.Shape: {name} must be a positive int, got {v!r}")
+        if self.hidden % self.heads or self.heads % self.kv_heads or (self.hidden // self.heads) % 2:
+            raise ValueError(f"eagle.Shape: hidden {self.hidden} must split into {self.heads} "
+                             f"heads of an even size, and {self.heads} query heads into "
+                             f"{self.kv_heads} key/value heads")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @classmethod
+    def of(cls, config) -> "Shape":
+        """The shape of a Hugging Face Llama-like config's decoder layer."""
+        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta") \
+            or getattr(config, "rope_theta", 10000.0)
+        return cls(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+                   config.intermediate_size, float(theta), float(config.rms_norm_eps))
+
+
+def init(shape: Shape, generator: torch.Generator, norm: Tensor = None) -> dict:
+    """Fresh parameters, as EAGLE starts them: linears ``N(0, 0.02)``, norms one (the final
+    norm a copy of ``norm``, the model's own, where given), ``fc``'s bias zero."""
+    h, kv = shape.hidden, shape.kv_heads * shape.head_dim
+    sizes = {"self_attn.q_proj.weight": (h, h), "self_attn.k_proj.weight": (kv, h),
+             "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, h),
+             "mlp.gate_proj.weight": (shape.intermediate, h),
+             "mlp.up_proj.weight": (shape.intermediate, h),
+             "mlp.down_proj.weight": (h, shape.intermediate), "fc.weight": (h, 2 * h)}
+    p = {name: torch.randn(*size, generator=generator) * 0.02 for name, size in sizes.items()}
+    p["input_layernorm.weight"] = torch.ones(h)
+    p["post_attention_layernorm.weight"] = torch.ones(h)
+    p["fc.bias"] = torch.zeros(h)
+    p["norm.weight"] = norm.detach().float().clone() if norm is not None else torch.ones(h)
+    return p
+
+
+def _rope(t: Tensor, positions: Tensor, shape: Shape) -> Tensor:
+    """RoPE (the rotate-half form) of ``t`` ``[B, h, L, d]`` at ``positions`` ``[L]``."""
+    d = shape.head_dim
+    inv = 1.0 / shape.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)  # [d/2]
+    f = positions[:, None].float() * inv[None]  # [L, d/2]
+    cos, sin = torch.cat([f.cos()] * 2, -1).to(t.dtype), torch.cat([f.sin()] * 2, -1).to(t.dtype)
+    return t * cos + torch.cat([-t[..., d // 2:], t[..., :d // 2]], -1) * sin
+
+
+def _input(p: dict, feature: Tensor, embedded: Tensor) -> Tensor:
+    """``fc([feature; embedded])`` ``[B, L, H]``."""
+    return torch.cat([feature, embedded.to(feature.dtype)], -1) @ p["fc.weight"].t() + p["fc.bias"]
+
+
+def _qkv(p: dict, shape: Shape, z: Tensor, positions: Tensor) -> tuple:
+    """Queries ``[B, h, L, d]``, keys and values ``[B, kv, L, d]`` of inputs ``z`` ``[B, L, H]``."""
+    b, s, _ = z.shape
+    d = shape.head_dim
+    x = F.rms_norm(z, (z.shape[-1],), p["input_layernorm.weight"], shape.eps)
+    q = (x @ p["self_attn.q_proj.weight"].t()).view(b, s, shape.heads, d).transpose(1, 2)
+    k = (x @ p["self_attn.k_proj.weight"].t()).view(b, s, shape.kv_heads, d).transpose(1, 2)
+    v = (x @ p["self_attn.v_proj.weight"].t()).view(b, s, shape.kv_heads, d).transpose(1, 2)
+    return _rope(q, positions, shape), _rope(k, positions, shape), v
+
+
+def _finish(p: dict, shape: Shape, z: Tensor, a: Tensor) -> Tensor:
+    """The output feature ``[B, L, H]`` from the layer's input ``z`` and attention ``a``
+    ``[B, h, L, d]``: o_proj and the residual, the MLP and its residual, the final norm."""
+    h = z + a.transpose(1, 2).flatten(2) @ p["self_attn.o_proj.weight"].t()  # [B, L, H]
+    x = F.rms_norm(h, (h.shape[-1],), p["post_attention_layernorm.weight"], shape.eps)
+    h = h + (F.silu(x @ p["mlp.gate_proj.weight"].t()) * (x @ p["mlp.up_proj.weight"].t())) \
+        @ p["mlp.down_proj.weight"].t()
+    return F.rms_norm(h, (h.shape[-1],), p["norm.weight"], shape.eps)
+
+
+def _repeat(t: Tensor, shape: Shape) -> Tensor:
+    return t.repeat_interleave(shape.heads // shape.kv_heads, 1)  # [B, kv, L, d] -> [B, h, L, d]
+
+
+def step(p: dict, shape: Shape, feature: Tensor, embedded: Tensor, cache: tuple) -> tuple:
+    """Decode: the output features ``[B, n, H]`` of ``n`` new positions, given each one's
+    feature ``[B, n, H]`` (the model's, or the draft's own from the step before) and the
+    next token's embedding ``[B, n, H]``; ``cache`` ``(keys, values)`` ``[B, kv, L, d]``
+    holds the ``L`` positions before them. Returns ``(features, (keys, values))``, the
+    cache grown by ``n`` (the caller rolls it back by cutting its length)."""
+    keys, values = cache
+    if feature.shape != embedded.shape or feature.dim() != 3 or feature.shape[-1] != shape.hidden:
+        raise ValueError(f"eagle.step: feature and embedded must both be [B, n, {shape.hidden}], "
+                         f"got {tuple(feature.shape)} and {tuple(embedded.shape)}")
+    if keys.shape != values.shape or keys.shape[:2] != (feature.shape[0], shape.kv_heads):
+        raise ValueError(f"eagle.step: the cache must be two [{feature.shape[0]}, "
+                         f"{shape.kv_heads}, L, {shape.head_dim}] tensors, got "
+                         f"{tuple(keys.shape)} and {tuple(values.shape)}")
+    past, n = keys.shape[2], feature.shape[1]
+    z = _input(p, feature, embedded)
+    q, k, v = _qkv(p, shape, z, torch.arange(past, past + n))
+    keys, values = torch.cat([keys, k.to(keys.dtype)], 2), torch.cat([values, v.to(values.dtype)], 2)
+    # causal among the new positions; every new one sees the whole cache
+    mask = torch.ones(n, past + n, dtype=torch.bool).tril(past)
+    a = F.scaled_dot_product_attention(q, _repeat(keys, shape).to(q.dtype),
+                                       _repeat(values, shape).to(q.dtype), attn_mask=mask)
+    return _finish(p, shape, z, a), (keys, values)
+
+
+def empty_cache(shape: Shape, batch: int, dtype=torch.float32) -> tuple:
+    """A cache of no positions, for ``step``."""
+    t = torch.zeros(batch, shape.kv_heads, 0, shape.head_dim, dtype=dtype)
+    return t, t.clone()
+
+
+def unroll(p: dict, shape: Shape, features: Tensor, embedded_next: Tensor, depth: int) -> list:
+    """Train: ``depth`` draft steps at every position of whole rows. ``features`` ``[B, L,
+    H]`` the model's; ``embedded_next`` ``[B, L, H]`` the embedding of ``x_{i+1}`` at
+    position ``i``. Returns ``depth`` tensors ``[B, L, H]``: step ``s``'s (1-based) output
+    at position ``i`` guesses the feature after ``x_{i+1}`` in the chain started at
+    ``i - s + 1`` (at ``i < s - 1`` no chain starts: garbage, not to be read)."""
+    if type(depth) is not int or depth < 1:
+        raise ValueError(f"eagle.unroll: depth must be a positive int, got {depth!r}")
+    if features.shape != embedded_next.shape or features.dim() != 3 or features.shape[-1] != shape.hidden:
+        raise ValueError(f"eagle.unroll: features and embedded_next must both be [B, L, "
+                         f"{shape.hidden}], got {tuple(features.shape)} and "
+                         f"{tuple(embedded_next.shape)}")
+    length = features.shape[1]
+    pos = torch.arange(length)
+    z = _input(p, features, embedded_next)
+    q, k1, v1 = _qkv(p, shape, z, pos)
+    k1, v1 = _repeat(k1, shape), _repeat(v1, shape)  # [B, h, L, d]
+    outs = [_finish(p, shape, z, F.scaled_dot_product_attention(q, k1, v1, is_causal=True))]
+    scale = 1.0 / math.sqrt(shape.head_dim)
+    chain_k, chain_v = [], []  # steps 2..s: [B, h, L, d] each, at their own positions
+    for s in range(2, depth + 1):
+        before = torch.cat([torch.zeros_like(outs[-1][:, :1]), outs[-1][:, :-1]], 1)  # g_{i-1}
+        z = _input(p, before, embedded_next)
+        q, k, v = _qkv(p, shape, z, pos)
+        chain_k.append(_repeat(k, shape))
+        chain_v.append(_repeat(v, shape))
+        # the context: step 1's keys at j <= t = i - s + 1
+        ctx = (q @ k1.transpose(-1, -2)) * scale  # [B, h, L, L]
+        ctx = ctx.masked_fill(pos[None, :] > pos[:, None] - s + 1, float("-inf"))
+        # the chain's own keys: step m's at i - (s - m), m = 2 .. s (the last: its own)
+        scores, vals = [], []
+        for m, (km, vm) in enumerate(zip(chain_k, chain_v), start=2):
+            shift = s - m
+            km = torch.cat([torch.zeros_like(km[:, :, :shift]), km[:, :, :length - shift]], 2)
+            vals.append(torch.cat([torch.zeros_like(vm[:, :, :shift]), vm[:, :, :length - shift]], 2))
+            sc = (q * km).sum(-1, keepdim=True) * scale  # [B, h, L, 1]
+            scores.append(sc.masked_fill((pos < shift)[:, None], float("-inf")))
+        w = torch.softmax(torch.cat([ctx, *scores], -1), -1)  # [B, h, L, L + s - 1]
+        a = w[..., :length] @ v1
+        for j, vm in enumerate(vals):
+            a = a + w[..., length + j:length + j + 1] * vm
+        outs.append(_finish(p, shape, z, a))
+    return outs

@@ -1,0 +1,108 @@
+"""EAGLE's draft layer: the unrolled training form against the decoding step it trains."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rewriter import eagle
+
+SHAPE = eagle.Shape(hidden=32, heads=4, kv_heads=2, intermediate=48, rope_theta=500.0, eps=1e-6)
+
+
+def _setup(batch: int = 2, length: int = 12, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    p = eagle.init(SHAPE, g, norm=torch.rand(SHAPE.hidden, generator=g) + 0.5)
+    p["fc.bias"] = torch.randn(SHAPE.hidden, generator=g)  # not zero: exercised
+    features = torch.randn(batch, length, SHAPE.hidden, generator=g)
+    embedded = torch.randn(batch, length, SHAPE.hidden, generator=g)  # e(x_{i+1}) at i
+    return p, features, embedded
+
+
+def _chain(p, features, embedded, t: int, depth: int) -> list:
+    """Decoding as a runtime would: the model's features up to ``t`` in one step, then the
+    draft's own feature fed back, one position a step."""
+    cache = eagle.empty_cache(SHAPE, features.shape[0])
+    out, cache = eagle.step(p, SHAPE, features[:, :t + 1], embedded[:, :t + 1], cache)
+    feats = [out[:, -1]]
+    for s in range(1, depth):
+        i = t + s
+        out, cache = eagle.step(p, SHAPE, feats[-1][:, None], embedded[:, i:i + 1], cache)
+        feats.append(out[:, 0])
+    assert cache[0].shape[2] == t + depth
+    return feats
+
+
+def test_unrolled_steps_equal_decoding_at_every_chain_start():
+    p, features, embedded = _setup()
+    depth = 4
+    with torch.no_grad():
+        outs = eagle.unroll(p, SHAPE, features, embedded, depth)
+        for t in range(features.shape[1] - depth + 1):
+            for s, got in enumerate(_chain(p, features, embedded, t, depth)):
+                assert torch.allclose(outs[s][:, t + s], got, atol=1e-5, rtol=0), (t, s)
+
+
+def test_a_step_of_many_positions_equals_one_at_a_time():
+    p, features, embedded = _setup(batch=3, length=7, seed=1)
+    with torch.no_grad():
+        whole, (k, v) = eagle.step(p, SHAPE, features, embedded, eagle.empty_cache(SHAPE, 3))
+        cache, parts = eagle.empty_cache(SHAPE, 3), []
+        for i in range(7):
+            out, cache = eagle.step(p, SHAPE, features[:, i:i + 1], embedded[:, i:i + 1], cache)
+            parts.append(out)
+    assert torch.allclose(whole, torch.cat(parts, 1), atol=1e-5, rtol=0)
+    assert torch.allclose(k, cache[0], atol=1e-6) and torch.allclose(v, cache[1], atol=1e-6)
+    assert k.shape == (3, SHAPE.kv_heads, 7, SHAPE.head_dim)
+
+
+def test_a_later_step_depends_on_the_draft_s_own_feature():
+    # step 2 must read step 1's output, not the model's feature at the next position
+    p, features, embedded = _setup(length=6, seed=2)
+    with torch.no_grad():
+        a = eagle.unroll(p, SHAPE, features, embedded, 2)
+        changed = features.clone()
+        changed[:, 3] += 1.0  # the model's feature at 3: a chain from 2 never reads it
+        b = eagle.unroll(p, SHAPE, changed, embedded, 2)
+    assert torch.allclose(a[1][:, 3], b[1][:, 3], atol=1e-6)  # chain from t = 2, step 2
+    assert not torch.allclose(a[0][:, 3], b[0][:, 3])  # step 1 at 3 reads it
+
+
+def test_every_parameter_learns_from_the_deepest_step():
+    p, features, embedded = _setup(length=8, seed=3)
+    for t in p.values():
+        t.requires_grad_(True)
+    outs = eagle.unroll(p, SHAPE, features, embedded, 3)
+    outs[-1][:, 2:].pow(2).sum().backward()
+    for name, t in p.items():
+        assert t.grad is not None and t.grad.abs().sum() > 0, name
+
+
+def test_shape_of_a_llama_config():
+    from transformers import LlamaConfig
+    c = LlamaConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+                    intermediate_size=96, rms_norm_eps=1e-5, rope_theta=1e5)
+    s = eagle.Shape.of(c)
+    assert (s.hidden, s.heads, s.kv_heads, s.intermediate, s.head_dim) == (64, 8, 2, 96, 8)
+    assert s.rope_theta == 1e5 and s.eps == 1e-5
+
+
+@pytest.mark.parametrize("kwargs", [dict(hidden=30, heads=4, kv_heads=2, intermediate=8),
+                                    dict(hidden=32, heads=4, kv_heads=3, intermediate=8),
+                                    dict(hidden=32, heads=0, kv_heads=1, intermediate=8),
+                                    dict(hidden=True, heads=1, kv_heads=1, intermediate=8)])
+def test_bad_shapes_are_refused(kwargs):
+    with pytest.raises(ValueError, match="eagle.Shape"):
+        eagle.Shape(**kwargs)
+
+
+def test_bad_inputs_are_refused_by_name():
+    p, features, embedded = _setup(length=5)
+    for depth in (0, True, 2.0):
+        with pytest.raises(ValueError, match="depth must be a positive int"):
+            eagle.unroll(p, SHAPE, features, embedded, depth)
+    with pytest.raises(ValueError, match="features and embedded_next"):
+        eagle.unroll(p, SHAPE, features, embedded[:, :4], 2)
+    with pytest.raises(ValueError, match="feature and embedded"):
+        eagle.step(p, SHAPE, features[..., :16], embedded[..., :16], eagle.empty_cache(SHAPE, 2))
+    with pytest.raises(ValueError, match="the cache must be"):
+        eagle.step(p, SHAPE, features, embedded, eagle.empty_cache(SHAPE, 3))
