@@ -24,8 +24,8 @@ head ``s - 1``'s (both given the right path of tokens).
 
 ``--work`` is a ``train-heads --arch hydra --data mixed --questions N`` work directory,
 split as ``hydra_features.py`` splits it (the last ``--chat-heldout`` chat rows held out;
-``heldout.safetensors`` the code column). ``--init random`` starts the layer as EAGLE does;
-``last`` from a copy of the model's last decoder layer (``fc`` the identity on the
+``heldout.safetensors`` the code column). ``--init random`` starts the layer from ``N(0,
+0.02)``; ``last`` from a copy of the model's last decoder layer (``fc`` the identity on the
 feature). The draft's math is ``rewriter.eagle``; nothing is built into the IR or the
 runtime: this measures whether it would be worth building.
 """
@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import sys
 import time
 from pathlib import Path
@@ -48,6 +47,7 @@ from rewriter.train_heads import DECAY, _merge, _targets, heads_loss
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hydra_prefix import _load, _pairs, chat_split, top1  # noqa: E402
+from step_time import machine  # noqa: E402
 
 TRAIN_FILES = ("train.safetensors", "train-corpus.safetensors")
 
@@ -86,9 +86,13 @@ def main() -> None:
         from rewriter import heads as heads_file
         from rewriter.errors import RewriterError
         try:
-            ref = Run(model, heads_file.load(args.reference, "hydra"), prefix=False)
+            heads = heads_file.load(args.reference, "hydra")
         except (OSError, ValueError, RewriterError) as e:
             ap.error(f"--reference {args.reference}: {e}")
+        if heads.deep is not None:
+            ap.error(f"--reference {args.reference}: heads of more than one block; this "
+                     f"measures 1-block heads")
+        ref = Run(model, heads, prefix=False)
         results.append({"init": f"Hydra heads {args.reference}", "steps": 0,
                         "after": {k: ref.accuracy(v) for k, v in held.items()}})
         print(results[-1], flush=True)
@@ -109,7 +113,7 @@ def main() -> None:
                    headers=["init", "steps", "chat top-1 by step", "code top-1 by step",
                             "final loss", "train s"]))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"args": vars(args), "cpu": platform.processor(),
+    Path(args.json).write_text(json.dumps({"args": vars(args), "cpu": machine(),
                                            "torch": torch.__version__, "results": results},
                                           indent=1))
 
@@ -177,7 +181,7 @@ class Draft:
             loss = heads_loss(ce, (y != -100).float(), weight)
             opt.zero_grad()
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 0.5)  # EAGLE's clip
+            torch.nn.utils.clip_grad_norm_(params, 0.5)  # EAGLE clips at 0.5 too, by value
             opt.step()
             sched.step()
             if step % 100 == 0:

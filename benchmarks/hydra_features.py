@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import sys
 import time
 from pathlib import Path
@@ -42,6 +41,7 @@ from rewriter.train_heads import (DECAY, _merge, _path, _step, _targets,
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hydra_prefix import _load, _pairs, chat_split, top1  # noqa: E402
+from step_time import machine  # noqa: E402
 
 TRAIN_FILES = ("train.safetensors", "train-corpus.safetensors", "train-magpie.safetensors")
 
@@ -89,7 +89,7 @@ def main() -> None:
                             "final CE", "train s"]))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"args": vars(args), "positions": len(pairs),
-                                           "feature_rms": scale, "cpu": platform.processor(),
+                                           "feature_rms": scale, "cpu": machine(),
                                            "torch": torch.__version__, "results": results},
                                           indent=1))
 

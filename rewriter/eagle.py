@@ -1,4 +1,5 @@
-"""EAGLE's draft: one decoder layer that drafts autoregressively over the model's features.
+"""An EAGLE-style draft: one decoder layer that drafts autoregressively over the model's
+features.
 
 At position ``i`` the draft reads the model's feature ``f_i`` (its last hidden state, the
 LM head's input, after the final norm) beside the embedding of the next token::
@@ -9,6 +10,11 @@ LM head's input, after the final norm) beside the embedding of the next token::
 
 and a deeper draft feeds its own output ``g_i`` back in place of the model's ``f_{i+1}``.
 Unlike draft heads it attends to the whole context, which is what heads lack on free text.
+
+It is EAGLE-1's ``fc`` over one feature (EAGLE-1 concatenates ``[e; f]``: swap ``fc``'s
+halves to read its weights) with a whole Llama layer (EAGLE-1's drops the input norm),
+EAGLE-3's final norm and its training-time test; not EAGLE-3's fused low/mid/high-layer
+features or its own reduced-vocabulary LM head.
 
 Two forms of the same function:
 
@@ -54,6 +60,10 @@ class Shape:
             v = getattr(self, name)
             if type(v) is not int or v < 1:
                 raise ValueError(f"eagle.Shape: {name} must be a positive int, got {v!r}")
+        for name in ("rope_theta", "eps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+                raise ValueError(f"eagle.Shape: {name} must be a positive finite number, got {v!r}")
         if self.hidden % self.heads or self.heads % self.kv_heads or (self.hidden // self.heads) % 2:
             raise ValueError(f"eagle.Shape: hidden {self.hidden} must split into {self.heads} "
                              f"heads of an even size, and {self.heads} query heads into "
@@ -65,7 +75,22 @@ class Shape:
 
     @classmethod
     def of(cls, config) -> "Shape":
-        """The shape of a Hugging Face Llama-like config's decoder layer."""
+        """The shape of a Hugging Face Llama-like config's decoder layer; configs whose
+        layer this does not compute (biases, scaled RoPE, another activation or head size)
+        are refused."""
+        odd = {"attention_bias": getattr(config, "attention_bias", False),
+               "mlp_bias": getattr(config, "mlp_bias", False),
+               "hidden_act": getattr(config, "hidden_act", "silu") != "silu",
+               "head_dim": getattr(config, "head_dim", None) not in
+               (None, config.hidden_size // config.num_attention_heads)}
+        odd = [k for k, v in odd.items() if v]
+        rope = (getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+                or {}).get("rope_type", "default")  # scaled RoPE names another type
+        if rope != "default":
+            odd.append(f"rope_type {rope!r}")
+        if odd:
+            raise ValueError(f"eagle.Shape.of: a layer with {', '.join(odd)} is not the plain "
+                             f"Llama layer this draft computes")
         theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta") \
             or getattr(config, "rope_theta", 10000.0)
         return cls(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
@@ -73,8 +98,9 @@ class Shape:
 
 
 def init(shape: Shape, generator: torch.Generator, norm: Tensor = None) -> dict:
-    """Fresh parameters, as EAGLE starts them: linears ``N(0, 0.02)``, norms one (the final
-    norm a copy of ``norm``, the model's own, where given), ``fc``'s bias zero."""
+    """Fresh parameters: linears ``N(0, 0.02)`` (a Hugging Face Llama's ``initializer_range``;
+    EAGLE's own code keeps PyTorch's defaults), norms one (the final norm a copy of
+    ``norm``, the model's own, where given), ``fc``'s bias zero."""
     h, kv = shape.hidden, shape.kv_heads * shape.head_dim
     sizes = {"self_attn.q_proj.weight": (h, h), "self_attn.k_proj.weight": (kv, h),
              "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, h),
@@ -92,7 +118,7 @@ def init(shape: Shape, generator: torch.Generator, norm: Tensor = None) -> dict:
 def _rope(t: Tensor, positions: Tensor, shape: Shape) -> Tensor:
     """RoPE (the rotate-half form) of ``t`` ``[B, h, L, d]`` at ``positions`` ``[L]``."""
     d = shape.head_dim
-    inv = 1.0 / shape.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)  # [d/2]
+    inv = 1.0 / shape.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=t.device) / d)  # [d/2]
     f = positions[:, None].float() * inv[None]  # [L, d/2]
     cos, sin = torch.cat([f.cos()] * 2, -1).to(t.dtype), torch.cat([f.sin()] * 2, -1).to(t.dtype)
     return t * cos + torch.cat([-t[..., d // 2:], t[..., :d // 2]], -1) * sin
@@ -135,27 +161,30 @@ def step(p: dict, shape: Shape, feature: Tensor, embedded: Tensor, cache: tuple)
     holds the ``L`` positions before them. Returns ``(features, (keys, values))``, the
     cache grown by ``n`` (the caller rolls it back by cutting its length)."""
     keys, values = cache
+    if not isinstance(keys, Tensor) or not isinstance(values, Tensor):
+        raise ValueError("eagle.step: cache must be (keys, values) tensors")
     if feature.shape != embedded.shape or feature.dim() != 3 or feature.shape[-1] != shape.hidden:
         raise ValueError(f"eagle.step: feature and embedded must both be [B, n, {shape.hidden}], "
                          f"got {tuple(feature.shape)} and {tuple(embedded.shape)}")
-    if keys.shape != values.shape or keys.shape[:2] != (feature.shape[0], shape.kv_heads):
+    if keys.shape != values.shape or keys.dim() != 4 or keys.shape[:2] != (
+            feature.shape[0], shape.kv_heads) or keys.shape[3] != shape.head_dim:
         raise ValueError(f"eagle.step: the cache must be two [{feature.shape[0]}, "
                          f"{shape.kv_heads}, L, {shape.head_dim}] tensors, got "
                          f"{tuple(keys.shape)} and {tuple(values.shape)}")
     past, n = keys.shape[2], feature.shape[1]
     z = _input(p, feature, embedded)
-    q, k, v = _qkv(p, shape, z, torch.arange(past, past + n))
+    q, k, v = _qkv(p, shape, z, torch.arange(past, past + n, device=z.device))
     keys, values = torch.cat([keys, k.to(keys.dtype)], 2), torch.cat([values, v.to(values.dtype)], 2)
     # causal among the new positions; every new one sees the whole cache
-    mask = torch.ones(n, past + n, dtype=torch.bool).tril(past)
+    mask = torch.ones(n, past + n, dtype=torch.bool, device=z.device).tril(past)
     a = F.scaled_dot_product_attention(q, _repeat(keys, shape).to(q.dtype),
                                        _repeat(values, shape).to(q.dtype), attn_mask=mask)
     return _finish(p, shape, z, a), (keys, values)
 
 
-def empty_cache(shape: Shape, batch: int, dtype=torch.float32) -> tuple:
+def empty_cache(shape: Shape, batch: int, dtype=torch.float32, device=None) -> tuple:
     """A cache of no positions, for ``step``."""
-    t = torch.zeros(batch, shape.kv_heads, 0, shape.head_dim, dtype=dtype)
+    t = torch.zeros(batch, shape.kv_heads, 0, shape.head_dim, dtype=dtype, device=device)
     return t, t.clone()
 
 
@@ -172,7 +201,7 @@ def unroll(p: dict, shape: Shape, features: Tensor, embedded_next: Tensor, depth
                          f"{shape.hidden}], got {tuple(features.shape)} and "
                          f"{tuple(embedded_next.shape)}")
     length = features.shape[1]
-    pos = torch.arange(length)
+    pos = torch.arange(length, device=features.device)
     z = _input(p, features, embedded_next)
     q, k1, v1 = _qkv(p, shape, z, pos)
     k1, v1 = _repeat(k1, shape), _repeat(v1, shape)  # [B, h, L, d]
@@ -191,7 +220,7 @@ def unroll(p: dict, shape: Shape, features: Tensor, embedded_next: Tensor, depth
         # the chain's own keys: step m's at i - (s - m), m = 2 .. s (the last: its own)
         scores, vals = [], []
         for m, (km, vm) in enumerate(zip(chain_k, chain_v), start=2):
-            shift = s - m
+            shift = min(s - m, length)  # rows shorter than the chain: all padding
             km = torch.cat([torch.zeros_like(km[:, :, :shift]), km[:, :, :length - shift]], 2)
             vals.append(torch.cat([torch.zeros_like(vm[:, :, :shift]), vm[:, :, :length - shift]], 2))
             sc = (q * km).sum(-1, keepdim=True) * scale  # [B, h, L, 1]

@@ -42,6 +42,29 @@ def test_unrolled_steps_equal_decoding_at_every_chain_start():
                 assert torch.allclose(outs[s][:, t + s], got, atol=1e-5, rtol=0), (t, s)
 
 
+def test_chains_near_the_end_and_rows_shorter_than_the_chain():
+    p, features, embedded = _setup(batch=1, length=3, seed=4)
+    with torch.no_grad():
+        outs = eagle.unroll(p, SHAPE, features, embedded, 6)  # more steps than positions
+        assert len(outs) == 6 and all(o.shape == features.shape for o in outs)
+        assert all(torch.isfinite(o).all() for o in outs)
+        # the chains that do fit still equal decoding, the last start included
+        for t in range(3):
+            for s, got in enumerate(_chain(p, features, embedded, t, 3 - t)):
+                assert torch.allclose(outs[s][:, t + s], got, atol=1e-5, rtol=0), (t, s)
+
+
+def test_it_runs_where_its_inputs_are():
+    # nothing made on the CPU behind the caller's back (a GPU run would fail there)
+    p, features, embedded = _setup(length=5)
+    meta = {k: v.to("meta") for k, v in p.items()}
+    outs = eagle.unroll(meta, SHAPE, features.to("meta"), embedded.to("meta"), 3)
+    assert all(o.device.type == "meta" and o.shape == features.shape for o in outs)
+    out, (k, v) = eagle.step(meta, SHAPE, features.to("meta"), embedded.to("meta"),
+                             eagle.empty_cache(SHAPE, 2, device="meta"))
+    assert out.device.type == k.device.type == "meta" and k.shape[2] == 5
+
+
 def test_a_step_of_many_positions_equals_one_at_a_time():
     p, features, embedded = _setup(batch=3, length=7, seed=1)
     with torch.no_grad():
@@ -77,6 +100,17 @@ def test_every_parameter_learns_from_the_deepest_step():
         assert t.grad is not None and t.grad.abs().sum() > 0, name
 
 
+@pytest.mark.parametrize("odd", [dict(attention_bias=True), dict(hidden_act="gelu"),
+                                 dict(head_dim=16),
+                                 dict(rope_scaling={"rope_type": "linear", "factor": 2.0})])
+def test_a_layer_it_does_not_compute_is_refused(odd):
+    from transformers import LlamaConfig
+    c = LlamaConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+                    intermediate_size=96, **odd)
+    with pytest.raises(ValueError, match="not the plain Llama layer"):
+        eagle.Shape.of(c)
+
+
 def test_shape_of_a_llama_config():
     from transformers import LlamaConfig
     c = LlamaConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
@@ -89,7 +123,10 @@ def test_shape_of_a_llama_config():
 @pytest.mark.parametrize("kwargs", [dict(hidden=30, heads=4, kv_heads=2, intermediate=8),
                                     dict(hidden=32, heads=4, kv_heads=3, intermediate=8),
                                     dict(hidden=32, heads=0, kv_heads=1, intermediate=8),
-                                    dict(hidden=True, heads=1, kv_heads=1, intermediate=8)])
+                                    dict(hidden=True, heads=1, kv_heads=1, intermediate=8),
+                                    dict(hidden=32, heads=4, kv_heads=2, intermediate=8, eps=0.0),
+                                    dict(hidden=32, heads=4, kv_heads=2, intermediate=8,
+                                         rope_theta=float("nan"))])
 def test_bad_shapes_are_refused(kwargs):
     with pytest.raises(ValueError, match="eagle.Shape"):
         eagle.Shape(**kwargs)
@@ -106,3 +143,9 @@ def test_bad_inputs_are_refused_by_name():
         eagle.step(p, SHAPE, features[..., :16], embedded[..., :16], eagle.empty_cache(SHAPE, 2))
     with pytest.raises(ValueError, match="the cache must be"):
         eagle.step(p, SHAPE, features, embedded, eagle.empty_cache(SHAPE, 3))
+    k, v = eagle.empty_cache(SHAPE, 2)
+    for bad in ((k[..., :4], v[..., :4]), (k[0], v[0])):
+        with pytest.raises(ValueError, match="the cache must be"):
+            eagle.step(p, SHAPE, features, embedded, bad)
+    with pytest.raises(ValueError, match="cache must be"):
+        eagle.step(p, SHAPE, features, embedded, (k, None))
