@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -46,7 +45,7 @@ from rewriter import eagle
 from rewriter.train_heads import DECAY, _merge, _targets, heads_loss
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hydra_prefix import _load, _pairs, chat_split, top1  # noqa: E402
+from hydra_prefix import _load, chat_split, row_batch, top1, warmup_cosine  # noqa: E402
 from step_time import machine  # noqa: E402
 
 TRAIN_FILES = ("train.safetensors", "train-corpus.safetensors")
@@ -163,16 +162,12 @@ class Draft:
     def train(self, data: dict, args) -> float:
         params = list(self.p.values())
         opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-        steps = args.steps
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+        sched = warmup_cosine(opt, args.steps, 50)
         weight = torch.tensor([DECAY ** k for k in range(self.depth)])
         g = torch.Generator().manual_seed(args.seed)
         loss = torch.tensor(float("nan"))
-        for step in range(steps):
-            rows = torch.randint(0, len(data["tokens"]), (args.rows,), generator=g).unique()  # sorted
-            pairs = _pairs(data, rows)
-            pairs = pairs[torch.randperm(len(pairs), generator=g)[:args.positions]]
+        for step in range(args.steps):
+            rows, pairs = row_batch(data, args.rows, args.positions, g)
             y = _targets(data, pairs, self.depth)  # [P, S]
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 logits = self.logits(data, rows, pairs)

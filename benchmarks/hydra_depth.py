@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ from rewriter import heads as heads_file
 from rewriter.train_heads import DECAY, _path, _targets
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hydra_prefix import _pairs, chat_split, top1, train_step  # noqa: E402
+from hydra_prefix import _pairs, chat_split, top1, train_step, warmup_cosine  # noqa: E402
 
 
 def main() -> None:
@@ -105,8 +104,7 @@ class Deep:
     def train(self, data: dict, pairs: torch.Tensor, args) -> float:
         opt = torch.optim.AdamW([*self.w, self.b, self.xw, self.xb], lr=args.lr, weight_decay=0.0)
         steps = args.steps
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+        sched = warmup_cosine(opt, steps, 50)
         weight = torch.tensor([DECAY ** k for k in range(self.k)])
         g = torch.Generator().manual_seed(args.seed)
         order = torch.randperm(len(pairs), generator=g)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -40,7 +39,7 @@ from rewriter.train_heads import (DECAY, _merge, _path, _step, _targets,
                                   _teacher_positions, heads_loss)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hydra_prefix import _load, _pairs, chat_split, top1  # noqa: E402
+from hydra_prefix import _load, _pairs, chat_split, top1, warmup_cosine  # noqa: E402
 from step_time import machine  # noqa: E402
 
 TRAIN_FILES = ("train.safetensors", "train-corpus.safetensors", "train-magpie.safetensors")
@@ -114,8 +113,7 @@ class Features:
     def train(self, data: dict, pairs: torch.Tensor, args, feature_weight: float):
         opt = torch.optim.AdamW([*self.w, self.b], lr=args.lr, weight_decay=0.0)
         steps = args.steps
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+        sched = warmup_cosine(opt, steps, 50)
         decay = torch.tensor([DECAY ** j for j in range(self.k)])
         order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(args.seed))
         hidden = data["hidden"]

@@ -169,16 +169,12 @@ class Run:
 
     def train(self, data: dict, args) -> float:
         opt = torch.optim.AdamW(self.params(), lr=args.lr, weight_decay=0.0)
-        steps = args.steps
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: min(1.0, (s + 1) / 30) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+        sched = warmup_cosine(opt, args.steps, 30)
         weight = torch.tensor([DECAY ** k for k in range(self.k)])
         g = torch.Generator().manual_seed(args.seed)
         loss = torch.tensor(float("nan"))
-        for _ in range(steps):
-            rows = torch.randint(0, len(data["tokens"]), (args.rows,), generator=g).unique()  # sorted
-            pairs = _pairs(data, rows)
-            pairs = pairs[torch.randperm(len(pairs), generator=g)[:args.positions]]
+        for _ in range(args.steps):
+            rows, pairs = row_batch(data, args.rows, args.positions, g)
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 logits = self.logits(data, rows, pairs)  # [P, K, V]
             loss = train_step(opt, sched, logits, _targets(data, pairs, self.k), weight)
@@ -186,6 +182,21 @@ class Run:
 
     def accuracy(self, data: dict) -> list[float]:
         return top1(data, self.k, lambda rows, pairs: self.logits(data, rows, pairs))
+
+
+def warmup_cosine(opt, steps: int, warmup: int):
+    """The learning rate's schedule: linear warm-up over ``warmup`` steps, then a cosine to
+    zero at ``steps``."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+
+
+def row_batch(data: dict, rows: int, positions: int, g: torch.Generator) -> tuple:
+    """``(rows, pairs)``: ``rows`` rows drawn with replacement (sorted, without repeats),
+    and up to ``positions`` of their (row, position) pairs, drawn without replacement."""
+    chosen = torch.randint(0, len(data["tokens"]), (rows,), generator=g).unique()  # sorted
+    pairs = _pairs(data, chosen)
+    return chosen, pairs[torch.randperm(len(pairs), generator=g)[:positions]]
 
 
 def train_step(opt, sched, logits: torch.Tensor, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
