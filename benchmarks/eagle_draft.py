@@ -38,14 +38,13 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tabulate import tabulate
 
 from rewriter import eagle
-from rewriter.train_heads import DECAY, _merge, _targets, heads_loss
+from rewriter.train_heads import DECAY, _merge, _targets
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hydra_prefix import _load, chat_split, row_batch, top1, warmup_cosine  # noqa: E402
+from hydra_prefix import _load, chat_split, row_batch, top1, train_step, warmup_cosine  # noqa: E402
 from step_time import machine  # noqa: E402
 
 TRAIN_FILES = ("train.safetensors", "train-corpus.safetensors")
@@ -160,25 +159,17 @@ class Draft:
 
     # -------------------------------------------------------------------- training
     def train(self, data: dict, args) -> float:
-        params = list(self.p.values())
-        opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+        opt = torch.optim.AdamW(list(self.p.values()), lr=args.lr, weight_decay=0.0)
         sched = warmup_cosine(opt, args.steps, 50)
         weight = torch.tensor([DECAY ** k for k in range(self.depth)])
         g = torch.Generator().manual_seed(args.seed)
         loss = torch.tensor(float("nan"))
         for step in range(args.steps):
             rows, pairs = row_batch(data, args.rows, args.positions, g)
-            y = _targets(data, pairs, self.depth)  # [P, S]
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                logits = self.logits(data, rows, pairs)
-            ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100,
-                                 reduction="none").view_as(y)
-            loss = heads_loss(ce, (y != -100).float(), weight)
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 0.5)  # EAGLE clips at 0.5 too, by value
-            opt.step()
-            sched.step()
+                logits = self.logits(data, rows, pairs)  # [P, S, V]
+            # EAGLE clips at 0.5 too, by value
+            loss = train_step(opt, sched, logits, _targets(data, pairs, self.depth), weight, clip=0.5)
             if step % 100 == 0:
                 print(f"step {step} loss {loss.detach().item():.3f}", flush=True)
         return float(loss.detach())

@@ -199,13 +199,22 @@ def row_batch(data: dict, rows: int, positions: int, g: torch.Generator) -> tupl
     return chosen, pairs[torch.randperm(len(pairs), generator=g)[:positions]]
 
 
-def train_step(opt, sched, logits: torch.Tensor, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def train_step(opt, sched, logits: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
+               clip: float = None) -> torch.Tensor:
     """One step on the heads' logits ``[P, K, V]`` against the model's tokens ``y`` ``[P, K]``
-    (-100: past a row's end), heads weighted as ``train_heads``."""
+    (-100: past a row's end), heads weighted as ``train_heads``; ``clip``: the gradients'
+    largest norm, if any."""
     ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100,
                          reduction="none").view_as(y)
     loss = heads_loss(ce, (y != -100).float(), weight)
-    _step(opt, sched, loss)
+    if clip is None:
+        _step(opt, sched, loss)
+        return loss
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_([t for group in opt.param_groups for t in group["params"]], clip)
+    opt.step()
+    sched.step()
     return loss
 
 
