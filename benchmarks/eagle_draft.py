@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 from tabulate import tabulate
 
-from rewriter import eagle
+from rewriter import eagle, eagle_file
 from rewriter.train_heads import DECAY, _merge, _targets
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -67,11 +67,16 @@ def main() -> None:
                     help="a Hydra heads file (or 'smollm2': the shipped ones) measured on the "
                          "same held-out rows, for comparison")
     ap.add_argument("--json", default="benchmarks/results/eagle_draft.json")
+    ap.add_argument("--save", default=None,
+                    help="write the trained draft here (a draft file, rewriter.eagle_file); "
+                         "with one --init")
     args = ap.parse_args()
     if min(args.steps, args.rows, args.positions, args.depth, args.chat_heldout) < 1:
         ap.error("--steps, --rows, --positions, --depth and --chat-heldout must be >= 1")
     if not args.lr > 0:
         ap.error(f"--lr must be > 0, got {args.lr}")
+    if args.save is not None and len(args.init) != 1:
+        ap.error("--save keeps one trained draft: give exactly one --init")
     if not args.init and args.reference is None:
         ap.error("nothing to measure: give --init, --reference, or both")
     work = Path(args.work)
@@ -105,6 +110,14 @@ def main() -> None:
                         "final_loss": round(loss, 4), "seconds": round(seconds, 1),
                         "parameters": sum(p.numel() for p in draft.p.values())})
         print(results[-1], flush=True)
+        if args.save is not None:
+            eagle_file.made({n: t.detach() for n, t in draft.p.items()}, draft.shape,
+                            model.lm_head.weight.detach(), accuracy=after["chat"],
+                            trained={"steps": args.steps, "seconds": round(seconds, 1),
+                                     "rows": len(train["tokens"]), "lr": args.lr,
+                                     "seed": args.seed, "depth": args.depth,
+                                     "accuracy_on": "held-out self-asked chat rows"}
+                            ).save(args.save)
     fmt = lambda a: " / ".join(f"{x:.3f}" for x in a)  # noqa: E731
     print(tabulate([[r["init"], r["steps"], fmt(r["after"]["chat"]), fmt(r["after"]["code"]),
                      r.get("final_loss"), r.get("seconds")] for r in results],

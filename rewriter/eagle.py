@@ -182,6 +182,39 @@ def step(p: dict, shape: Shape, feature: Tensor, embedded: Tensor, cache: tuple)
     return _finish(p, shape, z, a), (keys, values)
 
 
+def tree_step(p: dict, shape: Shape, feature: Tensor, embedded: Tensor, cache: tuple,
+              path: tuple | None, position: int) -> tuple:
+    """Decode one draft level of a tree: ``P`` nodes at tree depth ``position - L`` (all at
+    the same depth), each below its own path of earlier drafted nodes. ``feature`` and
+    ``embedded`` ``[P, H]`` as in ``step``; ``cache`` ``(keys, values)`` ``[1, kv, L, d]``
+    the accepted text's, shared by every node and left unchanged; ``path`` ``(keys,
+    values)`` ``[P, kv, j, d]`` each node's ancestors' below the text (None: ``j = 0``),
+    ``position`` ``= L + j``. Returns ``(features [P, H], keys [P, kv, 1, d], values)``:
+    each node's output, and its own key and value for its children's ``path``. Equal to
+    ``step`` over each node's path alone (``tests/test_eagle.py``)."""
+    keys, values = cache
+    n = feature.shape[0]
+    if feature.shape != embedded.shape or feature.dim() != 2 or feature.shape[-1] != shape.hidden:
+        raise ValueError(f"eagle.tree_step: feature and embedded must both be [P, "
+                         f"{shape.hidden}], got {tuple(feature.shape)} and {tuple(embedded.shape)}")
+    if keys.dim() != 4 or keys.shape[0] != 1 or keys.shape != values.shape:
+        raise ValueError(f"eagle.tree_step: the cache must be two [1, kv, L, d] tensors, got "
+                         f"{tuple(keys.shape)} and {tuple(values.shape)}")
+    j = 0 if path is None else path[0].shape[2]
+    if position != keys.shape[2] + j:
+        raise ValueError(f"eagle.tree_step: position {position} must be the cache's length "
+                         f"{keys.shape[2]} plus the path's {j}")
+    z = _input(p, feature[:, None], embedded[:, None])  # [P, 1, H]
+    q, k, v = _qkv(p, shape, z, torch.tensor([position], device=z.device))
+    k, v = k.to(keys.dtype), v.to(values.dtype)  # [P, kv, 1, d]
+    parts_k = [keys.expand(n, -1, -1, -1)] + ([path[0]] if j else []) + [k]
+    parts_v = [values.expand(n, -1, -1, -1)] + ([path[1]] if j else []) + [v]
+    every_k = _repeat(torch.cat(parts_k, 2), shape).to(q.dtype)  # [P, h, L + j + 1, d]
+    every_v = _repeat(torch.cat(parts_v, 2), shape).to(q.dtype)
+    a = F.scaled_dot_product_attention(q, every_k, every_v)  # each node sees all of its keys
+    return _finish(p, shape, z, a)[:, 0], k, v
+
+
 def empty_cache(shape: Shape, batch: int, dtype=torch.float32, device=None) -> tuple:
     """A cache of no positions, for ``step``."""
     t = torch.zeros(batch, shape.kv_heads, 0, shape.head_dim, dtype=dtype, device=device)

@@ -149,3 +149,27 @@ def test_bad_inputs_are_refused_by_name():
             eagle.step(p, SHAPE, features, embedded, bad)
     with pytest.raises(ValueError, match="cache must be"):
         eagle.step(p, SHAPE, features, embedded, (k, None))
+
+
+def test_a_tree_level_equals_each_node_decoded_along_its_own_path():
+    # three nodes at depth 2 under two parents, against step() along each node's path
+    p, features, embedded = _setup(batch=1, length=7, seed=3)
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randn(5, SHAPE.hidden, generator=g)  # embeddings of drafted tokens
+    with torch.no_grad():
+        out, cache = eagle.step(p, SHAPE, features, embedded, eagle.empty_cache(SHAPE, 1))
+        root = out[0, -1]  # [H] the draft's feature after the text
+        # level 1: two nodes below the root (tokens 0 and 1)
+        f1, k1, v1 = eagle.tree_step(p, SHAPE, root.expand(2, -1), tokens[:2], cache, None, 7)
+        # level 2: nodes below node 0 (tokens 2, 3) and node 1 (token 4)
+        parent = torch.tensor([0, 0, 1])
+        f2, _, _ = eagle.tree_step(p, SHAPE, f1[parent], tokens[2:], cache,
+                                   (k1[parent], v1[parent]), 8)
+        for i, (par, tok) in enumerate([(0, 2), (0, 3), (1, 4)]):
+            a, grown = eagle.step(p, SHAPE, root[None, None], tokens[par][None, None], cache)
+            b, _ = eagle.step(p, SHAPE, a, tokens[tok][None, None], grown)
+            torch.testing.assert_close(f1[par], a[0, 0])
+            torch.testing.assert_close(f2[i], b[0, 0])
+        assert cache[0].shape[2] == 7  # the shared cache is left as it was
+        with pytest.raises(ValueError, match="position 9 must be"):
+            eagle.tree_step(p, SHAPE, f1, tokens[:2], cache, (k1, v1), 9)

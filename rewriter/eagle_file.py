@@ -1,0 +1,141 @@
+"""The file that stores a trained EAGLE draft layer (``rewriter.eagle``).
+
+Safetensors (no pickle): the parameters under ``rewriter.eagle``'s names (``LAYER``, then
+``fc.weight``, ``fc.bias``, ``norm.weight``), float32, and metadata: the format tag, the
+layer's ``Shape``, the model it was trained for (vocabulary, a probe of its LM head's
+weights, as a heads file has), each draft step's held-out top-1 and how it was trained.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Union
+
+import torch
+from torch import Tensor
+
+from rewriter import eagle
+from rewriter.heads import PROBE, probe_of
+
+FORMAT = "rewriter-eagle-draft"
+VERSION = "1"
+NAMES = (*eagle.LAYER, "fc.weight", "fc.bias", "norm.weight")
+ASSETS = Path(__file__).resolve().parent / "assets" / "heads"
+SHIPPED = ("smollm2",)  # assets/heads/{name}-eagle.safetensors
+
+
+class DraftFileError(ValueError):
+    """A draft file cannot be used: the message names the file and the reason."""
+
+
+@dataclass
+class Draft:
+    params: dict  # {name: float32 tensor}, NAMES
+    shape: eagle.Shape
+    vocab: int
+    probe: list  # the LM head's [:4, :8], as trained
+    accuracy: list = field(default_factory=list)  # held-out top-1 of each draft step
+    trained: dict = field(default_factory=dict)
+
+    def save(self, path: Union[str, os.PathLike]) -> None:
+        from safetensors.torch import save_file
+        meta = {"format": FORMAT, "version": VERSION, "shape": json.dumps(asdict(self.shape)),
+                "vocab": str(self.vocab), "probe": json.dumps(self.probe),
+                "accuracy": json.dumps(self.accuracy), "trained": json.dumps(self.trained)}
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        save_file({n: self.params[n].detach().float().contiguous() for n in NAMES}, str(tmp),
+                  metadata=meta)
+        os.replace(tmp, path)  # a reader never sees half a file
+
+    def fits(self, lm_head: Tensor, where: str) -> None:
+        """Raise ``DraftFileError`` unless this draft was trained for this LM head."""
+        vocab, hidden = lm_head.shape
+        if (vocab, hidden) != (self.vocab, self.shape.hidden):
+            raise DraftFileError(f"{where}: the draft was trained for a model with hidden size "
+                                 f"{self.shape.hidden} and {self.vocab} tokens; this one has "
+                                 f"{hidden} and {vocab}")
+        probe = lm_head[:PROBE[0], :PROBE[1]].float().cpu()
+        if not torch.allclose(probe, torch.tensor(self.probe), rtol=0.02, atol=0.02):
+            raise DraftFileError(f"{where}: the draft was trained for another model (its LM "
+                                 f"head's weights differ from this model's)")
+
+
+def made(params: dict, shape: eagle.Shape, lm_head: Tensor, **kw) -> Draft:
+    return Draft(params, shape, lm_head.shape[0], probe_of(lm_head), **kw)
+
+
+def resolve(weights: Union[str, os.PathLike]) -> Path:
+    """A draft file's path: a shipped name (``smollm2``) or a path."""
+    if isinstance(weights, str) and weights in SHIPPED:
+        return ASSETS / f"{weights}-eagle.safetensors"
+    return Path(weights)
+
+
+def load(weights: Union[str, os.PathLike]) -> Draft:
+    """The draft in a file, every field checked (``DraftFileError`` names the problem)."""
+    path = resolve(weights)
+    if not path.is_file():
+        raise DraftFileError(f"{path}: no such draft file")
+    from safetensors import SafetensorError, safe_open
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+            keys = set(f.keys())
+            if meta.get("format") != FORMAT:
+                raise DraftFileError(f"{path}: not an EAGLE draft file (format "
+                                     f"{meta.get('format')!r}, expected {FORMAT!r})")
+            if meta.get("version") != VERSION:
+                raise DraftFileError(f"{path}: draft file version {meta.get('version')!r}; "
+                                     f"this rewriter reads version {VERSION}")
+            if keys != set(NAMES):
+                raise DraftFileError(f"{path}: the tensors must be exactly {sorted(NAMES)}; "
+                                     f"missing {sorted(set(NAMES) - keys)}, unexpected "
+                                     f"{sorted(keys - set(NAMES))}")
+            params = {n: f.get_tensor(n) for n in NAMES}
+        shape = eagle.Shape(**json.loads(meta["shape"]))
+        vocab, probe = int(meta["vocab"]), json.loads(meta["probe"])
+        accuracy = json.loads(meta.get("accuracy", "[]"))
+        trained = json.loads(meta.get("trained", "{}"))
+    except DraftFileError:
+        raise
+    except (OSError, KeyError, TypeError, ValueError, RuntimeError, SafetensorError) as e:  # torn or odd
+        raise DraftFileError(f"{path}: unreadable draft file ({type(e).__name__}: {e})") from None
+    why = _check(params, shape, vocab, probe, accuracy, trained)
+    if why:
+        raise DraftFileError(f"{path}: {why}")
+    return Draft(params, shape, vocab, probe, accuracy, trained)
+
+
+def sizes(shape: eagle.Shape) -> dict:
+    h, kv, m = shape.hidden, shape.kv_heads * shape.head_dim, shape.intermediate
+    return {"input_layernorm.weight": (h,), "self_attn.q_proj.weight": (h, h),
+            "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
+            "self_attn.o_proj.weight": (h, h), "post_attention_layernorm.weight": (h,),
+            "mlp.gate_proj.weight": (m, h), "mlp.up_proj.weight": (m, h),
+            "mlp.down_proj.weight": (h, m), "fc.weight": (h, 2 * h), "fc.bias": (h,),
+            "norm.weight": (h,)}
+
+
+def _check(params, shape, vocab, probe, accuracy, trained) -> str | None:
+    for name, size in sizes(shape).items():
+        t = params[name]
+        if tuple(t.shape) != size or t.dtype != torch.float32:
+            return f"{name} must be float32 {list(size)}, got {t.dtype} {list(t.shape)}"
+        if not bool(torch.isfinite(t).all()):
+            return f"{name} holds NaN or infinite values"
+    if type(vocab) is not int or vocab < 1:
+        return f"vocab must be a positive int, got {vocab!r}"
+    if (not isinstance(probe, list) or len(probe) != PROBE[0]
+            or not all(isinstance(r, list) and len(r) == PROBE[1] and all(
+                isinstance(x, (int, float)) and math.isfinite(x) for x in r) for r in probe)):
+        return f"probe must be {PROBE[0]} rows of {PROBE[1]} finite numbers"
+    if not isinstance(accuracy, list) or not all(
+            isinstance(a, (int, float)) and 0 <= a <= 1 for a in accuracy):
+        return "accuracy must be a list of numbers in [0, 1]"
+    if not isinstance(trained, dict):
+        return "trained must be a JSON object"
+    return None

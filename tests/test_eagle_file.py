@@ -1,0 +1,79 @@
+"""The EAGLE draft file: a round trip, and every way a hostile file is refused by name."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from rewriter import eagle, eagle_file
+
+SHAPE = eagle.Shape(hidden=32, heads=4, kv_heads=2, intermediate=48, rope_theta=500.0, eps=1e-6)
+
+
+def _draft(vocab: int = 50):
+    g = torch.Generator().manual_seed(0)
+    lm = torch.randn(vocab, SHAPE.hidden, generator=g)
+    p = eagle.init(SHAPE, g)
+    return eagle_file.made(p, SHAPE, lm, accuracy=[0.5, 0.4], trained={"steps": 3}), lm
+
+
+def _rewrite(src, dst, tensors=None, meta=None):
+    with safe_open(str(src), "pt") as f:
+        t = {k: f.get_tensor(k) for k in f.keys()}
+        m = dict(f.metadata())
+    t.update(tensors or {})
+    t = {k: v for k, v in t.items() if v is not None}
+    m.update(meta or {})
+    save_file(t, str(dst), metadata=m)
+
+
+def test_round_trip_and_fit(tmp_path):
+    d, lm = _draft()
+    d.save(tmp_path / "d.safetensors")
+    got = eagle_file.load(tmp_path / "d.safetensors")
+    assert got.shape == SHAPE and got.vocab == 50 and got.accuracy == [0.5, 0.4]
+    assert got.trained == {"steps": 3}
+    for name in eagle_file.NAMES:
+        torch.testing.assert_close(got.params[name], d.params[name])
+    got.fits(lm, "d")
+    with pytest.raises(eagle_file.DraftFileError, match="another model"):
+        got.fits(lm + 1, "d")
+    with pytest.raises(eagle_file.DraftFileError, match="hidden size 32 and 50 tokens"):
+        got.fits(lm[:40], "d")
+
+
+@pytest.mark.parametrize("tensors, meta, match", [
+    ({}, {"format": "rewriter-medusa-heads"}, "not an EAGLE draft file"),
+    ({}, {"version": "9"}, "version '9'"),
+    ({"fc.bias": None}, {}, "missing \\['fc.bias'\\]"),
+    ({"extra": torch.zeros(1)}, {}, "unexpected \\['extra'\\]"),
+    ({"fc.weight": torch.zeros(32, 32)}, {}, "fc.weight must be float32 \\[32, 64\\]"),
+    ({"fc.bias": torch.zeros(32, dtype=torch.float64)}, {}, "fc.bias must be float32"),
+    ({"norm.weight": torch.full((32,), float("nan"))}, {}, "norm.weight holds NaN"),
+    ({}, {"shape": json.dumps({"hidden": 32, "heads": 5, "kv_heads": 1, "intermediate": 48})},
+     "unreadable draft file.*split into 5 heads"),
+    ({}, {"shape": "[1, 2]"}, "unreadable draft file"),
+    ({}, {"probe": "[[1]]"}, "probe must be"),
+    ({}, {"accuracy": "[2.0]"}, "accuracy must be"),
+    ({}, {"vocab": "many"}, "unreadable draft file"),
+])
+def test_a_bad_file_is_refused_by_name(tmp_path, tensors, meta, match):
+    d, _ = _draft()
+    d.save(tmp_path / "d.safetensors")
+    _rewrite(tmp_path / "d.safetensors", tmp_path / "bad.safetensors", tensors, meta)
+    with pytest.raises(eagle_file.DraftFileError, match=match):
+        eagle_file.load(tmp_path / "bad.safetensors")
+
+
+def test_a_missing_or_torn_file_is_refused(tmp_path):
+    with pytest.raises(eagle_file.DraftFileError, match="no such draft file"):
+        eagle_file.load(tmp_path / "none.safetensors")
+    d, _ = _draft()
+    d.save(tmp_path / "d.safetensors")
+    data = (tmp_path / "d.safetensors").read_bytes()
+    (tmp_path / "torn.safetensors").write_bytes(data[:len(data) // 2])
+    with pytest.raises(eagle_file.DraftFileError, match="unreadable draft file"):
+        eagle_file.load(tmp_path / "torn.safetensors")
