@@ -67,6 +67,24 @@ def main() -> None:
     from rewriter.runtime.chat import chat_prompt
     model, tok = load(args.model)
     model = cast(model, torch.float32).eval()
+    lm = model.lm_head.weight.detach()  # [V, H]
+    embed = model.model.embed_tokens.weight.detach()  # [V, H]
+    drafts = {}
+    try:  # checked before the answers are made: minutes
+        if args.heads != "none":
+            heads = heads_file.load(args.heads, "hydra")
+            heads.fits(lm, str(args.heads))
+            if args.depth > heads.num_heads:
+                ap.error(f"--depth {args.depth}: the heads {args.heads} go {heads.num_heads} deep")
+            drafts["Hydra heads"] = HydraDraft(heads, lm, embed)
+        if args.eagle is not None:
+            d = eagle_file.load(args.eagle)
+            d.fits(lm, args.eagle)
+            drafts["EAGLE layer"] = EagleDraft(d, lm, embed)
+    except (heads_file.HeadsFileError, eagle_file.DraftFileError) as e:
+        ap.error(str(e))
+    if not drafts:
+        ap.error("nothing to compare: give --eagle, --heads or both")
     engine = rewriter.optimize(model, tokenizer=tok)
     pool = WIDE_CHAT if args.chat == "wide" else CHAT_PROMPTS
     texts = []
@@ -87,17 +105,6 @@ def main() -> None:
         Path(args.texts).write_text(json.dumps({"key": key, "texts": texts}))
     print(f"{len(texts)} answers, {sum(len(t) - p for p, t in texts)} tokens "
           f"({time.perf_counter() - began:.0f} s)", flush=True)
-    lm = model.lm_head.weight.detach()  # [V, H]
-    embed = model.model.embed_tokens.weight.detach()  # [V, H]
-    drafts = {}
-    if args.heads != "none":
-        drafts["Hydra heads"] = HydraDraft(heads_file.load(args.heads, "hydra"), lm, embed)
-    if args.eagle is not None:
-        d = eagle_file.load(args.eagle)
-        d.fits(lm, args.eagle)
-        drafts["EAGLE layer"] = EagleDraft(d, lm, embed)
-    if not drafts:
-        ap.error("nothing to compare: give --eagle, --heads or both")
     rows, results = [], []
     with torch.no_grad():
         features = [model.model(torch.tensor([t])).last_hidden_state[0] for _, t in texts]  # [L, H]
@@ -106,9 +113,9 @@ def main() -> None:
                 made, rounds, depths = 0, 0, [0] * (args.depth + 1)
                 for (start, text), f in zip(texts, features):
                     got = replay(draft, text, f, start, nodes, args.depth, args.expand)
-                    made += sum(a + 1 for a in got)
+                    made += sum(m for _, m in got)
                     rounds += len(got)
-                    for a in got:
+                    for a, _ in got:
                         depths[a] += 1
                 per = made / rounds
                 results.append({"draft": name, "nodes": nodes, "expand": args.expand,
@@ -125,9 +132,10 @@ def main() -> None:
 
 
 def replay(draft, text: list, f: torch.Tensor, start: int, nodes: int, depth: int,
-           expand: int) -> list[int]:
+           expand: int) -> list[tuple[int, int]]:
     """Each round's accepted depth over ``text`` from position ``start`` (the first answer
-    token is the model's, after the prompt's prefill)."""
+    token is the model's, after the prompt's prefill), and the tokens it made: the
+    accepted drafts and the model's token after them, where the text has one."""
     n = start  # the root x_n: the model's own token, not yet in the cache
     draft.begin(text, f, n)
     got = []
@@ -142,7 +150,9 @@ def replay(draft, text: list, f: torch.Tensor, start: int, nodes: int, depth: in
             if child is None:
                 break
             node, accepted = child, accepted + 1
-        got.append(accepted)
+        got.append((accepted, min(accepted + 1, len(text) - 1 - n)))  # no token after the text
+        if n + accepted + 1 >= len(text) - 1:  # no root left to draft after
+            break
         draft.advance(text, f, n, accepted + 1)
         n += accepted + 1
     return got
@@ -162,8 +172,6 @@ class HydraDraft:
         self.h = f[n + k - 1]
 
     def call(self, d: int, chains: torch.Tensor):
-        if d >= len(self.w):
-            raise ValueError(f"the heads go {len(self.w)} deep; --depth asks for more")
         _, p, _ = chains.shape  # [1, P, d + 1]
         h = self.h.expand(p, -1)
         x = torch.cat([h, self.embed[chains[0]].flatten(1)], -1)  # [P, H (d + 2)]

@@ -58,7 +58,13 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="benchmarks/results/hydra_features.json")
+    ap.add_argument("--save", default=None,
+                    help="write the trained heads here (a Hydra heads file, with one --weights); it "
+                         "holds top-1 accuracies only, so tree='auto' would choose a chain from "
+                         "it: for draft_rounds.py or a dynamic or given tree")
     args = ap.parse_args()
+    if args.save is not None and len(args.weights) != 1:
+        ap.error("--save keeps one set of heads: give exactly one --weights")
     if min(args.weights) < 0 or min(args.steps, args.batch, args.chat_heldout, args.heads) < 1:
         ap.error("--weights must be >= 0; --steps, --batch, --heads and --chat-heldout >= 1")
     work = Path(args.work)
@@ -81,6 +87,13 @@ def main() -> None:
                         "final_ce": round(ce, 4), "final_feature_loss": round(reg, 4),
                         "seconds": round(seconds, 1)})
         print(results[-1], flush=True)
+        if args.save is not None:  # rank accuracies: top-1 alone was measured
+            lm = model.lm_head.weight.detach()
+            heads_file.Heads([w.detach() for w in run.w], run.b.detach(), lm.shape[0],
+                             heads_file.probe_of(lm), [[a] for a in after["chat"]],
+                             {"steps": args.steps, "seconds": round(seconds, 1), "rows": rows,
+                              "positions": len(pairs), "lr": args.lr, "seed": args.seed},
+                             arch="hydra").save(args.save)
     fmt = lambda a: " / ".join(f"{x:.3f}" for x in a)  # noqa: E731
     print(tabulate([[r["feature_weight"], r["steps"], fmt(r["after"]["chat"]),
                      fmt(r["after"]["code"]), r["final_ce"], r["seconds"]] for r in results],

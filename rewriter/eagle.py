@@ -62,8 +62,13 @@ class Shape:
                 raise ValueError(f"eagle.Shape: {name} must be a positive int, got {v!r}")
         for name in ("rope_theta", "eps"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+            try:  # a huge JSON int converts to no float: refused here, not at the first step
+                ok = not isinstance(v, bool) and isinstance(v, (int, float)) and 0 < float(v) < math.inf
+            except OverflowError:
+                ok = False
+            if not ok:
                 raise ValueError(f"eagle.Shape: {name} must be a positive finite number, got {v!r}")
+            object.__setattr__(self, name, float(v))
         if self.hidden % self.heads or self.heads % self.kv_heads or (self.hidden // self.heads) % 2:
             raise ValueError(f"eagle.Shape: hidden {self.hidden} must split into {self.heads} "
                              f"heads of an even size, and {self.heads} query heads into "
@@ -192,16 +197,22 @@ def tree_step(p: dict, shape: Shape, feature: Tensor, embedded: Tensor, cache: t
     ``position`` ``= L + j``. Returns ``(features [P, H], keys [P, kv, 1, d], values)``:
     each node's output, and its own key and value for its children's ``path``. Equal to
     ``step`` over each node's path alone (``tests/test_eagle.py``)."""
-    keys, values = cache
-    n = feature.shape[0]
-    if feature.shape != embedded.shape or feature.dim() != 2 or feature.shape[-1] != shape.hidden:
+    if feature.dim() != 2 or feature.shape != embedded.shape or feature.shape[-1] != shape.hidden:
         raise ValueError(f"eagle.tree_step: feature and embedded must both be [P, "
                          f"{shape.hidden}], got {tuple(feature.shape)} and {tuple(embedded.shape)}")
-    if keys.dim() != 4 or keys.shape[0] != 1 or keys.shape != values.shape:
-        raise ValueError(f"eagle.tree_step: the cache must be two [1, kv, L, d] tensors, got "
-                         f"{tuple(keys.shape)} and {tuple(values.shape)}")
-    j = 0 if path is None else path[0].shape[2]
-    if position != keys.shape[2] + j:
+    n, kv, d = feature.shape[0], shape.kv_heads, shape.head_dim
+    keys, values = _pair(cache, "cache")
+    if keys.dim() != 4 or keys.shape != values.shape or keys.shape[:2] != (1, kv) or keys.shape[3] != d:
+        raise ValueError(f"eagle.tree_step: the cache must be two [1, {kv}, L, {d}] tensors, "
+                         f"got {tuple(keys.shape)} and {tuple(values.shape)}")
+    j = 0
+    if path is not None:
+        pk, pv = _pair(path, "path")
+        if pk.dim() != 4 or pk.shape != pv.shape or pk.shape[:2] != (n, kv) or pk.shape[3] != d:
+            raise ValueError(f"eagle.tree_step: path must be two [{n}, {kv}, j, {d}] tensors, "
+                             f"got {tuple(pk.shape)} and {tuple(pv.shape)}")
+        j = pk.shape[2]
+    if type(position) is not int or position != keys.shape[2] + j:
         raise ValueError(f"eagle.tree_step: position {position} must be the cache's length "
                          f"{keys.shape[2]} plus the path's {j}")
     z = _input(p, feature[:, None], embedded[:, None])  # [P, 1, H]
@@ -213,6 +224,12 @@ def tree_step(p: dict, shape: Shape, feature: Tensor, embedded: Tensor, cache: t
     every_v = _repeat(torch.cat(parts_v, 2), shape).to(q.dtype)
     a = F.scaled_dot_product_attention(q, every_k, every_v)  # each node sees all of its keys
     return _finish(p, shape, z, a)[:, 0], k, v
+
+
+def _pair(v, what: str) -> tuple:
+    if not isinstance(v, (tuple, list)) or len(v) != 2 or not all(isinstance(t, Tensor) for t in v):
+        raise ValueError(f"eagle.tree_step: {what} must be (keys, values) tensors")
+    return v[0], v[1]
 
 
 def empty_cache(shape: Shape, batch: int, dtype=torch.float32, device=None) -> tuple:

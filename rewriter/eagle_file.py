@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Union
@@ -23,8 +24,6 @@ from rewriter.heads import PROBE, probe_of
 FORMAT = "rewriter-eagle-draft"
 VERSION = "1"
 NAMES = (*eagle.LAYER, "fc.weight", "fc.bias", "norm.weight")
-ASSETS = Path(__file__).resolve().parent / "assets" / "heads"
-SHIPPED = ("smollm2",)  # assets/heads/{name}-eagle.safetensors
 
 
 class DraftFileError(ValueError):
@@ -68,16 +67,9 @@ def made(params: dict, shape: eagle.Shape, lm_head: Tensor, **kw) -> Draft:
     return Draft(params, shape, lm_head.shape[0], probe_of(lm_head), **kw)
 
 
-def resolve(weights: Union[str, os.PathLike]) -> Path:
-    """A draft file's path: a shipped name (``smollm2``) or a path."""
-    if isinstance(weights, str) and weights in SHIPPED:
-        return ASSETS / f"{weights}-eagle.safetensors"
-    return Path(weights)
-
-
 def load(weights: Union[str, os.PathLike]) -> Draft:
     """The draft in a file, every field checked (``DraftFileError`` names the problem)."""
-    path = resolve(weights)
+    path = Path(weights)  # none is shipped yet
     if not path.is_file():
         raise DraftFileError(f"{path}: no such draft file")
     from safetensors import SafetensorError, safe_open
@@ -97,6 +89,9 @@ def load(weights: Union[str, os.PathLike]) -> Draft:
                                      f"{sorted(keys - set(NAMES))}")
             params = {n: f.get_tensor(n) for n in NAMES}
         shape = eagle.Shape(**json.loads(meta["shape"]))
+        if not re.fullmatch(r"[1-9][0-9]{0,9}", meta.get("vocab", "")):
+            raise DraftFileError(f"{path}: vocab must be a positive integer, got "
+                                 f"{meta.get('vocab')!r}")
         vocab, probe = int(meta["vocab"]), json.loads(meta["probe"])
         accuracy = json.loads(meta.get("accuracy", "[]"))
         trained = json.loads(meta.get("trained", "{}"))
@@ -120,6 +115,16 @@ def sizes(shape: eagle.Shape) -> dict:
             "norm.weight": (h,)}
 
 
+def _finite(x) -> bool:
+    """A JSON number (not a boolean) that is a finite float; a huge integer is not."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:
+        return False
+
+
 def _check(params, shape, vocab, probe, accuracy, trained) -> str | None:
     for name, size in sizes(shape).items():
         t = params[name]
@@ -129,12 +134,10 @@ def _check(params, shape, vocab, probe, accuracy, trained) -> str | None:
             return f"{name} holds NaN or infinite values"
     if type(vocab) is not int or vocab < 1:
         return f"vocab must be a positive int, got {vocab!r}"
-    if (not isinstance(probe, list) or len(probe) != PROBE[0]
-            or not all(isinstance(r, list) and len(r) == PROBE[1] and all(
-                isinstance(x, (int, float)) and math.isfinite(x) for x in r) for r in probe)):
+    if not isinstance(probe, list) or len(probe) != PROBE[0] or not all(
+            isinstance(r, list) and len(r) == PROBE[1] and all(_finite(x) for x in r) for r in probe):
         return f"probe must be {PROBE[0]} rows of {PROBE[1]} finite numbers"
-    if not isinstance(accuracy, list) or not all(
-            isinstance(a, (int, float)) and 0 <= a <= 1 for a in accuracy):
+    if not isinstance(accuracy, list) or not all(_finite(a) and 0 <= a <= 1 for a in accuracy):
         return "accuracy must be a list of numbers in [0, 1]"
     if not isinstance(trained, dict):
         return "trained must be a JSON object"

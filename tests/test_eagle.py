@@ -152,24 +152,59 @@ def test_bad_inputs_are_refused_by_name():
 
 
 def test_a_tree_level_equals_each_node_decoded_along_its_own_path():
-    # three nodes at depth 2 under two parents, against step() along each node's path
+    # three levels: two nodes below the root, three below them, two below those; each
+    # against step() along the node's own path. Queries and keys are scaled up so that
+    # attention is far from uniform: a key at the wrong RoPE position changes the output.
     p, features, embedded = _setup(batch=1, length=7, seed=3)
+    for name in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
+        p[name] = p[name] * 15
     g = torch.Generator().manual_seed(5)
-    tokens = torch.randn(5, SHAPE.hidden, generator=g)  # embeddings of drafted tokens
+    tokens = torch.randn(7, SHAPE.hidden, generator=g)  # embeddings of drafted tokens
     with torch.no_grad():
         out, cache = eagle.step(p, SHAPE, features, embedded, eagle.empty_cache(SHAPE, 1))
         root = out[0, -1]  # [H] the draft's feature after the text
-        # level 1: two nodes below the root (tokens 0 and 1)
         f1, k1, v1 = eagle.tree_step(p, SHAPE, root.expand(2, -1), tokens[:2], cache, None, 7)
-        # level 2: nodes below node 0 (tokens 2, 3) and node 1 (token 4)
-        parent = torch.tensor([0, 0, 1])
-        f2, _, _ = eagle.tree_step(p, SHAPE, f1[parent], tokens[2:], cache,
-                                   (k1[parent], v1[parent]), 8)
-        for i, (par, tok) in enumerate([(0, 2), (0, 3), (1, 4)]):
-            a, grown = eagle.step(p, SHAPE, root[None, None], tokens[par][None, None], cache)
-            b, _ = eagle.step(p, SHAPE, a, tokens[tok][None, None], grown)
-            torch.testing.assert_close(f1[par], a[0, 0])
-            torch.testing.assert_close(f2[i], b[0, 0])
+        up2 = torch.tensor([0, 0, 1])  # level 2: tokens 2, 3 below node 0; 4 below node 1
+        f2, k2, v2 = eagle.tree_step(p, SHAPE, f1[up2], tokens[2:5], cache,
+                                     (k1[up2], v1[up2]), 8)
+        up3 = torch.tensor([0, 2])  # level 3: token 5 below (0, 2); token 6 below (1, 4)
+        path3 = (torch.cat([k1[up2][up3], k2[up3]], 2), torch.cat([v1[up2][up3], v2[up3]], 2))
+        f3, _, _ = eagle.tree_step(p, SHAPE, f2[up3], tokens[5:], cache, path3, 9)
+        got = {(0,): f1[0], (1,): f1[1], (0, 2): f2[0], (0, 3): f2[1], (1, 4): f2[2],
+               (0, 2, 5): f3[0], (1, 4, 6): f3[1]}
+        for nodes, feature in got.items():
+            f, grown = root[None, None], cache
+            for t in nodes:
+                out, grown = eagle.step(p, SHAPE, f, tokens[t][None, None], grown)
+                f = out
+            torch.testing.assert_close(feature, f[0, 0])
         assert cache[0].shape[2] == 7  # the shared cache is left as it was
-        with pytest.raises(ValueError, match="position 9 must be"):
-            eagle.tree_step(p, SHAPE, f1, tokens[:2], cache, (k1, v1), 9)
+
+
+def test_a_tree_level_refuses_inconsistent_inputs():
+    p, features, embedded = _setup(batch=1, length=3)
+    _, cache = eagle.step(p, SHAPE, features, embedded, eagle.empty_cache(SHAPE, 1))
+    f, e = features[0, :2], embedded[0, :2]
+    kv = torch.zeros(2, SHAPE.kv_heads, 1, SHAPE.head_dim)
+    with pytest.raises(ValueError, match="position 5 must be"):
+        eagle.tree_step(p, SHAPE, f, e, cache, (kv, kv), 5)
+    with pytest.raises(ValueError, match="position 4.0 must be"):
+        eagle.tree_step(p, SHAPE, f, e, cache, (kv, kv), 4.0)
+    with pytest.raises(ValueError, match="path must be two"):
+        eagle.tree_step(p, SHAPE, f, e, cache, (kv, torch.zeros(2, SHAPE.kv_heads, 2, SHAPE.head_dim)), 4)
+    with pytest.raises(ValueError, match="path must be two"):
+        eagle.tree_step(p, SHAPE, f, e, cache, (kv[:1], kv[:1]), 4)
+    with pytest.raises(ValueError, match="path must be \\(keys, values\\)"):
+        eagle.tree_step(p, SHAPE, f, e, cache, kv, 4)
+    with pytest.raises(ValueError, match="cache must be two"):
+        eagle.tree_step(p, SHAPE, f, e, (cache[0], cache[1][..., :2]), None, 3)
+    with pytest.raises(ValueError, match="cache must be \\(keys, values\\)"):
+        eagle.tree_step(p, SHAPE, f, e, (cache[0], None), None, 3)
+    with pytest.raises(ValueError, match="feature and embedded"):
+        eagle.tree_step(p, SHAPE, f[0], e[0], cache, None, 3)
+
+
+def test_a_rope_base_too_large_for_a_float_is_refused():
+    with pytest.raises(ValueError, match="rope_theta must be a positive finite number"):
+        eagle.Shape(hidden=32, heads=4, kv_heads=2, intermediate=48, rope_theta=10 ** 400)
+    assert eagle.Shape(hidden=32, heads=4, kv_heads=2, intermediate=48, rope_theta=500).rope_theta == 500.0

@@ -57,14 +57,34 @@ def test_round_trip_and_fit(tmp_path):
      "unreadable draft file.*split into 5 heads"),
     ({}, {"shape": "[1, 2]"}, "unreadable draft file"),
     ({}, {"probe": "[[1]]"}, "probe must be"),
+    ({}, {"probe": json.dumps([[10 ** 400] * 8] * 4)}, "probe must be"),
+    ({}, {"probe": json.dumps([[True] * 8] * 4)}, "probe must be"),
+    ({}, {"probe": json.dumps([[float("nan")] * 8] * 4)}, "probe must be"),
+    ({}, {"accuracy": "[true]"}, "accuracy must be"),
+    ({}, {"trained": "[1]"}, "trained must be a JSON object"),
+    ({}, {"vocab": "0"}, "vocab must be a positive integer"),
+    ({}, {"vocab": " 50 "}, "vocab must be a positive integer"),
+    ({}, {"shape": json.dumps({"hidden": 32, "heads": 4, "kv_heads": 2, "intermediate": 48,
+                               "rope_theta": 10 ** 400})}, "rope_theta must be"),
     ({}, {"accuracy": "[2.0]"}, "accuracy must be"),
-    ({}, {"vocab": "many"}, "unreadable draft file"),
+    ({}, {"vocab": "many"}, "vocab must be a positive integer"),
 ])
 def test_a_bad_file_is_refused_by_name(tmp_path, tensors, meta, match):
     d, _ = _draft()
     d.save(tmp_path / "d.safetensors")
     _rewrite(tmp_path / "d.safetensors", tmp_path / "bad.safetensors", tensors, meta)
     with pytest.raises(eagle_file.DraftFileError, match=match):
+        eagle_file.load(tmp_path / "bad.safetensors")
+
+
+def test_missing_metadata_is_refused(tmp_path):
+    d, _ = _draft()
+    d.save(tmp_path / "d.safetensors")
+    with safe_open(str(tmp_path / "d.safetensors"), "pt") as f:
+        t = {k: f.get_tensor(k) for k in f.keys()}
+        m = {k: v for k, v in f.metadata().items() if k != "shape"}
+    save_file(t, str(tmp_path / "bad.safetensors"), metadata=m)
+    with pytest.raises(eagle_file.DraftFileError, match="unreadable draft file.*shape"):
         eagle_file.load(tmp_path / "bad.safetensors")
 
 
