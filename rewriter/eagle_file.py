@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from rewriter import eagle
-from rewriter.heads import PROBE, probe_of
+from rewriter.heads import PROBE, probe_of, unfit
 
 FORMAT = "rewriter-eagle-draft"
 VERSION = "1"
@@ -52,15 +52,9 @@ class Draft:
 
     def fits(self, lm_head: Tensor, where: str) -> None:
         """Raise ``DraftFileError`` unless this draft was trained for this LM head."""
-        vocab, hidden = lm_head.shape
-        if (vocab, hidden) != (self.vocab, self.shape.hidden):
-            raise DraftFileError(f"{where}: the draft was trained for a model with hidden size "
-                                 f"{self.shape.hidden} and {self.vocab} tokens; this one has "
-                                 f"{hidden} and {vocab}")
-        probe = lm_head[:PROBE[0], :PROBE[1]].float().cpu()
-        if not torch.allclose(probe, torch.tensor(self.probe), rtol=0.02, atol=0.02):
-            raise DraftFileError(f"{where}: the draft was trained for another model (its LM "
-                                 f"head's weights differ from this model's)")
+        why = unfit(lm_head, self.vocab, self.shape.hidden, self.probe)
+        if why:
+            raise DraftFileError(f"{where}: the draft was trained for {why}")
 
 
 def made(params: dict, shape: eagle.Shape, lm_head: Tensor, **kw) -> Draft:

@@ -103,15 +103,9 @@ class Heads:
 
     def fits(self, lm_head: Tensor, where: str) -> None:
         """Raise ``HeadsFileError`` unless these heads were trained for this LM head."""
-        vocab, hidden = lm_head.shape
-        if (vocab, hidden) != (self.vocab, self.hidden):
-            raise HeadsFileError(f"{where}: the heads were trained for a model with hidden size "
-                                 f"{self.hidden} and {self.vocab} tokens; this one has {hidden} "
-                                 f"and {vocab}")
-        probe = lm_head[:PROBE[0], :PROBE[1]].float().cpu()
-        if not torch.allclose(probe, torch.tensor(self.probe), rtol=0.02, atol=0.02):
-            raise HeadsFileError(f"{where}: the heads were trained for another model (its LM "
-                                 f"head's weights differ from this model's)")
+        why = unfit(lm_head, self.vocab, self.hidden, self.probe)
+        if why:
+            raise HeadsFileError(f"{where}: the heads were trained for {why}")
 
 
 def resolve(weights: Union[str, os.PathLike], arch: str = "medusa") -> Path:
@@ -223,6 +217,18 @@ def _check_deep(deep: Optional[tuple], b: Tensor) -> Optional[str]:
     if c.shape != (w.shape[0], k, hidden) or c.dtype != b.dtype:
         return (f"deep_b must be [B - 1, K, H] = {[w.shape[0], k, hidden]} of b's dtype "
                 f"({b.dtype}); got {list(c.shape)} {c.dtype}")
+    return None
+
+
+def unfit(lm_head: Tensor, vocab: int, hidden: int, probe: list) -> Optional[str]:
+    """What weights trained for an LM head of ``vocab`` x ``hidden`` tokens whose first
+    weights were ``probe`` were trained for, where ``lm_head`` is another; else None."""
+    v, h = lm_head.shape
+    if (v, h) != (vocab, hidden):
+        return f"a model with hidden size {hidden} and {vocab} tokens; this one has {h} and {v}"
+    if not torch.allclose(lm_head[:PROBE[0], :PROBE[1]].float().cpu(), torch.tensor(probe),
+                          rtol=0.02, atol=0.02):
+        return "another model (its LM head's weights differ from this model's)"
     return None
 
 
