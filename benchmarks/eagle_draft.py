@@ -41,10 +41,10 @@ import torch
 from tabulate import tabulate
 
 from rewriter import eagle, eagle_file
-from rewriter.train_heads import DECAY, _merge, _targets
+from rewriter.train_heads import _merge
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hydra_prefix import _load, chat_split, row_batch, top1, train_step, warmup_cosine  # noqa: E402
+from hydra_prefix import _load, chat_split, top1, train_rows  # noqa: E402
 from step_time import machine  # noqa: E402
 
 TRAIN_FILES = ("train.safetensors", "train-corpus.safetensors")
@@ -173,19 +173,8 @@ class Draft:
     # -------------------------------------------------------------------- training
     def train(self, data: dict, args) -> float:
         opt = torch.optim.AdamW(list(self.p.values()), lr=args.lr, weight_decay=0.0)
-        sched = warmup_cosine(opt, args.steps, 50)
-        weight = torch.tensor([DECAY ** k for k in range(self.depth)])
-        g = torch.Generator().manual_seed(args.seed)
-        loss = torch.tensor(float("nan"))
-        for step in range(args.steps):
-            rows, pairs = row_batch(data, args.rows, args.positions, g)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                logits = self.logits(data, rows, pairs)  # [P, S, V]
-            # EAGLE clips at 0.5 too, by value
-            loss = train_step(opt, sched, logits, _targets(data, pairs, self.depth), weight, clip=0.5)
-            if step % 100 == 0:
-                print(f"step {step} loss {loss.detach().item():.3f}", flush=True)
-        return float(loss.detach())
+        # EAGLE clips at 0.5 too, by value
+        return train_rows(opt, data, args, self.logits, self.depth, warmup=50, clip=0.5, every=100)
 
     def accuracy(self, data: dict) -> list[float]:
         def logits_of(rows, pairs):

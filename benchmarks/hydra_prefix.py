@@ -169,19 +169,31 @@ class Run:
 
     def train(self, data: dict, args) -> float:
         opt = torch.optim.AdamW(self.params(), lr=args.lr, weight_decay=0.0)
-        sched = warmup_cosine(opt, args.steps, 30)
-        weight = torch.tensor([DECAY ** k for k in range(self.k)])
-        g = torch.Generator().manual_seed(args.seed)
-        loss = torch.tensor(float("nan"))
-        for _ in range(args.steps):
-            rows, pairs = row_batch(data, args.rows, args.positions, g)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                logits = self.logits(data, rows, pairs)  # [P, K, V]
-            loss = train_step(opt, sched, logits, _targets(data, pairs, self.k), weight)
-        return float(loss.detach())
+        return train_rows(opt, data, args, self.logits, self.k, warmup=30)
 
     def accuracy(self, data: dict) -> list[float]:
         return top1(data, self.k, lambda rows, pairs: self.logits(data, rows, pairs))
+
+
+def train_rows(opt, data: dict, args, logits_of, depth: int, warmup: int,
+               clip: float | None = None, every: int = 0) -> float:
+    """``args.steps`` steps on ``args.positions`` positions of ``args.rows`` random whole
+    rows each (``row_batch``, seeded by ``args.seed``); ``logits_of(data, rows, pairs)``
+    ``[P, depth, V]`` under bfloat16 autocast, trained by ``train_step`` on the model's own
+    tokens weighted ``DECAY ** k``. Prints the loss every ``every`` steps (0: never).
+    Returns the last step's loss."""
+    sched = warmup_cosine(opt, args.steps, warmup)
+    weight = torch.tensor([DECAY ** k for k in range(depth)])
+    g = torch.Generator().manual_seed(args.seed)
+    loss = torch.tensor(float("nan"))
+    for step in range(args.steps):
+        rows, pairs = row_batch(data, args.rows, args.positions, g)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = logits_of(data, rows, pairs)  # [P, depth, V]
+        loss = train_step(opt, sched, logits, _targets(data, pairs, depth), weight, clip=clip)
+        if every and step % every == 0:
+            print(f"step {step} loss {loss.detach().item():.3f}", flush=True)
+    return float(loss.detach())
 
 
 def warmup_cosine(opt, steps: int, warmup: int):
