@@ -10,6 +10,7 @@ import json
 
 from rewriter.passes.draft_heads import HydraHeads, MedusaHeads
 from rewriter.passes.duo_attention import DuoAttention
+from rewriter.passes.eagle_draft import EagleDraft
 from rewriter.passes.fuse_add_rms_norm import FuseAddRMSNorm
 from rewriter.passes.fuse_qkv import FuseQKV
 from rewriter.passes.fuse_rope import FuseRoPE
@@ -25,11 +26,12 @@ from rewriter.passes.tidal_decode import TidalDecode
 PASSES = {"layer_skip": LayerSkip, "fuse_qkv": FuseQKV, "fuse_swiglu": FuseSwiGLU,
           "fuse_add_rms_norm": FuseAddRMSNorm, "fuse_rope": FuseRoPE, "int4_weights": Int4Weights,
           "self_speculative": SelfSpeculative, "medusa_heads": MedusaHeads,
-          "hydra_heads": HydraHeads, "prompt_lookup": PromptLookup,
+          "hydra_heads": HydraHeads, "eagle_draft": EagleDraft, "prompt_lookup": PromptLookup,
           "streaming_attention": StreamingAttention,
           "tidal_decode": TidalDecode, "duo_attention": DuoAttention, "quest": Quest}
 
 __all__ = ["LayerSkip", "FuseQKV", "FuseSwiGLU", "FuseAddRMSNorm", "FuseRoPE", "Int4Weights", "SelfSpeculative", "MedusaHeads", "HydraHeads",
+           "EagleDraft",
            "PromptLookup", "StreamingAttention", "TidalDecode", "DuoAttention", "Quest", "PASSES",
            "from_spec"]
 

@@ -12,7 +12,7 @@ and the runtime then lowers a ``draft`` program (the same IR with those layers a
 sub-layers bypassed: ``rewriter.ir.skip``) beside ``prefill`` and ``decode``, and generates
 with ``runtime.speculative``. ``MedusaHeads`` records::
 
-    {"strategy": "medusa", "arch": "medusa" or "hydra", "num_heads": 4, "tree": [[0], [1], [0, 0], ..],
+    {"strategy": "medusa", "arch": "medusa", "hydra" or "eagle", "num_heads": 4, "tree": [[0], [1], [0, 0], ..],
      "draft_vocab": 4096 or None, "acceptance": "exact" or "typical",
      "posterior_threshold": 0.09, "posterior_alpha": 0.3,
      "batch_trees": [[4, [[0], [1], [0, 0]]], [8, []]]}
@@ -208,8 +208,12 @@ def _check_medusa(r: dict) -> str | None:
     if set(r) - {"batch_trees", "adapt", "dynamic", "lookup"} != MEDUSA_KEYS:
         return (f"an object with exactly the keys {sorted(MEDUSA_KEYS)} (and batch_trees, "
                 f"adapt, dynamic, lookup)")
-    if r["arch"] not in ("medusa", "hydra"):
-        return "arch: 'medusa' or 'hydra'"
+    if r["arch"] not in ("medusa", "hydra", "eagle"):
+        return "arch: 'medusa', 'hydra' or 'eagle'"
+    if r["arch"] == "eagle" and ("dynamic" not in r or r["draft_vocab"] is not None
+                                 or "adapt" in r or "batch_trees" in r):
+        # the EAGLE layer's rounds always grow their own tree, over the whole vocabulary
+        return "arch 'eagle': dynamic, and no draft_vocab, adapt or batch_trees"
     k = r["num_heads"]
     if not _is_int(k) or not 1 <= k <= MAX_HEADS:
         return f"num_heads: an integer in [1, {MAX_HEADS}]"

@@ -172,12 +172,13 @@ def decode_loop(prefill: fx.GraphModule, decode: fx.GraphModule, cache: KVCache,
 
 
 def run_prompt(program: Callable, cache: KVCache, ids: Tensor, positions: Tensor,
-               pad: Optional[Tensor], chunk: int, start: int = 0):
+               pad: Optional[Tensor], chunk: int, start: int = 0, every: Optional[list] = None):
     """Run ``program`` (a prefill program) over the prompt ``ids`` ``[B, S]`` written at
     cache positions ``[start, start + S)``, in steps of at most ``chunk`` tokens: (the last
     step's output, the number of steps). The steps are near-equal (a 2049-token prompt
     with chunk 2048 runs as 1025 + 1024, never as 2048 + 1), so no prompt step is a
-    one-token step, which token selections treat as decoding."""
+    one-token step, which token selections treat as decoding. ``every``: a list that gets
+    every step's output, in order."""
     s = ids.shape[1]
     if s < 1 or chunk < 1:
         raise ValueError(f"run_prompt: a prompt of {s} tokens in chunks of {chunk}; both must be >= 1")
@@ -186,6 +187,8 @@ def run_prompt(program: Callable, cache: KVCache, ids: Tensor, positions: Tensor
     for a, b in zip(cuts, cuts[1:]):
         out = _run(program, Step(cache, a, b - a, pad), ids[:, a - start:b - start],
                    positions[:, a - start:b - start])
+        if every is not None:
+            every.append(out)
     return out, steps
 
 

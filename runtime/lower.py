@@ -35,9 +35,10 @@ _SHORT = {op: name for name, op in OPS.items()}
 
 def lower(ir: IR, last_only: bool, backend: str = "torch",
           transposed: dict | None = None, kernel_sources: dict | None = None,
-          hidden: bool = False) -> fx.GraphModule:
+          hidden: bool | str = False) -> fx.GraphModule:
     """The step program ``(step, input_ids, positions) -> logits`` of a causal-LM IR
-    (``-> (logits, h)`` with ``hidden``: ``h`` the LM head's input, for draft heads; an IR
+    (``-> (logits, h)`` with ``hidden``: ``h`` the LM head's input, for draft heads, at
+    every position with ``hidden="all"`` even where the logits are the last's; an IR
     that returns more than the logits, ``(logits, draft)``, gives its logits here);
     ``backend`` picks the kernels (``torch``: ``runtime.kernels``; ``triton``:
     ``runtime.triton_backend``). With ``transposed`` (a dict the caller keeps, shared by
@@ -67,12 +68,14 @@ def lower(ir: IR, last_only: bool, backend: str = "torch",
         if node.op == "output":
             out = logits_node(ir)
             result = env[out]
+            every = result.args[0] if result.op == "call_function" and result.args else None
             if last_only:
                 result = _last_position_logits(graph, out, env)
             if hidden:
                 if _SHORT.get(out.target) != "linear":
                     raise RewriterError("draft heads need the logits to come from a linear LM head")
-                result = (result, result.args[0])
+                # h at every position with "all" (an EAGLE draft catches up over the prompt)
+                result = (result, every if hidden == "all" else result.args[0])
             graph.output(result)
             continue
         new = graph.node_copy(node, lambda n: env[n])

@@ -8,8 +8,10 @@
 - ``tree_prefill``, ``verify`` and ``heads`` (draft heads): prefill and decode that also
   return the LM head's input ``h``, and the heads alone on ``h`` (run on the accepted
   position only, not on every node of the tree); Hydra: ``head0`` .. one per head, on
-  ``h`` and the tree's paths, level by level; prompt lookup: ``tree_prefill`` and
-  ``verify`` alone.
+  ``h`` and the tree's paths, level by level; EAGLE: ``eagle``, the draft layer's weights
+  (``runtime.eagle_rows``: it keeps a cache per row, so it is no lowered graph), with
+  ``tree_prefill`` giving ``h`` at every prompt position; prompt lookup: ``tree_prefill``
+  and ``verify`` alone.
 
 They share the weights, and the derived copies of them (transposed, int4-packed) through
 one dict. ``Engine.programs()`` returns their code and ``dump()`` writes it.
@@ -22,6 +24,7 @@ from rewriter.decoding import strategy_of
 from rewriter.ir.core import IR
 from rewriter.ir.skip import check_skip_set, skipped
 
+from .eagle_rows import EagleProgram
 from .lower import lower, lower_heads
 
 
@@ -43,10 +46,14 @@ def build_programs(ir: IR, backend: str, kernel_sources: dict) -> dict[str, fx.G
     if s.name == "medusa":
         check_heads(ir, s)
     if s.name in ("medusa", "lookup"):  # rounds of a token tree (lookup: a copied chain)
-        programs["tree_prefill"] = lower(ir, True, backend, shared, kernel_sources, hidden=True)
+        # an EAGLE draft catches up over the prompt's every position
+        every = "all" if s.name == "medusa" and s.arch == "eagle" else True
+        programs["tree_prefill"] = lower(ir, True, backend, shared, kernel_sources, hidden=every)
         programs["verify"] = lower(ir, False, backend, shared, kernel_sources, hidden=True)
     if s.name == "medusa":
-        if s.arch == "hydra":  # one program per head: drafting goes level by level
+        if s.arch == "eagle":  # not a lowered graph: the layer with a cache per row
+            programs["eagle"] = EagleProgram.of(ir)
+        elif s.arch == "hydra":  # one program per head: drafting goes level by level
             for k in range(s.num_heads):
                 programs[f"head{k}"] = lower_heads(ir, backend, shared, head=k)
         else:
@@ -103,9 +110,10 @@ def check_heads(ir: IR, s) -> None:
         raise RewriterError("the draft logits must be [B, S, heads, vocabulary]")
     vocab = logits.shape[-1]
     width = s.draft_vocab if s.draft_vocab is not None else vocab
-    if draft.shape[2] != s.num_heads or draft.shape[3] != width:
+    heads = 1 if s.arch == "eagle" else s.num_heads  # EAGLE: its first level, teacher-forced
+    if draft.shape[2] != heads or draft.shape[3] != width:
         raise RewriterError(f"the draft logits are {list(draft.shape)}, the decoding record "
-                            f"says {s.num_heads} heads over {width} tokens")
+                            f"says {heads} heads over {width} tokens")
     if max(p[-1] for p in s.tree) >= width:
         raise RewriterError(f"the tree asks for ranks beyond the {width}-token draft vocabulary")
     has_vocab = _has_weight(ir, "medusa.vocab")

@@ -41,6 +41,7 @@ from rewriter.decoding import Strategy
 from rewriter.errors import RewriterError
 from rewriter.tree import MAX_NODES, MAX_RANK, Tree, make_tree
 
+from .eagle_rows import EagleRows
 from .generate import Batch, run_prompt
 from .kv_cache import KVCache
 from .sampling import next_token, warp
@@ -78,7 +79,10 @@ class _TreeRounds(_Rounds):
         b = batch.ids.shape[0]
         # the heads' tree (none under prompt lookup: rounds of copied chains alone)
         self.whole = make_tree(strategy.tree, strategy.num_heads) if strategy.tree else Tree(())
-        self.hydra = strategy.arch == "hydra"
+        # EAGLE drafts level by level as Hydra does, with a layer of its own (eagle_rows)
+        self.hydra = strategy.arch in ("hydra", "eagle")
+        self.eagle = EagleRows(programs["eagle"], b, self.device) \
+            if strategy.arch == "eagle" else None
         self.dynamic = strategy.dynamic  # > 0: the shape is re-grown every round (tree_dynamic)
         self.lookup = strategy.lookup  # > 0: a chain copied from each row's text (tree_lookup)
         self.contexts: list = []
@@ -144,10 +148,18 @@ class _TreeRounds(_Rounds):
 
     def first(self) -> Tensor:
         batch = self.batch
+        steps = [] if self.eagle is not None else None
         (logits, h), calls = run_prompt(self.programs["tree_prefill"], self.cache, batch.ids,
-                                        batch.positions, batch.pad, self.s.prefill_chunk)
+                                        batch.positions, batch.pad, self.s.prefill_chunk,
+                                        every=steps)
         self.stats.update(forward_passes=calls, layer_evals=calls * self.full)
         token = next_token(logits[:, -1], self.s, self.generator)
+        if self.eagle is not None:  # the draft's cache over each row's prompt
+            every = torch.cat([step[1] for step in steps], 1)  # [B, S, H]
+            h = every[:, -1:]
+            pad = batch.pad.tolist() if batch.pad is not None else [0] * len(token)
+            for r, (row, p, t) in enumerate(zip(batch.ids.tolist(), pad, token.tolist())):
+                self.eagle.catch_up(r, every[r, p:], row[p + 1:] + [t])
         if self.lookup:  # each row's text: its prompt (without padding) and the new token
             pad = batch.pad.tolist() if batch.pad is not None else [0] * len(token)
             self.contexts = [Context(row[p:] + [t]) for row, p, t
@@ -239,6 +251,9 @@ class _TreeRounds(_Rounds):
 
         def call(d: int, chains: Tensor):
             p = chains.shape[1]
+            if self.eagle is not None:
+                self.stats.update(head_passes=1)
+                return self.eagle.call(d, chains, counted)
             if not self.hydra:  # every path at depth d gets head d's guesses
                 return top.values[:, d, None].expand(b, p, counted), ids[:, d, None].expand(b, p, counted)
             path = torch.zeros(b, p, k, dtype=torch.int64, device=self.device)
@@ -321,6 +336,11 @@ class _TreeRounds(_Rounds):
             ends = torch.tensor([p[-1] if p else 0 for p in paths], device=self.device)
             after = torch.tensor(bonus, device=self.device)
         nxt = torch.where(self.on_device(done), last, after)
+        if self.eagle is not None:  # the draft's cache over what each row accepted
+            for r, (p, row) in enumerate(zip(paths, rows)):
+                if not done[r]:
+                    at = torch.tensor([0, *p], device=self.device)
+                    self.eagle.catch_up(r, h[r, at], row)  # the root and the accepted nodes
         self.done = done
         self.draft_from(h[torch.arange(b, device=self.device), ends][:, None], nxt)  # [B, 1, H]
         return nxt, rows

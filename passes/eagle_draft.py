@@ -1,0 +1,155 @@
+"""``EagleDraft``: an EAGLE draft layer inserted as a pass, verified as a dynamic token tree.
+
+    EagleDraft(weights="draft.safetensors")                 # a trained draft (eagle_file)
+    EagleDraft(weights="draft.safetensors", nodes=16, expand=4, depth=5)
+
+Unlike draft heads, which read only the last hidden state and the path, the draft is one
+decoder layer of its own that attends to the whole text with a KV cache of its own
+(``rewriter.eagle``: EAGLE's ``fc([f; e])``, a Llama layer, a final norm, the model's frozen
+LM head). In the graph it is one op over whole rows, teacher-forced as it was trained::
+
+    path = next_tokens(input_ids, 1)                         [B, S, 1]
+    e = embedding(select(path, -1, 0), E)                    [B, S, H]  (the model's E)
+    g = eagle_layer(h, e, eagle.fc_weight, .., eagle.norm)   [B, S, H]  h: the LM head's input
+    draft = unsqueeze(linear(g, P), -2)                      [B, S, 1, V]
+
+so the IR prints it, dumps show it and artifacts store its weights (``eagle.*``), and the
+graph returns ``(logits, draft)``: at position ``t`` the draft's guess of the token two
+after it. Decoding does not run that op: the runtime reads its weights and drafts with the
+layer's own cache (``runtime.eagle_rows``), caught up each round over the positions the
+round accepted, and grows each round's tree from the draft's own probabilities (EAGLE-2's
+dynamic tree, ``runtime.tree_dynamic``): ``depth`` levels, ``expand`` nodes expanded a
+level, ``nodes`` tokens verified (the root included). Verification, acceptance (greedy,
+sampled or typical) and the K/V compaction are the draft heads' (``runtime.tree_decoding``):
+the output is the model's.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from rewriter import eagle_file
+from rewriter.heads import MAX_HEADS
+from rewriter.decoding import MAX_EXPAND, MAX_LOOKUP, Strategy, check_record, check_undecided
+from rewriter.errors import PassError
+from rewriter.ir.core import IR
+from rewriter.ops import EAGLE_WEIGHTS
+from rewriter.pass_manager import Pass
+from rewriter.passes.draft_heads import _mark, embedding_weight, lm_head
+from rewriter.passes.fusion import call
+from rewriter.tree import MAX_NODES, MAX_RANK, make_tree
+
+MAX_DEPTH = MAX_HEADS  # draft levels a round may grow (the record's num_heads)
+
+
+class EagleDraft(Pass):
+    ARCH = "eagle"
+
+    def __init__(self, weights: str = None, nodes: int = 8, expand: int = 4, depth: int = 4,
+                 acceptance: str = "exact", posterior_threshold: float = 0.09,
+                 posterior_alpha: float = 0.3, lookup: int = 0):
+        name = type(self).__name__
+        if weights is None:
+            raise ValueError(f"{name}: give weights=PATH, a trained draft file "
+                             f"(rewriter.eagle_file; benchmarks/eagle_draft.py --save)")
+        if not isinstance(weights, str):
+            weights = str(weights)  # a Path
+        try:
+            self.draft = eagle_file.load(weights)
+        except eagle_file.DraftFileError as e:
+            raise ValueError(f"{name}: {e}") from None
+        self.weights = weights
+        for key, v, low, high in (("nodes", nodes, 2, MAX_NODES - 1), ("expand", expand, 1, MAX_EXPAND),
+                                  ("depth", depth, 1, MAX_DEPTH), ("lookup", lookup, 0, MAX_LOOKUP)):
+            if type(v) is not int or not low <= v <= high:
+                raise ValueError(f"{name}: {key} must be an int in [{low}, {high}], got {v!r}")
+        self.nodes, self.expand, self.depth, self.lookup = nodes, expand, depth, lookup
+        # the acceptance options are the draft heads' (checked again by the record)
+        self.acceptance = acceptance
+        self.posterior_threshold, self.posterior_alpha = posterior_threshold, posterior_alpha
+
+    def __repr__(self) -> str:
+        return (f"EagleDraft(weights={self.weights!r}, nodes={self.nodes}, expand={self.expand}, "
+                f"depth={self.depth})")
+
+    def run(self, ir: IR) -> IR:
+        check_undecided(ir, self)
+        head = lm_head(ir)
+        lm = ir.weight(head.args[1].target)
+        try:
+            self.draft.fits(lm.detach(), self.weights)
+        except eagle_file.DraftFileError as e:
+            raise PassError(str(e)) from None
+        embed = embedding_weight(ir, lm)
+        insert_eagle(ir, head, embed, self.draft, lm, self.name)
+        strategy = self.strategy()
+        why = check_record(strategy.record())
+        if why:
+            raise PassError(f"{self!r}: the decoding record needs {why}")
+        ir.info["decoding"] = strategy.record()
+        ir.info["medusa"] = {"arch": self.ARCH, "weights": self.weights, "report": None,
+                             "trained": self.draft.trained}
+        return ir
+
+    def strategy(self) -> Strategy:
+        """Dynamic rounds (``dynamic=expand``) of ``nodes`` tokens, ``depth`` levels deep.
+        The record's tree only sizes them: each round grows its own."""
+        return Strategy("medusa", arch=self.ARCH, num_heads=self.depth,
+                        tree=budget_tree(self.nodes, self.depth).paths, draft_vocab=None,
+                        acceptance=self.acceptance, posterior_threshold=self.posterior_threshold,
+                        posterior_alpha=self.posterior_alpha, dynamic=self.expand,
+                        lookup=self.lookup)
+
+
+def budget_tree(nodes: int, depth: int):
+    """A tree of ``nodes`` tokens (the root included) at most ``depth`` deep: the sizes a
+    dynamic round verifies. Its shape is a nominal one (each level's guesses right half as
+    often as its best), by the probability of each path."""
+    def p(path):
+        out = 1.0
+        for r in path:
+            out *= 0.5 ** (r + 1)
+        return out
+    frontier, kept = [(0,)], []
+    while len(kept) < nodes - 1:
+        best = max(frontier, key=lambda q: (p(q), -len(q)))
+        frontier.remove(best)
+        kept.append(best)
+        if best[-1] + 1 < MAX_RANK:
+            frontier.append(best[:-1] + (best[-1] + 1,))  # its next sibling
+        if len(best) < depth:
+            frontier.append(best + (0,))  # its first child
+    return make_tree(kept, depth)
+
+
+def insert_eagle(ir: IR, head, embed, draft, lm: torch.Tensor, pass_name: str) -> None:
+    """Add the draft layer after the LM head's input; the graph returns ``(logits, draft)``."""
+    g = ir.graph
+    x = head.args[0]
+    for arg, name in EAGLE_WEIGHTS:
+        ir.add_weight(f"eagle.{arg}", draft.params[name].detach().to(lm.device, lm.dtype).clone())
+    ids = next(iter(g.find_nodes(op="placeholder")))
+    s = draft.shape
+    (out,) = g.find_nodes(op="output")
+    with g.inserting_before(out):
+        m = lambda n: _mark(n, 0, pass_name)  # noqa: E731
+        path = m(call(ir, torch.ops.rw.next_tokens.default, (ids, 1), "eagle_path"))
+        path.meta["draft_path"] = True
+        col = m(call(ir, torch.ops.aten.select.int, (path, -1, 0), "eagle_next"))
+        e = m(call(ir, torch.ops.rw.embedding.default, (col, embed), "eagle_e"))
+        weights = [g.get_attr(f"eagle.{arg}") for arg, _ in EAGLE_WEIGHTS]
+        layer = m(call(ir, torch.ops.rw.eagle_layer.default,
+                       (x, e, *weights, s.heads, s.kv_heads, s.rope_theta, s.eps), "eagle_layer"))
+        logits = m(call(ir, torch.ops.rw.linear.default, (layer, head.args[1]), "eagle_logits"))
+        logits.meta["head_logits"] = 0
+        draft_out = m(call(ir, torch.ops.aten.unsqueeze.default, (logits, -2), "eagle_draft"))
+    out.args = ((head, draft_out),)
+
+
+def eagle_node(ir: IR) -> Optional[torch.fx.Node]:
+    """The graph's one ``rw.eagle_layer`` node (None: none; ``PassError``: more than one)."""
+    found = list(ir.graph.find_nodes(op="call_function", target=torch.ops.rw.eagle_layer.default))
+    if len(found) > 1:
+        raise PassError(f"the graph has {len(found)} EAGLE draft layers; a model drafts with one")
+    return found[0] if found else None
