@@ -1,0 +1,306 @@
+"""The EAGLE draft layer as a pass and in the runtime: the op in the IR against the layer's
+math, the runtime's drafts against the op, lossless greedy decoding (trained and random
+drafts, model families, ragged batches, an end of sequence inside an accepted path),
+sampling, artifacts, the Triton backend, and hostile files, records and options."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rewriter
+from rewriter import eagle, eagle_file
+from rewriter.errors import PassError, RewriterError
+from rewriter.passes import EagleDraft, HydraHeads, from_spec
+from rewriter.passes.eagle_draft import budget_tree
+
+from conftest import assert_same_distribution, make_model, varied_init
+
+RAGGED = [[3, 17, 42, 5, 99, 8, 64, 11, 12], [1, 2, 3], [50, 51, 52, 53, 54]]
+KW = dict(max_new_tokens=24, eos_token_id=[])
+TAUGHT = [list(range(3 + 7 * i, 20 + 7 * i)) for i in range(12)]  # the trained draft's prompts
+
+
+def random_draft(model, path, seed=0, scale=1.0):
+    """A draft file for ``model`` with seeded random weights (``scale`` on its linears)."""
+    h = model.config.hidden_size
+    heads = 4 if h % 8 == 0 else 2
+    shape = eagle.Shape(h, heads, heads // 2 if (h // heads) % 2 == 0 else heads, 2 * h)
+    p = eagle.init(shape, torch.Generator().manual_seed(seed))
+    p = {k: v * scale if v.dim() == 2 else v for k, v in p.items()}
+    eagle_file.made(p, shape, model.get_output_embeddings().weight.detach()).save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def taught(tmp_path_factory):
+    """The default model and a draft trained (EAGLE-3's unrolled loss, two steps) on its own
+    greedy continuations of ``TAUGHT``: it learns that text by heart, so its trees on it
+    are accepted deep; elsewhere it guesses little."""
+    model, _ = rewriter.default_model()
+    rows = rewriter.optimize(model).generate(TAUGHT, max_new_tokens=48)  # [B, L]
+    with torch.no_grad():
+        f = model.model(rows).last_hidden_state  # [B, L, H]
+    embed, lm = model.model.embed_tokens.weight.detach(), model.lm_head.weight.detach()
+    shape = eagle.Shape.of(model.config)
+    torch.manual_seed(0)
+    p = {k: v.requires_grad_() for k, v in
+         eagle.init(shape, torch.Generator().manual_seed(0), model.model.norm.weight).items()}
+    opt = torch.optim.Adam(p.values(), lr=3e-3)
+    for _ in range(100):
+        outs = eagle.unroll(p, shape, f[:, :-1], embed[rows[:, 1:]], 2)
+        # step s at position i guesses x_{i+2}; chains start at i - s + 1 >= 0
+        loss = sum(F.cross_entropy((o[:, s - 1:-1] @ lm.t()).flatten(0, 1), rows[:, s + 1:].flatten())
+                   for s, o in enumerate(outs, 1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    path = tmp_path_factory.mktemp("eagle") / "taught.safetensors"
+    eagle_file.made({k: v.detach() for k, v in p.items()}, shape, lm).save(path)
+    return model, str(path)
+
+
+def test_the_op_in_the_ir_is_the_layer_teacher_forced(tmp_path):
+    model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
+    path = random_draft(model, tmp_path / "d.safetensors", scale=20.0)
+    opt = rewriter.optimize(model, passes=[EagleDraft(weights=str(path))])
+    text = str(opt.ir)
+    assert "eagle_layer" in text and "eagle.q_proj" in text
+    assert {f"eagle.{a}" for a, _ in rewriter.ops.EAGLE_WEIGHTS} <= set(opt.ir.weights())
+    ids = torch.tensor([[3, 17, 42, 5, 99, 8, 64], [1, 2, 3, 4, 5, 6, 7]])
+    logits, draft = opt.ir.gm(ids, torch.arange(7).expand(2, 7))
+    assert draft.shape == (2, 7, 1, model.config.vocab_size)
+    torch.testing.assert_close(logits, model(ids).logits, rtol=1e-4, atol=1e-4)
+    # by hand: the model's last hidden state beside the next token's embedding (0 past the end)
+    d = eagle_file.load(path)
+    f = model.model(ids).last_hidden_state
+    nxt = F.pad(ids[:, 1:], (0, 1))
+    g, _ = eagle.step(d.params, d.shape, f, model.model.embed_tokens.weight[nxt],
+                      eagle.empty_cache(d.shape, 2))
+    torch.testing.assert_close(draft[:, :, 0], g @ model.lm_head.weight.t(), rtol=1e-4, atol=1e-4)
+    assert opt.ir.info["decoding"]["arch"] == "eagle"
+
+
+def test_the_runtimes_first_guesses_are_the_ops(taught, monkeypatch):
+    """Every round's first level (the root's children) equals the graph's draft logits at
+    the position before the root over the final text: the runtime's catch-up feeds the
+    layer what the op reads."""
+    model, path = taught
+    opt = rewriter.optimize(model, passes=[EagleDraft(weights=path)])
+    opt.fallback = False
+    from rewriter.runtime.eagle_rows import EagleRows
+    seen, call = [], EagleRows.call
+
+    def spy(self, d, chains, ranks):
+        out = call(self, d, chains, ranks)
+        if d == 0:
+            seen.append((self.caches[0][0].shape[2], out[0][0, 0].clone()))
+        return out
+    monkeypatch.setattr(EagleRows, "call", spy)
+    prompt = TAUGHT[3][:9] + [400, 401]  # part taught, part not: rounds of every depth
+    out = opt.generate(torch.tensor([prompt]), max_new_tokens=30, eos_token_id=[])
+    assert opt.stats["accepted"] > 0 and len(seen) == opt.stats["rounds"] + 1
+    _, draft = opt.ir.gm(out, torch.arange(out.shape[1])[None])
+    for n, logp in seen[:-1]:  # the root at position n: the draft read f_{n-1}, x_n
+        want = draft[0, n - 1, 0].float().log_softmax(-1).topk(logp.shape[-1])
+        torch.testing.assert_close(logp, want.values, rtol=1e-3, atol=1e-3)
+
+
+def test_a_trained_draft_is_lossless_and_accepts_deep(taught):
+    model, path = taught
+    plain = rewriter.optimize(model)
+    opt = rewriter.optimize(model, passes=[EagleDraft(weights=path, nodes=8, depth=4)])
+    opt.fallback = False
+    ids = TAUGHT[:3] + [[200, 201, 202, 203], [5]]
+    want = plain.generate(ids, max_new_tokens=40, eos_token_id=[])
+    for i, row in enumerate(ids):  # each alone, then the ragged batch
+        opt.stats.clear()
+        got = opt.generate(torch.tensor([row]), max_new_tokens=40, eos_token_id=[])
+        assert got[0].tolist() == want[i, want.shape[1] - got.shape[1]:].tolist()
+        if i < 3:  # the taught text: most rounds accept the whole depth
+            assert opt.stats["tokens"] / opt.stats["rounds"] > 3.0, opt.stats
+    assert torch.equal(opt.generate(ids, max_new_tokens=40, eos_token_id=[]), want)
+    # a ragged batch of taught rows (left-padded): each row's draft is caught up over its
+    # own prompt, so the rounds still accept deep
+    ragged = [TAUGHT[4][:10], TAUGHT[5], TAUGHT[6][:13]]
+    opt.stats.clear()
+    got = opt.generate(ragged, max_new_tokens=40, eos_token_id=[])
+    assert torch.equal(got, plain.generate(ragged, max_new_tokens=40, eos_token_id=[]))
+    assert opt.stats["accepted"] / opt.stats["row_rounds"] > 2.0, opt.stats
+
+
+def test_an_end_of_sequence_inside_an_accepted_path(taught):
+    model, path = taught
+    plain = rewriter.optimize(model)
+    opt = rewriter.optimize(model, passes=[EagleDraft(weights=path)])
+    opt.fallback = False
+    full = plain.generate([TAUGHT[1]], max_new_tokens=40, eos_token_id=[])[0].tolist()
+    eos = full[len(TAUGHT[1]) + 13]  # a token deep in the taught answer
+    kw = dict(max_new_tokens=40, eos_token_id=[eos])
+    got = opt.generate([TAUGHT[1]], **kw)
+    assert torch.equal(got, plain.generate([TAUGHT[1]], **kw))
+    assert got[0, -1].item() == eos and got.shape[1] <= len(full)
+
+
+@pytest.mark.parametrize("config", ["llama-gqa-3l", "qwen2-mqa-3l", "mistral-window-3l", "gpt2-3l"])
+def test_random_drafts_are_lossless_on_model_families(config, tmp_path):
+    model = make_model(config, initializer_range=varied_init(config))
+    path = random_draft(model, tmp_path / "d.safetensors")
+    plain = rewriter.optimize(model)
+    opt = rewriter.optimize(model, passes=[EagleDraft(weights=str(path), nodes=6, depth=3)])
+    opt.fallback = False
+    assert torch.equal(opt.generate(RAGGED, **KW), plain.generate(RAGGED, **KW))
+    assert opt.stats["rounds"] > 0
+
+
+def test_sampling_follows_the_models_distribution(tmp_path):
+    """Two-sample chi-square on the second and third sampled tokens, 3000 rows each way."""
+    model = make_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)
+    path = random_draft(model, tmp_path / "d.safetensors")
+    plain = rewriter.optimize(model)
+    opt = rewriter.optimize(model, passes=[EagleDraft(weights=str(path), nodes=6, depth=2)])
+    opt.fallback = False
+    ids = torch.tensor([[5, 9, 2]]).expand(3000, 3)
+    kw = dict(max_new_tokens=3, do_sample=True, top_k=0, eos_token_id=[])
+    a = plain.generate(ids, seed=1, **kw)
+    b = opt.generate(ids, seed=2, **kw)
+    assert opt.stats["accepted"] > 0
+    assert_same_distribution(a, b, (4, 5), 48)
+
+
+def test_artifact_round_trip(taught, tmp_path):
+    model, path = taught
+    plain = rewriter.optimize(model)
+    opt = rewriter.optimize(model, passes=[EagleDraft(weights=path, nodes=6)])
+    opt.save(tmp_path / "a")
+    loaded = rewriter.load(tmp_path / "a")
+    loaded.fallback = False
+    assert loaded.ir.info["decoding"] == opt.ir.info["decoding"]
+    assert set(loaded.programs()) == {"prefill", "decode", "tree_prefill", "verify", "eagle"}
+    ids = TAUGHT[:2] + [[7, 8]]
+    assert torch.equal(loaded.generate(ids, **KW), plain.generate(ids, **KW))
+    assert loaded.stats["accepted"] > 0
+    torch.testing.assert_close(loaded.ir.weight("eagle.q_proj"), opt.ir.weight("eagle.q_proj"))
+
+
+def test_the_triton_backend_gives_the_same_tokens(tmp_path):
+    model = make_model("llama-gqa-3l", initializer_range=0.2, num_hidden_layers=2)
+    path = random_draft(model, tmp_path / "d.safetensors")
+    plain = rewriter.optimize(model)
+    opt = rewriter.optimize(model, passes=[EagleDraft(weights=str(path), nodes=4, depth=2)],
+                            backend="triton")
+    opt.fallback = False
+    kw = dict(max_new_tokens=5, eos_token_id=[])
+    assert torch.equal(opt.generate(RAGGED[:2], **kw), plain.generate(RAGGED[:2], **kw))
+
+
+def test_the_cli_spec_and_the_budget_tree():
+    assert budget_tree(8, 4).size == 8 and budget_tree(8, 4).depth <= 4
+    assert budget_tree(2, 1).paths == ((0,),)
+    assert budget_tree(30, 2).depth == 2 and budget_tree(30, 2).size == 30
+    with pytest.raises(ValueError, match="unknown parameter 'tree'"):
+        from_spec("eagle_draft:weights=x.safetensors,tree=[[0]]")
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(), "give weights=PATH"),
+    (dict(weights="/nonexistent/d.safetensors"), "d.safetensors"),
+    (dict(nodes=1), "nodes must be an int in \\[2, 63\\]"),
+    (dict(nodes=True), "nodes must be an int"),
+    (dict(expand=0), "expand must be an int in \\[1, 16\\]"),
+    (dict(depth=9), "depth must be an int in \\[1, 8\\]"),
+    (dict(lookup=-1), "lookup must be an int"),
+])
+def test_bad_options_are_refused_by_name(kw, match, tmp_path):
+    model = make_model("llama-gqa-3l")
+    if "weights" not in kw and kw:
+        kw["weights"] = str(random_draft(model, tmp_path / "d.safetensors"))
+    with pytest.raises(ValueError, match=match):
+        EagleDraft(**kw)
+
+
+def test_a_draft_for_another_model_is_refused(tmp_path):
+    model = make_model("llama-gqa-3l")
+    other = make_model("llama-gqa-3l", seed=1)
+    path = random_draft(other, tmp_path / "d.safetensors")
+    with pytest.raises(PassError, match="another model"):
+        rewriter.optimize(model, passes=[EagleDraft(weights=str(path))])
+    with pytest.raises(PassError, match="already has a decoding strategy"):
+        rewriter.optimize(model, passes=[HydraHeads(num_heads=2, tree=[[0]]),
+                                         EagleDraft(weights=str(random_draft(model, tmp_path / "m.safetensors")))])
+
+
+def test_hostile_records_and_graphs_are_refused(tmp_path):
+    from rewriter.decoding import check_record
+    model = make_model("llama-gqa-3l")
+    opt = rewriter.optimize(model, passes=[EagleDraft(weights=str(random_draft(model, tmp_path / "d.safetensors")))])
+    r = dict(opt.ir.info["decoding"])
+    assert check_record(r) is None
+    assert "arch 'eagle'" in check_record({k: v for k, v in r.items() if k != "dynamic"})
+    assert "arch 'eagle'" in check_record({**r, "draft_vocab": 16})
+    # a record that asks for the layer on a graph without one
+    hy = rewriter.optimize(model, passes=[HydraHeads(num_heads=2, tree=[[0], [0, 0]])])
+    hy.ir.info["decoding"] = {**hy.ir.info["decoding"], "arch": "eagle", "dynamic": 2}
+    hy.ir.info["decoding"].pop("adapt", None)
+    from rewriter.runtime.programs import build_programs
+    with pytest.raises(RewriterError, match="draft logits are"):
+        build_programs(hy.ir, "torch", {})
+    # a layer whose weight does not fit is refused by shape propagation, by name
+    from rewriter.ops import ShapeError
+    layer = next(n for n in opt.ir.graph.nodes if n.name == "eagle_layer")
+    bad = list(layer.args)
+    bad[5] = bad[6]  # q_proj's place given k_proj's weight
+    with pytest.raises(ShapeError, match="q_proj must be"):
+        torch.ops.rw.eagle_layer(*[opt.ir.weight(a.target) if isinstance(a, torch.fx.Node) and a.op == "get_attr"
+                                   else torch.zeros(1, 3, model.config.hidden_size) if isinstance(a, torch.fx.Node)
+                                   else a for a in bad])
+
+
+def test_each_drafted_node_is_the_layer_run_along_its_path():
+    """``EagleRows``: every node of a grown tree gets the feature that ``eagle.step`` gives
+    run token by token along the node's path after the row's cache, on its own feature
+    each time; rows of a batch keep their own caches."""
+    from rewriter.runtime.eagle_rows import EagleProgram, EagleRows
+    from rewriter.runtime.tree_dynamic import grow
+    shape = eagle.Shape(32, 4, 2, 48, 500.0)
+    g = torch.Generator().manual_seed(3)
+    p = {k: v * 20 if v.dim() == 2 else v for k, v in eagle.init(shape, g).items()}
+    embed, lm = torch.randn(40, 32, generator=g), torch.randn(40, 32, generator=g)
+    rows = EagleRows(EagleProgram(p, shape, embed, lm), 2, "cpu")
+    texts = [torch.randint(0, 40, (9,), generator=g), torch.randint(0, 40, (5,), generator=g)]
+    for r, t in enumerate(texts):
+        rows.catch_up(r, torch.randn(len(t) - 1, 32, generator=g), t[1:].tolist())
+    root = torch.tensor([int(t[-1]) for t in texts])
+    tree, tokens, _ = grow(lambda d, c: rows.call(d, c, 5), root, 12, 4, 3)
+    assert tree.depth == 4  # nodes at depth 3 read their ancestors' keys at depths 1 and 2
+    for r in range(2):
+        for path, (feature, _) in rows.memo[r].items():
+            cache, f = rows.caches[r], rows.g[r]
+            for t in path:
+                out, cache = eagle.step(p, shape, f[None, None], embed[t][None, None], cache)
+                f = out[0, -1]
+            torch.testing.assert_close(feature, f, rtol=1e-4, atol=1e-4)
+        assert len(rows.memo[r]) > 4 and rows.caches[r][0].shape[2] == len(texts[r]) - 1
+
+
+def test_a_padded_rows_draft_cache_is_its_prompts_alone(taught, monkeypatch):
+    """After the prompt, each row of a left-padded batch holds the draft cache it would
+    hold alone: its own positions, no padding."""
+    model, path = taught
+    from rewriter.runtime import eagle_rows
+    made = []
+
+    class Kept(eagle_rows.EagleRows):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+    monkeypatch.setattr("rewriter.runtime.tree_decoding.EagleRows", Kept)
+    opt = rewriter.optimize(model, passes=[EagleDraft(weights=path)])
+    ragged = [TAUGHT[4][:10], TAUGHT[5], [9, 10]]
+    opt.generate(ragged, max_new_tokens=1, eos_token_id=[])
+    batch = made[-1]
+    for r, prompt in enumerate(ragged):
+        opt.generate([prompt], max_new_tokens=1, eos_token_id=[])
+        alone = made[-1]
+        n = len(prompt)
+        assert batch.caches[r][0].shape[2] == n
+        torch.testing.assert_close(batch.caches[r][0], alone.caches[0][0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(batch.g[r], alone.g[0], rtol=1e-4, atol=1e-4)
