@@ -41,13 +41,19 @@ import torch
 from tabulate import tabulate
 
 from rewriter import eagle, eagle_file
-from rewriter.train_heads import _merge
+from rewriter.train_heads import _merge, produced
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hydra_prefix import _load, chat_split, top1, train_rows  # noqa: E402
 from step_time import machine  # noqa: E402
 
 TRAIN_FILES = ("train.safetensors", "train-corpus.safetensors")
+
+
+def produced_counts(parts: list, vocab: int) -> torch.Tensor:
+    """``[V]`` how often the model produced each token in the training data (the draft
+    file's ``counts``: a trimmed draft vocabulary keeps the most frequent)."""
+    return sum(produced(p, vocab) for p in parts)
 
 
 def main() -> None:
@@ -81,7 +87,8 @@ def main() -> None:
         ap.error("nothing to measure: give --init, --reference, or both")
     work = Path(args.work)
     model, eos, chat, held = chat_split(ap, work, args.model, args.chat_heldout)
-    train = _merge([chat] + [_load(work / f, eos) for f in TRAIN_FILES if (work / f).is_file()])
+    parts = [chat] + [_load(work / f, eos) for f in TRAIN_FILES if (work / f).is_file()]
+    train = _merge(parts)
     print(f"{len(train['tokens'])} training rows of {train['tokens'].shape[1]} positions", flush=True)
     results = []
     if args.reference is not None:
@@ -116,7 +123,8 @@ def main() -> None:
                             trained={"steps": args.steps, "seconds": round(seconds, 1),
                                      "rows": len(train["tokens"]), "lr": args.lr,
                                      "seed": args.seed, "depth": args.depth,
-                                     "accuracy_on": "held-out self-asked chat rows"}
+                                     "accuracy_on": "held-out self-asked chat rows"},
+                            counts=produced_counts(parts, model.lm_head.weight.shape[0])
                             ).save(args.save)
     fmt = lambda a: " / ".join(f"{x:.3f}" for x in a)  # noqa: E731
     print(tabulate([[r["init"], r["steps"], fmt(r["after"]["chat"]), fmt(r["after"]["code"]),

@@ -2,7 +2,8 @@
 
     python benchmarks/speculative.py [--model smollm2|default] [--dtype float32 bfloat16]
                                      [--batch 1 4] [--new 64] [--samples 8] [--max-draft 4] [--budget 24]
-                                     [--strategies self medusa hydra lookup] [--heads PATH] [--draft-vocab 4096]
+                                     [--strategies self medusa hydra lookup eagle] [--heads PATH] [--draft-vocab 4096]
+                                     [--eagle DRAFT.safetensors] [--eagle-nodes 8 16]
                                      [--max-nodes 32] [--tree-nodes N] [--dynamic E] [--lookup L]
                                      [--chat eval|wide] [--draft-weights dense|int4]
                                      [--device cpu|cuda] [--backend torch|triton]
@@ -66,7 +67,7 @@ from rewriter.decoding import strategy_of
 from rewriter.calibrate import predicted_speedup, verify_cost
 from rewriter.corpus import load_corpus
 from rewriter.eval import CHAT_PROMPTS
-from rewriter.passes import HydraHeads, MedusaHeads, PromptLookup, SelfSpeculative
+from rewriter.passes import EagleDraft, HydraHeads, MedusaHeads, PromptLookup, SelfSpeculative
 from rewriter.passes.layer_skip import kept_positions
 from rewriter.runtime.chat import chat_prompt
 from rewriter.tree import MAX_NODES, Tree, choose_tree, expected_tokens
@@ -254,7 +255,11 @@ def main():
     ap.add_argument("--max-draft", type=int, default=4)
     ap.add_argument("--budget", type=int, default=24, help="sub-layers the calibration tries")
     ap.add_argument("--strategies", nargs="+", default=["self", "medusa", "hydra"],
-                    choices=["self", "medusa", "hydra", "lookup"])
+                    choices=["self", "medusa", "hydra", "lookup", "eagle"])
+    ap.add_argument("--eagle", default=None,
+                    help="an EAGLE draft file (rewriter.eagle_file), for --strategies eagle")
+    ap.add_argument("--eagle-nodes", type=int, nargs="+", default=[8],
+                    help="eagle: tokens a round verifies (the root included)")
     ap.add_argument("--draft-weights", default="dense", choices=["dense", "int4"],
                     help="self: int4 times SelfSpeculative(draft_weights='int4') with no skip "
                          "set instead of the spread and calibrated skip sets (its prediction: "
@@ -287,6 +292,10 @@ def main():
     for name, v, top in (("--dynamic", args.dynamic, 16), ("--lookup", args.lookup, 16)):
         if not 0 <= v <= top:
             ap.error(f"{name} must be in [0, {top}], got {v}")
+    if ("eagle" in args.strategies) != (args.eagle is not None):
+        ap.error("--strategies eagle and --eagle FILE go together")
+    if not all(2 <= n < MAX_NODES for n in args.eagle_nodes):
+        ap.error(f"--eagle-nodes must be in [2, {MAX_NODES - 1}], got {args.eagle_nodes}")
     if args.tree_nodes is not None and not 1 <= args.tree_nodes < MAX_NODES:
         ap.error(f"--tree-nodes must be in [1, {MAX_NODES - 1}], got {args.tree_nodes}")
     results = {"model": args.model, "device": device_name(args.device), "backend": args.backend,
@@ -294,7 +303,7 @@ def main():
                "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
                "new_tokens": args.new, "max_draft": args.max_draft, "chat": args.chat,
                "runs": []}
-    rows, curves, head_rows, lookup_rows = [], [], [], []
+    rows, curves, head_rows, lookup_rows, eagle_table = [], [], [], [], []
     for dtype in args.dtype:
         model, tok = load(args.model)
         model = cast(model, getattr(torch, dtype), args.device)
@@ -308,6 +317,8 @@ def main():
                 heads_rows(model, tok, plain, args, dtype, results, head_rows, arch)
         if "lookup" in args.strategies:
             prompt_lookup_rows(model, tok, plain, args, dtype, results, lookup_rows)
+        if "eagle" in args.strategies:
+            eagle_rows(model, tok, plain, args, dtype, results, eagle_table)
         if "self" not in args.strategies:
             continue
         layers = sorted(s["index"] for s in plain.ir.layers)
@@ -372,6 +383,11 @@ def main():
           f"{device_name(args.device)}, {args.backend} backend, {torch.get_num_threads()} threads\n")
     if head_rows:
         print_heads(args, results, head_rows)
+    if eagle_table:
+        print(tabulate(eagle_table, headers=["dtype", "draft", "tree nodes", "batch", "prompts",
+                                             "plain tok/s", "tok/s", "speed-up", "accepted length",
+                                             "draft calls/round", "same tokens"]))
+        print()
     if lookup_rows:
         print(tabulate(lookup_rows, headers=["dtype", "PromptLookup", "batch", "prompts", "plain tok/s",
                                              "tok/s", "speed-up", "accepted length",
@@ -488,6 +504,43 @@ def heads_rows(model, tok, plain, args, dtype, results, rows, arch):
                                  f"{rate:.1f}", f"{rate / base_rate:.2f}x",
                                  f"{run['accepted_length']:.2f}", f"{predicted:.2f}",
                                  run["same_tokens"]])
+
+
+def eagle_rows(model, tok, plain, args, dtype, results, rows) -> None:
+    """The EAGLE draft layer (``EagleDraft``) against plain decode and against Hydra heads
+    (``--heads``, default the model's shipped ones) given the same rounds: a tree of as
+    many nodes re-grown every round from the draft's probabilities (``--dynamic`` nodes
+    expanded a level, 4 without it), four levels, full vocabulary, no copied chains. Runs
+    interleaved."""
+    from rewriter.passes.eagle_draft import budget_tree
+    expand = args.dynamic or 4
+    for nodes in args.eagle_nodes:
+        tree = budget_tree(nodes, 4).record()
+        engines = {"EAGLE layer": strategy_engine(model, tokenizer=tok, backend=args.backend, passes=[
+                       EagleDraft(weights=args.eagle, nodes=nodes, expand=expand, depth=4)]),
+                   "Hydra heads": strategy_engine(model, tokenizer=tok, backend=args.backend, passes=[
+                       HydraHeads(weights=args.heads or args.model, tree=tree, dynamic=expand,
+                                  lookup=0)])}
+        for b in args.batch:
+            for kind, prompts in prompt_sets(plain, tok, b, args.samples, args.chat).items():
+                variants = [(plain, contextlib.nullcontext)] + \
+                    [(e, contextlib.nullcontext) for e in engines.values()]
+                (ref, base_rate, _), *timings = timed_together(variants, prompts, args.new,
+                                                               eos=kind == "chat")
+                for name, (out, rate, st) in zip(engines, timings):
+                    rounds = st.get("row_rounds") or 0
+                    run = {"dtype": dtype, "strategy": "eagle" if name.startswith("EAGLE") else "hydra",
+                           "draft": args.eagle if name.startswith("EAGLE") else args.heads or args.model,
+                           "nodes": nodes, "expand": expand, "batch": b, "prompts": kind,
+                           "plain_tok_s": base_rate, "tok_s": rate, "speedup": rate / base_rate,
+                           "accepted_length": 1 + st.get("accepted", 0) / rounds if rounds else 1.0,
+                           "draft_calls_per_round": st.get("head_passes", 0) / st["rounds"]
+                           if st.get("rounds") else 0.0,
+                           "same_tokens": same(out, ref), "samples": len(prompts)}
+                    keep_row(results, run, args.json)
+                    rows.append([dtype, name, nodes, b, kind, f"{base_rate:.1f}", f"{rate:.1f}",
+                                 f"{rate / base_rate:.2f}x", f"{run['accepted_length']:.2f}",
+                                 f"{run['draft_calls_per_round']:.1f}", run["same_tokens"]])
 
 
 def prompt_lookup_rows(model, tok, plain, args, dtype, results, rows) -> None:

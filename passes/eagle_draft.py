@@ -2,6 +2,7 @@
 
     EagleDraft(weights="draft.safetensors")                 # a trained draft (eagle_file)
     EagleDraft(weights="draft.safetensors", nodes=16, expand=4, depth=5)
+    EagleDraft(weights="draft.safetensors", draft_vocab=4096)  # a trimmed draft projection
 
 Unlike draft heads, which read only the last hidden state and the path, the draft is one
 decoder layer of its own that attends to the whole text with a KV cache of its own
@@ -13,7 +14,13 @@ LM head). In the graph it is one op over whole rows, teacher-forced as it was tr
     g = eagle_layer(h, e, eagle.fc_weight, .., eagle.norm)   [B, S, H]  h: the LM head's input
     draft = unsqueeze(linear(g, P), -2)                      [B, S, 1, V]
 
-so the IR prints it, dumps show it and artifacts store its weights (``eagle.*``), and the
+``P`` is the model's LM head weight, or with ``draft_vocab=N`` its rows for the ``N`` tokens
+the model produced most often in the draft's training data (the file's ``counts``;
+VocabTrim: ``index_select(lm_head, 0, medusa.vocab)``, as the draft heads trim theirs). On a
+CPU the full projection is most of a round's drafting: SmolLM2's 49152 rows by 576, for
+every node a level expands.
+
+So the IR prints it, dumps show it and artifacts store its weights (``eagle.*``), and the
 graph returns ``(logits, draft)``: at position ``t`` the draft's guess of the token two
 after it. Decoding does not run that op: the runtime reads its weights and drafts with the
 layer's own cache (``runtime.eagle_rows``), caught up each round over the positions the
@@ -47,7 +54,7 @@ class EagleDraft(Pass):
     ARCH = "eagle"
 
     def __init__(self, weights: str = None, nodes: int = 8, expand: int = 4, depth: int = 4,
-                 acceptance: str = "exact", posterior_threshold: float = 0.09,
+                 draft_vocab: Optional[int] = None, acceptance: str = "exact", posterior_threshold: float = 0.09,
                  posterior_alpha: float = 0.3, lookup: int = 0):
         name = type(self).__name__
         if weights is None:
@@ -65,13 +72,19 @@ class EagleDraft(Pass):
             if type(v) is not int or not low <= v <= high:
                 raise ValueError(f"{name}: {key} must be an int in [{low}, {high}], got {v!r}")
         self.nodes, self.expand, self.depth, self.lookup = nodes, expand, depth, lookup
+        if draft_vocab is not None and (type(draft_vocab) is not int or draft_vocab < 10):
+            raise ValueError(f"{name}: draft_vocab must be an int >= 10, got {draft_vocab!r}")
+        if draft_vocab is not None and self.draft.counts is None:
+            raise ValueError(f"{name}: draft_vocab needs a draft file that counts the tokens "
+                             f"the model produced ({weights} has no counts)")
+        self.draft_vocab = draft_vocab
         # the acceptance options are the draft heads' (checked again by the record)
         self.acceptance = acceptance
         self.posterior_threshold, self.posterior_alpha = posterior_threshold, posterior_alpha
 
     def __repr__(self) -> str:
         return (f"EagleDraft(weights={self.weights!r}, nodes={self.nodes}, expand={self.expand}, "
-                f"depth={self.depth})")
+                f"depth={self.depth}, draft_vocab={self.draft_vocab})")
 
     def run(self, ir: IR) -> IR:
         check_undecided(ir, self)
@@ -82,7 +95,12 @@ class EagleDraft(Pass):
         except eagle_file.DraftFileError as e:
             raise PassError(str(e)) from None
         embed = embedding_weight(ir, lm)
-        insert_eagle(ir, head, embed, self.draft, lm, self.name)
+        vocab = None
+        if self.draft_vocab is not None:  # the most produced tokens, ids sorted
+            n = min(self.draft_vocab, lm.shape[0])
+            vocab = self.draft.counts.to(torch.float64).topk(n).indices.sort().values
+        self._vocab_size = None if vocab is None else len(vocab)
+        insert_eagle(ir, head, embed, self.draft, lm, self.name, vocab)
         strategy = self.strategy()
         why = check_record(strategy.record())
         if why:
@@ -96,7 +114,8 @@ class EagleDraft(Pass):
         """Dynamic rounds (``dynamic=expand``) of ``nodes`` tokens, ``depth`` levels deep.
         The record's tree only sizes them: each round grows its own."""
         return Strategy("medusa", arch=self.ARCH, num_heads=self.depth,
-                        tree=budget_tree(self.nodes, self.depth).paths, draft_vocab=None,
+                        tree=budget_tree(self.nodes, self.depth).paths,
+                        draft_vocab=getattr(self, "_vocab_size", None),
                         acceptance=self.acceptance, posterior_threshold=self.posterior_threshold,
                         posterior_alpha=self.posterior_alpha, dynamic=self.expand,
                         lookup=self.lookup)
@@ -123,12 +142,16 @@ def budget_tree(nodes: int, depth: int):
     return make_tree(kept, depth)
 
 
-def insert_eagle(ir: IR, head, embed, draft, lm: torch.Tensor, pass_name: str) -> None:
-    """Add the draft layer after the LM head's input; the graph returns ``(logits, draft)``."""
+def insert_eagle(ir: IR, head, embed, draft, lm: torch.Tensor, pass_name: str,
+                 vocab: Optional[torch.Tensor] = None) -> None:
+    """Add the draft layer after the LM head's input; the graph returns ``(logits, draft)``
+    (``vocab``: the draft vocabulary's token ids, or None: the whole)."""
     g = ir.graph
     x = head.args[0]
     for arg, name in EAGLE_WEIGHTS:
         ir.add_weight(f"eagle.{arg}", draft.params[name].detach().to(lm.device, lm.dtype).clone())
+    if vocab is not None:
+        ir.add_weight("medusa.vocab", vocab.to(lm.device, torch.int64))
     ids = next(iter(g.find_nodes(op="placeholder")))
     s = draft.shape
     (out,) = g.find_nodes(op="output")
@@ -141,7 +164,11 @@ def insert_eagle(ir: IR, head, embed, draft, lm: torch.Tensor, pass_name: str) -
         weights = [g.get_attr(f"eagle.{arg}") for arg, _ in EAGLE_WEIGHTS]
         layer = m(call(ir, torch.ops.rw.eagle_layer.default,
                        (x, e, *weights, s.heads, s.kv_heads, s.rope_theta, s.eps), "eagle_layer"))
-        logits = m(call(ir, torch.ops.rw.linear.default, (layer, head.args[1]), "eagle_logits"))
+        proj = head.args[1]
+        if vocab is not None:
+            proj = m(call(ir, torch.ops.aten.index_select.default,
+                          (proj, 0, g.get_attr("medusa.vocab")), "medusa_vocab_rows"))
+        logits = m(call(ir, torch.ops.rw.linear.default, (layer, proj), "eagle_logits"))
         logits.meta["head_logits"] = 0
         draft_out = m(call(ir, torch.ops.aten.unsqueeze.default, (logits, -2), "eagle_draft"))
     out.args = ((head, draft_out),)

@@ -210,10 +210,9 @@ def _check_medusa(r: dict) -> str | None:
                 f"adapt, dynamic, lookup)")
     if r["arch"] not in ("medusa", "hydra", "eagle"):
         return "arch: 'medusa', 'hydra' or 'eagle'"
-    if r["arch"] == "eagle" and ("dynamic" not in r or r["draft_vocab"] is not None
-                                 or "adapt" in r or "batch_trees" in r):
-        # the EAGLE layer's rounds always grow their own tree, over the whole vocabulary
-        return "arch 'eagle': dynamic, and no draft_vocab, adapt or batch_trees"
+    if r["arch"] == "eagle" and ("dynamic" not in r or "adapt" in r or "batch_trees" in r):
+        # the EAGLE layer's rounds always grow their own tree
+        return "arch 'eagle': dynamic, and no adapt or batch_trees"
     k = r["num_heads"]
     if not _is_int(k) or not 1 <= k <= MAX_HEADS:
         return f"num_heads: an integer in [1, {MAX_HEADS}]"

@@ -1,7 +1,9 @@
 """The file that stores a trained EAGLE draft layer (``rewriter.eagle``).
 
 Safetensors (no pickle): the parameters under ``rewriter.eagle``'s names (``LAYER``, then
-``fc.weight``, ``fc.bias``, ``norm.weight``), float32, and metadata: the format tag, the
+``fc.weight``, ``fc.bias``, ``norm.weight``), float32, optionally ``counts`` (int64
+``[V]``: how often the model produced each token in the training data, from which a
+trimmed draft vocabulary keeps the most frequent), and metadata: the format tag, the
 layer's ``Shape``, the model it was trained for (vocabulary, a probe of its LM head's
 weights, as a heads file has), each draft step's held-out top-1 and how it was trained.
 """
@@ -13,7 +15,7 @@ import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
@@ -38,6 +40,7 @@ class Draft:
     probe: list  # the LM head's [:4, :8], as trained
     accuracy: list = field(default_factory=list)  # held-out top-1 of each draft step
     trained: dict = field(default_factory=dict)
+    counts: Optional[Tensor] = None  # [vocab] int64: tokens the model produced (VocabTrim)
 
     def save(self, path: Union[str, os.PathLike]) -> None:
         from safetensors.torch import save_file
@@ -46,8 +49,10 @@ class Draft:
                 "accuracy": json.dumps(self.accuracy), "trained": json.dumps(self.trained)}
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
-        save_file({n: self.params[n].detach().float().contiguous() for n in NAMES}, str(tmp),
-                  metadata=meta)
+        tensors = {n: self.params[n].detach().float().contiguous() for n in NAMES}
+        if self.counts is not None:
+            tensors["counts"] = self.counts.to(torch.int64).contiguous()
+        save_file(tensors, str(tmp), metadata=meta)
         os.replace(tmp, path)  # a reader never sees half a file
 
     def fits(self, lm_head: Tensor, where: str) -> None:
@@ -77,11 +82,12 @@ def load(weights: Union[str, os.PathLike]) -> Draft:
             if meta.get("version") != VERSION:
                 raise DraftFileError(f"{path}: draft file version {meta.get('version')!r}; "
                                      f"this rewriter reads version {VERSION}")
-            if keys != set(NAMES):
-                raise DraftFileError(f"{path}: the tensors must be exactly {sorted(NAMES)}; "
-                                     f"missing {sorted(set(NAMES) - keys)}, unexpected "
-                                     f"{sorted(keys - set(NAMES))}")
+            if keys - {"counts"} != set(NAMES):
+                raise DraftFileError(f"{path}: the tensors must be exactly {sorted(NAMES)} (and "
+                                     f"counts); missing {sorted(set(NAMES) - keys)}, unexpected "
+                                     f"{sorted(keys - set(NAMES) - {'counts'})}")
             params = {n: f.get_tensor(n) for n in NAMES}
+            counts = f.get_tensor("counts") if "counts" in keys else None
         shape = eagle.Shape(**json.loads(meta["shape"]))
         if not re.fullmatch(r"[1-9][0-9]{0,9}", meta.get("vocab", "")):
             raise DraftFileError(f"{path}: vocab must be a positive integer, got "
@@ -94,9 +100,12 @@ def load(weights: Union[str, os.PathLike]) -> Draft:
     except (OSError, KeyError, TypeError, ValueError, RuntimeError, SafetensorError) as e:  # torn or odd
         raise DraftFileError(f"{path}: unreadable draft file ({type(e).__name__}: {e})") from None
     why = _check(params, shape, vocab, probe, accuracy, trained)
+    if why is None and counts is not None and (
+            counts.shape != (vocab,) or counts.dtype != torch.int64 or bool((counts < 0).any())):
+        why = f"counts must be [{vocab}] non-negative int64, got {counts.dtype} {list(counts.shape)}"
     if why:
         raise DraftFileError(f"{path}: {why}")
-    return Draft(params, shape, vocab, probe, accuracy, trained)
+    return Draft(params, shape, vocab, probe, accuracy, trained, counts)
 
 
 def sizes(shape: eagle.Shape) -> dict:

@@ -30,7 +30,7 @@ from rewriter.ops import EAGLE_WEIGHTS, op_arguments
 
 class EagleProgram:
     """The draft layer's weights as the IR holds them, with the model's token embedding
-    and LM head; what ``EagleRows`` runs. ``code``: what it is, for ``Engine.programs()``."""
+    and LM head (its draft-vocabulary rows, where trimmed); what ``EagleRows`` runs. ``code``: what it is, for ``Engine.programs()``."""
 
     def __init__(self, params: dict, shape: eagle.Shape, embed: Tensor, lm: Tensor):
         self.params, self.shape, self.embed, self.lm = params, shape, embed, lm
@@ -45,19 +45,27 @@ class EagleProgram:
         bound = op_arguments("eagle_layer", tuple(node.args), dict(node.kwargs))
         weights = [bound[arg] for arg, _ in EAGLE_WEIGHTS]
         embedded, users = bound["embedded"], list(node.users)
+        proj = users[0].args[1] if len(users) == 1 and len(users[0].args) >= 2 else None
+        rows = None  # a trimmed draft vocabulary: index_select(lm_head, 0, medusa.vocab)
+        if getattr(proj, "op", None) == "call_function" and proj.target is torch.ops.aten.index_select.default \
+                and len(proj.args) == 3 and proj.args[1] == 0:
+            proj, rows = proj.args[0], proj.args[2]
         if (any(getattr(w, "op", None) != "get_attr" for w in weights)
                 or getattr(embedded, "op", None) != "call_function" or len(embedded.args) < 2
-                or getattr(embedded.args[1], "op", None) != "get_attr" or len(users) != 1
-                or len(users[0].args) < 2 or getattr(users[0].args[1], "op", None) != "get_attr"):
+                or getattr(embedded.args[1], "op", None) != "get_attr"
+                or getattr(proj, "op", None) != "get_attr"
+                or (rows is not None and getattr(rows, "op", None) != "get_attr")):
             raise RewriterError(f"{node.name}: the EAGLE draft layer must read stored weights, "
                                 f"an embedding of stored rows, and feed one linear of a stored "
-                                f"LM head (as EagleDraft writes it)")
+                                f"LM head or its stored rows (as EagleDraft writes it)")
         gate = ir.weight(weights[8].target)
         shape = eagle.Shape(ir.weight(weights[0].target).shape[0], bound["num_heads"],
                             bound["num_kv_heads"], gate.shape[0], bound["rope_theta"], bound["eps"])
         params = {name: ir.weight(w.target).detach() for (_, name), w in zip(EAGLE_WEIGHTS, weights)}
-        return cls(params, shape, ir.weight(embedded.args[1].target).detach(),
-                   ir.weight(users[0].args[1].target).detach())
+        lm = ir.weight(proj.target).detach()
+        if rows is not None:  # checked against the record by programs.check_heads
+            lm = lm[ir.weight(rows.target)]  # [Vd, H]
+        return cls(params, shape, ir.weight(embedded.args[1].target).detach(), lm)
 
     @property
     def code(self) -> str:
@@ -97,7 +105,8 @@ class EagleRows:
 
     def call(self, d: int, chains: Tensor, ranks: int) -> tuple[Tensor, Tensor]:
         """``tree_dynamic``'s call: level ``d``'s guesses below the expanded paths ``chains``
-        ``[B, P, d + 1]`` (the root first): log-probabilities and token ids ``[B, P, ranks]``."""
+        ``[B, P, d + 1]`` (the root first): log-probabilities and indices ``[B, P, ranks]``
+        into the draft's rows (with a trimmed vocabulary the caller maps them to token ids)."""
         logps, ids = [], []
         host = chains[:, :, 1:].tolist() if d else None  # [B][P][d] the drafted tokens
         for r in range(chains.shape[0]):

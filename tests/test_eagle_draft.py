@@ -54,7 +54,8 @@ def taught(tmp_path_factory):
         loss.backward()
         opt.step()
     path = tmp_path_factory.mktemp("eagle") / "taught.safetensors"
-    eagle_file.made({k: v.detach() for k, v in p.items()}, shape, lm).save(path)
+    counts = torch.bincount(rows[:, 17:].flatten(), minlength=lm.shape[0])  # the answers' tokens
+    eagle_file.made({k: v.detach() for k, v in p.items()}, shape, lm, counts=counts).save(path)
     return model, str(path)
 
 
@@ -125,6 +126,33 @@ def test_a_trained_draft_is_lossless_and_accepts_deep(taught):
     got = opt.generate(ragged, max_new_tokens=40, eos_token_id=[])
     assert torch.equal(got, plain.generate(ragged, max_new_tokens=40, eos_token_id=[]))
     assert opt.stats["accepted"] / opt.stats["row_rounds"] > 2.0, opt.stats
+
+
+def test_a_trimmed_draft_vocabulary(taught, tmp_path):
+    """``draft_vocab=N``: the draft projects onto the N tokens its training text made most
+    (the file's counts); its guesses are those tokens' ids, the output is still the model's,
+    and the artifact keeps the vocabulary."""
+    model, path = taught
+    plain = rewriter.optimize(model)
+    opt = rewriter.optimize(model, passes=[EagleDraft(weights=path, draft_vocab=200)])
+    opt.fallback = False
+    vocab = opt.ir.weight("medusa.vocab")
+    assert vocab.shape == (200,) and opt.ir.info["decoding"]["draft_vocab"] == 200
+    _, draft = opt.ir.gm(torch.tensor([TAUGHT[0]]), torch.arange(17)[None])
+    assert draft.shape == (1, 17, 1, 200)
+    ids = TAUGHT[:2] + [[300, 301, 302]]
+    want = plain.generate(ids, **KW)
+    assert torch.equal(opt.generate(ids, **KW), want)
+    assert opt.stats["accepted"] / opt.stats["row_rounds"] > 1.5  # the taught answers' tokens are kept
+    opt.save(tmp_path / "a")
+    loaded = rewriter.load(tmp_path / "a")
+    loaded.fallback = False
+    assert torch.equal(loaded.ir.weight("medusa.vocab"), vocab)
+    assert torch.equal(loaded.generate(ids, **KW), want)
+    bare = tmp_path / "bare.safetensors"
+    random_draft(model, bare)
+    with pytest.raises(ValueError, match="has no counts"):
+        EagleDraft(weights=str(bare), draft_vocab=200)
 
 
 def test_an_end_of_sequence_inside_an_accepted_path(taught):
@@ -208,6 +236,7 @@ def test_the_cli_spec_and_the_budget_tree():
     (dict(expand=0), "expand must be an int in \\[1, 16\\]"),
     (dict(depth=9), "depth must be an int in \\[1, 8\\]"),
     (dict(lookup=-1), "lookup must be an int"),
+    (dict(draft_vocab=5), "draft_vocab must be an int >= 10"),
 ])
 def test_bad_options_are_refused_by_name(kw, match, tmp_path):
     model = make_model("llama-gqa-3l")
@@ -235,7 +264,7 @@ def test_hostile_records_and_graphs_are_refused(tmp_path):
     r = dict(opt.ir.info["decoding"])
     assert check_record(r) is None
     assert "arch 'eagle'" in check_record({k: v for k, v in r.items() if k != "dynamic"})
-    assert "arch 'eagle'" in check_record({**r, "draft_vocab": 16})
+    assert "arch 'eagle'" in check_record({**r, "batch_trees": [[2, [[0]]]]})
     # a record that asks for the layer on a graph without one
     hy = rewriter.optimize(model, passes=[HydraHeads(num_heads=2, tree=[[0], [0, 0]])])
     hy.ir.info["decoding"] = {**hy.ir.info["decoding"], "arch": "eagle", "dynamic": 2}

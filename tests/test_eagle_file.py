@@ -50,6 +50,9 @@ def test_round_trip_and_fit(tmp_path):
     ({}, {"version": "9"}, "version '9'"),
     ({"fc.bias": None}, {}, "missing \\['fc.bias'\\]"),
     ({"extra": torch.zeros(1)}, {}, "unexpected \\['extra'\\]"),
+    ({"counts": torch.zeros(49, dtype=torch.int64)}, {}, "counts must be \\[50\\] non-negative int64"),
+    ({"counts": torch.full((50,), -1, dtype=torch.int64)}, {}, "counts must be"),
+    ({"counts": torch.zeros(50)}, {}, "counts must be"),
     ({"fc.weight": torch.zeros(32, 32)}, {}, "fc.weight must be float32 \\[32, 64\\]"),
     ({"fc.bias": torch.zeros(32, dtype=torch.float64)}, {}, "fc.bias must be float32"),
     ({"norm.weight": torch.full((32,), float("nan"))}, {}, "norm.weight holds NaN"),
@@ -97,3 +100,11 @@ def test_a_missing_or_torn_file_is_refused(tmp_path):
     (tmp_path / "torn.safetensors").write_bytes(data[:len(data) // 2])
     with pytest.raises(eagle_file.DraftFileError, match="unreadable draft file"):
         eagle_file.load(tmp_path / "torn.safetensors")
+
+
+def test_counts_round_trip(tmp_path):
+    d, lm = _draft()
+    d.counts = torch.arange(50, dtype=torch.int64)
+    d.save(tmp_path / "c.safetensors")
+    assert torch.equal(eagle_file.load(tmp_path / "c.safetensors").counts, d.counts)
+    assert _draft()[0].counts is None
