@@ -384,7 +384,7 @@ def main():
     if head_rows:
         print_heads(args, results, head_rows)
     if eagle_table:
-        print(tabulate(eagle_table, headers=["dtype", "draft", "tree nodes", "batch", "prompts",
+        print(tabulate(eagle_table, headers=["dtype", "draft", "draft vocab", "tree nodes", "batch", "prompts",
                                              "plain tok/s", "tok/s", "speed-up", "accepted length",
                                              "draft calls/round", "same tokens"]))
         print()
@@ -510,17 +510,19 @@ def eagle_rows(model, tok, plain, args, dtype, results, rows) -> None:
     """The EAGLE draft layer (``EagleDraft``) against plain decode and against Hydra heads
     (``--heads``, default the model's shipped ones) given the same rounds: a tree of as
     many nodes re-grown every round from the draft's probabilities (``--dynamic`` nodes
-    expanded a level, 4 without it), four levels, full vocabulary, no copied chains. Runs
-    interleaved."""
+    expanded a level, 4 without it), four levels, the ``--draft-vocab`` most produced tokens
+    (0: the whole vocabulary), no copied chains. Runs interleaved."""
     from rewriter.passes.eagle_draft import budget_tree
     expand = args.dynamic or 4
+    vocab = args.draft_vocab or None
     for nodes in args.eagle_nodes:
         tree = budget_tree(nodes, 4).record()
         engines = {"EAGLE layer": strategy_engine(model, tokenizer=tok, backend=args.backend, passes=[
-                       EagleDraft(weights=args.eagle, nodes=nodes, expand=expand, depth=4)]),
+                       EagleDraft(weights=args.eagle, nodes=nodes, expand=expand, depth=4,
+                                  draft_vocab=vocab)]),
                    "Hydra heads": strategy_engine(model, tokenizer=tok, backend=args.backend, passes=[
                        HydraHeads(weights=args.heads or args.model, tree=tree, dynamic=expand,
-                                  lookup=0)])}
+                                  lookup=0, draft_vocab=vocab)])}
         for b in args.batch:
             for kind, prompts in prompt_sets(plain, tok, b, args.samples, args.chat).items():
                 variants = [(plain, contextlib.nullcontext)] + \
@@ -531,14 +533,15 @@ def eagle_rows(model, tok, plain, args, dtype, results, rows) -> None:
                     rounds = st.get("row_rounds") or 0
                     run = {"dtype": dtype, "strategy": "eagle" if name.startswith("EAGLE") else "hydra",
                            "draft": args.eagle if name.startswith("EAGLE") else args.heads or args.model,
-                           "nodes": nodes, "expand": expand, "batch": b, "prompts": kind,
+                           "nodes": nodes, "expand": expand, "draft_vocab": vocab, "batch": b,
+                           "prompts": kind,
                            "plain_tok_s": base_rate, "tok_s": rate, "speedup": rate / base_rate,
                            "accepted_length": 1 + st.get("accepted", 0) / rounds if rounds else 1.0,
                            "draft_calls_per_round": st.get("head_passes", 0) / st["rounds"]
                            if st.get("rounds") else 0.0,
                            "same_tokens": same(out, ref), "samples": len(prompts)}
                     keep_row(results, run, args.json)
-                    rows.append([dtype, name, nodes, b, kind, f"{base_rate:.1f}", f"{rate:.1f}",
+                    rows.append([dtype, name, vocab or "full", nodes, b, kind, f"{base_rate:.1f}", f"{rate:.1f}",
                                  f"{rate / base_rate:.2f}x", f"{run['accepted_length']:.2f}",
                                  f"{run['draft_calls_per_round']:.1f}", run["same_tokens"]])
 

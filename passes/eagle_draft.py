@@ -72,15 +72,25 @@ class EagleDraft(Pass):
             if type(v) is not int or not low <= v <= high:
                 raise ValueError(f"{name}: {key} must be an int in [{low}, {high}], got {v!r}")
         self.nodes, self.expand, self.depth, self.lookup = nodes, expand, depth, lookup
+        most = sum(MAX_RANK ** k for k in range(1, depth + 1))  # paths of ranks < MAX_RANK
+        if nodes - 1 > most:
+            raise ValueError(f"{name}: a tree {depth} deep holds at most {most + 1} nodes with "
+                             f"{MAX_RANK} guesses a node; nodes={nodes}")
         if draft_vocab is not None and (type(draft_vocab) is not int or draft_vocab < 10):
             raise ValueError(f"{name}: draft_vocab must be an int >= 10, got {draft_vocab!r}")
         if draft_vocab is not None and self.draft.counts is None:
             raise ValueError(f"{name}: draft_vocab needs a draft file that counts the tokens "
                              f"the model produced ({weights} has no counts)")
         self.draft_vocab = draft_vocab
-        # the acceptance options are the draft heads' (checked again by the record)
+        if acceptance not in ("exact", "typical"):
+            raise ValueError(f"{name}: acceptance must be 'exact' (lossless) or 'typical' "
+                             f"(lossy), got {acceptance!r}")
+        for key, v in (("posterior_threshold", posterior_threshold),
+                       ("posterior_alpha", posterior_alpha)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+                raise ValueError(f"{name}: {key} must be a number in (0, 1], got {v!r}")
         self.acceptance = acceptance
-        self.posterior_threshold, self.posterior_alpha = posterior_threshold, posterior_alpha
+        self.posterior_threshold, self.posterior_alpha = float(posterior_threshold), float(posterior_alpha)
 
     def __repr__(self) -> str:
         return (f"EagleDraft(weights={self.weights!r}, nodes={self.nodes}, expand={self.expand}, "

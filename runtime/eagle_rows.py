@@ -31,6 +31,7 @@ from rewriter.ops import EAGLE_WEIGHTS, op_arguments
 class EagleProgram:
     """The draft layer's weights as the IR holds them, with the model's token embedding
     and LM head (its draft-vocabulary rows, where trimmed); what ``EagleRows`` runs. ``code``: what it is, for ``Engine.programs()``."""
+    generated_kernels = ()  # none: it runs in torch (the Triton backend's artifacts list them)
 
     def __init__(self, params: dict, shape: eagle.Shape, embed: Tensor, lm: Tensor):
         self.params, self.shape, self.embed, self.lm = params, shape, embed, lm
@@ -45,7 +46,9 @@ class EagleProgram:
         bound = op_arguments("eagle_layer", tuple(node.args), dict(node.kwargs))
         weights = [bound[arg] for arg, _ in EAGLE_WEIGHTS]
         embedded, users = bound["embedded"], list(node.users)
-        proj = users[0].args[1] if len(users) == 1 and len(users[0].args) >= 2 else None
+        linear = users[0] if len(users) == 1 else None
+        proj = linear.args[1] if linear is not None and linear.target is torch.ops.rw.linear.default \
+            and len(linear.args) == 2 and not linear.kwargs else None  # no bias
         rows = None  # a trimmed draft vocabulary: index_select(lm_head, 0, medusa.vocab)
         if getattr(proj, "op", None) == "call_function" and proj.target is torch.ops.aten.index_select.default \
                 and len(proj.args) == 3 and proj.args[1] == 0:
@@ -54,7 +57,7 @@ class EagleProgram:
                 or getattr(embedded, "op", None) != "call_function" or len(embedded.args) < 2
                 or getattr(embedded.args[1], "op", None) != "get_attr"
                 or getattr(proj, "op", None) != "get_attr"
-                or (rows is not None and getattr(rows, "op", None) != "get_attr")):
+                or (rows is not None and getattr(rows, "target", None) != "medusa.vocab")):
             raise RewriterError(f"{node.name}: the EAGLE draft layer must read stored weights, "
                                 f"an embedding of stored rows, and feed one linear of a stored "
                                 f"LM head or its stored rows (as EagleDraft writes it)")
@@ -62,10 +65,13 @@ class EagleProgram:
         shape = eagle.Shape(ir.weight(weights[0].target).shape[0], bound["num_heads"],
                             bound["num_kv_heads"], gate.shape[0], bound["rope_theta"], bound["eps"])
         params = {name: ir.weight(w.target).detach() for (_, name), w in zip(EAGLE_WEIGHTS, weights)}
-        lm = ir.weight(proj.target).detach()
-        if rows is not None:  # checked against the record by programs.check_heads
+        lm, embed = ir.weight(proj.target).detach(), ir.weight(embedded.args[1].target).detach()
+        if lm.dim() != 2 or embed.dim() != 2 or embed.shape != lm.shape or lm.shape[1] != shape.hidden:
+            raise RewriterError(f"{node.name}: the token embedding {list(embed.shape)} and the LM "
+                                f"head {list(lm.shape)} must both be [vocabulary, {shape.hidden}]")
+        if rows is not None:  # its ids were checked against the vocabulary by check_heads
             lm = lm[ir.weight(rows.target)]  # [Vd, H]
-        return cls(params, shape, ir.weight(embedded.args[1].target).detach(), lm)
+        return cls(params, shape, embed, lm)
 
     @property
     def code(self) -> str:
@@ -91,16 +97,20 @@ class EagleRows:
         self.caches = [eagle.empty_cache(self.shape, 1, dtype, device) for _ in range(batch)]
         self.g: list[Optional[Tensor]] = [None] * batch  # [H] each
         self.memo: list[dict] = [{} for _ in range(batch)]
+        self.idle: set = set()  # rows that are done: not drafted for (their tokens are dropped)
 
-    def catch_up(self, row: int, features: Tensor, next_ids: list[int]) -> None:
+    def catch_up(self, row: int, features: Tensor, next_ids: list[int], chunk: int = 2048) -> None:
         """Positions the row accepted: the model's ``features`` there ``[n, H]`` beside the
-        tokens after each, ``next_ids`` (``n``; the last: the next round's root)."""
+        tokens after each, ``next_ids`` (``n``; the last: the next round's root); a long
+        prompt in steps of ``chunk`` positions, as the model's prefill goes (a step's mask
+        and scores are ``[n, L + n]``)."""
         ids = torch.tensor(next_ids, dtype=torch.int64, device=features.device)
         embedded = self.embed[ids].to(features.dtype)  # [n, H]
         with torch.inference_mode():
-            out, self.caches[row] = eagle.step(self.p, self.shape, features[None], embedded[None],
-                                               self.caches[row])  # [1, n, H]
-        self.g[row] = out[0, -1]
+            for a in range(0, len(next_ids), chunk):
+                out, self.caches[row] = eagle.step(self.p, self.shape, features[None, a:a + chunk],
+                                                   embedded[None, a:a + chunk], self.caches[row])
+        self.g[row] = out[0, -1]  # [H]
         self.memo[row] = {(): (self.g[row], None)}
 
     def call(self, d: int, chains: Tensor, ranks: int) -> tuple[Tensor, Tensor]:
@@ -110,6 +120,10 @@ class EagleRows:
         logps, ids = [], []
         host = chains[:, :, 1:].tolist() if d else None  # [B][P][d] the drafted tokens
         for r in range(chains.shape[0]):
+            if r in self.idle:  # no say in the shape (tree_dynamic's weight 0), no layer call
+                logps.append(torch.zeros(chains.shape[1], ranks, device=chains.device))
+                ids.append(torch.zeros(chains.shape[1], ranks, dtype=torch.int64, device=chains.device))
+                continue
             g = self._level(r, d, chains[r], host[r] if d else None)  # [P, H]
             top = (g @ self.lm.t().to(g.dtype)).float().log_softmax(-1).topk(ranks, dim=-1)
             logps.append(top.values)

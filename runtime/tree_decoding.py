@@ -159,7 +159,7 @@ class _TreeRounds(_Rounds):
             h = every[:, -1:]
             pad = batch.pad.tolist() if batch.pad is not None else [0] * len(token)
             for r, (row, p, t) in enumerate(zip(batch.ids.tolist(), pad, token.tolist())):
-                self.eagle.catch_up(r, every[r, p:], row[p + 1:] + [t])
+                self.eagle.catch_up(r, every[r, p:], row[p + 1:] + [t], self.s.prefill_chunk)
         if self.lookup:  # each row's text: its prompt (without padding) and the new token
             pad = batch.pad.tolist() if batch.pad is not None else [0] * len(token)
             self.contexts = [Context(row[p:] + [t]) for row, p, t
@@ -338,6 +338,7 @@ class _TreeRounds(_Rounds):
             after = torch.tensor(bonus, device=self.device)
         nxt = torch.where(self.on_device(done), last, after)
         if self.eagle is not None:  # the draft's cache over what each row accepted
+            self.eagle.idle = {r for r, d in enumerate(done) if d}
             for r, (p, row) in enumerate(zip(paths, rows)):
                 if not done[r]:
                     at = torch.tensor([0, *p], device=self.device)

@@ -218,6 +218,9 @@ def test_the_triton_backend_gives_the_same_tokens(tmp_path):
     opt.fallback = False
     kw = dict(max_new_tokens=5, eos_token_id=[])
     assert torch.equal(opt.generate(RAGGED[:2], **kw), plain.generate(RAGGED[:2], **kw))
+    assert "eagle" in opt.programs() and isinstance(opt.kernel_sources(), dict)
+    opt.dump(tmp_path / "dump")  # the draft layer is no Triton program: nothing of it to list
+    assert (tmp_path / "dump" / "programs" / "eagle.py").is_file()
 
 
 def test_the_cli_spec_and_the_budget_tree():
@@ -237,6 +240,9 @@ def test_the_cli_spec_and_the_budget_tree():
     (dict(depth=9), "depth must be an int in \\[1, 8\\]"),
     (dict(lookup=-1), "lookup must be an int"),
     (dict(draft_vocab=5), "draft_vocab must be an int >= 10"),
+    (dict(nodes=12, depth=1), "at most 11 nodes"),
+    (dict(acceptance="greedy"), "acceptance must be 'exact'"),
+    (dict(posterior_alpha=float("nan")), "posterior_alpha must be a number"),
 ])
 def test_bad_options_are_refused_by_name(kw, match, tmp_path):
     model = make_model("llama-gqa-3l")
@@ -266,12 +272,12 @@ def test_hostile_records_and_graphs_are_refused(tmp_path):
     assert "arch 'eagle'" in check_record({k: v for k, v in r.items() if k != "dynamic"})
     assert "arch 'eagle'" in check_record({**r, "batch_trees": [[2, [[0]]]]})
     # a record that asks for the layer on a graph without one
-    hy = rewriter.optimize(model, passes=[HydraHeads(num_heads=2, tree=[[0], [0, 0]])])
-    hy.ir.info["decoding"] = {**hy.ir.info["decoding"], "arch": "eagle", "dynamic": 2}
-    hy.ir.info["decoding"].pop("adapt", None)
     from rewriter.runtime.programs import build_programs
-    with pytest.raises(RewriterError, match="draft logits are"):
-        build_programs(hy.ir, "torch", {})
+    for k, match in ((2, "draft logits are"), (1, "no rw.eagle_layer")):  # one head: the op's shape
+        hy = rewriter.optimize(model, passes=[HydraHeads(num_heads=k, tree=[[0], [1]])])
+        hy.ir.info["decoding"] = {**hy.ir.info["decoding"], "arch": "eagle", "dynamic": 2}
+        with pytest.raises(RewriterError, match=match):
+            build_programs(hy.ir, "torch", {})
     # a layer whose weight does not fit is refused by shape propagation, by name
     from rewriter.ops import ShapeError
     layer = next(n for n in opt.ir.graph.nodes if n.name == "eagle_layer")
@@ -323,8 +329,8 @@ def test_a_padded_rows_draft_cache_is_its_prompts_alone(taught, monkeypatch):
             made.append(self)
     monkeypatch.setattr("rewriter.runtime.tree_decoding.EagleRows", Kept)
     opt = rewriter.optimize(model, passes=[EagleDraft(weights=path)])
-    ragged = [TAUGHT[4][:10], TAUGHT[5], [9, 10]]
-    opt.generate(ragged, max_new_tokens=1, eos_token_id=[])
+    ragged = [TAUGHT[4][:10], TAUGHT[5] + TAUGHT[6], [9, 10]]  # the long one: in 3 chunks
+    opt.generate(ragged, max_new_tokens=1, eos_token_id=[], prefill_chunk=16)
     batch = made[-1]
     for r, prompt in enumerate(ragged):
         opt.generate([prompt], max_new_tokens=1, eos_token_id=[])
@@ -333,3 +339,47 @@ def test_a_padded_rows_draft_cache_is_its_prompts_alone(taught, monkeypatch):
         assert batch.caches[r][0].shape[2] == n
         torch.testing.assert_close(batch.caches[r][0], alone.caches[0][0], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(batch.g[r], alone.g[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sampled", "typical", "lookup", "trimmed"])
+def test_the_draft_cache_is_the_layer_over_the_final_text(mode, tmp_path, monkeypatch):
+    """After a generation each row's draft cache holds the layer's keys over the row's own
+    text (its prompt and every token made but the last), whatever the acceptance, copied
+    chains or draft vocabulary: the catch-up after every round fed it the right features
+    and tokens. A 16-token model whose random text repeats, so rounds accept often."""
+    from rewriter.runtime import eagle_rows
+    made = []
+
+    class Kept(eagle_rows.EagleRows):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+    monkeypatch.setattr("rewriter.runtime.tree_decoding.EagleRows", Kept)
+    model = make_model("llama-gqa-3l", vocab_size=16, initializer_range=0.2)
+    h = model.config.hidden_size
+    shape = eagle.Shape(h, 4, 2, 2 * h)
+    p = {k: v * 5 if v.dim() == 2 else v for k, v in eagle.init(shape, torch.Generator().manual_seed(0)).items()}
+    path = tmp_path / "d.safetensors"
+    eagle_file.made(p, shape, model.get_output_embeddings().weight.detach(),
+                    counts=torch.arange(16)).save(path)
+    pkw = {"typical": dict(acceptance="typical"), "lookup": dict(lookup=4),
+           "trimmed": dict(draft_vocab=10)}.get(mode, {})
+    gkw = dict(do_sample=True, seed=3, top_k=0) if mode == "sampled" else {}
+    opt = rewriter.optimize(model, passes=[EagleDraft(weights=str(path), nodes=8, depth=3, **pkw)])
+    opt.fallback = False
+    prompts = [list(range(1, 15)) * 3, [3, 4, 5], list(range(7, 16)) + list(range(1, 12))]
+    new = 20
+    out = opt.generate(prompts, max_new_tokens=new, eos_token_id=[], **gkw)
+    assert opt.stats["accepted"] > 0
+    rows = made[-1]
+    for r, prompt in enumerate(prompts):
+        text = torch.cat([torch.tensor(prompt), out[r, -new:]])  # [S + new]
+        # the last round's catch-up may stop short of the text, or go past the tokens kept
+        n = min(rows.caches[r][0].shape[2], len(text) - 1)
+        assert n >= len(text) - 1 - 4
+        with torch.no_grad():
+            f = model.model(text[None]).last_hidden_state
+            _, (k, v) = eagle.step(p, shape, f[:, :n], model.model.embed_tokens.weight[text[1:n + 1]][None],
+                                   eagle.empty_cache(shape, 1))
+        torch.testing.assert_close(rows.caches[r][0][:, :, :n], k, rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(rows.caches[r][1][:, :, :n], v, rtol=1e-3, atol=1e-3)

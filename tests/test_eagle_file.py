@@ -107,4 +107,6 @@ def test_counts_round_trip(tmp_path):
     d.counts = torch.arange(50, dtype=torch.int64)
     d.save(tmp_path / "c.safetensors")
     assert torch.equal(eagle_file.load(tmp_path / "c.safetensors").counts, d.counts)
-    assert _draft()[0].counts is None
+    bare, _ = _draft()
+    bare.save(tmp_path / "b.safetensors")
+    assert eagle_file.load(tmp_path / "b.safetensors").counts is None
