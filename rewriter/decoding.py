@@ -12,7 +12,7 @@ and the runtime then lowers a ``draft`` program (the same IR with those layers a
 sub-layers bypassed: ``rewriter.ir.skip``) beside ``prefill`` and ``decode``, and generates
 with ``runtime.speculative``. ``MedusaHeads`` records::
 
-    {"strategy": "medusa", "arch": "medusa", "hydra" or "eagle", "num_heads": 4, "tree": [[0], [1], [0, 0], ..],
+    {"strategy": "medusa", "arch": "medusa" or "hydra", "num_heads": 4, "tree": [[0], [1], [0, 0], ..],
      "draft_vocab": 4096 or None, "acceptance": "exact" or "typical",
      "posterior_threshold": 0.09, "posterior_alpha": 0.3,
      "batch_trees": [[4, [[0], [1], [0, 0]]], [8, []]]}
@@ -25,6 +25,10 @@ verifies no tree, where no tree pays on the machine.)
 (``dynamic``, optional: an integer ``e``: every round the runtime re-grows a tree of as many
 nodes from the heads' own probabilities, expanding the ``e`` likeliest nodes of each level:
 ``runtime.tree_dynamic``.)
+
+(``EagleDraft`` records ``"arch": "eagle"`` the same way: ``num_heads`` the levels a round
+drafts, ``tree`` only the size of the trees, which ``dynamic`` (required) re-grows every
+round from the layer's guesses; no ``adapt`` or ``batch_trees``.)
 
 (``lookup``, optional: an integer ``L``: every round also verifies a chain of up to ``L``
 tokens copied from each row's own text after the latest earlier occurrence of its last
