@@ -253,8 +253,8 @@ class _TreeRounds(_Rounds):
             p = chains.shape[1]
             if self.eagle is not None:
                 self.stats.update(head_passes=1)
-                logp, ids = self.eagle.call(d, chains, counted)
-                return logp, self._ids(ids)
+                logp, rows = self.eagle.call(d, chains, counted)  # (not ``ids``: Medusa's, below)
+                return logp, self._ids(rows)
             if not self.hydra:  # every path at depth d gets head d's guesses
                 return top.values[:, d, None].expand(b, p, counted), ids[:, d, None].expand(b, p, counted)
             path = torch.zeros(b, p, k, dtype=torch.int64, device=self.device)
