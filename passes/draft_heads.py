@@ -115,16 +115,8 @@ class MedusaHeads(Pass):
             raise ValueError(f"{type(self).__name__}: max_nodes must be an int in [1, {MAX_NODES - 1}], "
                              f"got {max_nodes!r}")
         self.max_nodes = max_nodes
-        if acceptance not in ("exact", "typical"):
-            raise ValueError(f"{type(self).__name__}: acceptance must be 'exact' (lossless) or 'typical' "
-                             f"(lossy), got {acceptance!r}")
-        self.acceptance = acceptance
-        for name, v in (("posterior_threshold", posterior_threshold),
-                        ("posterior_alpha", posterior_alpha)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1 \
-                    or not math.isfinite(v):
-                raise ValueError(f"{type(self).__name__}: {name} must be a number in (0, 1], got {v!r}")
-        self.posterior_threshold, self.posterior_alpha = float(posterior_threshold), float(posterior_alpha)
+        self.acceptance, self.posterior_threshold, self.posterior_alpha = checked_acceptance(
+            type(self).__name__, acceptance, posterior_threshold, posterior_alpha)
         if not isinstance(adapt, bool):
             raise ValueError(f"{type(self).__name__}: adapt must be True or False, got {adapt!r}")
         self.adapt = adapt
@@ -270,6 +262,19 @@ class HydraHeads(MedusaHeads):
     """Hydra's sequentially dependent heads (``HydraHeads(weights="smollm2")``): the same
     arguments as ``MedusaHeads``; drafting runs one head call per tree level."""
     ARCH = "hydra"
+
+
+def checked_acceptance(who: str, acceptance: str, threshold, alpha) -> tuple:
+    """``(acceptance, posterior_threshold, posterior_alpha)`` of a tree-verified pass,
+    checked (``ValueError`` names the bad one); the posterior values as floats."""
+    if acceptance not in ("exact", "typical"):
+        raise ValueError(f"{who}: acceptance must be 'exact' (lossless) or 'typical' "
+                         f"(lossy), got {acceptance!r}")
+    for name, v in (("posterior_threshold", threshold), ("posterior_alpha", alpha)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1 \
+                or not math.isfinite(v):
+            raise ValueError(f"{who}: {name} must be a number in (0, 1], got {v!r}")
+    return acceptance, float(threshold), float(alpha)
 
 
 def lm_head(ir: IR):

@@ -43,7 +43,7 @@ from rewriter.errors import PassError
 from rewriter.ir.core import IR
 from rewriter.ops import EAGLE_WEIGHTS
 from rewriter.pass_manager import Pass
-from rewriter.passes.draft_heads import _mark, embedding_weight, lm_head
+from rewriter.passes.draft_heads import _mark, checked_acceptance, embedding_weight, lm_head
 from rewriter.passes.fusion import call
 from rewriter.tree import MAX_NODES, MAX_RANK, make_tree
 
@@ -82,15 +82,8 @@ class EagleDraft(Pass):
             raise ValueError(f"{name}: draft_vocab needs a draft file that counts the tokens "
                              f"the model produced ({weights} has no counts)")
         self.draft_vocab = draft_vocab
-        if acceptance not in ("exact", "typical"):
-            raise ValueError(f"{name}: acceptance must be 'exact' (lossless) or 'typical' "
-                             f"(lossy), got {acceptance!r}")
-        for key, v in (("posterior_threshold", posterior_threshold),
-                       ("posterior_alpha", posterior_alpha)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
-                raise ValueError(f"{name}: {key} must be a number in (0, 1], got {v!r}")
-        self.acceptance = acceptance
-        self.posterior_threshold, self.posterior_alpha = float(posterior_threshold), float(posterior_alpha)
+        self.acceptance, self.posterior_threshold, self.posterior_alpha = checked_acceptance(
+            name, acceptance, posterior_threshold, posterior_alpha)
 
     def __repr__(self) -> str:
         return (f"EagleDraft(weights={self.weights!r}, nodes={self.nodes}, expand={self.expand}, "
