@@ -30,6 +30,19 @@ def random_draft(model, path, seed=0, scale=1.0):
     return path
 
 
+def kept_rows(monkeypatch) -> list:
+    """Every ``EagleRows`` the runtime makes from now on, in order (to read its caches)."""
+    from rewriter.runtime import eagle_rows
+    made = []
+
+    class Kept(eagle_rows.EagleRows):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+    monkeypatch.setattr("rewriter.runtime.tree_decoding.EagleRows", Kept)
+    return made
+
+
 @pytest.fixture(scope="module")
 def taught(tmp_path_factory):
     """The default model and a draft trained (EAGLE-3's unrolled loss, two steps) on its own
@@ -320,14 +333,7 @@ def test_a_padded_rows_draft_cache_is_its_prompts_alone(taught, monkeypatch):
     """After the prompt, each row of a left-padded batch holds the draft cache it would
     hold alone: its own positions, no padding."""
     model, path = taught
-    from rewriter.runtime import eagle_rows
-    made = []
-
-    class Kept(eagle_rows.EagleRows):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            made.append(self)
-    monkeypatch.setattr("rewriter.runtime.tree_decoding.EagleRows", Kept)
+    made = kept_rows(monkeypatch)
     opt = rewriter.optimize(model, passes=[EagleDraft(weights=path)])
     ragged = [TAUGHT[4][:10], TAUGHT[5] + TAUGHT[6], [9, 10]]  # the long one: in 3 chunks
     opt.generate(ragged, max_new_tokens=1, eos_token_id=[], prefill_chunk=16)
@@ -347,14 +353,7 @@ def test_the_draft_cache_is_the_layer_over_the_final_text(mode, tmp_path, monkey
     text (its prompt and every token made but the last), whatever the acceptance, copied
     chains or draft vocabulary: the catch-up after every round fed it the right features
     and tokens. A 16-token model whose random text repeats, so rounds accept often."""
-    from rewriter.runtime import eagle_rows
-    made = []
-
-    class Kept(eagle_rows.EagleRows):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            made.append(self)
-    monkeypatch.setattr("rewriter.runtime.tree_decoding.EagleRows", Kept)
+    made = kept_rows(monkeypatch)
     model = make_model("llama-gqa-3l", vocab_size=16, initializer_range=0.2)
     h = model.config.hidden_size
     shape = eagle.Shape(h, 4, 2, 2 * h)
