@@ -118,7 +118,7 @@ def main() -> None:
                         "parameters": sum(p.numel() for p in draft.p.values())})
         print(results[-1], flush=True)
         if args.save is not None:
-            eagle_file.made({n: t.detach() for n, t in draft.p.items()}, draft.shape,
+            eagle_file.made({n: t.detach().cpu() for n, t in draft.p.items()}, draft.shape,
                             model.lm_head.weight.detach(), accuracy=after["chat"],
                             trained={"steps": args.steps, "seconds": round(seconds, 1),
                                      "rows": len(train["tokens"]), "lr": args.lr,
@@ -140,10 +140,11 @@ def main() -> None:
 class Draft:
     """EAGLE's draft (``rewriter.eagle``) on the model's frozen embeddings and LM head."""
 
-    def __init__(self, model, init: str, depth: int):
+    def __init__(self, model, init: str, depth: int, device="cpu"):
         c = model.config
-        self.lm = model.lm_head.weight.detach().to(torch.bfloat16)  # [V, H] frozen
-        self.embed = model.model.embed_tokens.weight.detach().float()  # [V, H] frozen
+        self.device = torch.device(device)
+        self.lm = model.lm_head.weight.detach().to(self.device, torch.bfloat16)  # [V, H] frozen
+        self.embed = model.model.embed_tokens.weight.detach().to(self.device, torch.float32)  # [V, H]
         self.depth = depth
         self.shape = eagle.Shape.of(c)
         hidden = c.hidden_size
@@ -159,34 +160,38 @@ class Draft:
             fc = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], 1)
         self.p["fc.weight"], self.p["fc.bias"] = fc, torch.zeros(hidden)
         self.p["norm.weight"] = model.model.norm.weight.detach().float().clone()
-        for t in self.p.values():
-            t.requires_grad_(True)
+        # drawn on the CPU, as before, then moved: the same start on every device
+        self.p = {n: t.to(self.device).requires_grad_(True) for n, t in self.p.items()}
 
     def unroll(self, hidden: torch.Tensor, tokens: torch.Tensor) -> list:
         """``eagle.unroll`` over whole rows ``[B, L]``: the next token at the last position
         is padding, and no chain read there is trained on."""
-        nxt = torch.cat([tokens[:, 1:], tokens[:, -1:]], 1)  # [B, L] x_{i+1}
-        return eagle.unroll(self.p, self.shape, hidden.float(), self.embed[nxt], self.depth)
+        nxt = torch.cat([tokens[:, 1:], tokens[:, -1:]], 1).to(self.device)  # [B, L] x_{i+1}
+        return eagle.unroll(self.p, self.shape, hidden.to(self.device, torch.float32),
+                            self.embed[nxt], self.depth)
 
     def logits(self, data: dict, rows: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
         """``[P, S, V]`` every draft step's logits for chains started at ``pairs`` (row,
         position) of the sorted ``rows``."""
         outs = self.unroll(data["hidden"][rows], data["tokens"][rows])
-        local = torch.searchsorted(rows, pairs[:, 0].contiguous())
-        at = pairs[:, 1]
+        local = torch.searchsorted(rows, pairs[:, 0].contiguous()).to(self.device)
+        at = pairs[:, 1].to(self.device)
         length = outs[0].shape[1]
         g = torch.stack([o[local, (at + s).clamp(max=length - 1)] for s, o in enumerate(outs)], 1)
         return g.to(torch.bfloat16) @ self.lm.t()  # [P, S, V]
 
     # -------------------------------------------------------------------- training
-    def train(self, data: dict, args) -> float:
+    def train(self, data: dict, args, seconds: float | None = None, checkpoint=None) -> float:
+        """``args.steps`` steps (``seconds``: or until they are spent); ``checkpoint(step)``
+        every 100 steps."""
         opt = torch.optim.AdamW(list(self.p.values()), lr=args.lr, weight_decay=0.0)
         # EAGLE clips at 0.5 too, by value
-        return train_rows(opt, data, args, self.logits, self.depth, warmup=50, clip=0.5, every=100)
+        return train_rows(opt, data, args, self.logits, self.depth, warmup=50, clip=0.5,
+                          every=100, device=self.device, seconds=seconds, checkpoint=checkpoint)
 
     def accuracy(self, data: dict) -> list[float]:
         def logits_of(rows, pairs):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast(self.device.type, dtype=torch.bfloat16):
                 return self.logits(data, rows, pairs)
         return top1(data, self.depth, logits_of, rows=8)
 

@@ -11,6 +11,10 @@
 #                                            # (default: the parts carried so far, gpu_prepare.sh)
 #   bash benchmarks/gpu_suite.sh sparse [F]  # sparse.py decode speed at 8k on F, both backends (~8 min)
 #   [INIT=smollm2] [PROMPTS=..] [ROWS=..] [QUESTIONS=..] [LR=..] [SEED=3] [BLOCKS=4] [SLOT=540] \
+#   bash benchmarks/gpu_suite.sh eagle-probe # eagle's GPU paths on a random model        (~1 min)
+#   [SLOT=520] [BUDGET=470] \
+#   bash benchmarks/gpu_suite.sh eagle [F]   # chat data + an EAGLE draft layer trained on it
+#                                            # (eagle_gpu.py), the file back in two halves
 #   bash benchmarks/gpu_suite.sh heads [F]   # Hydra heads trained on the GPU on more data than a
 #                                            # CPU makes in a session; its work dir stays in
 #                                            # /tmp/heads_work: a call within 30 s resumes it
@@ -21,7 +25,7 @@
 # packages the image lacks (gguf, pydot, ...) come as wheels in .gpu/w when present
 # (benchmarks/gpu_prepare.sh builds .gpu; name it in the run's carry).
 set -uo pipefail
-stage=${1:?usage: gpu_suite.sh stash|tests|gpu-tests|capture|kernels|decode|smollm2 [GGUF]|sparse [GGUF]|heads [GGUF]}
+stage=${1:?usage: gpu_suite.sh stash|tests|gpu-tests|capture|kernels|decode|smollm2 [GGUF]|sparse [GGUF]|heads [GGUF]|eagle-probe|eagle [GGUF]}
 out=${OUT:-benchmarks/results/gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -99,6 +103,21 @@ smollm2() {  # the GGUF file: the argument, or the parts held in /tmp/gpu_parts
         --blocks ${BLOCKS:-4} ${INIT:+--init "$INIT"} --out "$out/hydra_gpu.safetensors" --work-dir /tmp/heads_work
       rc=$?
       ls -la /tmp/heads_work
+      exit $rc ;;
+    eagle-probe)  # seconds: the GPU paths of the stage below, on a random model
+      python3 benchmarks/eagle_gpu_probe.py cuda ;;
+    eagle)
+      gguf=$(smollm2 "${2:-}") || exit 1
+      # chat data and the EAGLE layer in one call (benchmarks/eagle_gpu.py); the draft file
+      # (17 MB) comes back in two halves with its SHA-256: $OUT takes files up to 16 MiB
+      timeout ${SLOT:-520} python3 benchmarks/eagle_gpu.py --model "$gguf" --device cuda \
+        --seconds ${BUDGET:-470} --out /tmp/eagle_gpu
+      rc=$?
+      if [ -f /tmp/eagle_gpu/eagle.safetensors ]; then
+        split -n 2 /tmp/eagle_gpu/eagle.safetensors "$out/eagle_part_"
+        sha256sum /tmp/eagle_gpu/eagle.safetensors | awk '{print $1}' > "$out/eagle.sha256"
+      fi
+      cp /tmp/eagle_gpu/eagle_gpu.json "$out/" 2>/dev/null
       exit $rc ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

@@ -176,23 +176,40 @@ class Run:
 
 
 def train_rows(opt, data: dict, args, logits_of, depth: int, warmup: int,
-               clip: float | None = None, every: int = 0) -> float:
+               clip: float | None = None, every: int = 0, device="cpu",
+               seconds: float | None = None, checkpoint=None) -> float:
     """``args.steps`` steps on ``args.positions`` positions of ``args.rows`` random whole
     rows each (``row_batch``, seeded by ``args.seed``); ``logits_of(data, rows, pairs)``
-    ``[P, depth, V]`` under bfloat16 autocast, trained by ``train_step`` on the model's own
-    tokens weighted ``DECAY ** k``. Prints the loss every ``every`` steps (0: never).
-    Returns the last step's loss."""
-    sched = warmup_cosine(opt, args.steps, warmup)
-    weight = torch.tensor([DECAY ** k for k in range(depth)])
+    ``[P, depth, V]`` on ``device`` under bfloat16 autocast, trained by ``train_step`` on
+    the model's own tokens weighted ``DECAY ** k``. Prints the loss every ``every`` steps
+    (0: never). ``seconds``: a time budget as well; the schedule's cosine follows whichever
+    of steps and seconds runs out first, and training ends there. ``checkpoint(step)`` is
+    called every ``every`` steps. Returns the last step's loss; ``args.steps_done`` is set
+    to the steps taken."""
+    began = time.perf_counter()
+
+    def done(s: int) -> float:  # the fraction of the budget spent after s steps
+        return min(1.0, max(s / args.steps, (time.perf_counter() - began) / seconds
+                            if seconds else 0.0))
+    step = 0
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * done(s))))
+    weight = torch.tensor([DECAY ** k for k in range(depth)], device=device)
     g = torch.Generator().manual_seed(args.seed)
     loss = torch.tensor(float("nan"))
-    for step in range(args.steps):
+    while done(step) < 1.0:
         rows, pairs = row_batch(data, args.rows, args.positions, g)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
             logits = logits_of(data, rows, pairs)  # [P, depth, V]
-        loss = train_step(opt, sched, logits, _targets(data, pairs, depth), weight, clip=clip)
-        if every and step % every == 0:
-            print(f"step {step} loss {loss.detach().item():.3f}", flush=True)
+        y = _targets(data, pairs, depth).to(device)
+        loss = train_step(opt, sched, logits, y, weight, clip=clip)
+        step += 1
+        if every and (step - 1) % every == 0:
+            print(f"step {step - 1} loss {loss.detach().item():.3f} "
+                  f"({time.perf_counter() - began:.0f} s)", flush=True)
+            if checkpoint is not None:
+                checkpoint(step)
+    args.steps_done = step
     return float(loss.detach())
 
 
@@ -240,7 +257,7 @@ def top1(data: dict, k: int, logits_of, rows: int = 8) -> list[float]:
             pairs = _pairs(data, chunk)
             y = _targets(data, pairs, k)
             ok = y != -100
-            hits += ((logits_of(chunk, pairs).argmax(-1) == y) & ok).sum(0).float()
+            hits += ((logits_of(chunk, pairs).argmax(-1).cpu() == y) & ok).sum(0).float()
             count += ok.sum(0).float()
     return [round(a, 4) for a in (hits / count.clamp_min(1)).tolist()]
 

@@ -389,11 +389,16 @@ def _saved_questions(model, tokenizer, n: int, seed: int, progress: bool, path: 
     return prompts, 0.0
 
 
-def self_asked(model, tokenizer, n: int, seed: int, progress: bool = False) -> list[list[int]]:
+def self_asked(model, tokenizer, n: int, seed: int, progress: bool = False,
+               batch: int = QUESTION_BATCH, deadline: Optional[float] = None) -> list[list[int]]:
     """``n`` chat prompts whose user message the model wrote itself (Magpie): sampled
-    (temperature 1, top-k 50, top-p 0.95, seeded, ``QUESTION_BATCH`` at a time) after the
-    chat template's text up to a user message (``question_prefix``), kept when it ends its
-    turn within ``QUESTION_TOKENS`` tokens and is new."""
+    (temperature 1, top-k 50, top-p 0.95, seeded, ``batch`` at a time) after the chat
+    template's text up to a user message (``question_prefix``), kept when it ends its turn
+    within ``QUESTION_TOKENS`` tokens and is new. The questions depend on the seed and
+    ``batch`` (a GPU samples more at once). ``deadline`` (``time.perf_counter()``): stop
+    after the batch that passes it, with fewer than ``n``."""
+    if type(batch) is not int or batch < 1:
+        raise ValueError(f"train_heads: the question batch must be an int >= 1, got {batch!r}")
     import rewriter
     from rewriter.runtime.chat import chat_prompt, split_tokenizer
     tok, text = split_tokenizer(tokenizer)
@@ -402,14 +407,14 @@ def self_asked(model, tokenizer, n: int, seed: int, progress: bool = False) -> l
     engine = rewriter.optimize(model)
     seen, out, tries = set(), [], 0
     bar = _bar(progress, n, "self-asked questions", "question")
-    while len(out) < n:
+    while len(out) < n and (deadline is None or time.perf_counter() < deadline):
         if tries >= 4 * n:  # a model that never ends its turn, or repeats itself
             raise ValueError(f"train_heads: the model asked {len(out)} distinct questions of "
                              f"at most {QUESTION_TOKENS} tokens in {tries} tries; {n} asked")
-        made = engine.generate([prefix] * QUESTION_BATCH, max_new_tokens=QUESTION_TOKENS,
+        made = engine.generate([prefix] * batch, max_new_tokens=QUESTION_TOKENS,
                                do_sample=True, temperature=1.0, top_k=50, top_p=0.95,
                                seed=seed * 1_000_003 + tries, eos_token_id=sorted(eos))
-        tries += QUESTION_BATCH
+        tries += batch
         for row in made[:, len(prefix):].tolist():
             ends = [i for i, t in enumerate(row) if t in eos]
             q = tok.decode(row[:ends[0]], skip_special_tokens=True).strip() if ends else ""
@@ -472,12 +477,14 @@ def _questions(rel: str, source: str) -> list[str]:
 
 
 def _continue(model, tokenizer, prompts, new_tokens: int, generate_batch: int, progress: bool,
-              split: str, partial: Optional[Path] = None,
-              key: str = "") -> tuple[Tensor, Tensor, float]:
+              split: str, partial: Optional[Path] = None, key: str = "",
+              deadline: Optional[float] = None) -> tuple[Tensor, Tensor, float]:
     """Prompts continued greedily by the model (through the runtime): ``[N, L]`` right-padded
     rows, where each row's continuation starts, and the seconds earlier runs spent on them.
     The rows made so far are saved to ``partial`` after every batch with the time they
-    took, and a run interrupted while generating resumes there."""
+    took, and a run interrupted while generating resumes there. ``deadline``
+    (``time.perf_counter()``): stop after the batch that passes it, with the first prompts'
+    rows only."""
     import rewriter
     began = time.perf_counter()
     engine = rewriter.optimize(model)
@@ -493,6 +500,8 @@ def _continue(model, tokenizer, prompts, new_tokens: int, generate_batch: int, p
     bar = _bar(progress, len(prompts), f"generate ({split})", "prompt")
     bar.update(len(rows))
     for i in range(len(rows), len(prompts), generate_batch):
+        if deadline is not None and time.perf_counter() >= deadline:
+            break
         chunk = prompts[i:i + generate_batch]
         out = engine.generate(chunk, max_new_tokens=new_tokens, eos_token_id=[])  # [b, w + n]
         w = max(map(len, chunk))
@@ -507,7 +516,7 @@ def _continue(model, tokenizer, prompts, new_tokens: int, generate_batch: int, p
     tokens = torch.zeros(len(rows), length, dtype=torch.int64)
     for r, row in enumerate(rows):
         tokens[r, :len(row)] = torch.tensor(row)
-    start = torch.tensor([len(p) for p in prompts])  # first generated position
+    start = torch.tensor([len(p) for p in prompts[:len(rows)]])  # first generated position
     return tokens, start, before
 
 

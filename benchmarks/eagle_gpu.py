@@ -1,0 +1,168 @@
+"""An EAGLE draft layer made in one timed run: chat data the model writes for itself, then
+the layer trained on it, each phase within its share of ``--seconds`` (a GPU machine is
+lent for minutes, one call at most 10 of them).
+
+    python benchmarks/eagle_gpu.py --model GGUF --device cuda --seconds 500 --out DIR
+
+Phases, each ending at its deadline (a fraction of ``--seconds`` from the start):
+
+1. ``--ask``: the model asks itself chat questions (``train_heads.self_asked``, Magpie),
+   ``--question-batch`` at a time, up to ``--questions``;
+2. ``--answer``: it answers them greedily (``--new-tokens``), together with
+   ``--code-prompts`` code prompts (``train_heads.make_prompts``: code chunks and chat
+   questions about them) and 48 held-out ones;
+3. its last hidden states over every row (the features the layer reads);
+4. the layer (``eagle_draft.Draft``, from random) trained until ``--seconds`` less
+   ``--reserve``, checkpointed to ``DIR/eagle.safetensors`` every 100 steps;
+5. held-out top-1 of each draft step: the last ``--chat-heldout`` chat rows and the
+   held-out code prompts.
+
+``DIR/eagle.safetensors`` is the draft file ``EagleDraft(weights=...)`` reads (with the
+tokens' counts for ``draft_vocab``), ``DIR/eagle_gpu.json`` what was made and measured.
+Nothing is cached: the data lives for the run (the point is a GPU's minutes).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from rewriter import eagle_file
+from rewriter.checkpoints import load_model
+from rewriter.train_heads import (_continue, _ends, _eos_ids, _hidden_states, _merge, make_prompts,
+                                  self_asked)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from eagle_draft import Draft, produced_counts  # noqa: E402
+from step_time import machine  # noqa: E402
+
+HELD_CODE = 48  # held-out code prompts (train-heads' default)
+PROMPT_TOKENS = 64  # code prompts' length (train-heads' default)
+
+
+def main() -> None:
+    args = parse()
+    began = time.perf_counter()
+    at = lambda fraction: began + fraction * args.seconds  # noqa: E731  a phase's deadline
+    device = torch.device(args.device)
+    model, tok = load_model(args.model, args.dtype)
+    model = model.to(device).eval()
+    eos = _eos_ids(model, tok)
+    report = {"args": vars(args), "cpu": machine(), "torch": torch.__version__,
+              "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    phase = lambda name: report.setdefault("seconds", {}).__setitem__(  # noqa: E731
+        name, round(time.perf_counter() - began - sum(report["seconds"].values()), 1))
+    report["seconds"] = {}
+    phase("load")
+
+    asked = self_asked(model, tok, args.questions, args.seed, progress=False,
+                       batch=args.question_batch, deadline=at(args.ask))
+    phase("ask")
+    print(f"{len(asked)} questions asked", flush=True)
+    held = make_prompts(tok, "heldout", HELD_CODE, PROMPT_TOKENS, args.seed, chat=True)
+    code = make_prompts(tok, "train", args.code_prompts, PROMPT_TOKENS, args.seed, chat=True)
+    # held-out first (always answered), then chat and code interleaved: a deadline keeps
+    # both kinds
+    mixed = [("chat", p) for p in asked] + [("code", p) for p in code]
+    random.Random(args.seed).shuffle(mixed)
+    kinds = ["held"] * len(held) + [k for k, _ in mixed]
+    tokens, start, _ = _continue(model, tok, held + [p for _, p in mixed], args.new_tokens,
+                                 args.generate_batch, False, "train", deadline=at(args.answer))
+    phase("answer")
+    hidden, _ = _hidden_states(model, tokens, False, "train", chunk=args.hidden_chunk)
+    phase("hidden")
+    data = {"tokens": tokens, "start": start, "hidden": hidden}
+    data["end"] = _ends(data, args.new_tokens, eos)
+    kinds = torch.tensor([("held", "chat", "code").index(k) for k in kinds[:len(tokens)]])
+    part = lambda rows: {k: v[rows] for k, v in data.items()}  # noqa: E731
+    chat = (kinds == 1).nonzero().flatten()
+    if len(chat) <= args.chat_heldout:
+        sys.exit(f"eagle_gpu: {len(chat)} chat rows answered, --chat-heldout {args.chat_heldout}: "
+                 f"give more --seconds or a smaller --chat-heldout")
+    cut = len(chat) - args.chat_heldout
+    parts = [part(chat[:cut]), part((kinds == 2).nonzero().flatten())]
+    train = _merge(parts)
+    heldout = {"chat": part(chat[cut:]), "code": part((kinds == 0).nonzero().flatten())}
+    positions = int((train["end"] - train["start"]).sum())
+    report["data"] = {"questions": len(asked), "chat_rows": cut, "code_rows": len(parts[1]["tokens"]),
+                      "heldout_chat_rows": args.chat_heldout, "heldout_code_rows": HELD_CODE,
+                      "generated_positions": positions}
+    print(report["data"], flush=True)
+
+    torch.manual_seed(args.seed)
+    draft = Draft(model, "random", args.depth, device)
+    counts = produced_counts(parts, model.lm_head.weight.shape[0])
+    lm = model.lm_head.weight.detach().cpu()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def save(step: int, accuracy: list) -> None:
+        eagle_file.made({n: t.detach().cpu() for n, t in draft.p.items()}, draft.shape, lm,
+                        accuracy=accuracy, counts=counts,
+                        trained={"steps": step, "seconds": round(time.perf_counter() - began, 1),
+                                 "rows": len(train["tokens"]), "positions": positions,
+                                 "lr": args.lr, "seed": args.seed, "depth": args.depth,
+                                 "batch_rows": args.rows, "batch_positions": args.positions,
+                                 "device": report["device_name"],
+                                 "accuracy_on": "held-out self-asked chat rows"}
+                        ).save(out / "eagle.safetensors")
+    phase("prepare")
+    budget = at(1.0) - args.reserve - time.perf_counter()
+    if budget <= 0:
+        sys.exit(f"eagle_gpu: no time left to train ({budget:.0f} s): give more --seconds")
+    loss = draft.train(train, args, seconds=budget, checkpoint=lambda step: save(step, []))
+    phase("train")
+    accuracy = {k: draft.accuracy(v) for k, v in heldout.items()}
+    phase("accuracy")
+    save(args.steps_done, accuracy["chat"])
+    report.update(steps=args.steps_done, final_loss=round(loss, 4), heldout_top1=accuracy)
+    (out / "eagle_gpu.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps({k: report[k] for k in ("seconds", "data", "steps", "final_loss",
+                                             "heldout_top1", "device_name")}), flush=True)
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2", help="a GGUF file, 'smollm2' or 'default'")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="float32", help="the model's, while it writes the data")
+    ap.add_argument("--seconds", type=float, default=500.0, help="the whole run's budget")
+    ap.add_argument("--ask", type=float, default=0.2, help="deadline of the questions (fraction)")
+    ap.add_argument("--answer", type=float, default=0.5, help="deadline of the answers (fraction)")
+    ap.add_argument("--reserve", type=float, default=30.0,
+                    help="seconds kept after training for the held-out accuracy and the file")
+    ap.add_argument("--questions", type=int, default=65536, help="at most this many")
+    ap.add_argument("--question-batch", type=int, default=512)
+    ap.add_argument("--code-prompts", type=int, default=4096)
+    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--generate-batch", type=int, default=256)
+    ap.add_argument("--hidden-chunk", type=int, default=64, help="rows a hidden-state forward")
+    ap.add_argument("--chat-heldout", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=1_000_000, help="at most (the time ends it first)")
+    ap.add_argument("--rows", type=int, default=32, help="whole rows the layer runs over a step")
+    ap.add_argument("--positions", type=int, default=1024, help="chain starts trained on a step")
+    ap.add_argument("--depth", type=int, default=4, help="draft steps unrolled")
+    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--seed", type=int, default=11)
+    ap.add_argument("--out", required=True, help="folder for eagle.safetensors and eagle_gpu.json")
+    args = ap.parse_args()
+    for name in ("questions", "question_batch", "code_prompts", "generate_batch", "hidden_chunk",
+                 "chat_heldout", "steps", "rows", "positions", "depth"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.new_tokens < args.depth + 2:
+        ap.error(f"--new-tokens must be at least --depth + 2 = {args.depth + 2}")
+    if not (0 < args.ask < args.answer < 1):
+        ap.error("need 0 < --ask < --answer < 1 (fractions of --seconds)")
+    if not (args.seconds > 0 and args.reserve >= 0 and args.lr > 0):
+        ap.error("--seconds and --lr must be > 0, --reserve >= 0")
+    return args
+
+
+if __name__ == "__main__":
+    main()
