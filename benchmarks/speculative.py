@@ -511,7 +511,8 @@ def eagle_rows(model, tok, plain, args, dtype, results, rows) -> None:
     (``--heads``, default the model's shipped ones) given the same rounds: a tree of as
     many nodes re-grown every round from the draft's probabilities (``--dynamic`` nodes
     expanded a level, 4 without it), four levels, the ``--draft-vocab`` most produced tokens
-    (0: the whole vocabulary), no copied chains. Runs interleaved."""
+    (0: the whole vocabulary), ``--lookup`` tokens copied from the text (0: none). Runs
+    interleaved."""
     from rewriter.passes.eagle_draft import budget_tree
     expand = args.dynamic or 4
     vocab = args.draft_vocab or None
@@ -519,10 +520,10 @@ def eagle_rows(model, tok, plain, args, dtype, results, rows) -> None:
         tree = budget_tree(nodes, 4).record()
         engines = {"EAGLE layer": strategy_engine(model, tokenizer=tok, backend=args.backend, passes=[
                        EagleDraft(weights=args.eagle, nodes=nodes, expand=expand, depth=4,
-                                  draft_vocab=vocab)]),
+                                  draft_vocab=vocab, lookup=args.lookup)]),
                    "Hydra heads": strategy_engine(model, tokenizer=tok, backend=args.backend, passes=[
                        HydraHeads(weights=args.heads or args.model, tree=tree, dynamic=expand,
-                                  lookup=0, draft_vocab=vocab)])}
+                                  lookup=args.lookup, draft_vocab=vocab)])}
         for b in args.batch:
             for kind, prompts in prompt_sets(plain, tok, b, args.samples, args.chat).items():
                 variants = [(plain, contextlib.nullcontext)] + \
@@ -534,6 +535,7 @@ def eagle_rows(model, tok, plain, args, dtype, results, rows) -> None:
                     run = {"dtype": dtype, "strategy": "eagle" if name.startswith("EAGLE") else "hydra",
                            "draft": args.eagle if name.startswith("EAGLE") else args.heads or args.model,
                            "nodes": nodes, "expand": expand, "draft_vocab": vocab, "batch": b,
+                           "lookup": args.lookup,
                            "prompts": kind,
                            "plain_tok_s": base_rate, "tok_s": rate, "speedup": rate / base_rate,
                            "accepted_length": 1 + st.get("accepted", 0) / rounds if rounds else 1.0,

@@ -1,5 +1,6 @@
 """``EagleDraft``: an EAGLE draft layer inserted as a pass, verified as a dynamic token tree.
 
+    EagleDraft(weights="smollm2", draft_vocab=4096)         # the shipped SmolLM2 draft
     EagleDraft(weights="draft.safetensors")                 # a trained draft (eagle_file)
     EagleDraft(weights="draft.safetensors", nodes=16, expand=4, depth=5)
     EagleDraft(weights="draft.safetensors", draft_vocab=4096)  # a trimmed draft projection
@@ -58,8 +59,9 @@ class EagleDraft(Pass):
                  posterior_alpha: float = 0.3, lookup: int = 0):
         name = type(self).__name__
         if weights is None:
-            raise ValueError(f"{name}: give weights=PATH, a trained draft file "
-                             f"(rewriter.eagle_file; benchmarks/eagle_draft.py --save)")
+            raise ValueError(f"{name}: give weights='smollm2' (the shipped SmolLM2 draft) or "
+                             f"PATH, a trained draft file (rewriter.eagle_file; "
+                             f"benchmarks/eagle_gpu.py or eagle_draft.py --save)")
         if not isinstance(weights, str):
             weights = str(weights)  # a Path
         try:

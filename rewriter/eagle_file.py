@@ -1,7 +1,8 @@
 """The file that stores a trained EAGLE draft layer (``rewriter.eagle``).
 
 Safetensors (no pickle): the parameters under ``rewriter.eagle``'s names (``LAYER``, then
-``fc.weight``, ``fc.bias``, ``norm.weight``), float32, optionally ``counts`` (int64
+``fc.weight``, ``fc.bias``, ``norm.weight``), float32 or bfloat16 (read as float32: a
+shipped draft is stored in bfloat16, half the bytes), optionally ``counts`` (int64
 ``[V]``: how often the model produced each token in the training data, from which a
 trimmed draft vocabulary keeps the most frequent), and metadata: the format tag, the
 layer's ``Shape``, the model it was trained for (vocabulary, a probe of its LM head's
@@ -26,6 +27,9 @@ from rewriter.heads import PROBE, probe_of, unfit
 FORMAT = "rewriter-eagle-draft"
 VERSION = "1"
 NAMES = (*eagle.LAYER, "fc.weight", "fc.bias", "norm.weight")
+STORED = (torch.float32, torch.bfloat16)  # what a file may hold; loaded as float32
+ASSETS = Path(__file__).resolve().parent / "assets" / "eagle"
+SHIPPED = ("smollm2",)  # assets/eagle/{name}.safetensors
 
 
 class DraftFileError(ValueError):
@@ -42,14 +46,18 @@ class Draft:
     trained: dict = field(default_factory=dict)
     counts: Optional[Tensor] = None  # [vocab] int64: tokens the model produced (VocabTrim)
 
-    def save(self, path: Union[str, os.PathLike]) -> None:
+    def save(self, path: Union[str, os.PathLike], dtype: torch.dtype = torch.float32) -> None:
+        """Write the file (atomically); ``dtype``: the parameters' on disk, float32 or
+        bfloat16."""
         from safetensors.torch import save_file
+        if dtype not in STORED:
+            raise ValueError(f"eagle_file: a draft is stored in float32 or bfloat16, got {dtype}")
         meta = {"format": FORMAT, "version": VERSION, "shape": json.dumps(asdict(self.shape)),
                 "vocab": str(self.vocab), "probe": json.dumps(self.probe),
                 "accuracy": json.dumps(self.accuracy), "trained": json.dumps(self.trained)}
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
-        tensors = {n: self.params[n].detach().float().contiguous() for n in NAMES}
+        tensors = {n: self.params[n].detach().to(dtype).contiguous() for n in NAMES}
         if self.counts is not None:
             tensors["counts"] = self.counts.to(torch.int64).contiguous()
         save_file(tensors, str(tmp), metadata=meta)
@@ -66,9 +74,17 @@ def made(params: dict, shape: eagle.Shape, lm_head: Tensor, **kw) -> Draft:
     return Draft(params, shape, lm_head.shape[0], probe_of(lm_head), **kw)
 
 
+def resolve(weights: Union[str, os.PathLike]) -> Path:
+    """A draft file's path: a shipped name (``smollm2``) or a path."""
+    if isinstance(weights, str) and weights in SHIPPED:
+        return ASSETS / f"{weights}.safetensors"
+    return Path(weights)
+
+
 def load(weights: Union[str, os.PathLike]) -> Draft:
-    """The draft in a file, every field checked (``DraftFileError`` names the problem)."""
-    path = Path(weights)  # none is shipped yet
+    """The draft in a file or a shipped one's name, every field checked (``DraftFileError``
+    names the problem); its parameters as float32."""
+    path = resolve(weights)
     if not path.is_file():
         raise DraftFileError(f"{path}: no such draft file")
     from safetensors import SafetensorError, safe_open
@@ -105,6 +121,7 @@ def load(weights: Union[str, os.PathLike]) -> Draft:
         why = f"counts must be [{vocab}] non-negative int64, got {counts.dtype} {list(counts.shape)}"
     if why:
         raise DraftFileError(f"{path}: {why}")
+    params = {n: t.float() for n, t in params.items()}
     return Draft(params, shape, vocab, probe, accuracy, trained, counts)
 
 
@@ -131,8 +148,8 @@ def _finite(x) -> bool:
 def _check(params, shape, vocab, probe, accuracy, trained) -> str | None:
     for name, size in sizes(shape).items():
         t = params[name]
-        if tuple(t.shape) != size or t.dtype != torch.float32:
-            return f"{name} must be float32 {list(size)}, got {t.dtype} {list(t.shape)}"
+        if tuple(t.shape) != size or t.dtype not in STORED:
+            return f"{name} must be float32 or bfloat16 {list(size)}, got {t.dtype} {list(t.shape)}"
         if not bool(torch.isfinite(t).all()):
             return f"{name} holds NaN or infinite values"
     if type(vocab) is not int or vocab < 1:

@@ -245,7 +245,7 @@ def test_the_cli_spec_and_the_budget_tree():
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(), "give weights=PATH"),
+    (dict(), "give weights=.smollm2. .the shipped SmolLM2 draft. or PATH"),
     (dict(weights="/nonexistent/d.safetensors"), "d.safetensors"),
     (dict(nodes=1), "nodes must be an int in \\[2, 63\\]"),
     (dict(nodes=True), "nodes must be an int"),

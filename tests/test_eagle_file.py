@@ -53,8 +53,8 @@ def test_round_trip_and_fit(tmp_path):
     ({"counts": torch.zeros(49, dtype=torch.int64)}, {}, "counts must be \\[50\\] non-negative int64"),
     ({"counts": torch.full((50,), -1, dtype=torch.int64)}, {}, "counts must be"),
     ({"counts": torch.zeros(50)}, {}, "counts must be"),
-    ({"fc.weight": torch.zeros(32, 32)}, {}, "fc.weight must be float32 \\[32, 64\\]"),
-    ({"fc.bias": torch.zeros(32, dtype=torch.float64)}, {}, "fc.bias must be float32"),
+    ({"fc.weight": torch.zeros(32, 32)}, {}, "fc.weight must be float32 or bfloat16 \\[32, 64\\]"),
+    ({"fc.bias": torch.zeros(32, dtype=torch.float64)}, {}, "fc.bias must be float32 or bfloat16"),
     ({"norm.weight": torch.full((32,), float("nan"))}, {}, "norm.weight holds NaN"),
     ({}, {"shape": json.dumps({"hidden": 32, "heads": 5, "kv_heads": 1, "intermediate": 48})},
      "unreadable draft file.*split into 5 heads"),
@@ -110,3 +110,29 @@ def test_counts_round_trip(tmp_path):
     bare, _ = _draft()
     bare.save(tmp_path / "b.safetensors")
     assert eagle_file.load(tmp_path / "b.safetensors").counts is None
+
+
+def test_a_draft_stored_in_bfloat16_loads_as_float32(tmp_path):
+    """Half the bytes on disk (the shipped draft); read back as float32, each parameter its
+    bfloat16 rounding; any other dtype refused, on saving and on loading."""
+    d, lm = _draft()
+    d.save(tmp_path / "h.safetensors", dtype=torch.bfloat16)
+    with safe_open(str(tmp_path / "h.safetensors"), "pt") as f:
+        assert {f.get_tensor(n).dtype for n in eagle_file.NAMES} == {torch.bfloat16}
+    got = eagle_file.load(tmp_path / "h.safetensors")
+    for name in eagle_file.NAMES:
+        assert got.params[name].dtype == torch.float32
+        assert torch.equal(got.params[name], d.params[name].to(torch.bfloat16).float())
+    got.fits(lm, "h")
+    with pytest.raises(ValueError, match="stored in float32 or bfloat16, got torch.float16"):
+        d.save(tmp_path / "x.safetensors", dtype=torch.float16)
+    assert not (tmp_path / "x.safetensors").exists()
+    _rewrite(tmp_path / "h.safetensors", tmp_path / "f16.safetensors",
+             {"fc.bias": torch.zeros(32, dtype=torch.float16)})
+    with pytest.raises(eagle_file.DraftFileError, match="fc.bias must be float32 or bfloat16"):
+        eagle_file.load(tmp_path / "f16.safetensors")
+
+
+def test_the_shipped_name_resolves_to_the_packaged_file():
+    assert eagle_file.resolve("smollm2") == eagle_file.ASSETS / "smollm2.safetensors"
+    assert str(eagle_file.resolve("smollm2.safetensors")) == "smollm2.safetensors"  # a path

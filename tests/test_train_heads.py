@@ -2,6 +2,7 @@
 rank accuracies and token counts, and the CLI."""
 import json
 import shutil
+import types
 
 import pytest
 import torch
@@ -245,6 +246,54 @@ def _turns_end_at_full_stops(monkeypatch, tok):
     stop = _Templated(tok).backend_tokenizer.token_to_id(".")
     assert stop is not None
     monkeypatch.setattr(th, "_eos_ids", lambda model, tokenizer: {stop})
+
+
+class _Clock:
+    """``time.perf_counter`` that moves ``tick`` seconds at every read."""
+
+    def __init__(self, tick: float):
+        self.now, self.tick = 0.0, tick
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+def test_self_asked_takes_a_batch_and_stops_at_its_deadline(monkeypatch):
+    """A GPU asks more questions at once (``batch``: seeded, deterministic, other questions
+    than 32 at a time); a deadline stops it after the batch that passes it, with fewer
+    questions than asked; a batch below one is refused by name."""
+    model, tok = default_model()
+    _turns_end_at_full_stops(monkeypatch, tok)
+    chat = _Templated(tok)
+    eight = th.self_asked(model, chat, 4, seed=0, batch=8)
+    assert eight == th.self_asked(model, chat, 4, seed=0, batch=8) and len(eight) == 4
+    # the deadline passes during the first batch: that batch's questions only, never more
+    clock = _Clock(1.0)
+    monkeypatch.setattr(th, "time", types.SimpleNamespace(perf_counter=clock))
+    first = th.self_asked(model, chat, 400, seed=0, batch=8, deadline=clock.now + 1.5)
+    assert 1 <= len(first) <= 8 and first == th.self_asked(model, chat, len(first), seed=0, batch=8)
+    assert th.self_asked(model, chat, 4, seed=0, batch=8, deadline=clock.now - 1) == []
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="question batch must be an int >= 1"):
+            th.self_asked(model, chat, 4, seed=0, batch=bad)
+
+
+def test_continuing_stops_after_the_batch_that_passes_the_deadline(monkeypatch):
+    """``_continue(deadline=...)``: the first prompts' rows only, each as an undeadlined run
+    makes it, with their own starts; a deadline already passed makes none."""
+    model, tok = default_model()
+    prompts = [[1, 5, 9], [2, 7], [3, 8, 4, 6], [5, 5], [9, 1, 1]]
+    whole, start, _ = th._continue(model, tok, prompts, 6, 2, False, "train")
+    clock = _Clock(1.0)
+    monkeypatch.setattr(th, "time", types.SimpleNamespace(perf_counter=clock))
+    cut, cut_start, _ = th._continue(model, tok, prompts, 6, 2, False, "train",
+                                     deadline=clock.now + 2.5)
+    assert 1 <= len(cut) < len(prompts) and len(cut) % 2 == 0  # whole batches of 2
+    assert torch.equal(cut, whole[:len(cut)]) and torch.equal(cut_start, start[:len(cut)])
+    none, none_start, _ = th._continue(model, tok, prompts, 6, 2, False, "train",
+                                       deadline=clock.now - 1)
+    assert none.shape == (0, whole.shape[1]) and len(none_start) == 0
 
 
 def test_merging_rows_of_unequal_widths_keeps_each_rows_targets_paths_and_states():
