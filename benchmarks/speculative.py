@@ -260,6 +260,8 @@ def main():
                     help="an EAGLE draft file (rewriter.eagle_file), for --strategies eagle")
     ap.add_argument("--eagle-nodes", type=int, nargs="+", default=[8],
                     help="eagle: tokens a round verifies (the root included)")
+    ap.add_argument("--eagle-depth", type=int, default=4,
+                    help="eagle: the tree's levels (both drafts; the heads have 4)")
     ap.add_argument("--draft-weights", default="dense", choices=["dense", "int4"],
                     help="self: int4 times SelfSpeculative(draft_weights='int4') with no skip "
                          "set instead of the spread and calibrated skip sets (its prediction: "
@@ -296,6 +298,8 @@ def main():
         ap.error("--strategies eagle and --eagle FILE go together")
     if not all(2 <= n < MAX_NODES for n in args.eagle_nodes):
         ap.error(f"--eagle-nodes must be in [2, {MAX_NODES - 1}], got {args.eagle_nodes}")
+    if not 1 <= args.eagle_depth <= 4:
+        ap.error(f"--eagle-depth must be in [1, 4] (the heads' count), got {args.eagle_depth}")
     if args.tree_nodes is not None and not 1 <= args.tree_nodes < MAX_NODES:
         ap.error(f"--tree-nodes must be in [1, {MAX_NODES - 1}], got {args.tree_nodes}")
     results = {"model": args.model, "device": device_name(args.device), "backend": args.backend,
@@ -517,9 +521,9 @@ def eagle_rows(model, tok, plain, args, dtype, results, rows) -> None:
     expand = args.dynamic or 4
     vocab = args.draft_vocab or None
     for nodes in args.eagle_nodes:
-        tree = budget_tree(nodes, 4).record()
+        tree = budget_tree(nodes, args.eagle_depth).record()
         engines = {"EAGLE layer": strategy_engine(model, tokenizer=tok, backend=args.backend, passes=[
-                       EagleDraft(weights=args.eagle, nodes=nodes, expand=expand, depth=4,
+                       EagleDraft(weights=args.eagle, nodes=nodes, expand=expand, depth=args.eagle_depth,
                                   draft_vocab=vocab, lookup=args.lookup)]),
                    "Hydra heads": strategy_engine(model, tokenizer=tok, backend=args.backend, passes=[
                        HydraHeads(weights=args.heads or args.model, tree=tree, dynamic=expand,
@@ -535,7 +539,7 @@ def eagle_rows(model, tok, plain, args, dtype, results, rows) -> None:
                     run = {"dtype": dtype, "strategy": "eagle" if name.startswith("EAGLE") else "hydra",
                            "draft": args.eagle if name.startswith("EAGLE") else args.heads or args.model,
                            "nodes": nodes, "expand": expand, "draft_vocab": vocab, "batch": b,
-                           "lookup": args.lookup,
+                           "lookup": args.lookup, "depth": args.eagle_depth,
                            "prompts": kind,
                            "plain_tok_s": base_rate, "tok_s": rate, "speedup": rate / base_rate,
                            "accepted_length": 1 + st.get("accepted", 0) / rounds if rounds else 1.0,
