@@ -151,7 +151,7 @@ class Draft:
         last = dict(model.model.layers[-1].named_parameters())
         self.p = {}
         for name in eagle.LAYER:  # drawn from the global generator, in this order
-            t = last[name].detach().float().clone()
+            t = last[name].detach().float().cpu().clone()  # drawn by the CPU's generator
             if init == "random":
                 t = torch.ones_like(t) if name.endswith("layernorm.weight") else torch.randn_like(t) * 0.02
             self.p[name] = t
@@ -159,7 +159,7 @@ class Draft:
         if init == "last":  # the feature through, the embedding not: the model's last layer
             fc = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], 1)
         self.p["fc.weight"], self.p["fc.bias"] = fc, torch.zeros(hidden)
-        self.p["norm.weight"] = model.model.norm.weight.detach().float().clone()
+        self.p["norm.weight"] = model.model.norm.weight.detach().float().cpu().clone()
         # drawn on the CPU, as before, then moved: the same start on every device
         self.p = {n: t.to(self.device).requires_grad_(True) for n, t in self.p.items()}
 
@@ -185,7 +185,7 @@ class Draft:
         """``args.steps`` steps (``seconds``: or until they are spent); ``checkpoint(step)``
         every 100 steps."""
         opt = torch.optim.AdamW(list(self.p.values()), lr=args.lr, weight_decay=0.0)
-        # EAGLE clips at 0.5 too, by value
+        # EAGLE clips at 0.5 too (by value; here by norm)
         return train_rows(opt, data, args, self.logits, self.depth, warmup=50, clip=0.5,
                           every=100, device=self.device, seconds=seconds, checkpoint=checkpoint)
 

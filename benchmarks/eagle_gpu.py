@@ -53,7 +53,7 @@ def main() -> None:
     model, tok = load_model(args.model, args.dtype)
     model = model.to(device).eval()
     eos = _eos_ids(model, tok)
-    report = {"args": vars(args), "cpu": machine(), "torch": torch.__version__,
+    report = {"args": dict(vars(args)), "cpu": machine(), "torch": torch.__version__,
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     phase = lambda name: report.setdefault("seconds", {}).__setitem__(  # noqa: E731
         name, round(time.perf_counter() - began - sum(report["seconds"].values()), 1))
@@ -66,14 +66,16 @@ def main() -> None:
     print(f"{len(asked)} questions asked", flush=True)
     held = make_prompts(tok, "heldout", HELD_CODE, PROMPT_TOKENS, args.seed, chat=True)
     code = make_prompts(tok, "train", args.code_prompts, PROMPT_TOKENS, args.seed, chat=True)
-    # held-out first (always answered), then chat and code interleaved: a deadline keeps
-    # both kinds
+    # held-out first (answered unless the deadline passed before them), then chat and code
+    # interleaved: a deadline keeps both kinds
     mixed = [("chat", p) for p in asked] + [("code", p) for p in code]
     random.Random(args.seed).shuffle(mixed)
     kinds = ["held"] * len(held) + [k for k, _ in mixed]
     tokens, start, _ = _continue(model, tok, held + [p for _, p in mixed], args.new_tokens,
                                  args.generate_batch, False, "train", deadline=at(args.answer))
     phase("answer")
+    if len(tokens):  # padded to the widest prompt of all: only the answered ones' width
+        tokens = tokens[:, :int(start.max()) + args.new_tokens]
     hidden, _ = _hidden_states(model, tokens, False, "train", chunk=args.hidden_chunk)
     phase("hidden")
     data = {"tokens": tokens, "start": start, "hidden": hidden}
@@ -85,12 +87,16 @@ def main() -> None:
         sys.exit(f"eagle_gpu: {len(chat)} chat rows answered, --chat-heldout {args.chat_heldout}: "
                  f"give more --seconds or a smaller --chat-heldout")
     cut = len(chat) - args.chat_heldout
-    parts = [part(chat[:cut]), part((kinds == 2).nonzero().flatten())]
+    code_rows = (kinds == 2).nonzero().flatten()
+    parts = [part(chat[:cut])] + ([part(code_rows)] if len(code_rows) else [])
     train = _merge(parts)
     heldout = {"chat": part(chat[cut:]), "code": part((kinds == 0).nonzero().flatten())}
     positions = int((train["end"] - train["start"]).sum())
-    report["data"] = {"questions": len(asked), "chat_rows": cut, "code_rows": len(parts[1]["tokens"]),
-                      "heldout_chat_rows": args.chat_heldout, "heldout_code_rows": HELD_CODE,
+    if not len(heldout["code"]["tokens"]):
+        sys.exit("eagle_gpu: no held-out code prompt was answered: give more --seconds")
+    report["data"] = {"questions": len(asked), "chat_rows": cut, "code_rows": len(code_rows),
+                      "heldout_chat_rows": args.chat_heldout,
+                      "heldout_code_rows": len(heldout["code"]["tokens"]),
                       "generated_positions": positions}
     print(report["data"], flush=True)
 
@@ -108,14 +114,19 @@ def main() -> None:
                                  "rows": len(train["tokens"]), "positions": positions,
                                  "lr": args.lr, "seed": args.seed, "depth": args.depth,
                                  "batch_rows": args.rows, "batch_positions": args.positions,
-                                 "device": report["device_name"],
+                                 "device": report["device_name"], "stored": args.save_dtype,
                                  "accuracy_on": "held-out self-asked chat rows"}
-                        ).save(out / "eagle.safetensors")
+                        ).save(out / "eagle.safetensors", dtype=getattr(torch, args.save_dtype))
     phase("prepare")
     budget = at(1.0) - args.reserve - time.perf_counter()
     if budget <= 0:
         sys.exit(f"eagle_gpu: no time left to train ({budget:.0f} s): give more --seconds")
-    loss = draft.train(train, args, seconds=budget, checkpoint=lambda step: save(step, []))
+    def checkpoint(step: int) -> None:  # the last good one stays where a run diverges
+        try:
+            save(step, [])
+        except eagle_file.DraftFileError as e:
+            print(f"step {step}: no checkpoint: {e}", flush=True)
+    loss = draft.train(train, args, seconds=budget, checkpoint=checkpoint)
     phase("train")
     accuracy = {k: draft.accuracy(v) for k, v in heldout.items()}
     phase("accuracy")
@@ -150,6 +161,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--seed", type=int, default=11)
     ap.add_argument("--out", required=True, help="folder for eagle.safetensors and eagle_gpu.json")
+    ap.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the draft file's parameters (the shipped one: bfloat16, half the bytes)")
     args = ap.parse_args()
     for name in ("questions", "question_batch", "code_prompts", "generate_batch", "hidden_chunk",
                  "chat_heldout", "steps", "rows", "positions", "depth"):

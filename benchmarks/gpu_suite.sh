@@ -10,11 +10,12 @@
 #   bash benchmarks/gpu_suite.sh smollm2 [F] # speculative.py on SmolLM2's GGUF F, per strategy
 #                                            # (default: the parts carried so far, gpu_prepare.sh)
 #   bash benchmarks/gpu_suite.sh sparse [F]  # sparse.py decode speed at 8k on F, both backends (~8 min)
-#   [INIT=smollm2] [PROMPTS=..] [ROWS=..] [QUESTIONS=..] [LR=..] [SEED=3] [BLOCKS=4] [SLOT=540] \
 #   bash benchmarks/gpu_suite.sh eagle-probe # eagle's GPU paths on a random model        (~1 min)
 #   [SLOT=520] [BUDGET=470] \
 #   bash benchmarks/gpu_suite.sh eagle [F]   # chat data + an EAGLE draft layer trained on it
-#                                            # (eagle_gpu.py), the file back in two halves
+#                                            # (eagle_gpu.py), the file back in two halves:
+#                                            # cat eagle_part_a? > f; sha256sum f (eagle.sha256)
+#   [INIT=smollm2] [PROMPTS=..] [ROWS=..] [QUESTIONS=..] [LR=..] [SEED=3] [BLOCKS=4] [SLOT=540] \
 #   bash benchmarks/gpu_suite.sh heads [F]   # Hydra heads trained on the GPU on more data than a
 #                                            # CPU makes in a session; its work dir stays in
 #                                            # /tmp/heads_work: a call within 30 s resumes it

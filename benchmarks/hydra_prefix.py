@@ -184,20 +184,25 @@ def train_rows(opt, data: dict, args, logits_of, depth: int, warmup: int,
     the model's own tokens weighted ``DECAY ** k``. Prints the loss every ``every`` steps
     (0: never). ``seconds``: a time budget as well; the schedule's cosine follows whichever
     of steps and seconds runs out first, and training ends there. ``checkpoint(step)`` is
-    called every ``every`` steps. Returns the last step's loss; ``args.steps_done`` is set
-    to the steps taken."""
+    called after every ``every``-th step. Returns the last step's loss (NaN when no step
+    ran); ``args.steps_done`` is set to the steps taken."""
+    if seconds is not None and not seconds > 0:
+        raise ValueError(f"train_rows: seconds must be > 0 (or None), got {seconds!r}")
+    if checkpoint is not None and not every:
+        raise ValueError("train_rows: a checkpoint is called every `every` steps: give every >= 1")
     began = time.perf_counter()
 
     def done(s: int) -> float:  # the fraction of the budget spent after s steps
-        return min(1.0, max(s / args.steps, (time.perf_counter() - began) / seconds
-                            if seconds else 0.0))
+        return min(1.0, max(s / args.steps, (time.perf_counter() - began) / seconds))
     step = 0
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * done(s))))
+    # without a budget, exactly warmup_cosine's rates (to the last bit, as before)
+    sched = warmup_cosine(opt, args.steps, warmup) if seconds is None else \
+        torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * done(s))))
     weight = torch.tensor([DECAY ** k for k in range(depth)], device=device)
     g = torch.Generator().manual_seed(args.seed)
     loss = torch.tensor(float("nan"))
-    while done(step) < 1.0:
+    while (step < args.steps if seconds is None else done(step) < 1.0):
         rows, pairs = row_batch(data, args.rows, args.positions, g)
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
             logits = logits_of(data, rows, pairs)  # [P, depth, V]
@@ -207,8 +212,8 @@ def train_rows(opt, data: dict, args, logits_of, depth: int, warmup: int,
         if every and (step - 1) % every == 0:
             print(f"step {step - 1} loss {loss.detach().item():.3f} "
                   f"({time.perf_counter() - began:.0f} s)", flush=True)
-            if checkpoint is not None:
-                checkpoint(step)
+        if checkpoint is not None and step % every == 0:
+            checkpoint(step)
     args.steps_done = step
     return float(loss.detach())
 

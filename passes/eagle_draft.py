@@ -1,6 +1,7 @@
 """``EagleDraft``: an EAGLE draft layer inserted as a pass, verified as a dynamic token tree.
 
     EagleDraft(weights="smollm2", draft_vocab=4096)         # the shipped SmolLM2 draft
+                                                            # (a file named so: "./smollm2")
     EagleDraft(weights="draft.safetensors")                 # a trained draft (eagle_file)
     EagleDraft(weights="draft.safetensors", nodes=16, expand=4, depth=5)
     EagleDraft(weights="draft.safetensors", draft_vocab=4096)  # a trimmed draft projection

@@ -57,9 +57,14 @@ class Draft:
                 "accuracy": json.dumps(self.accuracy), "trained": json.dumps(self.trained)}
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
-        tensors = {n: self.params[n].detach().to(dtype).contiguous() for n in NAMES}
+        tensors = {n: self.params[n].detach().cpu().to(dtype).contiguous() for n in NAMES}
         if self.counts is not None:
-            tensors["counts"] = self.counts.to(torch.int64).contiguous()
+            tensors["counts"] = self.counts.cpu().to(torch.int64).contiguous()
+        # what load would refuse is never written (a diverged run's NaN, a float32 value
+        # past bfloat16's range)
+        why = _check(tensors, self.shape, self.vocab, self.probe, self.accuracy, self.trained)
+        if why:
+            raise DraftFileError(f"{path}: not saved: {why}")
         save_file(tensors, str(tmp), metadata=meta)
         os.replace(tmp, path)  # a reader never sees half a file
 

@@ -133,6 +133,32 @@ def test_a_draft_stored_in_bfloat16_loads_as_float32(tmp_path):
         eagle_file.load(tmp_path / "f16.safetensors")
 
 
-def test_the_shipped_name_resolves_to_the_packaged_file():
+def test_the_shipped_draft_is_packaged_and_loads():
+    """``weights="smollm2"``: the packaged file, SmolLM2's shape and vocabulary, with the
+    token counts a trimmed vocabulary needs, bfloat16 on disk and float32 once loaded; any
+    other string (``./smollm2`` too) is a path."""
     assert eagle_file.resolve("smollm2") == eagle_file.ASSETS / "smollm2.safetensors"
-    assert str(eagle_file.resolve("smollm2.safetensors")) == "smollm2.safetensors"  # a path
+    for path in ("smollm2.safetensors", "./smollm2", "../smollm2"):
+        assert str(eagle_file.resolve(path)) == str(__import__("pathlib").Path(path))
+    d = eagle_file.load("smollm2")
+    assert (d.shape.hidden, d.shape.heads, d.shape.kv_heads, d.vocab) == (576, 9, 3, 49152)
+    assert d.counts is not None and int(d.counts.sum()) == d.trained["positions"] > 0
+    assert {t.dtype for t in d.params.values()} == {torch.float32}
+    assert len(d.accuracy) == 4 and d.accuracy[0] > 0.5  # held-out chat top-1, as trained
+    with safe_open(str(eagle_file.ASSETS / "smollm2.safetensors"), "pt") as f:
+        assert {f.get_tensor(n).dtype for n in eagle_file.NAMES} == {torch.bfloat16}
+
+
+def test_what_load_would_refuse_is_never_saved(tmp_path):
+    """A diverged run's NaN, or a float32 value past bfloat16's range, is refused by name
+    before a byte is written."""
+    d, _ = _draft()
+    d.params["fc.bias"] = torch.full((32,), float("nan"))
+    with pytest.raises(eagle_file.DraftFileError, match="not saved: fc.bias holds NaN"):
+        d.save(tmp_path / "n.safetensors")
+    d, _ = _draft()
+    d.params["norm.weight"] = torch.full((32,), torch.finfo(torch.float32).max)
+    d.save(tmp_path / "big.safetensors")  # float32 holds it
+    with pytest.raises(eagle_file.DraftFileError, match="not saved: norm.weight holds NaN or infinite"):
+        d.save(tmp_path / "big16.safetensors", dtype=torch.bfloat16)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.safetensors"]

@@ -5,6 +5,7 @@ import sys
 import types
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -43,11 +44,19 @@ def _run(monkeypatch, steps: int, seconds=None, tick: float = 1.0, every: int = 
     return args.steps_done, lrs, saved, loss, bias
 
 
-def test_without_a_budget_it_takes_every_step(monkeypatch):
+def test_without_a_budget_it_takes_every_step_at_warmup_cosines_rates(monkeypatch):
+    """The callers from before the budget (hydra_prefix, eagle_draft) train as they did:
+    the same steps at ``warmup_cosine``'s rates, to the last bit."""
     done, lrs, _, loss, bias = _run(monkeypatch, steps=30)
     assert done == 30 and len(lrs) == 30 and loss == loss  # a number, not NaN
     assert bias.abs().sum() > 0  # it trained
-    assert lrs[-1] < 0.002  # the cosine ran down over the steps (from 0.1)
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    sched, want = hydra_prefix.warmup_cosine(opt, 30, 2), []
+    for _ in range(30):
+        want.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs == want and lrs[-1] < 0.002  # the cosine ran down over the steps (from 0.1)
 
 
 def test_a_time_budget_ends_training_early_with_the_cosine_run_down(monkeypatch):
@@ -66,6 +75,18 @@ def test_steps_end_it_first_when_they_run_out_before_the_seconds(monkeypatch):
     assert done == 7
 
 
-def test_the_checkpoint_is_called_every_every_steps(monkeypatch):
+def test_the_checkpoint_is_called_after_every_every_th_step(monkeypatch):
     done, _, saved, _, _ = _run(monkeypatch, steps=25, every=10)
-    assert done == 25 and saved == [1, 11, 21]
+    assert done == 25 and saved == [10, 20]
+
+
+def test_a_budget_of_no_seconds_or_a_checkpoint_never_called_is_refused(monkeypatch):
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="seconds must be > 0"):
+            _run(monkeypatch, steps=5, seconds=bad)
+    bias = torch.zeros(VOCAB, requires_grad=True)
+    args = types.SimpleNamespace(steps=5, rows=2, positions=8, seed=0)
+    with pytest.raises(ValueError, match="give every >= 1"):
+        hydra_prefix.train_rows(torch.optim.AdamW([bias]), _data(), args,
+                                lambda d, r, p: bias.expand(len(p), DEPTH, VOCAB), DEPTH,
+                                warmup=2, checkpoint=lambda step: None)
