@@ -220,3 +220,15 @@ def fixed_round_work(monkeypatch, fixed: float = 0.0) -> list:
                 for b in batches}
     monkeypatch.setattr(round_cost, "measure", measure)
     return calls
+
+
+class Clock:
+    """A stand-in for ``time.perf_counter`` that moves ``tick`` seconds at every read: a
+    deadline or time budget passes after a known number of reads."""
+
+    def __init__(self, tick: float):
+        self.now, self.tick = 0.0, tick
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now

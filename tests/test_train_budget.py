@@ -10,6 +10,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import hydra_prefix  # noqa: E402
+from conftest import Clock  # noqa: E402
 
 VOCAB, DEPTH = 11, 2
 
@@ -20,15 +21,6 @@ def _data(rows: int = 6, length: int = 12) -> dict:
             "start": torch.full((rows,), 3), "end": torch.full((rows,), length)}
 
 
-class _Clock:
-    def __init__(self, tick: float):
-        self.now, self.tick = 0.0, tick
-
-    def __call__(self) -> float:
-        self.now += self.tick
-        return self.now
-
-
 def _run(monkeypatch, steps: int, seconds=None, tick: float = 1.0, every: int = 0):
     bias = torch.zeros(VOCAB, requires_grad=True)
     opt = torch.optim.AdamW([bias], lr=0.1, weight_decay=0.0)
@@ -37,7 +29,7 @@ def _run(monkeypatch, steps: int, seconds=None, tick: float = 1.0, every: int = 
     def logits_of(data, rows, pairs):  # [P, DEPTH, V]: one learnt bias
         lrs.append(opt.param_groups[0]["lr"])
         return bias.expand(len(pairs), DEPTH, VOCAB)
-    monkeypatch.setattr(hydra_prefix, "time", types.SimpleNamespace(perf_counter=_Clock(tick)))
+    monkeypatch.setattr(hydra_prefix, "time", types.SimpleNamespace(perf_counter=Clock(tick)))
     args = types.SimpleNamespace(steps=steps, rows=2, positions=8, seed=0)
     loss = hydra_prefix.train_rows(opt, _data(), args, logits_of, DEPTH, warmup=2, every=every,
                                    seconds=seconds, checkpoint=saved.append if every else None)

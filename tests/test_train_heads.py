@@ -11,6 +11,8 @@ from rewriter import heads as heads_file
 from rewriter import train_heads as th
 from rewriter.checkpoints import default_model
 
+from conftest import Clock
+
 SMALL = dict(num_heads=2, prompts=6, heldout_prompts=3, prompt_tokens=16, new_tokens=8,
              epochs=2, batch=16, progress=False)
 
@@ -248,17 +250,6 @@ def _turns_end_at_full_stops(monkeypatch, tok):
     monkeypatch.setattr(th, "_eos_ids", lambda model, tokenizer: {stop})
 
 
-class _Clock:
-    """``time.perf_counter`` that moves ``tick`` seconds at every read."""
-
-    def __init__(self, tick: float):
-        self.now, self.tick = 0.0, tick
-
-    def __call__(self) -> float:
-        self.now += self.tick
-        return self.now
-
-
 def test_self_asked_takes_a_batch_and_stops_at_its_deadline(monkeypatch):
     """A GPU asks more questions at once (``batch``: seeded, deterministic, other questions
     than 32 at a time); a deadline stops it after the batch that passes it, with fewer
@@ -269,7 +260,7 @@ def test_self_asked_takes_a_batch_and_stops_at_its_deadline(monkeypatch):
     eight = th.self_asked(model, chat, 4, seed=0, batch=8)
     assert eight == th.self_asked(model, chat, 4, seed=0, batch=8) and len(eight) == 4
     # the deadline passes during the first batch: that batch's questions only, never more
-    clock = _Clock(1.0)
+    clock = Clock(1.0)
     monkeypatch.setattr(th, "time", types.SimpleNamespace(perf_counter=clock))
     first = th.self_asked(model, chat, 400, seed=0, batch=8, deadline=clock.now + 1.5)
     assert 1 <= len(first) <= 8 and first == th.self_asked(model, chat, len(first), seed=0, batch=8)
@@ -285,7 +276,7 @@ def test_continuing_stops_after_the_batch_that_passes_the_deadline(monkeypatch):
     model, tok = default_model()
     prompts = [[1, 5, 9], [2, 7], [3, 8, 4, 6], [5, 5], [9, 1, 1]]
     whole, start, _ = th._continue(model, tok, prompts, 6, 2, False, "train")
-    clock = _Clock(1.0)
+    clock = Clock(1.0)
     monkeypatch.setattr(th, "time", types.SimpleNamespace(perf_counter=clock))
     cut, cut_start, _ = th._continue(model, tok, prompts, 6, 2, False, "train",
                                      deadline=clock.now + 2.5)
