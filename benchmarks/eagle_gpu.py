@@ -55,9 +55,10 @@ def main() -> None:
     eos = _eos_ids(model, tok)
     report = {"args": dict(vars(args)), "cpu": machine(), "torch": torch.__version__,
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
-    phase = lambda name: report.setdefault("seconds", {}).__setitem__(  # noqa: E731
-        name, round(time.perf_counter() - began - sum(report["seconds"].values()), 1))
     report["seconds"] = {}
+
+    def phase(name: str) -> None:  # the seconds since the last phase ended
+        report["seconds"][name] = round(time.perf_counter() - began - sum(report["seconds"].values()), 1)
     phase("load")
 
     asked = self_asked(model, tok, args.questions, args.seed, progress=False,
@@ -141,7 +142,8 @@ def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2", help="a GGUF file, 'smollm2' or 'default'")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default="float32", help="the model's, while it writes the data")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the model's, while it writes the data")
     ap.add_argument("--seconds", type=float, default=500.0, help="the whole run's budget")
     ap.add_argument("--ask", type=float, default=0.2, help="deadline of the questions (fraction)")
     ap.add_argument("--answer", type=float, default=0.5, help="deadline of the answers (fraction)")
@@ -174,6 +176,8 @@ def parse() -> argparse.Namespace:
         ap.error("need 0 < --ask < --answer < 1 (fractions of --seconds)")
     if not (args.seconds > 0 and args.reserve >= 0 and args.lr > 0):
         ap.error("--seconds and --lr must be > 0, --reserve >= 0")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        ap.error(f"--out {args.out}: exists and is not a folder")
     return args
 
 
