@@ -218,12 +218,34 @@ def tree_step(p: dict, shape: Shape, feature: Tensor, embedded: Tensor, cache: t
     z = _input(p, feature[:, None], embedded[:, None])  # [P, 1, H]
     q, k, v = _qkv(p, shape, z, torch.tensor([position], device=z.device))
     k, v = k.to(keys.dtype), v.to(values.dtype)  # [P, kv, 1, d]
-    parts_k = [keys.expand(n, -1, -1, -1)] + ([path[0]] if j else []) + [k]
-    parts_v = [values.expand(n, -1, -1, -1)] + ([path[1]] if j else []) + [v]
-    every_k = _repeat(torch.cat(parts_k, 2), shape).to(q.dtype)  # [P, h, L + j + 1, d]
-    every_v = _repeat(torch.cat(parts_v, 2), shape).to(q.dtype)
-    a = F.scaled_dot_product_attention(q, every_k, every_v)  # each node sees all of its keys
+    own_k = torch.cat([path[0], k], 2) if j else k  # [P, kv, j + 1, d]: ancestors and itself
+    own_v = torch.cat([path[1], v], 2) if j else v
+    a = _tree_attention(q, keys, values, own_k.to(q.dtype), own_v.to(q.dtype), shape)
     return _finish(p, shape, z, a)[:, 0], k, v
+
+
+def _tree_attention(q: Tensor, keys: Tensor, values: Tensor, own_k: Tensor, own_v: Tensor,
+                    shape: Shape) -> Tensor:
+    """Each node's attention ``[P, h, 1, d]`` over the shared text's keys ``[1, kv, L, d]``
+    and its own path's ``[P, kv, j + 1, d]``, one softmax over both.
+
+    The text's keys are read once for all ``P`` nodes and every query head of a group (a
+    node's queries as rows of one ``[kv, g * P, d]`` product), not copied ``P`` times and
+    repeated per head: on a CPU, bfloat16 ``scaled_dot_product_attention`` over such
+    copies cost 0.38 ms a level against 0.07 for this."""
+    n, kv, d = q.shape[0], shape.kv_heads, shape.head_dim
+    g = shape.heads // kv
+    scale = 1.0 / math.sqrt(d)
+    text_k, text_v = keys[0].to(q.dtype), values[0].to(q.dtype)  # [kv, L, d]
+    qg = q.reshape(n, kv, g, d)  # head kv * g + i reads key/value head kv (repeat_interleave's)
+    rows = qg.permute(1, 0, 2, 3).reshape(kv, n * g, d)  # [kv, P * g, d]
+    on_text = (rows @ text_k.transpose(-1, -2)).view(kv, n, g, -1).permute(1, 0, 2, 3)  # [P, kv, g, L]
+    on_path = qg @ own_k.transpose(-1, -2)  # [P, kv, g, j + 1]
+    length = text_k.shape[1]
+    w = torch.softmax(torch.cat([on_text, on_path], -1).float() * scale, -1).to(q.dtype)
+    w_text = w[..., :length].permute(1, 0, 2, 3).reshape(kv, n * g, length)  # [kv, P * g, L]
+    a = (w_text @ text_v).view(kv, n, g, d).permute(1, 0, 2, 3) + w[..., length:] @ own_v
+    return a.reshape(n, shape.heads, 1, d)  # [P, kv, g, d] -> [P, h, 1, d]
 
 
 def _pair(v, what: str) -> tuple:
