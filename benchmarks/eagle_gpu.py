@@ -12,8 +12,10 @@ Phases, each ending at its deadline (a fraction of ``--seconds`` from the start)
    ``--code-prompts`` code prompts (``train_heads.make_prompts``: code chunks and chat
    questions about them) and 48 held-out ones;
 3. its last hidden states over every row (the features the layer reads);
-4. the layer (``eagle_draft.Draft``, from random) trained until ``--seconds`` less
-   ``--reserve``, checkpointed to ``DIR/eagle.safetensors`` every 100 steps;
+4. the layer (``eagle_draft.Draft``, from random, or from the draft file ``--init``:
+   a later run goes on from an earlier one's layer on new questions) trained until
+   ``--seconds`` less ``--reserve``, checkpointed to ``DIR/eagle.safetensors`` every 100
+   steps;
 5. held-out top-1 of each draft step: the last ``--chat-heldout`` chat rows and the
    held-out code prompts.
 
@@ -53,6 +55,7 @@ def main() -> None:
     model, tok = load_model(args.model, args.dtype)
     model = model.to(device).eval()
     eos = _eos_ids(model, tok)
+    init = start_of(args, model.lm_head.weight.detach().cpu())  # refused now, not minutes later
     report = {"args": dict(vars(args)), "cpu": machine(), "torch": torch.__version__,
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     report["seconds"] = {}
@@ -104,6 +107,9 @@ def main() -> None:
     torch.manual_seed(args.seed)
     draft = Draft(model, "random", args.depth, device)
     counts = produced_counts(parts, model.lm_head.weight.shape[0])
+    if init is not None:
+        go_on_from(draft, init)
+        counts = counts + init.counts if init.counts is not None else counts
     lm = model.lm_head.weight.detach().cpu()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -116,6 +122,7 @@ def main() -> None:
                                  "lr": args.lr, "seed": args.seed, "depth": args.depth,
                                  "batch_rows": args.rows, "batch_positions": args.positions,
                                  "device": report["device_name"], "stored": args.save_dtype,
+                                 **({"init": {"file": args.init, **init.trained}} if init else {}),
                                  "accuracy_on": "held-out self-asked chat rows"}
                         ).save(out / "eagle.safetensors", dtype=getattr(torch, args.save_dtype))
     phase("prepare")
@@ -136,6 +143,30 @@ def main() -> None:
     (out / "eagle_gpu.json").write_text(json.dumps(report, indent=1))
     print(json.dumps({k: report[k] for k in ("seconds", "data", "steps", "final_loss",
                                              "heldout_top1", "device_name")}), flush=True)
+
+
+def start_of(args, lm_head: torch.Tensor):
+    """The draft file ``--init`` names (None: none), checked against the model and the run:
+    its questions must be new ones, so its seed must not be this run's."""
+    if args.init is None:
+        return None
+    try:
+        init = eagle_file.load(args.init)
+        init.fits(lm_head, f"--init {args.init}")
+    except eagle_file.DraftFileError as e:
+        sys.exit(f"eagle_gpu: {e}")
+    if init.trained.get("seed") == args.seed:
+        sys.exit(f"eagle_gpu: --init {args.init} was trained with --seed {args.seed}: the same "
+                 f"questions again; give another --seed")
+    return init
+
+
+def go_on_from(draft: Draft, init) -> None:
+    """Start ``draft``'s layer from the file's (float32, on the draft's device)."""
+    if init.shape != draft.shape:
+        sys.exit(f"eagle_gpu: --init's layer {init.shape} is not this model's {draft.shape}")
+    draft.p = {n: init.params[n].to(draft.device, torch.float32).clone().requires_grad_(True)
+               for n in eagle_file.NAMES}
 
 
 def parse() -> argparse.Namespace:
@@ -161,7 +192,10 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--positions", type=int, default=1024, help="chain starts trained on a step")
     ap.add_argument("--depth", type=int, default=4, help="draft steps unrolled")
     ap.add_argument("--lr", type=float, default=5e-4)
-    ap.add_argument("--seed", type=int, default=11)
+    ap.add_argument("--seed", type=int, default=11,
+                    help="the questions' and the training's (with --init: not the file's)")
+    ap.add_argument("--init", default=None,
+                    help="a draft file (or 'smollm2', the shipped one) the layer starts from")
     ap.add_argument("--out", required=True, help="folder for eagle.safetensors and eagle_gpu.json")
     ap.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16"],
                     help="the draft file's parameters (the shipped one: bfloat16, half the bytes)")

@@ -11,10 +11,11 @@
 #                                            # (default: the parts carried so far, gpu_prepare.sh)
 #   bash benchmarks/gpu_suite.sh sparse [F]  # sparse.py decode speed at 8k on F, both backends (~8 min)
 #   bash benchmarks/gpu_suite.sh eagle-probe # eagle's GPU paths on a random model        (~1 min)
-#   [SLOT=520] [BUDGET=470] \
+#   [SLOT=520] [BUDGET=470] [EAGLE_INIT=smollm2 EAGLE_SEED=12 EAGLE_LR=2e-4] \
 #   bash benchmarks/gpu_suite.sh eagle [F]   # chat data + an EAGLE draft layer trained on it
-#                                            # (eagle_gpu.py), the file back in two halves:
-#                                            # cat eagle_part_a? > f; sha256sum f (eagle.sha256)
+#                                            # (eagle_gpu.py; EAGLE_INIT: going on from a draft
+#                                            # file on new questions), the file back in two
+#                                            # halves: cat eagle_part_a? > f; sha256sum f
 #   [INIT=smollm2] [PROMPTS=..] [ROWS=..] [QUESTIONS=..] [LR=..] [SEED=3] [BLOCKS=4] [SLOT=540] \
 #   bash benchmarks/gpu_suite.sh heads [F]   # Hydra heads trained on the GPU on more data than a
 #                                            # CPU makes in a session; its work dir stays in
@@ -110,9 +111,11 @@ smollm2() {  # the GGUF file: the argument, or the parts held in /tmp/gpu_parts
     eagle)
       gguf=$(smollm2 "${2:-}") || exit 1
       # chat data and the EAGLE layer in one call (benchmarks/eagle_gpu.py); the draft file
-      # (17 MB) comes back in two halves with its SHA-256: $OUT takes files up to 16 MiB
+      # (bfloat16, 9 MB; 17 in float32) comes back in two halves with its SHA-256: $OUT
+      # takes files up to 16 MiB
       timeout ${SLOT:-520} python3 benchmarks/eagle_gpu.py --model "$gguf" --device cuda \
-        --seconds ${BUDGET:-470} --out /tmp/eagle_gpu
+        --seconds ${BUDGET:-470} --out /tmp/eagle_gpu --save-dtype bfloat16 \
+        ${EAGLE_INIT:+--init "$EAGLE_INIT"} --seed ${EAGLE_SEED:-11} --lr ${EAGLE_LR:-5e-4}
       rc=$?
       if [ -f /tmp/eagle_gpu/eagle.safetensors ]; then
         split -n 2 /tmp/eagle_gpu/eagle.safetensors "$out/eagle_part_"

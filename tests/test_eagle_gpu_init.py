@@ -1,0 +1,78 @@
+"""``benchmarks/eagle_gpu.py --init``: a run goes on from an earlier draft file, which must
+fit the model and must not have been trained on this run's questions (the same seed)."""
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import eagle_gpu  # noqa: E402
+
+from rewriter import eagle, eagle_file  # noqa: E402
+
+SHAPE = eagle.Shape(hidden=16, heads=4, kv_heads=2, intermediate=24)
+
+
+def _file(tmp_path, lm, seed=11, shape=SHAPE, name="d.safetensors"):
+    g = torch.Generator().manual_seed(1)
+    p = eagle.init(shape, g)
+    p["fc.bias"] = torch.randn(shape.hidden, generator=g)
+    path = tmp_path / name
+    eagle_file.made(p, shape, lm, trained={"seed": seed, "steps": 7},
+                    counts=torch.arange(lm.shape[0])).save(path)
+    return path, p
+
+
+def _args(path, seed=12):
+    return types.SimpleNamespace(init=str(path), seed=seed)
+
+
+def test_no_init_is_a_random_start():
+    assert eagle_gpu.start_of(types.SimpleNamespace(init=None, seed=11), torch.zeros(3, 4)) is None
+
+
+def test_the_layer_starts_from_the_files(tmp_path):
+    lm = torch.randn(40, SHAPE.hidden)
+    path, p = _file(tmp_path, lm)
+    init = eagle_gpu.start_of(_args(path), lm)
+    draft = types.SimpleNamespace(shape=SHAPE, device=torch.device("cpu"),
+                                  p={n: torch.zeros(1) for n in eagle_file.NAMES})
+    eagle_gpu.go_on_from(draft, init)
+    for n in eagle_file.NAMES:
+        torch.testing.assert_close(draft.p[n], p[n], rtol=0, atol=0)
+        assert draft.p[n].requires_grad and draft.p[n].dtype == torch.float32
+    assert init.counts.tolist() == list(range(40))  # added to the run's own counts
+
+
+def test_the_files_own_seed_is_refused(tmp_path):
+    lm = torch.randn(40, SHAPE.hidden)
+    path, _ = _file(tmp_path, lm, seed=12)
+    with pytest.raises(SystemExit, match="trained with --seed 12: the same questions"):
+        eagle_gpu.start_of(_args(path, seed=12), lm)
+
+
+def test_a_draft_for_another_model_is_refused(tmp_path):
+    path, _ = _file(tmp_path, torch.randn(40, SHAPE.hidden))
+    with pytest.raises(SystemExit, match="--init .*the draft was trained for"):
+        eagle_gpu.start_of(_args(path), torch.randn(40, SHAPE.hidden))
+
+
+def test_a_missing_or_torn_file_is_refused(tmp_path):
+    with pytest.raises(SystemExit, match="no such draft file"):
+        eagle_gpu.start_of(_args(tmp_path / "none.safetensors"), torch.zeros(3, 4))
+    torn = tmp_path / "torn.safetensors"
+    torn.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}")
+    with pytest.raises(SystemExit, match="torn.safetensors"):
+        eagle_gpu.start_of(_args(torn), torch.zeros(3, 4))
+
+
+def test_a_layer_of_another_shape_is_refused(tmp_path):
+    lm = torch.randn(40, SHAPE.hidden)
+    other = eagle.Shape(hidden=16, heads=2, kv_heads=2, intermediate=24)
+    path, _ = _file(tmp_path, lm, shape=other)
+    init = eagle_gpu.start_of(_args(path), lm)
+    draft = types.SimpleNamespace(shape=SHAPE, device=torch.device("cpu"), p={})
+    with pytest.raises(SystemExit, match="is not this model's"):
+        eagle_gpu.go_on_from(draft, init)
