@@ -121,11 +121,14 @@ def init(shape: Shape, generator: torch.Generator, norm: Tensor = None) -> dict:
 
 
 def _rope(t: Tensor, positions: Tensor, shape: Shape) -> Tensor:
-    """RoPE (the rotate-half form) of ``t`` ``[B, h, L, d]`` at ``positions`` ``[L]``."""
+    """RoPE (the rotate-half form) of ``t`` ``[B, h, L, d]`` at ``positions`` ``[L]`` (every
+    row's) or ``[B, L]`` (each row's own)."""
     d = shape.head_dim
     inv = 1.0 / shape.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=t.device) / d)  # [d/2]
-    f = positions[:, None].float() * inv[None]  # [L, d/2]
+    f = positions[..., None].float() * inv  # [L, d/2] or [B, L, d/2]
     cos, sin = torch.cat([f.cos()] * 2, -1).to(t.dtype), torch.cat([f.sin()] * 2, -1).to(t.dtype)
+    if positions.dim() == 2:  # [B, L, d] -> [B, 1, L, d]: one per row, every head alike
+        cos, sin = cos[:, None], sin[:, None]
     return t * cos + torch.cat([-t[..., d // 2:], t[..., :d // 2]], -1) * sin
 
 
@@ -135,7 +138,8 @@ def _input(p: dict, feature: Tensor, embedded: Tensor) -> Tensor:
 
 
 def _qkv(p: dict, shape: Shape, z: Tensor, positions: Tensor) -> tuple:
-    """Queries ``[B, h, L, d]``, keys and values ``[B, kv, L, d]`` of inputs ``z`` ``[B, L, H]``."""
+    """Queries ``[B, h, L, d]``, keys and values ``[B, kv, L, d]`` of inputs ``z`` ``[B, L, H]``
+    at ``positions`` (``_rope``'s)."""
     b, s, _ = z.shape
     d = shape.head_dim
     x = F.rms_norm(z, (z.shape[-1],), p["input_layernorm.weight"], shape.eps)
@@ -215,37 +219,59 @@ def tree_step(p: dict, shape: Shape, feature: Tensor, embedded: Tensor, cache: t
     if type(position) is not int or position != keys.shape[2] + j:
         raise ValueError(f"eagle.tree_step: position {position} must be the cache's length "
                          f"{keys.shape[2]} plus the path's {j}")
-    z = _input(p, feature[:, None], embedded[:, None])  # [P, 1, H]
-    q, k, v = _qkv(p, shape, z, torch.tensor([position], device=z.device))
-    k, v = k.to(keys.dtype), v.to(values.dtype)  # [P, kv, 1, d]
-    own_k = torch.cat([path[0], k], 2) if j else k  # [P, kv, j + 1, d]: ancestors and itself
-    own_v = torch.cat([path[1], v], 2) if j else v
-    a = _tree_attention(q, keys, values, own_k.to(q.dtype), own_v.to(q.dtype), shape)
-    return _finish(p, shape, z, a)[:, 0], k, v
+    pk, pv = path if j else (None, None)
+    g, k, v = tree_level(p, shape, feature[None], embedded[None], keys, values,
+                         torch.tensor([keys.shape[2]], device=keys.device),
+                         (pk[None], pv[None]) if j else None)
+    return g[0], k[0], v[0]
 
 
-def _tree_attention(q: Tensor, keys: Tensor, values: Tensor, own_k: Tensor, own_v: Tensor,
-                    shape: Shape) -> Tensor:
-    """Each node's attention ``[P, h, 1, d]`` over the shared text's keys ``[1, kv, L, d]``
-    and its own path's ``[P, kv, j + 1, d]``, one softmax over both.
+def tree_level(p: dict, shape: Shape, feature: Tensor, embedded: Tensor, keys: Tensor,
+               values: Tensor, lengths: Tensor, path: tuple | None) -> tuple:
+    """``tree_step`` for ``B`` rows at once, unchecked (the runtime's form): ``feature`` and
+    ``embedded`` ``[B, P, H]``; row ``r``'s text is ``keys[r, :, :lengths[r]]`` (``keys``,
+    ``values`` ``[B, kv, T, d]``, padded past each row's length); ``path`` ``[B, P, kv, j,
+    d]`` each node's ancestors' keys and values, or None (``j = 0``). Node positions are
+    ``lengths[r] + j``. Returns ``(features [B, P, H], keys [B, P, kv, 1, d], values)``."""
+    b, n, h = feature.shape
+    kv, d = shape.kv_heads, shape.head_dim
+    j = 0 if path is None else path[0].shape[3]
+    z = _input(p, feature.reshape(b * n, 1, h), embedded.reshape(b * n, 1, h))  # [B*P, 1, H]
+    at = (lengths + j).repeat_interleave(n)[:, None]  # [B*P, 1]: each node's position
+    q, k, v = _qkv(p, shape, z, at)  # [B*P, h, 1, d], [B*P, kv, 1, d]
+    k, v = k.to(keys.dtype).view(b, n, kv, 1, d), v.to(values.dtype).view(b, n, kv, 1, d)
+    own_k = torch.cat([path[0], k], 3) if j else k  # [B, P, kv, j + 1, d]: ancestors and itself
+    own_v = torch.cat([path[1], v], 3) if j else v
+    a = _tree_attention(q.view(b, n, shape.heads, d), keys, values, lengths, own_k.to(q.dtype),
+                        own_v.to(q.dtype), shape)  # [B*P, h, 1, d]
+    return _finish(p, shape, z, a)[:, 0].view(b, n, h), k, v
 
-    The text's keys are read once for all ``P`` nodes and every query head of a group (a
-    node's queries as rows of one ``[kv, g * P, d]`` product), not copied ``P`` times and
+
+def _tree_attention(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, own_k: Tensor,
+                    own_v: Tensor, shape: Shape) -> Tensor:
+    """Each node's attention ``[B*P, h, 1, d]``, its queries ``q`` ``[B, P, h, d]``, over
+    its row's text (``keys``, ``values`` ``[B, kv, T, d]``, the first ``lengths[r]``) and
+    its own path's keys ``[B, P, kv, j + 1, d]``, one softmax over both.
+
+    A row's text keys are read once for its ``P`` nodes and every query head of a group (a
+    node's queries as rows of one ``[kv, P * g, d]`` product), not copied ``P`` times and
     repeated per head: on a CPU, bfloat16 ``scaled_dot_product_attention`` over such
     copies cost 0.38 ms a level against 0.07 for this."""
-    n, kv, d = q.shape[0], shape.kv_heads, shape.head_dim
+    b, n, _, d = q.shape
+    kv = shape.kv_heads
     g = shape.heads // kv
-    scale = 1.0 / math.sqrt(d)
-    text_k, text_v = keys[0].to(q.dtype), values[0].to(q.dtype)  # [kv, L, d]
-    qg = q.reshape(n, kv, g, d)  # head kv * g + i reads key/value head kv (repeat_interleave's)
-    rows = qg.permute(1, 0, 2, 3).reshape(kv, n * g, d)  # [kv, P * g, d]
-    on_text = (rows @ text_k.transpose(-1, -2)).view(kv, n, g, -1).permute(1, 0, 2, 3)  # [P, kv, g, L]
-    on_path = qg @ own_k.transpose(-1, -2)  # [P, kv, g, j + 1]
-    length = text_k.shape[1]
-    w = torch.softmax(torch.cat([on_text, on_path], -1).float() * scale, -1).to(q.dtype)
-    w_text = w[..., :length].permute(1, 0, 2, 3).reshape(kv, n * g, length)  # [kv, P * g, L]
-    a = (w_text @ text_v).view(kv, n, g, d).permute(1, 0, 2, 3) + w[..., length:] @ own_v
-    return a.reshape(n, shape.heads, 1, d)  # [P, kv, g, d] -> [P, h, 1, d]
+    t = keys.shape[2]
+    text_k, text_v = keys.to(q.dtype), values.to(q.dtype)  # [B, kv, T, d]
+    qg = q.reshape(b, n, kv, g, d)  # head kv * g + i reads key/value head kv (repeat_interleave's)
+    rows = qg.permute(0, 2, 1, 3, 4).reshape(b, kv, n * g, d)  # [B, kv, P * g, d]
+    on_text = (rows @ text_k.transpose(-1, -2)).view(b, kv, n, g, t).permute(0, 2, 1, 3, 4)  # [B, P, kv, g, T]
+    past = torch.arange(t, device=q.device) >= lengths[:, None]  # [B, T]: padding
+    on_text = on_text.masked_fill(past[:, None, None, None], float("-inf"))
+    on_path = qg @ own_k.transpose(-1, -2)  # [B, P, kv, g, j + 1]
+    w = torch.softmax(torch.cat([on_text, on_path], -1).float() / math.sqrt(d), -1).to(q.dtype)
+    w_text = w[..., :t].permute(0, 2, 1, 3, 4).reshape(b, kv, n * g, t)  # [B, kv, P * g, T]
+    a = (w_text @ text_v).view(b, kv, n, g, d).permute(0, 2, 1, 3, 4) + w[..., t:] @ own_v
+    return a.reshape(b * n, shape.heads, 1, d)  # [B, P, kv, g, d] -> [B*P, h, 1, d]
 
 
 def _pair(v, what: str) -> tuple:

@@ -9,12 +9,14 @@ them, the row's draft cache grows by positions ``n .. n + a``: the verified feat
 The last of them is the draft's feature ``g`` after ``z``, the next round's root: the
 LM head turns it into the root's children. A deeper node runs the layer once more on its
 parent's output feature and its own token, at position ``n' + depth - 1``, attending to the
-row's cache and its own ancestors' keys (``eagle.tree_step``), memoised by its path of
-tokens for its children. Drafted nodes never enter the cache, so nothing is rolled back.
+row's cache and its own ancestors' keys (``eagle.tree_level``), kept by level for its
+children. Drafted nodes never enter the cache, so nothing is rolled back.
 
-Rows run one by one (each row's cache has its own length); every row of a batch drafts
-the same tree shape (``runtime.tree_dynamic``), with its own tokens. The layer runs in
-torch in both backends: it is one layer against the model's many.
+Every row of a batch drafts the same tree shape (``runtime.tree_dynamic``) with its own
+tokens, so a level runs for every row at once: the rows' caches are one padded tensor,
+each row its own length (positions past it masked). Catching up stays a row at a time
+(each row accepted its own number of tokens). The layer runs in torch in both backends:
+it is one layer against the model's many.
 """
 from __future__ import annotations
 
@@ -87,17 +89,34 @@ class EagleProgram:
 
 
 class EagleRows:
-    """Each row's draft state: its cache over the accepted text, the draft's feature after
-    the row's root, and this round's drafted paths (token tuples) -> (feature, keys)."""
+    """Each row's draft state: its cache over the accepted text (one padded tensor for the
+    batch, each row its own length), the draft's feature after the row's root, and this
+    round's drafted levels."""
 
-    def __init__(self, program: EagleProgram, batch: int, device):
+    def __init__(self, program: EagleProgram, batch: int, device, capacity: int = 256):
         dtype = program.lm.dtype  # the model's (the pass stored the layer's weights so)
         self.p = {k: v.to(device, dtype) for k, v in program.params.items()}
         self.shape, self.embed, self.lm = program.shape, program.embed, program.lm
-        self.caches = [eagle.empty_cache(self.shape, 1, dtype, device) for _ in range(batch)]
+        s = self.shape
+        # [B, kv, capacity, d] each; row r's cache is its first lengths[r] positions
+        self.k = torch.zeros(batch, s.kv_heads, capacity, s.head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.lengths = [0] * batch
         self.g: list[Optional[Tensor]] = [None] * batch  # [H] each
-        self.memo: list[dict] = [{} for _ in range(batch)]
+        # this round's levels: (each row's {path of tokens: slot}, features [B, P, H],
+        # ancestors' and own keys and values [B, P, kv, depth, d] each, or None at the root)
+        self.levels: list[tuple] = []
         self.idle: set = set()  # rows that are done: not drafted for (their tokens are dropped)
+
+    def cache(self, row: int) -> tuple[Tensor, Tensor]:
+        """Row ``row``'s cache ``(keys, values)`` ``[1, kv, L, d]`` (views)."""
+        n = self.lengths[row]
+        return self.k[row:row + 1, :, :n], self.v[row:row + 1, :, :n]
+
+    @property
+    def caches(self) -> list[tuple[Tensor, Tensor]]:
+        """Every row's ``cache``."""
+        return [self.cache(r) for r in range(len(self.lengths))]
 
     def catch_up(self, row: int, features: Tensor, next_ids: list[int], chunk: int = 2048) -> None:
         """Positions the row accepted: the model's ``features`` there ``[n, H]`` beside the
@@ -106,46 +125,64 @@ class EagleRows:
         and scores are ``[n, L + n]``)."""
         ids = torch.tensor(next_ids, dtype=torch.int64, device=features.device)
         embedded = self.embed[ids].to(features.dtype)  # [n, H]
+        self._room(self.lengths[row] + len(next_ids))
         with torch.inference_mode():
             for a in range(0, len(next_ids), chunk):
-                out, self.caches[row] = eagle.step(self.p, self.shape, features[None, a:a + chunk],
-                                                   embedded[None, a:a + chunk], self.caches[row])
+                at = self.lengths[row]
+                out, (k, v) = eagle.step(self.p, self.shape, features[None, a:a + chunk],
+                                         embedded[None, a:a + chunk], self.cache(row))
+                self.k[row, :, at:k.shape[2]], self.v[row, :, at:k.shape[2]] = k[0, :, at:], v[0, :, at:]
+                self.lengths[row] = k.shape[2]
         self.g[row] = out[0, -1]  # [H]
-        self.memo[row] = {(): (self.g[row], None)}
+
+    def _room(self, length: int) -> None:
+        """Capacity for ``length`` positions in every row (doubled as needed)."""
+        if length <= self.k.shape[2]:
+            return
+        grown = max(length, 2 * self.k.shape[2])
+        pad = (0, 0, 0, grown - self.k.shape[2])  # [B, kv, T, d]: more positions
+        self.k, self.v = torch.nn.functional.pad(self.k, pad), torch.nn.functional.pad(self.v, pad)
 
     def call(self, d: int, chains: Tensor, ranks: int) -> tuple[Tensor, Tensor]:
         """``tree_dynamic``'s call: level ``d``'s guesses below the expanded paths ``chains``
         ``[B, P, d + 1]`` (the root first): log-probabilities and indices ``[B, P, ranks]``
-        into the draft's rows (with a trimmed vocabulary the caller maps them to token ids)."""
-        logps, ids = [], []
-        host = chains[:, :, 1:].tolist() if d else None  # [B][P][d] the drafted tokens
-        for r in range(chains.shape[0]):
-            if r in self.idle:  # no say in the shape (tree_dynamic's weight 0), no layer call
-                logps.append(torch.zeros(chains.shape[1], ranks, device=chains.device))
-                ids.append(torch.zeros(chains.shape[1], ranks, dtype=torch.int64, device=chains.device))
-                continue
-            g = self._level(r, d, chains[r], host[r] if d else None)  # [P, H]
-            top = (g @ self.lm.t().to(g.dtype)).float().log_softmax(-1).topk(ranks, dim=-1)
-            logps.append(top.values)
-            ids.append(top.indices)
-        return torch.stack(logps), torch.stack(ids)
+        into the draft's rows (with a trimmed vocabulary the caller maps them to token ids).
+        Every row runs at once; rows that are done get zeros (no say in the tree's shape:
+        ``tree_dynamic``'s weight 0)."""
+        b, n = chains.shape[:2]
+        g = self._level(d, chains)  # [B, P, H]
+        top = (g.reshape(b * n, -1) @ self.lm.t().to(g.dtype)).float().log_softmax(-1).topk(ranks, dim=-1)
+        logp, ids = top.values.view(b, n, ranks), top.indices.view(b, n, ranks)
+        if self.idle:
+            idle = torch.tensor([r in self.idle for r in range(b)], device=chains.device)[:, None, None]
+            logp, ids = logp.masked_fill(idle, 0.0), ids.masked_fill(idle, 0)
+        return logp, ids
 
-    def _level(self, r: int, d: int, chains: Tensor, paths: Optional[list]) -> Tensor:
-        """Row ``r``'s draft features ``[P, H]`` after each of its expanded paths."""
+    def _level(self, d: int, chains: Tensor) -> Tensor:
+        """Every row's draft features ``[B, P, H]`` after each of its expanded paths."""
+        b, n = chains.shape[:2]
         if d == 0:
-            return self.g[r][None].expand(chains.shape[0], -1)
-        memo = self.memo[r]
-        paths = [tuple(p) for p in paths]
-        parents = [memo[p[:-1]] for p in paths]
-        feature = torch.stack([q[0] for q in parents])  # [P, H]
-        path = None if d == 1 else tuple(torch.stack([q[1][i] for q in parents]) for i in (0, 1))
-        cache = self.caches[r]
+            g = torch.stack(self.g)[:, None].expand(b, n, -1)  # [B, P, H]: the roots' own
+            self.levels = [([{(): 0}] * b, g, None)]
+            return g
+        slots, parent_g, parent_kv = self.levels[-1]
+        paths = [[tuple(p) for p in row] for row in chains[:, :, 1:].tolist()]  # [B][P] tokens
+        up = torch.tensor([[slots[r][p[:-1]] for p in row] for r, row in enumerate(paths)],
+                          device=chains.device)  # [B, P]: each node's parent's slot
+        rows = torch.arange(b, device=chains.device)[:, None]
+        feature = parent_g[rows, up]  # [B, P, H]
+        path = None if parent_kv is None else (parent_kv[0][rows, up], parent_kv[1][rows, up])
+        top = max(self.lengths)
         with torch.inference_mode():
-            g, k, v = eagle.tree_step(self.p, self.shape, feature,
-                                      self.embed[chains[:, -1]].to(feature.dtype), cache, path,
-                                      cache[0].shape[2] + d - 1)  # [P, H], [P, kv, 1, hd]
-        for i, p in enumerate(paths):  # each node's own keys, below its ancestors'
-            own = (k[i], v[i]) if path is None else \
-                (torch.cat([path[0][i], k[i]], 1), torch.cat([path[1][i], v[i]], 1))
-            memo[p] = (g[i], own)  # own: [kv, depth, hd] each
+            g, k, v = eagle.tree_level(self.p, self.shape, feature,
+                                       self.embed[chains[:, :, -1]].to(feature.dtype),
+                                       self.k[:, :, :top], self.v[:, :, :top],
+                                       torch.tensor(self.lengths, device=chains.device), path)
+        own = (k, v) if path is None else (torch.cat([path[0], k], 3), torch.cat([path[1], v], 3))
+        self.levels.append(([{p: i for i, p in enumerate(row)} for row in paths], g, own))
         return g
+
+    def drafted(self, row: int) -> dict:
+        """This round's drafted nodes of ``row``: ``{path of tokens: feature [H]}`` (the
+        root's, ``()``, included)."""
+        return {p: g[row, i] for slots, g, _ in self.levels for p, i in slots[row].items()}

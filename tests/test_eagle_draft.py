@@ -320,13 +320,13 @@ def test_each_drafted_node_is_the_layer_run_along_its_path():
     tree, tokens, _ = grow(lambda d, c: rows.call(d, c, 5), root, 12, 4, 3)
     assert tree.depth == 4  # nodes at depth 3 read their ancestors' keys at depths 1 and 2
     for r in range(2):
-        for path, (feature, _) in rows.memo[r].items():
+        for path, feature in rows.drafted(r).items():
             cache, f = rows.caches[r], rows.g[r]
             for t in path:
                 out, cache = eagle.step(p, shape, f[None, None], embed[t][None, None], cache)
                 f = out[0, -1]
             torch.testing.assert_close(feature, f, rtol=1e-4, atol=1e-4)
-        assert len(rows.memo[r]) > 4 and rows.caches[r][0].shape[2] == len(texts[r]) - 1
+        assert len(rows.drafted(r)) > 4 and rows.caches[r][0].shape[2] == len(texts[r]) - 1
 
 
 def test_a_padded_rows_draft_cache_is_its_prompts_alone(taught, monkeypatch):
