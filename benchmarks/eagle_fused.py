@@ -10,15 +10,16 @@ what the model knew before it committed to the next token. Here the ``fused`` dr
 ``fuse([n(h_a); n(h_b); f])``: the outputs of decoder layers ``--layers`` (1-based, as
 Hugging Face's ``hidden_states`` counts them), each RMS-normalised without a weight (the
 residual stream's scale grows with depth; a plain norm puts them on ``f``'s scale), beside
-the model's last feature ``f``. ``fuse`` ``[H, 3H]`` starts as ``[0.02 N(0, 1) | 0.02 N(0, 1)
-| I]``: at step 0 the fused draft is the plain one (the other parameters are drawn the
-same), so any difference is what the two earlier layers taught it. The draft's own output
+the model's last feature ``f``. ``fuse`` ``[H, 3H]`` starts as ``[0 | 0 | I]``: at step 0 the fused
+draft is the plain one (the other parameters are drawn the same), so any difference is
+what the two earlier layers taught it (the zero columns still get gradients). The draft's own output
 feature is fed back unfused, as EAGLE-3 feeds its own.
 
 The earlier layers' states are computed once with the model (bfloat16, as the work
 directory's were) and cached beside the work directory's files (``fused-L1-L2-*.
-safetensors``); the recomputed last feature is checked against the stored one first, so
-a work directory made another way is refused rather than silently mixed.
+safetensors``, with a probe of the model's LM head); the recomputed last feature is checked
+against the stored one first, and a cache of another model is refused, so nothing made
+another way is silently mixed in.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from hydra_prefix import _load, chat_split  # noqa: E402
 from step_time import machine  # noqa: E402
 
 from rewriter import eagle  # noqa: E402
+from rewriter.heads import probe_of  # noqa: E402
 from rewriter.train_heads import _merge  # noqa: E402
 
 
@@ -113,8 +115,13 @@ def earlier_states(model, work: Path, name: str, layers: list, batch: int = 8) -
     """``[N, L, 2H]`` bfloat16: decoder layers ``layers``' outputs at every position of the
     file's rows, RMS-normalised without a weight; computed once, then read from the cache."""
     from safetensors.torch import load_file, save_file
+    from safetensors import safe_open
     cache = work / f"fused-{layers[0]}-{layers[1]}-{name}.safetensors"
+    probe = json.dumps(probe_of(model.lm_head.weight.detach()))
     if cache.is_file():
+        with safe_open(str(cache), "pt") as f:
+            if (f.metadata() or {}).get("probe") != probe:
+                raise SystemExit(f"eagle_fused: {cache} was made with another model: delete it")
         return load_file(str(cache))["states"]
     rows = load_file(str(work / f"{name}.safetensors"))
     tokens, stored = rows["tokens"], rows["hidden"]  # [N, L], [N, L, H]
@@ -136,7 +143,7 @@ def earlier_states(model, work: Path, name: str, layers: list, batch: int = 8) -
     states = torch.cat(out)
     print(f"{name}: {tuple(states.shape)} earlier states in {time.perf_counter() - began:.0f} s",
           flush=True)
-    save_file({"states": states.contiguous()}, str(cache))
+    save_file({"states": states.contiguous()}, str(cache), metadata={"probe": probe})
     return states
 
 
@@ -148,8 +155,8 @@ class FusedDraft(Draft):
         super().__init__(model, "random", depth)
         self.fused = fused
         h = self.shape.hidden
-        if fused:  # drawn after the layer's: both variants start from the same layer
-            w = torch.cat([torch.randn(h, 2 * h) * 0.02, torch.eye(h)], 1)  # [H, 3H]
+        if fused:  # both variants start from the same layer, and the same function
+            w = torch.cat([torch.zeros(h, 2 * h), torch.eye(h)], 1)  # [H, 3H]: f through
             self.p["fuse.weight"] = w.to(self.device).requires_grad_(True)
 
     def unroll(self, hidden: torch.Tensor, tokens: torch.Tensor) -> list:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import sys
 import time
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from rewriter import eagle_file
+from rewriter import eagle, eagle_file
 from rewriter.checkpoints import load_model
 from rewriter.train_heads import (_continue, _ends, _eos_ids, _hidden_states, _merge, make_prompts,
                                   self_asked)
@@ -55,7 +56,7 @@ def main() -> None:
     model, tok = load_model(args.model, args.dtype)
     model = model.to(device).eval()
     eos = _eos_ids(model, tok)
-    init = start_of(args, model.lm_head.weight.detach().cpu())  # refused now, not minutes later
+    init = start_of(args, model)  # refused now, not minutes later
     report = {"args": dict(vars(args)), "cpu": machine(), "torch": torch.__version__,
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     report["seconds"] = {}
@@ -145,25 +146,40 @@ def main() -> None:
                                              "heldout_top1", "device_name")}), flush=True)
 
 
-def start_of(args, lm_head: torch.Tensor):
-    """The draft file ``--init`` names (None: none), checked against the model and the run:
-    its questions must be new ones, so its seed must not be this run's."""
+def start_of(args, model):
+    """The draft file ``--init`` names (None: none), checked against the model and the run
+    before any minute is spent: its questions must be new ones, so neither its seed nor
+    any seed of the files it went on from may be this run's."""
     if args.init is None:
         return None
     try:
         init = eagle_file.load(args.init)
-        init.fits(lm_head, f"--init {args.init}")
+        init.fits(model.lm_head.weight.detach().cpu(), f"--init {args.init}")
     except eagle_file.DraftFileError as e:
         sys.exit(f"eagle_gpu: {e}")
-    if init.trained.get("seed") == args.seed:
-        sys.exit(f"eagle_gpu: --init {args.init} was trained with --seed {args.seed}: the same "
-                 f"questions again; give another --seed")
+    if not same_shape(init.shape, eagle.Shape.of(model.config)):
+        sys.exit(f"eagle_gpu: --init's layer {init.shape} is not this model's "
+                 f"{eagle.Shape.of(model.config)}")
+    trained, seeds = init.trained, []
+    while isinstance(trained, dict):  # each run records the file it went on from
+        seeds.append(trained.get("seed"))
+        trained = trained.get("init")
+    if args.seed in seeds:
+        sys.exit(f"eagle_gpu: --init {args.init} was trained (or went on from a draft trained) "
+                 f"with --seed {args.seed}: the same questions again; give another")
     return init
+
+
+def same_shape(a: eagle.Shape, b: eagle.Shape) -> bool:
+    """The same layer: sizes equal, RoPE's base and the norms' epsilon to float32's
+    precision (a GGUF stores them rounded; a Hugging Face config does not)."""
+    return (a.hidden, a.heads, a.kv_heads, a.intermediate) == (b.hidden, b.heads, b.kv_heads, b.intermediate) \
+        and math.isclose(a.rope_theta, b.rope_theta, rel_tol=1e-6) and math.isclose(a.eps, b.eps, rel_tol=1e-6)
 
 
 def go_on_from(draft: Draft, init) -> None:
     """Start ``draft``'s layer from the file's (float32, on the draft's device)."""
-    if init.shape != draft.shape:
+    if not same_shape(init.shape, draft.shape):
         sys.exit(f"eagle_gpu: --init's layer {init.shape} is not this model's {draft.shape}")
     draft.p = {n: init.params[n].to(draft.device, torch.float32).clone().requires_grad_(True)
                for n in eagle_file.NAMES}
@@ -193,7 +209,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--depth", type=int, default=4, help="draft steps unrolled")
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--seed", type=int, default=11,
-                    help="the questions' and the training's (with --init: not the file's)")
+                    help="the questions' and the training's (with --init: none of the file's)")
     ap.add_argument("--init", default=None,
                     help="a draft file (or 'smollm2', the shipped one) the layer starts from")
     ap.add_argument("--out", required=True, help="folder for eagle.safetensors and eagle_gpu.json")

@@ -11,7 +11,7 @@
 #                                            # (default: the parts carried so far, gpu_prepare.sh)
 #   bash benchmarks/gpu_suite.sh sparse [F]  # sparse.py decode speed at 8k on F, both backends (~8 min)
 #   bash benchmarks/gpu_suite.sh eagle-probe # eagle's GPU paths on a random model        (~1 min)
-#   [SLOT=520] [BUDGET=470] [EAGLE_INIT=smollm2 EAGLE_SEED=12 EAGLE_LR=2e-4] \
+#   [SLOT=520] [BUDGET=470] [EAGLE_INIT=smollm2 [EAGLE_SEED=12] EAGLE_LR=2e-4] \
 #   bash benchmarks/gpu_suite.sh eagle [F]   # chat data + an EAGLE draft layer trained on it
 #                                            # (eagle_gpu.py; EAGLE_INIT: going on from a draft
 #                                            # file on new questions), the file back in two
@@ -113,9 +113,11 @@ smollm2() {  # the GGUF file: the argument, or the parts held in /tmp/gpu_parts
       # chat data and the EAGLE layer in one call (benchmarks/eagle_gpu.py); the draft file
       # (bfloat16, 9 MB; 17 in float32) comes back in two halves with its SHA-256: $OUT
       # takes files up to 16 MiB
+      seed=${EAGLE_SEED:-11}  # going on from a draft: new questions (the shipped one's was 11)
+      [ -n "${EAGLE_INIT:-}" ] && [ -z "${EAGLE_SEED:-}" ] && seed=12
       timeout ${SLOT:-520} python3 benchmarks/eagle_gpu.py --model "$gguf" --device cuda \
         --seconds ${BUDGET:-470} --out /tmp/eagle_gpu --save-dtype bfloat16 \
-        ${EAGLE_INIT:+--init "$EAGLE_INIT"} --seed ${EAGLE_SEED:-11} --lr ${EAGLE_LR:-5e-4}
+        ${EAGLE_INIT:+--init "$EAGLE_INIT"} --seed $seed --lr ${EAGLE_LR:-5e-4}
       rc=$?
       if [ -f /tmp/eagle_gpu/eagle.safetensors ]; then
         split -n 2 /tmp/eagle_gpu/eagle.safetensors "$out/eagle_part_"

@@ -230,7 +230,8 @@ def tree_level(p: dict, shape: Shape, feature: Tensor, embedded: Tensor, keys: T
                values: Tensor, lengths: Tensor, path: tuple | None) -> tuple:
     """``tree_step`` for ``B`` rows at once, unchecked (the runtime's form): ``feature`` and
     ``embedded`` ``[B, P, H]``; row ``r``'s text is ``keys[r, :, :lengths[r]]`` (``keys``,
-    ``values`` ``[B, kv, T, d]``, padded past each row's length); ``path`` ``[B, P, kv, j,
+    ``values`` ``[B, kv, T, d]``, padded past each row's length with finite values: masked
+    weights are zero, and zero times NaN is not); ``path`` ``[B, P, kv, j,
     d]`` each node's ancestors' keys and values, or None (``j = 0``). Node positions are
     ``lengths[r] + j``. Returns ``(features [B, P, H], keys [B, P, kv, 1, d], values)``."""
     b, n, h = feature.shape

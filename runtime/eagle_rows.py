@@ -83,8 +83,9 @@ class EagleProgram:
                 f"{s.rope_theta}, eps {s.eps}\n"
                 f"# catch-up: eagle.step(params, shape, features [1, n, H], embed[next ids] "
                 f"[1, n, H], row cache) -> (g [1, n, H], cache + n)\n"
-                f"# level d >= 1: eagle.tree_step(params, shape, parents' g [P, H], embed[tokens] "
-                f"[P, H], row cache, ancestors' keys) -> g [P, H]\n"
+                f"# level d >= 1, every row at once: eagle.tree_level(params, shape, parents' g "
+                f"[B, P, H], embed[tokens] [B, P, H], the rows' padded caches, their lengths, "
+                f"ancestors' keys) -> g [B, P, H]\n"
                 f"# guesses: log_softmax(g @ lm_head.T).topk(ranks)\n")
 
 
@@ -107,6 +108,7 @@ class EagleRows:
         # ancestors' and own keys and values [B, P, kv, depth, d] each, or None at the root)
         self.levels: list[tuple] = []
         self.idle: set = set()  # rows that are done: not drafted for (their tokens are dropped)
+        self.chunk = 256  # nodes projected onto the vocabulary at once (a big batch's memory)
 
     def cache(self, row: int) -> tuple[Tensor, Tensor]:
         """Row ``row``'s cache ``(keys, values)`` ``[1, kv, L, d]`` (views)."""
@@ -150,9 +152,14 @@ class EagleRows:
         Every row runs at once; rows that are done get zeros (no say in the tree's shape:
         ``tree_dynamic``'s weight 0)."""
         b, n = chains.shape[:2]
-        g = self._level(d, chains)  # [B, P, H]
-        top = (g.reshape(b * n, -1) @ self.lm.t().to(g.dtype)).float().log_softmax(-1).topk(ranks, dim=-1)
-        logp, ids = top.values.view(b, n, ranks), top.indices.view(b, n, ranks)
+        g = self._level(d, chains).reshape(b * n, -1)  # [B*P, H]
+        lm = self.lm.t().to(g.dtype)
+        logp, ids = [], []
+        for a in range(0, b * n, self.chunk):  # [chunk, V] logits at a time, not [B*P, V]
+            top = (g[a:a + self.chunk] @ lm).float().log_softmax(-1).topk(ranks, dim=-1)
+            logp.append(top.values)
+            ids.append(top.indices)
+        logp, ids = torch.cat(logp).view(b, n, ranks), torch.cat(ids).view(b, n, ranks)
         if self.idle:
             idle = torch.tensor([r in self.idle for r in range(b)], device=chains.device)[:, None, None]
             logp, ids = logp.masked_fill(idle, 0.0), ids.masked_fill(idle, 0)

@@ -181,6 +181,31 @@ def test_a_tree_level_equals_each_node_decoded_along_its_own_path():
         assert cache[0].shape[2] == 7  # the shared cache is left as it was
 
 
+def test_rows_of_different_lengths_draft_a_level_together():
+    """``tree_level`` over a padded batch (rows of 5, 1 and 11 positions, the padding large
+    and finite) equals ``tree_step`` on each row's own cache, with and without ancestors."""
+    p, _, _ = _setup(batch=1, length=3, seed=7)
+    for name in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
+        p[name] = p[name] * 15  # attention far from uniform: padding read would show
+    g = torch.Generator().manual_seed(8)
+    lengths, n, kv, d = [5, 1, 11], 3, SHAPE.kv_heads, SHAPE.head_dim
+    keys = torch.randn(3, kv, 12, d, generator=g) * 100  # past each length: padding
+    values = torch.randn(3, kv, 12, d, generator=g) * 100
+    feature, embedded = torch.randn(3, n, SHAPE.hidden, generator=g), torch.randn(3, n, SHAPE.hidden, generator=g)
+    path = (torch.randn(3, n, kv, 2, d, generator=g), torch.randn(3, n, kv, 2, d, generator=g))
+    for ancestors in (None, path):
+        with torch.no_grad():
+            got = eagle.tree_level(p, SHAPE, feature, embedded, keys, values, torch.tensor(lengths),
+                                   ancestors)
+            for r, length in enumerate(lengths):
+                cache = (keys[r:r + 1, :, :length], values[r:r + 1, :, :length])
+                row_path = None if ancestors is None else (ancestors[0][r], ancestors[1][r])
+                want = eagle.tree_step(p, SHAPE, feature[r], embedded[r], cache, row_path,
+                                       length + (0 if ancestors is None else 2))
+                for a, b in zip(got, want):
+                    torch.testing.assert_close(a[r], b)
+
+
 def test_a_tree_level_refuses_inconsistent_inputs():
     p, features, embedded = _setup(batch=1, length=3)
     _, cache = eagle.step(p, SHAPE, features, embedded, eagle.empty_cache(SHAPE, 1))

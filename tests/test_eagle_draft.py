@@ -329,6 +329,61 @@ def test_each_drafted_node_is_the_layer_run_along_its_path():
         assert len(rows.drafted(r)) > 4 and rows.caches[r][0].shape[2] == len(texts[r]) - 1
 
 
+def test_the_rows_cache_grows_past_its_capacity_in_chunks():
+    """``EagleRows`` from a 2-position buffer, prompts caught up 3 positions at a time and
+    then a round's 2: each row's cache is ``eagle.step``'s over its whole text."""
+    from rewriter.runtime.eagle_rows import EagleProgram, EagleRows
+    shape = eagle.Shape(32, 4, 2, 48, 500.0)
+    g = torch.Generator().manual_seed(4)
+    p = {k: v * 5 if v.dim() == 2 else v for k, v in eagle.init(shape, g).items()}
+    embed, lm = torch.randn(40, 32, generator=g), torch.randn(40, 32, generator=g)
+    rows = EagleRows(EagleProgram(p, shape, embed, lm), 2, "cpu", capacity=2)
+    texts = [torch.randint(0, 40, (12,), generator=g), torch.randint(0, 40, (6,), generator=g)]
+    feats = [torch.randn(len(t), 32, generator=g) for t in texts]
+    for r, (t, f) in enumerate(zip(texts, feats)):
+        rows.catch_up(r, f[:-3], t[1:-2].tolist(), chunk=3)
+        rows.catch_up(r, f[-3:-1], t[-2:].tolist())  # a round that accepted one token
+    for r, (t, f) in enumerate(zip(texts, feats)):
+        with torch.no_grad():
+            out, (k, v) = eagle.step(p, shape, f[None, :-1], embed[t[1:]][None], eagle.empty_cache(shape, 1))
+        assert rows.cache(r)[0].shape[2] == len(t) - 1
+        torch.testing.assert_close(rows.cache(r)[0], k, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(rows.cache(r)[1], v, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(rows.g[r], out[0, -1], rtol=1e-4, atol=1e-4)
+
+
+def test_a_row_that_is_done_drafts_nothing_and_changes_no_other_row():
+    """A batch with its middle row done: that row's guesses are zeros (no say in the tree),
+    and every other row's are those it gets in a batch of its own."""
+    from rewriter.runtime.eagle_rows import EagleProgram, EagleRows
+    from rewriter.runtime.tree_dynamic import grow
+    shape = eagle.Shape(32, 4, 2, 48, 500.0)
+    g = torch.Generator().manual_seed(6)
+    p = {k: v * 20 if v.dim() == 2 else v for k, v in eagle.init(shape, g).items()}
+    program = EagleProgram(p, shape, torch.randn(40, 32, generator=g), torch.randn(40, 32, generator=g))
+    texts = [torch.randint(0, 40, (n,), generator=g) for n in (9, 4, 6)]
+    feats = [torch.randn(len(t) - 1, 32, generator=g) for t in texts]
+    batch = EagleRows(program, 3, "cpu")
+    for r, (t, f) in enumerate(zip(texts, feats)):
+        batch.catch_up(r, f, t[1:].tolist())
+    batch.idle = {1}
+    weight = torch.tensor([1.0, 0.0, 1.0])  # as the runtime weighs a done row
+    seen = []  # (level, the chains grow handed over, the guesses)
+
+    def call(d, chains):
+        seen.append((d, chains.clone(), batch.call(d, chains, 5)))
+        return seen[-1][2]
+    grow(call, torch.tensor([int(t[-1]) for t in texts]), 12, 4, 3, weight)
+    assert len(seen) == 4 and all(not lp[1].any() and not ids[1].any() for _, _, (lp, ids) in seen)
+    for r in (0, 2):  # the same levels, the row alone
+        alone = EagleRows(program, 1, "cpu")
+        alone.catch_up(0, feats[r], texts[r][1:].tolist())
+        for d, chains, (lp, ids) in seen:
+            want_lp, want_ids = alone.call(d, chains[r:r + 1], 5)
+            torch.testing.assert_close(lp[r], want_lp[0], rtol=1e-4, atol=1e-4)
+            assert torch.equal(ids[r], want_ids[0])
+
+
 def test_a_padded_rows_draft_cache_is_its_prompts_alone(taught, monkeypatch):
     """After the prompt, each row of a left-padded batch holds the draft cache it would
     hold alone: its own positions, no padding."""

@@ -29,14 +29,22 @@ def _args(path, seed=12):
     return types.SimpleNamespace(init=str(path), seed=seed)
 
 
+def _model(lm, eps=1e-5):
+    """What ``start_of`` reads of a model: its LM head and its config (``SHAPE``'s layer;
+    a GGUF's epsilon is float32's rounding of 1e-5)."""
+    config = types.SimpleNamespace(hidden_size=16, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=24, rms_norm_eps=eps, rope_theta=10000.0)
+    return types.SimpleNamespace(lm_head=types.SimpleNamespace(weight=lm), config=config)
+
+
 def test_no_init_is_a_random_start():
-    assert eagle_gpu.start_of(types.SimpleNamespace(init=None, seed=11), torch.zeros(3, 4)) is None
+    assert eagle_gpu.start_of(types.SimpleNamespace(init=None, seed=11), None) is None
 
 
 def test_the_layer_starts_from_the_files(tmp_path):
     lm = torch.randn(40, SHAPE.hidden)
     path, p = _file(tmp_path, lm)
-    init = eagle_gpu.start_of(_args(path), lm)
+    init = eagle_gpu.start_of(_args(path), _model(lm, eps=float(torch.tensor(1e-5))))
     draft = types.SimpleNamespace(shape=SHAPE, device=torch.device("cpu"),
                                   p={n: torch.zeros(1) for n in eagle_file.NAMES})
     eagle_gpu.go_on_from(draft, init)
@@ -49,30 +57,44 @@ def test_the_layer_starts_from_the_files(tmp_path):
 def test_the_files_own_seed_is_refused(tmp_path):
     lm = torch.randn(40, SHAPE.hidden)
     path, _ = _file(tmp_path, lm, seed=12)
-    with pytest.raises(SystemExit, match="trained with --seed 12: the same questions"):
-        eagle_gpu.start_of(_args(path, seed=12), lm)
+    with pytest.raises(SystemExit, match="with --seed 12: the same questions"):
+        eagle_gpu.start_of(_args(path, seed=12), _model(lm))
 
 
 def test_a_draft_for_another_model_is_refused(tmp_path):
     path, _ = _file(tmp_path, torch.randn(40, SHAPE.hidden))
     with pytest.raises(SystemExit, match="--init .*the draft was trained for"):
-        eagle_gpu.start_of(_args(path), torch.randn(40, SHAPE.hidden))
+        eagle_gpu.start_of(_args(path), _model(torch.randn(40, SHAPE.hidden)))
 
 
 def test_a_missing_or_torn_file_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="no such draft file"):
-        eagle_gpu.start_of(_args(tmp_path / "none.safetensors"), torch.zeros(3, 4))
+        eagle_gpu.start_of(_args(tmp_path / "none.safetensors"), _model(torch.zeros(3, 4)))
     torn = tmp_path / "torn.safetensors"
     torn.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}")
     with pytest.raises(SystemExit, match="torn.safetensors"):
-        eagle_gpu.start_of(_args(torn), torch.zeros(3, 4))
+        eagle_gpu.start_of(_args(torn), _model(torch.zeros(3, 4)))
 
 
-def test_a_layer_of_another_shape_is_refused(tmp_path):
+def test_a_seed_of_a_file_it_went_on_from_is_refused(tmp_path):
+    """A goes on to B (seed 12), B to C: C may not ask A's questions (seed 11) again."""
+    lm = torch.randn(40, SHAPE.hidden)
+    g = torch.Generator().manual_seed(1)
+    path = tmp_path / "b.safetensors"
+    eagle_file.made(eagle.init(SHAPE, g), SHAPE, lm,
+                    trained={"seed": 12, "init": {"file": "a", "seed": 11, "steps": 5}}).save(path)
+    with pytest.raises(SystemExit, match="with --seed 11: the same questions"):
+        eagle_gpu.start_of(_args(path, seed=11), _model(lm))
+    assert eagle_gpu.start_of(_args(path, seed=13), _model(lm)) is not None
+
+
+def test_a_layer_of_another_shape_is_refused_before_any_work(tmp_path):
     lm = torch.randn(40, SHAPE.hidden)
     other = eagle.Shape(hidden=16, heads=2, kv_heads=2, intermediate=24)
     path, _ = _file(tmp_path, lm, shape=other)
-    init = eagle_gpu.start_of(_args(path), lm)
+    with pytest.raises(SystemExit, match="is not this model's"):
+        eagle_gpu.start_of(_args(path), _model(lm))
+    init = eagle_file.load(path)
     draft = types.SimpleNamespace(shape=SHAPE, device=torch.device("cpu"), p={})
     with pytest.raises(SystemExit, match="is not this model's"):
         eagle_gpu.go_on_from(draft, init)
