@@ -89,8 +89,11 @@ class EagleDraft(Pass):
             name, acceptance, posterior_threshold, posterior_alpha)
 
     def __repr__(self) -> str:
+        typical = (f", posterior_threshold={self.posterior_threshold}, posterior_alpha="
+                   f"{self.posterior_alpha}") if self.acceptance == "typical" else ""
         return (f"EagleDraft(weights={self.weights!r}, nodes={self.nodes}, expand={self.expand}, "
-                f"depth={self.depth}, draft_vocab={self.draft_vocab})")
+                f"depth={self.depth}, draft_vocab={self.draft_vocab}, lookup={self.lookup}, "
+                f"acceptance={self.acceptance!r}{typical})")
 
     def run(self, ir: IR) -> IR:
         check_undecided(ir, self)

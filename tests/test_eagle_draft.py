@@ -265,6 +265,18 @@ def test_bad_options_are_refused_by_name(kw, match, tmp_path):
         EagleDraft(**kw)
 
 
+def test_its_repr_names_every_setting(tmp_path):
+    """What the IR's pass list shows: every option that changes the rounds."""
+    model = make_model("llama-gqa-3l", vocab_size=48)
+    path = random_draft(model, tmp_path / "d.safetensors")
+    text = repr(EagleDraft(weights=str(path), nodes=6, expand=2, depth=3, lookup=4,
+                           acceptance="typical", posterior_threshold=0.2, posterior_alpha=0.3))
+    for part in ("nodes=6", "expand=2", "depth=3", "draft_vocab=None", "lookup=4",
+                 "acceptance='typical'", "posterior_threshold=0.2", "posterior_alpha=0.3"):
+        assert part in text, (part, text)
+    assert "posterior" not in repr(EagleDraft(weights=str(path)))
+
+
 def test_a_draft_for_another_model_is_refused(tmp_path):
     model = make_model("llama-gqa-3l")
     other = make_model("llama-gqa-3l", seed=1)
