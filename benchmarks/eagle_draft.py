@@ -126,10 +126,16 @@ def main() -> None:
                                      "accuracy_on": "held-out self-asked chat rows"},
                             counts=produced_counts(parts, model.lm_head.weight.shape[0])
                             ).save(args.save)
+    report(args, results, "init", "init")
+
+
+def report(args, results: list, key: str, label: str) -> None:
+    """Print the held-out table (one row per draft, named by ``result[key]``, the column
+    headed ``label``) and write ``args.json``: the arguments, machine and results."""
     fmt = lambda a: " / ".join(f"{x:.3f}" for x in a)  # noqa: E731
-    print(tabulate([[r["init"], r["steps"], fmt(r["after"]["chat"]), fmt(r["after"]["code"]),
+    print(tabulate([[r[key], r["steps"], fmt(r["after"]["chat"]), fmt(r["after"]["code"]),
                      r.get("final_loss"), r.get("seconds")] for r in results],
-                   headers=["init", "steps", "chat top-1 by step", "code top-1 by step",
+                   headers=[label, "steps", "chat top-1 by step", "code top-1 by step",
                             "final loss", "train s"]))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"args": vars(args), "cpu": machine(),

@@ -32,12 +32,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from eagle_draft import TRAIN_FILES, Draft  # noqa: E402
+from eagle_draft import TRAIN_FILES, Draft, report  # noqa: E402
 from hydra_prefix import _load, chat_split  # noqa: E402
-from step_time import machine  # noqa: E402
 
 from rewriter import eagle  # noqa: E402
 from rewriter.heads import probe_of  # noqa: E402
@@ -92,16 +90,7 @@ def main() -> None:
         results.append({"variant": variant, "steps": args.steps, "after": after,
                         "final_loss": round(loss, 4), "seconds": round(seconds, 1)})
         print(results[-1], flush=True)
-    fmt = lambda a: " / ".join(f"{x:.3f}" for x in a)  # noqa: E731
-    print(tabulate([[r["variant"], r["steps"], fmt(r["after"]["chat"]), fmt(r["after"]["code"]),
-                     r["final_loss"], r["seconds"]] for r in results],
-                   headers=["draft reads", "steps", "chat top-1 by step", "code top-1 by step",
-                            "final loss", "train s"]))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"args": vars(args), "cpu": machine(),
-                                           "torch": torch.__version__, "results": results},
-                                          indent=1))
-
+    report(args, results, "variant", "draft reads")
 
 def _fused(last: torch.Tensor, earlier: torch.Tensor) -> torch.Tensor:
     """``[N, L, 3H]``: the two earlier layers' states, then the last feature."""
