@@ -11,8 +11,9 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
+
+from rewriter.sdpa import sdpa
 
 from .duo_cache import split_attention
 from .kernels import KERNELS
@@ -145,7 +146,7 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, cache_id: int,
         return out.transpose(1, 2).reshape(b, s, num_heads * head_dim)  # [B, 1, Hq*D]
     keys = k_cache[:, :, :step.end]  # [B, Hkv, end, D]
     values = v_cache[:, :, :step.end]
-    out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=step.mask(window),
+    out = sdpa(qh, keys, values, attn_mask=step.mask(window),
                                          scale=scale, enable_gqa=num_heads != num_kv_heads)
     return out.transpose(1, 2).reshape(b, s, num_heads * head_dim)  # [B, S, Hq*D]
 

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rewriter.ops import REFERENCE
+from rewriter.sdpa import sdpa
 
 from .kernels import KERNELS
 
@@ -88,7 +89,7 @@ def _attend(step, qh: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale:
     """qh ``[B, Hq, S, D]`` over keys/values ``[B, Hkv, K, D]`` whose real indices are
     ``held`` ``[B, K]``: SDPA, with ``rotary`` at StreamingLLM's sink positions."""
     if rotary is None or sinks == 0:
-        return F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale,
+        return sdpa(qh, keys, values, attn_mask=mask, scale=scale,
                                               enable_gqa=gqa)
     # what depends on the step only (the same in every ring layer), made once a step
     lay = step.once(("ring_sinks", window, sinks, held.shape[1], id(rotary), keys.dtype, head_dim),
@@ -150,7 +151,7 @@ def sink_sdpa(qh: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: flo
     wide_v = F.pad(values, (0, extra))  # [B, Hkv, K, D + extra]
     wide_q = torch.cat([qh, F.pad(sink_scores.to(qh.dtype), (0, extra - sinks))],
                        dim=-1)  # [B, Hq, S, D + extra]
-    out = F.scaled_dot_product_attention(wide_q, wide_k, wide_v, attn_mask=mask, scale=scale,
+    out = sdpa(wide_q, wide_k, wide_v, attn_mask=mask, scale=scale,
                                          enable_gqa=hq != hkv)
     return out[..., :d]  # [B, Hq, S, D]
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from rewriter.ops import top_tokens, with_recent
+from rewriter.sdpa import sdpa
 
 
 def select_tokens(step, q: Tensor, k: Tensor, cache_id: int, num_heads: int, num_kv_heads: int,
@@ -45,7 +45,7 @@ def selected_attention(step, qh: Tensor, k_cache: Tensor, v_cache: Tensor, selec
     mask = (index >= 0)[:, :, None, :]  # [B, Hkv, 1, k + 1]: -1 entries unseen
     if gqa:
         mask = mask.repeat_interleave(qh.shape[1] // hkv, dim=1)
-    return F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale,
+    return sdpa(qh, keys, values, attn_mask=mask, scale=scale,
                                           enable_gqa=gqa)
 
 

@@ -1,0 +1,126 @@
+"""``rewriter.sdpa``: the one-query bfloat16/float16 CPU path against ATen's SDPA."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rewriter.sdpa as sdpa_module
+from rewriter.sdpa import sdpa
+
+
+@pytest.fixture(autouse=True)
+def every_size(monkeypatch):
+    """The path for calls of any size (by default small ones stay ATen's: faster there)."""
+    monkeypatch.setattr(sdpa_module, "_SMALL", 0)
+
+
+def _inputs(b=2, hq=9, hkv=3, t=37, d=16, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(b, hq, 1, d, generator=g) * 2).to(dtype)
+    k = (torch.randn(b, hkv, t, d, generator=g) * 2).to(dtype)
+    v = torch.randn(b, hkv, t, d, generator=g).to(dtype)
+    return q, k, v
+
+
+def _exact(q, k, v, mask=None, scale=None):
+    """float32 SDPA on the same (rounded) inputs: what both paths approximate."""
+    return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
+                                          scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _refuse_aten(monkeypatch):
+    """From here on, fail if a call reaches ATen's SDPA: the test is about the path beside it."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("took ATen's SDPA")
+    monkeypatch.setattr(sdpa_module.F, "scaled_dot_product_attention", refuse)
+
+
+def _masks(b, hq, t):
+    g = torch.Generator().manual_seed(1)
+    ragged = torch.arange(t)[None, None, None] >= torch.tensor([0, 5])[:b, None, None, None]
+    per_head = torch.rand(b, hq, 1, t, generator=g) > 0.3
+    per_head[..., -1] = True
+    return {"none": None, "shared": torch.rand(1, 1, 1, t, generator=g) > 0.2,
+            "ragged": ragged, "per_head": per_head}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (6, 1)])
+@pytest.mark.parametrize("mask_kind", ["none", "shared", "ragged", "per_head"])
+def test_grouped_path_matches_sdpa_to_its_precision(dtype, heads, mask_kind):
+    hq, hkv = heads
+    q, k, v = _inputs(hq=hq, hkv=hkv, dtype=dtype)
+    mask = _masks(2, hq, k.shape[2])[mask_kind]
+    kernel = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3,
+                                            enable_gqa=hq != hkv)
+    want = _exact(q, k, v, mask, 0.3)
+    got = sdpa(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=hq != hkv)
+    assert got.dtype == dtype and got.shape == q.shape
+    # both round a float32 result once: the same distance from it, to one unit of rounding
+    ulp = torch.finfo(dtype).eps * want.abs().max()
+    assert (got.float() - want).abs().max() <= (kernel.float() - want).abs().max() + ulp
+    assert (got.float() - want).abs().max() <= 2 * ulp
+
+
+def test_grouped_path_is_taken(monkeypatch):
+    q, k, v = _inputs()
+    want = _exact(q, k, v, None, 0.25)
+    _refuse_aten(monkeypatch)
+    out = sdpa(q, k, v, scale=0.25, enable_gqa=True)
+    torch.testing.assert_close(out.float(), want, atol=0.02, rtol=0.01)
+
+
+def test_default_scale_is_one_over_root_d(monkeypatch):
+    q, k, v = _inputs(d=16)
+    _refuse_aten(monkeypatch)
+    torch.testing.assert_close(sdpa(q, k, v, enable_gqa=True),
+                               sdpa(q, k, v, scale=0.25, enable_gqa=True), atol=0, rtol=0)
+
+
+def test_query_that_sees_nothing_gets_zeros_as_in_sdpa():
+    q, k, v = _inputs()
+    mask = torch.ones(2, 1, 1, k.shape[2], dtype=torch.bool)
+    mask[1] = False
+    got = sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert torch.equal(got[1], torch.zeros_like(got[1])) and torch.equal(want[1], got[1])
+    assert not got.isnan().any()
+
+
+def test_rows_in_chunks_equal_one_call(monkeypatch):
+    q, k, v = _inputs(b=5, t=40)
+    mask = torch.rand(5, 1, 1, 40, generator=torch.Generator().manual_seed(3)) > 0.4
+    mask[..., 0] = True
+    whole = sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
+    monkeypatch.setattr(sdpa_module, "_CHUNK", 2 * k[0].numel())  # two rows a chunk
+    parts = sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert torch.equal(whole, parts)
+    monkeypatch.setattr(sdpa_module, "_CHUNK", 1)  # one row a chunk, the mask shared
+    shared = mask[:1]
+    assert torch.equal(sdpa(q, k, v, attn_mask=shared, enable_gqa=True),
+                       torch.cat([sdpa(q[i:i + 1], k[i:i + 1], v[i:i + 1], attn_mask=shared,
+                                       enable_gqa=True) for i in range(5)]))
+
+
+@pytest.mark.parametrize("case", ["float32", "two_queries", "float_mask", "mask_over_queries"])
+def test_other_calls_are_atens(case):
+    q, k, v = _inputs(dtype=torch.float32 if case == "float32" else torch.bfloat16)
+    mask = None
+    if case == "two_queries":
+        q = torch.cat([q, q], 2)  # [B, Hq, 2, D]
+    if case == "float_mask":
+        mask = torch.zeros(1, 1, 1, k.shape[2], dtype=q.dtype)
+    if case == "mask_over_queries":  # a mask that SDPA broadcasts but this path does not read
+        mask = torch.ones(2, 1, 1, 1, dtype=torch.bool)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True)
+    assert torch.equal(sdpa(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True), want)
+
+
+def test_small_calls_stay_atens(monkeypatch):
+    monkeypatch.setattr(sdpa_module, "_SMALL", 1024)
+    aten, calls = F.scaled_dot_product_attention, []
+    monkeypatch.setattr(sdpa_module.F, "scaled_dot_product_attention",
+                        lambda *a, **kw: calls.append(a) or aten(*a, **kw))
+    sdpa(*_inputs(b=1, hq=9, hkv=3, t=100), scale=0.3, enable_gqa=True)  # 900 (row, head, key)
+    assert len(calls) == 1
+    sdpa(*_inputs(b=1, hq=9, hkv=3, t=120), scale=0.3, enable_gqa=True)  # 1080
+    assert len(calls) == 1
