@@ -70,6 +70,7 @@ from rewriter.eval import CHAT_PROMPTS
 from rewriter.passes import EagleDraft, HydraHeads, MedusaHeads, PromptLookup, SelfSpeculative
 from rewriter.passes.layer_skip import kept_positions
 from rewriter.runtime.chat import chat_prompt
+from rewriter.sdpa import kernel_only
 from rewriter.tree import MAX_NODES, Tree, choose_tree, expected_tokens
 
 # ``--chat wide``: the eval's 8 questions, then 24 more of the kinds people ask a small
@@ -287,8 +288,16 @@ def main():
                          "at batch 1, each once)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--backend", default="torch", choices=["torch", "triton"])
+    ap.add_argument("--attention-kernel", action="store_true",
+                    help="every one-query attention by ATen's SDPA kernel, as before 2026-11-29 "
+                         "(rewriter.sdpa: slower in bfloat16 on a CPU; reproduces older figures)")
     ap.add_argument("--json", default="benchmarks/results/speculative.json")
     args = ap.parse_args()
+    with kernel_only() if args.attention_kernel else contextlib.nullcontext():
+        run(args, ap)
+
+
+def run(args, ap):
     if args.samples < 1:
         ap.error(f"--samples must be at least 1, got {args.samples}")
     for name, v, top in (("--dynamic", args.dynamic, 16), ("--lookup", args.lookup, 16)):
@@ -306,6 +315,7 @@ def main():
                "machine": platform.processor() or platform.machine(),
                "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
                "new_tokens": args.new, "max_draft": args.max_draft, "chat": args.chat,
+               "attention_kernel": args.attention_kernel,
                "runs": []}
     rows, curves, head_rows, lookup_rows, eagle_table = [], [], [], [], []
     for dtype in args.dtype:

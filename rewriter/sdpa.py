@@ -19,6 +19,7 @@ kernel's (the final rounding; ``tests/test_sdpa.py``).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
@@ -88,3 +89,14 @@ def _grouped(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: flo
             weights = torch.where(sees, weights, 0.0)
     out = weights @ v.float()  # [B, Hkv, G, D]
     return out.reshape(b, hq, 1, d).to(q.dtype)
+
+
+@contextlib.contextmanager
+def kernel_only():
+    """Every call to ATen's kernel while inside: to measure this path against it."""
+    global _SMALL
+    saved, _SMALL = _SMALL, math.inf
+    try:
+        yield
+    finally:
+        _SMALL = saved
