@@ -2,12 +2,13 @@
 grouped float32 path, alone and inside SmolLM2's plain decode.
 
     python benchmarks/decode_attention.py [--lengths 128 1024 4096] [--batch 1 4]
-                                          [--steps 24] [--same 4]
+                                          [--steps 24] [--same 4] [--calls-only]
                                           [--json benchmarks/results/decode_attention.json]
 
 1. The call alone, at SmolLM2's shapes (9 query heads over 3 KV heads of 64): ms of each
-   (median of 200 calls) and each one's largest difference from float32 SDPA on the same
-   bfloat16 inputs, for every batch and cache length.
+   (median of 200 calls), the kernel's with two queries beside it, and each one's largest
+   difference from float32 SDPA on the same bfloat16 inputs, for every batch and cache
+   length ("path taken: no" where ``sdpa`` leaves a call that small to the kernel).
 2. Plain greedy decode of SmolLM2 (its GGUF, bfloat16, torch backend): one prefill to each
    length, then ``--steps`` decode steps that alternate between the two paths (kernel,
    path, kernel, ...: the same cache, one token longer each step, so a drift of the
@@ -33,6 +34,7 @@ from tabulate import tabulate
 
 import rewriter
 from rewriter.checkpoints import cast
+import rewriter.sdpa as sdpa_module
 from rewriter.sdpa import kernel_only, sdpa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -49,14 +51,23 @@ def call_rows(lengths: list[int], batches: list[int]) -> list[dict]:
             q, k, v = (torch.randn(b, h, n, HEAD_DIM, generator=g).to(torch.bfloat16)
                        for h, n in ((HEADS, 1), (KV_HEADS, t), (KV_HEADS, t)))
             exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
-            row = {"batch": b, "keys": t}
+            row = {"batch": b, "keys": t, "path_taken": _taken(b, t)}
             for name, ctx in (("kernel", kernel_only), ("path", contextlib.nullcontext)):
                 with ctx():
                     out = sdpa(q, k, v, enable_gqa=True)
                     row[f"{name}_ms"] = _median_ms(lambda: sdpa(q, k, v, enable_gqa=True))
                 row[f"{name}_err"] = (out.float() - exact).abs().max().item()
+            two = torch.cat([q, q], 2)  # [B, Hq, 2, D]: the kernel with a second query
+            row["kernel_two_queries_ms"] = _median_ms(
+                lambda: F.scaled_dot_product_attention(two, k, v, enable_gqa=True))
             rows.append(row)
     return rows
+
+
+def _taken(batch: int, keys: int) -> bool:
+    """Whether ``sdpa`` computes a one-query step of this size itself (else the kernel
+    runs in both columns)."""
+    return batch * HEADS * keys >= sdpa_module._SMALL
 
 
 def _median_ms(fn, n: int = 200) -> float:
@@ -73,6 +84,8 @@ def _median_ms(fn, n: int = 200) -> float:
 def decode_rows(engine, tok, lengths: list[int], batches: list[int], steps: int) -> list[dict]:
     rows = []
     text = code_prompts(tok, max(batches), max(lengths))
+    if min(map(len, text)) < max(lengths):
+        raise SystemExit(f"the held-out text has no {max(batches)} prompts of {max(lengths)} tokens")
     for b in batches:
         for t in lengths:
             prompt = torch.tensor([ids[:t] for ids in text[:b]])  # [B, t]
@@ -89,8 +102,8 @@ def decode_rows(engine, tok, lengths: list[int], batches: list[int], steps: int)
                     next(stream)
                     times[name].append(time.perf_counter() - start)
             kernel, path = (b / statistics.median(times[n]) for n in ("kernel", "path"))
-            rows.append({"batch": b, "context": t, "kernel_tok_s": kernel, "path_tok_s": path,
-                         "speedup": path / kernel})
+            rows.append({"batch": b, "context": t, "path_taken": _taken(b, t),
+                         "kernel_tok_s": kernel, "path_tok_s": path, "speedup": path / kernel})
             print(rows[-1], flush=True)
     return rows
 
@@ -122,6 +135,7 @@ def main():
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--steps", type=int, default=24, help="decode steps timed, half each path")
     ap.add_argument("--same", type=int, default=4, help="prompts whose greedy text is compared")
+    ap.add_argument("--calls-only", action="store_true", help="the call alone (part 1), no model")
     ap.add_argument("--json", default="benchmarks/results/decode_attention.json")
     args = ap.parse_args()
     if min(args.lengths) < 1 or min(args.batch) < 1 or args.steps < 2 or args.same < 0:
@@ -130,23 +144,35 @@ def main():
                "threads": torch.get_num_threads(), "torch": torch.__version__,
                "date": time.strftime("%Y-%m-%d")}
     results["calls"] = call_rows(args.lengths, args.batch)
-    print(tabulate([[r["batch"], r["keys"], f"{r['kernel_ms']:.3f}", f"{r['path_ms']:.3f}",
+    print(tabulate([[r["batch"], r["keys"], _mark(r), f"{r['kernel_ms']:.3f}",
+                     f"{r['kernel_two_queries_ms']:.3f}", f"{r['path_ms']:.3f}",
                      f"{r['kernel_ms'] / r['path_ms']:.2f}x", f"{r['kernel_err']:.1e}",
                      f"{r['path_err']:.1e}"] for r in results["calls"]],
-                   ["batch", "keys", "kernel ms", "path ms", "faster", "kernel err", "path err"]))
+                   ["batch", "keys", "path taken", "kernel ms", "kernel, 2 queries", "path ms",
+                    "faster", "kernel err", "path err"]))
+    if not args.calls_only:
+        decode_part(args, results)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+def _mark(row: dict) -> str:
+    return "yes" if row["path_taken"] else "no: kernel in both"
+
+
+def decode_part(args, results: dict) -> None:
+    """Parts 2 and 3: SmolLM2's decode, and its greedy text."""
     model, tok = load("smollm2")
     engine = rewriter.optimize(cast(model, torch.bfloat16, "cpu"), tokenizer=tok)
     tok = engine.tokenizer
     results["decode"] = decode_rows(engine, tok, args.lengths, args.batch, args.steps)
-    print(tabulate([[r["batch"], r["context"], f"{r['kernel_tok_s']:.1f}", f"{r['path_tok_s']:.1f}",
-                     f"{r['speedup']:.2f}x"] for r in results["decode"]],
-                   ["batch", "context", "kernel tok/s", "path tok/s", "speed-up"]))
+    print(tabulate([[r["batch"], r["context"], _mark(r), f"{r['kernel_tok_s']:.1f}",
+                     f"{r['path_tok_s']:.1f}", f"{r['speedup']:.2f}x"] for r in results["decode"]],
+                   ["batch", "context", "path taken", "kernel tok/s", "path tok/s", "speed-up"]))
     if args.same:
         exact = rewriter.optimize(load("smollm2")[0], tokenizer=tok)  # float32: cast changed model
         results["same"] = same_rows(engine, exact, tok, args.same)
         print("greedy text, 48 tokens after 128:", json.dumps(results["same"]))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

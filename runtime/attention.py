@@ -146,8 +146,8 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, cache_id: int,
         return out.transpose(1, 2).reshape(b, s, num_heads * head_dim)  # [B, 1, Hq*D]
     keys = k_cache[:, :, :step.end]  # [B, Hkv, end, D]
     values = v_cache[:, :, :step.end]
-    out = sdpa(qh, keys, values, attn_mask=step.mask(window),
-                                         scale=scale, enable_gqa=num_heads != num_kv_heads)
+    out = sdpa(qh, keys, values, attn_mask=step.mask(window), scale=scale,
+               enable_gqa=num_heads != num_kv_heads)
     return out.transpose(1, 2).reshape(b, s, num_heads * head_dim)  # [B, S, Hq*D]
 
 

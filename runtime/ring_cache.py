@@ -89,8 +89,7 @@ def _attend(step, qh: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale:
     """qh ``[B, Hq, S, D]`` over keys/values ``[B, Hkv, K, D]`` whose real indices are
     ``held`` ``[B, K]``: SDPA, with ``rotary`` at StreamingLLM's sink positions."""
     if rotary is None or sinks == 0:
-        return sdpa(qh, keys, values, attn_mask=mask, scale=scale,
-                                              enable_gqa=gqa)
+        return sdpa(qh, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
     # what depends on the step only (the same in every ring layer), made once a step
     lay = step.once(("ring_sinks", window, sinks, held.shape[1], id(rotary), keys.dtype, head_dim),
                     lambda: sink_layout(held, r_new, sinks, window, rotary, keys.dtype,
@@ -125,8 +124,7 @@ def sink_layout(held: Tensor, r_new: Tensor, sinks: int, window: int, rotary: Te
                 keep=(~is_sink)[:, None, :, None].to(dtype), cos=cos, sin=sin)
 
 
-def sink_sdpa(qh: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float, lay: dict,
-              head_dim: int) -> Tensor:
+def sink_sdpa(qh: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float, lay: dict, head_dim: int) -> Tensor:
     """``rewriter.ops.sink_attention`` as one SDPA call, so a long prompt step never holds
     its ``[B, Hq, S, K]`` scores (on a CPU, whose SDPA kernel takes a mask and GQA). A
     sink's score needs the query rotated back (per query), so each query carries its
@@ -151,8 +149,7 @@ def sink_sdpa(qh: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: flo
     wide_v = F.pad(values, (0, extra))  # [B, Hkv, K, D + extra]
     wide_q = torch.cat([qh, F.pad(sink_scores.to(qh.dtype), (0, extra - sinks))],
                        dim=-1)  # [B, Hq, S, D + extra]
-    out = sdpa(wide_q, wide_k, wide_v, attn_mask=mask, scale=scale,
-                                         enable_gqa=hq != hkv)
+    out = sdpa(wide_q, wide_k, wide_v, attn_mask=mask, scale=scale, enable_gqa=hq != hkv)
     return out[..., :d]  # [B, Hq, S, D]
 
 

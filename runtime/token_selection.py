@@ -45,8 +45,7 @@ def selected_attention(step, qh: Tensor, k_cache: Tensor, v_cache: Tensor, selec
     mask = (index >= 0)[:, :, None, :]  # [B, Hkv, 1, k + 1]: -1 entries unseen
     if gqa:
         mask = mask.repeat_interleave(qh.shape[1] // hkv, dim=1)
-    return sdpa(qh, keys, values, attn_mask=mask, scale=scale,
-                                          enable_gqa=gqa)
+    return sdpa(qh, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
 def _flat_rows(index: Tensor, length: int) -> Tensor:

@@ -55,10 +55,11 @@ def test_grouped_path_matches_sdpa_to_its_precision(dtype, heads, mask_kind):
     want = _exact(q, k, v, mask, 0.3)
     got = sdpa(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=hq != hkv)
     assert got.dtype == dtype and got.shape == q.shape
-    # both round a float32 result once: the same distance from it, to one unit of rounding
+    # float32 attention rounded once: equal to it but for a rare tie of the rounding (the
+    # kernel, which also rounds its softmax weights, differs on 15-20% of the outputs)
+    assert (got != want.to(dtype)).float().mean() <= 0.02
     ulp = torch.finfo(dtype).eps * want.abs().max()
     assert (got.float() - want).abs().max() <= (kernel.float() - want).abs().max() + ulp
-    assert (got.float() - want).abs().max() <= 2 * ulp
 
 
 def test_grouped_path_is_taken(monkeypatch):
@@ -86,9 +87,21 @@ def test_query_that_sees_nothing_gets_zeros_as_in_sdpa():
     assert not got.isnan().any()
 
 
-def test_rows_in_chunks_equal_one_call(monkeypatch):
+def test_one_head_that_sees_nothing_gets_zeros():
+    q, k, v = _inputs()
+    mask = torch.ones(2, 9, 1, k.shape[2], dtype=torch.bool)
+    mask[1, 4] = False  # row 1, query head 4 (KV head 1's second)
+    got = sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert torch.equal(got[1, 4], torch.zeros_like(got[1, 4]))
+    others = torch.ones(2, 9, dtype=torch.bool)
+    others[1, 4] = False
+    assert torch.equal(got[others], sdpa(q, k, v, enable_gqa=True)[others])
+
+
+@pytest.mark.parametrize("heads", [1, 9])
+def test_rows_in_chunks_equal_one_call(monkeypatch, heads):
     q, k, v = _inputs(b=5, t=40)
-    mask = torch.rand(5, 1, 1, 40, generator=torch.Generator().manual_seed(3)) > 0.4
+    mask = torch.rand(5, heads, 1, 40, generator=torch.Generator().manual_seed(3)) > 0.4
     mask[..., 0] = True
     whole = sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
     monkeypatch.setattr(sdpa_module, "_CHUNK", 2 * k[0].numel())  # two rows a chunk
@@ -99,6 +112,14 @@ def test_rows_in_chunks_equal_one_call(monkeypatch):
     assert torch.equal(sdpa(q, k, v, attn_mask=shared, enable_gqa=True),
                        torch.cat([sdpa(q[i:i + 1], k[i:i + 1], v[i:i + 1], attn_mask=shared,
                                        enable_gqa=True) for i in range(5)]))
+
+
+def test_heads_are_grouped_only_with_enable_gqa():
+    q, k, v = _inputs(hq=9, hkv=3)
+    with pytest.raises(RuntimeError):  # as SDPA: 9 query heads over 3 without enable_gqa
+        F.scaled_dot_product_attention(q, k, v)
+    with pytest.raises(RuntimeError):
+        sdpa(q, k, v)
 
 
 @pytest.mark.parametrize("case", ["float32", "two_queries", "float_mask", "mask_over_queries"])
@@ -123,4 +144,16 @@ def test_small_calls_stay_atens(monkeypatch):
     sdpa(*_inputs(b=1, hq=9, hkv=3, t=100), scale=0.3, enable_gqa=True)  # 900 (row, head, key)
     assert len(calls) == 1
     sdpa(*_inputs(b=1, hq=9, hkv=3, t=120), scale=0.3, enable_gqa=True)  # 1080
+    assert len(calls) == 1
+
+
+def test_kernel_only_sends_every_call_to_aten(monkeypatch):
+    aten, calls = F.scaled_dot_product_attention, []
+    monkeypatch.setattr(sdpa_module.F, "scaled_dot_product_attention",
+                        lambda *a, **kw: calls.append(a) or aten(*a, **kw))
+    q, k, v = _inputs(b=1, t=500)
+    with sdpa_module.kernel_only():
+        sdpa(q, k, v, enable_gqa=True)
+    assert len(calls) == 1
+    sdpa(q, k, v, enable_gqa=True)  # and back to the path after it
     assert len(calls) == 1
