@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .sdpa import sdpa
+
 LAYER = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
          "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight",
          "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
@@ -186,8 +188,9 @@ def step(p: dict, shape: Shape, feature: Tensor, embedded: Tensor, cache: tuple)
     keys, values = torch.cat([keys, k.to(keys.dtype)], 2), torch.cat([values, v.to(values.dtype)], 2)
     # causal among the new positions; every new one sees the whole cache
     mask = torch.ones(n, past + n, dtype=torch.bool, device=z.device).tril(past)
-    a = F.scaled_dot_product_attention(q, _repeat(keys, shape).to(q.dtype),
-                                       _repeat(values, shape).to(q.dtype), attn_mask=mask)
+    # one new position in bfloat16 on a CPU is rewriter.sdpa's fast case, as a decode step
+    a = sdpa(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[None, None],
+             enable_gqa=shape.heads != shape.kv_heads)  # mask [1, 1, n, L + n]
     return _finish(p, shape, z, a), (keys, values)
 
 

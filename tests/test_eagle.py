@@ -233,3 +233,24 @@ def test_a_rope_base_too_large_for_a_float_is_refused():
     with pytest.raises(ValueError, match="rope_theta must be a positive finite number"):
         eagle.Shape(hidden=32, heads=4, kv_heads=2, intermediate=48, rope_theta=10 ** 400)
     assert eagle.Shape(hidden=32, heads=4, kv_heads=2, intermediate=48, rope_theta=500).rope_theta == 500.0
+
+
+def test_a_one_position_bfloat16_step_takes_the_fast_attention(monkeypatch):
+    # a catch-up of one position over a long cache: rewriter.sdpa's grouped float32 path
+    # (ATen's CPU kernel is slow there), equal to the float32 step to bfloat16's precision
+    import rewriter.sdpa as sdpa_module
+    p, features, embedded = _setup(batch=2, length=161, seed=2)
+    half = {k: v.to(torch.bfloat16) for k, v in p.items()}
+    exact = {k: v.float() for k, v in half.items()}  # the same rounded weights, in float32
+    with torch.no_grad():
+        _, cache = eagle.step(exact, SHAPE, features[:, :160], embedded[:, :160],
+                              eagle.empty_cache(SHAPE, 2))
+        want, _ = eagle.step(exact, SHAPE, features[:, 160:], embedded[:, 160:], cache)
+        aten, calls = sdpa_module.F.scaled_dot_product_attention, []
+        monkeypatch.setattr(sdpa_module.F, "scaled_dot_product_attention",
+                            lambda *a, **kw: calls.append(a) or aten(*a, **kw))
+        got, _ = eagle.step(half, SHAPE, features[:, 160:].bfloat16(), embedded[:, 160:].bfloat16(),
+                            tuple(c.bfloat16() for c in cache))
+    assert calls == []  # 2 rows x 4 heads x 161 keys: the grouped path, not the kernel
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - want).abs().max() <= 0.01 * want.abs().max()  # 0.004 measured
