@@ -124,7 +124,8 @@ def sink_layout(held: Tensor, r_new: Tensor, sinks: int, window: int, rotary: Te
                 keep=(~is_sink)[:, None, :, None].to(dtype), cos=cos, sin=sin)
 
 
-def sink_sdpa(qh: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float, lay: dict, head_dim: int) -> Tensor:
+def sink_sdpa(qh: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float, lay: dict,
+              head_dim: int) -> Tensor:
     """``rewriter.ops.sink_attention`` as one SDPA call, so a long prompt step never holds
     its ``[B, Hq, S, K]`` scores (on a CPU, whose SDPA kernel takes a mask and GQA). A
     sink's score needs the query rotated back (per query), so each query carries its
