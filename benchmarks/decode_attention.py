@@ -8,7 +8,9 @@ grouped float32 path, alone and inside SmolLM2's plain decode.
 1. The call alone, at SmolLM2's shapes (9 query heads over 3 KV heads of 64): ms of each
    (median of 200 calls), the kernel's with two queries beside it, and each one's largest
    difference from float32 SDPA on the same bfloat16 inputs, for every batch and cache
-   length ("path taken: no" where ``sdpa`` leaves a call that small to the kernel).
+   length. The path is timed on every machine; "path taken: no" where ``sdpa`` leaves
+   the call to the kernel here: too small (``_SMALL``), or the path measured no faster on
+   this machine (``sdpa._pays``, printed above the table).
 2. Plain greedy decode of SmolLM2 (its GGUF, bfloat16, torch backend): one prefill to each
    length, then ``--steps`` decode steps that alternate between the two paths (kernel,
    path, kernel, ...: the same cache, one token longer each step, so a drift of the
@@ -22,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import platform
 import statistics
 import sys
 import time
@@ -39,6 +40,7 @@ from rewriter.sdpa import kernel_only, sdpa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from speculative import code_prompts, load  # noqa: E402  (benchmarks/ is not a package)
+from step_time import machine  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
 
@@ -52,7 +54,7 @@ def call_rows(lengths: list[int], batches: list[int]) -> list[dict]:
                        for h, n in ((HEADS, 1), (KV_HEADS, t), (KV_HEADS, t)))
             exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
             row = {"batch": b, "keys": t, "path_taken": _taken(b, t)}
-            for name, ctx in (("kernel", kernel_only), ("path", contextlib.nullcontext)):
+            for name, ctx in (("kernel", kernel_only), ("path", path_forced)):
                 with ctx():
                     out = sdpa(q, k, v, enable_gqa=True)
                     row[f"{name}_ms"] = _median_ms(lambda: sdpa(q, k, v, enable_gqa=True))
@@ -65,9 +67,22 @@ def call_rows(lengths: list[int], batches: list[int]) -> list[dict]:
 
 
 def _taken(batch: int, keys: int) -> bool:
-    """Whether ``sdpa`` computes a one-query step of this size itself (else the kernel
-    runs in both columns)."""
-    return batch * HEADS * keys >= sdpa_module._SMALL
+    """Whether ``sdpa`` computes a one-query step of this size itself on this machine
+    (where the path is measured faster: ``sdpa._pays``); else the kernel runs in both
+    columns of a decode row, and the call rows time the path anyway."""
+    return batch * HEADS * keys >= sdpa_module._SMALL and sdpa_module._pays(torch.bfloat16)
+
+
+@contextlib.contextmanager
+def path_forced():
+    """``sdpa`` takes its path for every call big enough, whatever it measured here."""
+    saved = dict(sdpa_module._PAYS)
+    sdpa_module._PAYS.update({torch.bfloat16: True, torch.float16: True})
+    try:
+        yield
+    finally:
+        sdpa_module._PAYS.clear()
+        sdpa_module._PAYS.update(saved)
 
 
 def _median_ms(fn, n: int = 200) -> float:
@@ -97,7 +112,7 @@ def decode_rows(engine, tok, lengths: list[int], batches: list[int], steps: int)
             times = {"kernel": [], "path": []}
             for i in range(steps):
                 name = ("kernel", "path")[i % 2]
-                with kernel_only() if name == "kernel" else contextlib.nullcontext():
+                with kernel_only() if name == "kernel" else path_forced():
                     start = time.perf_counter()
                     next(stream)
                     times[name].append(time.perf_counter() - start)
@@ -116,7 +131,8 @@ def same_rows(engine, exact, tok, n: int) -> dict:
     for ids in prompts:
         with kernel_only():
             runs["kernel"].append(engine.generate([ids], max_new_tokens=48, eos_token_id=[])[0, 128:])
-        runs["path"].append(engine.generate([ids], max_new_tokens=48, eos_token_id=[])[0, 128:])
+        with path_forced():
+            runs["path"].append(engine.generate([ids], max_new_tokens=48, eos_token_id=[])[0, 128:])
         runs["float32"].append(exact.generate([ids], max_new_tokens=48, eos_token_id=[])[0, 128:])
     return {"prompts": n, **{f"{a}_vs_{b}": _agreement(runs[a], runs[b])
                              for a, b in (("path", "kernel"), ("kernel", "float32"),
@@ -140,9 +156,11 @@ def main():
     args = ap.parse_args()
     if min(args.lengths) < 1 or min(args.batch) < 1 or args.steps < 2 or args.same < 0:
         ap.error("--lengths and --batch must be positive, --steps at least 2, --same at least 0")
-    results = {"machine": platform.processor() or platform.machine(),
+    results = {"machine": machine(), "path_pays": sdpa_module._pays(torch.bfloat16),
                "threads": torch.get_num_threads(), "torch": torch.__version__,
                "date": time.strftime("%Y-%m-%d")}
+    print(f"{results['machine']}: sdpa's path measured "
+          f"{'faster' if results['path_pays'] else 'no faster'} than the kernel in bfloat16")
     results["calls"] = call_rows(args.lengths, args.batch)
     print(tabulate([[r["batch"], r["keys"], _mark(r), f"{r['kernel_ms']:.3f}",
                      f"{r['kernel_two_queries_ms']:.3f}", f"{r['path_ms']:.3f}",
@@ -157,7 +175,7 @@ def main():
 
 
 def _mark(row: dict) -> str:
-    return "yes" if row["path_taken"] else "no: kernel in both"
+    return "yes" if row["path_taken"] else "no: the kernel"
 
 
 def decode_part(args, results: dict) -> None:

@@ -1,12 +1,15 @@
 """``sdpa``: ``F.scaled_dot_product_attention`` with a faster path for one-query steps of
 bfloat16/float16 on a CPU.
 
-ATen's CPU kernel is slow for exactly the call a decode step makes: one query per head
-in bfloat16. On the project's 2-core AMD EPYC (torch 2.13) it took 0.17 ms for SmolLM2's
-9 query heads over 300 cached keys and 2.1 ms over 4000, where the same call with two
-queries takes 0.06 and 0.65: its cost does not grow with the queries, so a one-token step
-pays the most per token. In float32 the kernel is fast (0.03 ms at 300 keys), and on a GPU
-it is not this kernel at all; both are left to it.
+On some CPUs ATen's kernel is slow for exactly the call a decode step makes: one query
+per head in bfloat16. On a 2-core AMD EPYC without AMX (torch 2.13) it took 0.17 ms for
+SmolLM2's 9 query heads over 300 cached keys and 2.1 ms over 4000, where the same call
+with two queries takes 0.06 and 0.65: its cost does not grow with the queries, so a
+one-token step pays the most per token. On a 2-core Intel Xeon with AMX the same kernel
+takes 0.14 ms over 4096 keys, three times faster than this path. So whether the path
+pays is measured on the machine, once a process and dtype (``_pays``), and the kernel
+keeps every call where it is not clearly slower. In float32 the kernel is fast (0.03 ms
+at 300 keys), and on a GPU it is not this kernel at all; both are left to it.
 
 For short caches the kernel is faster still, and keeps them (``_SMALL``).
 
@@ -15,13 +18,15 @@ inputs and rounds once, at the end: its output is float32 attention rounded (the
 also rounds its softmax weights to bfloat16 before the weighted sum, so its error is
 larger, never smaller; ``tests/test_sdpa.py``). Queries are grouped under their key/value
 head (``enable_gqa``), so the cache is read once per KV head, not once per query head.
-``benchmarks/decode_attention.py`` times both: 1.3-2.1x faster than the kernel at 128-256
-keys, 4-6x at 1024-4096, batch 1 and 4.
+``benchmarks/decode_attention.py`` times both: on the EPYC 1.3-2.1x faster than the kernel
+at 128-256 keys, 4-6x at 1024-4096, batch 1 and 4; on the Xeon 2-3.5x slower.
 """
 from __future__ import annotations
 
 import contextlib
 import math
+import statistics
+import time
 from typing import Optional
 
 import torch
@@ -37,6 +42,16 @@ _CHUNK = 1 << 22
 # extra calls cost about 30 us, the kernel about 0.06 us a triple (SmolLM2's 9 heads at
 # batch 1: even at 64 keys, the kernel ahead below, this path ahead from 128).
 _SMALL = 1024
+# Whether this path pays, by dtype, on this machine: measured at the first call that could
+# take it (``_measure``), then kept for the process.
+_PAYS: dict = {}
+# The measured call: SmolLM2's heads over 1024 keys, batch 1 (the EPYC's kernel 4-6x slower
+# there, the Xeon's 3x faster), and how much faster the path must be to take the calls:
+# a margin so that a machine where both are about even keeps ATen's kernel, and a noisy
+# timing cannot flip the choice from one process to the next.
+_PROBE = (1, 9, 3, 1024, 64)  # batch, query heads, KV heads, keys, head dim
+_MARGIN = 1.25
+_RUNS = 15
 
 
 def sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
@@ -73,7 +88,35 @@ def _grouped_case(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], gqa: 
                                   and mask.shape[0] in (1, q.shape[0])
                                   and mask.shape[1] in (1, q.shape[1])
                                   and mask.shape[2:] == (1, k.shape[2])))
-            and q.shape[0] * q.shape[1] * k.shape[2] >= _SMALL)
+            and q.shape[0] * q.shape[1] * k.shape[2] >= _SMALL
+            and _pays(q.dtype))
+
+
+def _pays(dtype: torch.dtype) -> bool:
+    """Whether the path is clearly faster than the kernel here in ``dtype`` (measured once)."""
+    if dtype not in _PAYS:
+        _PAYS[dtype] = _measure(dtype)
+    return _PAYS[dtype]
+
+
+def _measure(dtype: torch.dtype) -> bool:
+    """Time the kernel and the path on ``_PROBE``'s call, interleaved (medians of ``_RUNS``):
+    a few milliseconds, once a process."""
+    b, hq, hkv, t, d = _PROBE
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, h, n, d, generator=g).to(dtype)
+               for h, n in ((hq, 1), (hkv, t), (hkv, t)))
+    calls = {"kernel": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+             "path": lambda: _grouped(q, k, v, None, 1.0 / math.sqrt(d))}
+    times: dict = {name: [] for name in calls}
+    with torch.inference_mode():
+        for run in range(_RUNS + 2):  # two warm-up calls each
+            for name, call in calls.items():
+                start = time.perf_counter()
+                call()
+                if run >= 2:
+                    times[name].append(time.perf_counter() - start)
+    return statistics.median(times["path"]) * _MARGIN < statistics.median(times["kernel"])
 
 
 def _grouped(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float) -> Tensor:

@@ -37,7 +37,7 @@ from .attention import Step
 from .generate import Batch, _run, run_prompt
 from .kv_cache import KVCache
 from .replay import Replay, Replays
-from .sampling import next_token, warp
+from .sampling import greedy, next_token, warp
 from .settings import GenerationSettings
 
 
@@ -226,7 +226,7 @@ class _Rounds:
                 dists.append(q)
             else:
                 q = logits.float().softmax(-1) if stop else None
-                token = logits.argmax(-1)
+                token = greedy(logits)
             drafts.append(token)
             if stop:  # read back: the one wait for the GPU a draft step has
                 confidence = q.gather(-1, token[:, None]).squeeze(-1)  # [B]
@@ -242,7 +242,7 @@ class _Rounds:
         b, n1, _ = logits.shape
         n_draft = n1 - 1
         if not self.s.do_sample:
-            target = logits.argmax(-1)  # [B, n + 1]
+            target = greedy(logits)  # [B, n + 1]
             match = (drafts == target[:, :n_draft]).long().cumprod(dim=1)  # [B, n]
             n = match.sum(dim=1)
             return n, target.gather(1, n[:, None]).squeeze(1)

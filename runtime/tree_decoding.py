@@ -44,7 +44,7 @@ from rewriter.tree import MAX_NODES, MAX_RANK, Tree, make_tree
 from .eagle_rows import EagleRows
 from .generate import Batch, run_prompt
 from .kv_cache import KVCache
-from .sampling import next_token, warp
+from .sampling import greedy, next_token, warp
 from .settings import GenerationSettings
 from .speculative import _Rounds
 from .tree_adapt import AdaptiveTree
@@ -459,7 +459,7 @@ class _TreeRounds(_Rounds):
         return self._walk(logits, tokens, lay)
 
     def _greedy(self, logits, tokens, lay):
-        target = logits.argmax(-1)  # [B, m]
+        target = greedy(logits)  # [B, m]
         parent, depth = lay["parent"], lay["depth"]
         m = tokens.shape[1]
         right = tokens == target[:, parent.clamp_min(0)]  # [B, m]: the model's choice after its parent

@@ -237,8 +237,10 @@ def test_a_rope_base_too_large_for_a_float_is_refused():
 
 def test_a_one_position_bfloat16_step_takes_the_fast_attention(monkeypatch):
     # a catch-up of one position over a long cache: rewriter.sdpa's grouped float32 path
-    # (ATen's CPU kernel is slow there), equal to the float32 step to bfloat16's precision
+    # (on a machine where ATen's CPU kernel is slow there: taken as measured so),
+    # equal to the float32 step to bfloat16's precision
     import rewriter.sdpa as sdpa_module
+    monkeypatch.setattr(sdpa_module, "_PAYS", {torch.bfloat16: True})
     p, features, embedded = _setup(batch=2, length=161, seed=2)
     half = {k: v.to(torch.bfloat16) for k, v in p.items()}
     exact = {k: v.float() for k, v in half.items()}  # the same rounded weights, in float32

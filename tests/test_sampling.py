@@ -5,7 +5,7 @@ import torch
 from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
-from rewriter.runtime.sampling import next_token, warp
+from rewriter.runtime.sampling import greedy, next_token, warp
 from rewriter.runtime.settings import GenerationSettings
 
 
@@ -68,3 +68,18 @@ def test_seeded_generation_is_reproducible(varied_cache):
 def test_bad_sampling_arguments_are_named(bad, match):
     with pytest.raises(ValueError, match=match):
         GenerationSettings(do_sample=True, **bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_is_argmax_ties_and_nan_included(dtype):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(-3, 4, (5, 7, 300), generator=g).to(dtype)  # many ties a row
+    logits[0, 0, 11] = float("nan")  # NaN counts as the largest, as argmax counts it
+    logits[0, 1, [4, 250]] = float("nan")  # the first NaN
+    logits[1, 2] = float("-inf")  # a row of -inf: index 0
+    logits[2, 3, :] = 3
+    logits[2, 3, 299] = 4  # the very last index
+    got = greedy(logits)
+    assert got.dtype == torch.int64 and got.shape == (5, 7)
+    assert torch.equal(got, logits.argmax(-1))
+    assert got[0, 0] == 11 and got[0, 1] == 4 and got[1, 2] == 0 and got[2, 3] == 299

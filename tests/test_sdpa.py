@@ -1,4 +1,6 @@
 """``rewriter.sdpa``: the one-query bfloat16/float16 CPU path against ATen's SDPA."""
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,8 +11,10 @@ from rewriter.sdpa import sdpa
 
 @pytest.fixture(autouse=True)
 def every_size(monkeypatch):
-    """The path for calls of any size (by default small ones stay ATen's: faster there)."""
+    """The path for calls of any size (by default small ones stay ATen's: faster there), on
+    any machine (by default it is taken only where it was measured faster: ``_pays``)."""
     monkeypatch.setattr(sdpa_module, "_SMALL", 0)
+    monkeypatch.setattr(sdpa_module, "_PAYS", {torch.bfloat16: True, torch.float16: True})
 
 
 def _inputs(b=2, hq=9, hkv=3, t=37, d=16, dtype=torch.bfloat16, seed=0):
@@ -157,3 +161,44 @@ def test_kernel_only_sends_every_call_to_aten(monkeypatch):
     assert len(calls) == 1
     sdpa(q, k, v, enable_gqa=True)  # and back to the path after it
     assert len(calls) == 1
+
+
+def test_a_machine_where_the_path_does_not_pay_keeps_the_kernel(monkeypatch):
+    monkeypatch.setattr(sdpa_module, "_PAYS", {torch.bfloat16: False, torch.float16: True})
+    aten, calls = F.scaled_dot_product_attention, []
+    monkeypatch.setattr(sdpa_module.F, "scaled_dot_product_attention",
+                        lambda *a, **kw: calls.append(a) or aten(*a, **kw))
+    q, k, v = _inputs(b=1, t=500)
+    sdpa(q, k, v, enable_gqa=True)
+    assert len(calls) == 1  # bfloat16: the kernel
+    sdpa(q.half(), k.half(), v.half(), enable_gqa=True)  # float16 has a choice of its own
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("slow", ["kernel", "path"])
+def test_the_choice_is_measured(monkeypatch, slow):
+    """The path is chosen where the kernel is slower on the probe's call, not otherwise."""
+    def slowed(f):
+        def call(*a, **kw):
+            time.sleep(0.002)
+            return f(*a, **kw)
+        return call
+    if slow == "kernel":
+        monkeypatch.setattr(sdpa_module.F, "scaled_dot_product_attention",
+                            slowed(F.scaled_dot_product_attention))
+    else:
+        monkeypatch.setattr(sdpa_module, "_grouped", slowed(sdpa_module._grouped))
+    assert sdpa_module._measure(torch.bfloat16) is (slow == "kernel")
+
+
+def test_the_choice_is_measured_once_a_dtype(monkeypatch):
+    monkeypatch.setattr(sdpa_module, "_PAYS", {})
+    made = []
+    monkeypatch.setattr(sdpa_module, "_measure", lambda dtype: made.append(dtype) or True)
+    q, k, v = _inputs(b=1, t=500)
+    for _ in range(3):
+        sdpa(q, k, v, enable_gqa=True)
+    sdpa(q.half(), k.half(), v.half(), enable_gqa=True)
+    assert made == [torch.bfloat16, torch.float16]
+    sdpa(q.float(), k.float(), v.float(), enable_gqa=True)  # float32 is never measured
+    assert made == [torch.bfloat16, torch.float16]
