@@ -35,10 +35,10 @@ def warp(logits: Tensor, s: GenerationSettings) -> Tensor:
 
 
 def greedy(logits: Tensor) -> Tensor:
-    """``logits.argmax(-1)``, 3-5x faster on a CPU: ``max`` over the last dimension returns
+    """``logits.argmax(-1)``, 2-5x faster on a CPU: ``max`` over the last dimension returns
     the same index (the first largest, NaN counting as largest, on every device), and its
-    CPU kernel is vectorised where ``argmax``'s is not (SmolLM2's 49,152 logits: 0.16 ms
-    against 0.04 in bfloat16; a 15-node tree's verification 2.9 ms against 0.95)."""
+    CPU kernel is faster (2-core Xeon, torch 2.13, SmolLM2's 49,152 logits in bfloat16:
+    0.16 ms against 0.04 for one row, 1.25 ms against 0.27 for a 15-node tree's rows)."""
     return logits.max(-1).indices
 
 
