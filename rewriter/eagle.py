@@ -32,6 +32,7 @@ as a Hugging Face Llama layer names them, plus ``fc.weight``, ``fc.bias``,
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -125,12 +126,29 @@ def init(shape: Shape, generator: torch.Generator, norm: Tensor = None) -> dict:
 def _rope(t: Tensor, positions: Tensor, shape: Shape) -> Tensor:
     """RoPE (the rotate-half form) of ``t`` ``[B, h, L, d]`` at ``positions`` ``[L]`` (every
     row's) or ``[B, L]`` (each row's own)."""
+    return _rotate(t, *_rotation(positions, shape, t.dtype))
+
+
+def _rotation(positions: Tensor, shape: Shape, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(cos, sin)`` ``[L, d]`` or ``[B, 1, L, d]`` at ``positions`` (``_rope``'s), in
+    ``dtype``: made once for a step's queries and keys alike."""
     d = shape.head_dim
-    inv = 1.0 / shape.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=t.device) / d)  # [d/2]
-    f = positions[..., None].float() * inv  # [L, d/2] or [B, L, d/2]
-    cos, sin = torch.cat([f.cos()] * 2, -1).to(t.dtype), torch.cat([f.sin()] * 2, -1).to(t.dtype)
+    f = positions[..., None].float() * _inverse_frequencies(d, shape.rope_theta, positions.device)  # [.., L, d/2]
+    f = torch.cat([f, f], -1)  # [.., L, d]
+    cos, sin = f.cos().to(dtype), f.sin().to(dtype)
     if positions.dim() == 2:  # [B, L, d] -> [B, 1, L, d]: one per row, every head alike
         cos, sin = cos[:, None], sin[:, None]
+    return cos, sin
+
+
+@functools.lru_cache(maxsize=16)
+def _inverse_frequencies(d: int, theta: float, device: torch.device) -> Tensor:
+    """``[d/2]``: RoPE's frequencies, the same for every step of a draft."""
+    return 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)
+
+
+def _rotate(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    d = t.shape[-1]
     return t * cos + torch.cat([-t[..., d // 2:], t[..., :d // 2]], -1) * sin
 
 
@@ -139,16 +157,32 @@ def _input(p: dict, feature: Tensor, embedded: Tensor) -> Tensor:
     return torch.cat([feature, embedded.to(feature.dtype)], -1) @ p["fc.weight"].t() + p["fc.bias"]
 
 
+def fused(p: dict) -> dict:
+    """``p`` with the query, key and value projections stacked into one matrix, and the
+    MLP's gate and up projections into another (``qkv.weight``, ``gate_up.weight``): a
+    draft step then makes two products fewer. For decoding (``runtime.eagle_rows``); the
+    products' values are the separate ones' (the same dot products, made in one call)."""
+    return {**p, "qkv.weight": torch.cat([p["self_attn.q_proj.weight"], p["self_attn.k_proj.weight"],
+                                          p["self_attn.v_proj.weight"]]),
+            "gate_up.weight": torch.cat([p["mlp.gate_proj.weight"], p["mlp.up_proj.weight"]])}
+
+
 def _qkv(p: dict, shape: Shape, z: Tensor, positions: Tensor) -> tuple:
     """Queries ``[B, h, L, d]``, keys and values ``[B, kv, L, d]`` of inputs ``z`` ``[B, L, H]``
     at ``positions`` (``_rope``'s)."""
     b, s, _ = z.shape
     d = shape.head_dim
     x = F.rms_norm(z, (z.shape[-1],), p["input_layernorm.weight"], shape.eps)
-    q = (x @ p["self_attn.q_proj.weight"].t()).view(b, s, shape.heads, d).transpose(1, 2)
-    k = (x @ p["self_attn.k_proj.weight"].t()).view(b, s, shape.kv_heads, d).transpose(1, 2)
-    v = (x @ p["self_attn.v_proj.weight"].t()).view(b, s, shape.kv_heads, d).transpose(1, 2)
-    return _rope(q, positions, shape), _rope(k, positions, shape), v
+    if "qkv.weight" in p:  # one product (``fused``)
+        q, k, v = (x @ p["qkv.weight"].t()).split([shape.heads * d, shape.kv_heads * d,
+                                                   shape.kv_heads * d], -1)
+    else:
+        q, k, v = (x @ p[f"self_attn.{n}_proj.weight"].t() for n in "qkv")
+    q = q.reshape(b, s, shape.heads, d).transpose(1, 2)
+    k = k.reshape(b, s, shape.kv_heads, d).transpose(1, 2)
+    v = v.reshape(b, s, shape.kv_heads, d).transpose(1, 2)
+    cos, sin = _rotation(positions, shape, q.dtype)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 
 
 def _finish(p: dict, shape: Shape, z: Tensor, a: Tensor) -> Tensor:
@@ -156,8 +190,11 @@ def _finish(p: dict, shape: Shape, z: Tensor, a: Tensor) -> Tensor:
     ``[B, h, L, d]``: o_proj and the residual, the MLP and its residual, the final norm."""
     h = z + a.transpose(1, 2).flatten(2) @ p["self_attn.o_proj.weight"].t()  # [B, L, H]
     x = F.rms_norm(h, (h.shape[-1],), p["post_attention_layernorm.weight"], shape.eps)
-    h = h + (F.silu(x @ p["mlp.gate_proj.weight"].t()) * (x @ p["mlp.up_proj.weight"].t())) \
-        @ p["mlp.down_proj.weight"].t()
+    if "gate_up.weight" in p:  # one product (``fused``)
+        gate, up = (x @ p["gate_up.weight"].t()).chunk(2, -1)
+    else:
+        gate, up = x @ p["mlp.gate_proj.weight"].t(), x @ p["mlp.up_proj.weight"].t()
+    h = h + (F.silu(gate) * up) @ p["mlp.down_proj.weight"].t()
     return F.rms_norm(h, (h.shape[-1],), p["norm.weight"], shape.eps)
 
 

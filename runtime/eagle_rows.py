@@ -96,7 +96,8 @@ class EagleRows:
 
     def __init__(self, program: EagleProgram, batch: int, device, capacity: int = 256):
         dtype = program.lm.dtype  # the model's (the pass stored the layer's weights so)
-        self.p = {k: v.to(device, dtype) for k, v in program.params.items()}
+        # q/k/v and gate/up as one product each: a level makes 5 weight products, not 8
+        self.p = eagle.fused({k: v.to(device, dtype) for k, v in program.params.items()})
         self.shape, self.embed, self.lm = program.shape, program.embed, program.lm
         s = self.shape
         # [B, kv, capacity, d] each; row r's cache is its first lengths[r] positions

@@ -256,3 +256,22 @@ def test_a_one_position_bfloat16_step_takes_the_fast_attention(monkeypatch):
     assert calls == []  # 2 rows x 4 heads x 161 keys: the grouped path, not the kernel
     assert got.dtype == torch.bfloat16
     assert (got.float() - want).abs().max() <= 0.01 * want.abs().max()  # 0.004 measured
+
+
+def test_fused_products_give_the_separate_ones_values():
+    # the runtime's weights (eagle.fused: q/k/v and gate/up stacked) against the file's
+    p, features, embedded = _setup(batch=2, length=9, seed=3)
+    f = eagle.fused(p)
+    assert f["qkv.weight"].shape == (SHAPE.hidden + 2 * SHAPE.kv_heads * SHAPE.head_dim, SHAPE.hidden)
+    with torch.no_grad():
+        want, (wk, wv) = eagle.step(p, SHAPE, features, embedded, eagle.empty_cache(SHAPE, 2))
+        got, (gk, gv) = eagle.step(f, SHAPE, features, embedded, eagle.empty_cache(SHAPE, 2))
+        for a, b in ((got, want), (gk, wk), (gv, wv)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        lengths = torch.tensor([9, 6])
+        path = (torch.randn(2, 3, SHAPE.kv_heads, 1, SHAPE.head_dim),
+                torch.randn(2, 3, SHAPE.kv_heads, 1, SHAPE.head_dim))
+        level = [eagle.tree_level(w, SHAPE, features[:, :3], embedded[:, :3], wk, wv, lengths, path)
+                 for w in (p, f)]
+        for a, b in zip(*level):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
