@@ -70,7 +70,7 @@ from rewriter.eval import CHAT_PROMPTS
 from rewriter.passes import EagleDraft, HydraHeads, MedusaHeads, PromptLookup, SelfSpeculative
 from rewriter.passes.layer_skip import kept_positions
 from rewriter.runtime.chat import chat_prompt
-from rewriter.sdpa import kernel_only
+from rewriter.sdpa import kernel_only, path_taken
 from rewriter.tree import MAX_NODES, Tree, choose_tree, expected_tokens
 
 # ``--chat wide``: the eval's 8 questions, then 24 more of the kinds people ask a small
@@ -316,6 +316,7 @@ def run(args, ap):
                "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
                "new_tokens": args.new, "max_draft": args.max_draft, "chat": args.chat,
                "attention_kernel": args.attention_kernel,
+               "sdpa_path_bfloat16": path_taken(torch.bfloat16),  # one-query calls: rewriter.sdpa
                "runs": []}
     rows, curves, head_rows, lookup_rows, eagle_table = [], [], [], [], []
     for dtype in args.dtype:

@@ -32,7 +32,6 @@ as a Hugging Face Llama layer names them, plus ``fc.weight``, ``fc.bias``,
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -123,28 +122,18 @@ def init(shape: Shape, generator: torch.Generator, norm: Tensor = None) -> dict:
     return p
 
 
-def _rope(t: Tensor, positions: Tensor, shape: Shape) -> Tensor:
-    """RoPE (the rotate-half form) of ``t`` ``[B, h, L, d]`` at ``positions`` ``[L]`` (every
-    row's) or ``[B, L]`` (each row's own)."""
-    return _rotate(t, *_rotation(positions, shape, t.dtype))
-
-
 def _rotation(positions: Tensor, shape: Shape, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """``(cos, sin)`` ``[L, d]`` or ``[B, 1, L, d]`` at ``positions`` (``_rope``'s), in
-    ``dtype``: made once for a step's queries and keys alike."""
+    """RoPE's ``(cos, sin)`` (the rotate-half form) at ``positions`` ``[L]`` (every row's) or
+    ``[B, L]`` (each row's own): ``[L, d]`` or ``[B, 1, L, d]`` in ``dtype``, made once for
+    a step's queries and keys alike (``_rotate``)."""
     d = shape.head_dim
-    f = positions[..., None].float() * _inverse_frequencies(d, shape.rope_theta, positions.device)  # [.., L, d/2]
+    inv = 1.0 / shape.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=positions.device) / d)  # [d/2]
+    f = positions[..., None].float() * inv  # [.., L, d/2]
     f = torch.cat([f, f], -1)  # [.., L, d]
     cos, sin = f.cos().to(dtype), f.sin().to(dtype)
     if positions.dim() == 2:  # [B, L, d] -> [B, 1, L, d]: one per row, every head alike
         cos, sin = cos[:, None], sin[:, None]
     return cos, sin
-
-
-@functools.lru_cache(maxsize=16)
-def _inverse_frequencies(d: int, theta: float, device: torch.device) -> Tensor:
-    """``[d/2]``: RoPE's frequencies, the same for every step of a draft."""
-    return 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)
 
 
 def _rotate(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -159,17 +148,20 @@ def _input(p: dict, feature: Tensor, embedded: Tensor) -> Tensor:
 
 def fused(p: dict) -> dict:
     """``p`` with the query, key and value projections stacked into one matrix, and the
-    MLP's gate and up projections into another (``qkv.weight``, ``gate_up.weight``): a
-    draft step then makes two products fewer. For decoding (``runtime.eagle_rows``); the
-    products' values are the separate ones' (the same dot products, made in one call)."""
-    return {**p, "qkv.weight": torch.cat([p["self_attn.q_proj.weight"], p["self_attn.k_proj.weight"],
-                                          p["self_attn.v_proj.weight"]]),
-            "gate_up.weight": torch.cat([p["mlp.gate_proj.weight"], p["mlp.up_proj.weight"]])}
+    MLP's gate and up projections into another (``qkv.weight``, ``gate_up.weight``, in
+    place of the five): a draft step then makes two products fewer. For decoding
+    (``runtime.eagle_rows``); the products' values are the separate ones' (the same dot
+    products, made in one call; bitwise equal on the project's CPUs)."""
+    stacked = {"qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                              "self_attn.v_proj.weight"),
+               "gate_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
+    out = {k: v for k, v in p.items() if not any(k in parts for parts in stacked.values())}
+    return {**out, **{name: torch.cat([p[k] for k in parts]) for name, parts in stacked.items()}}
 
 
 def _qkv(p: dict, shape: Shape, z: Tensor, positions: Tensor) -> tuple:
     """Queries ``[B, h, L, d]``, keys and values ``[B, kv, L, d]`` of inputs ``z`` ``[B, L, H]``
-    at ``positions`` (``_rope``'s)."""
+    at ``positions`` (``_rotation``'s)."""
     b, s, _ = z.shape
     d = shape.head_dim
     x = F.rms_norm(z, (z.shape[-1],), p["input_layernorm.weight"], shape.eps)

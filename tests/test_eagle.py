@@ -241,6 +241,7 @@ def test_a_one_position_bfloat16_step_takes_the_fast_attention(monkeypatch):
     # equal to the float32 step to bfloat16's precision
     import rewriter.sdpa as sdpa_module
     monkeypatch.setattr(sdpa_module, "_PAYS", {torch.bfloat16: True})
+    monkeypatch.delenv(sdpa_module.ENV, raising=False)
     p, features, embedded = _setup(batch=2, length=161, seed=2)
     half = {k: v.to(torch.bfloat16) for k, v in p.items()}
     exact = {k: v.float() for k, v in half.items()}  # the same rounded weights, in float32
@@ -263,6 +264,7 @@ def test_fused_products_give_the_separate_ones_values():
     p, features, embedded = _setup(batch=2, length=9, seed=3)
     f = eagle.fused(p)
     assert f["qkv.weight"].shape == (SHAPE.hidden + 2 * SHAPE.kv_heads * SHAPE.head_dim, SHAPE.hidden)
+    assert "self_attn.k_proj.weight" not in f and "mlp.up_proj.weight" not in f  # not kept twice
     with torch.no_grad():
         want, (wk, wv) = eagle.step(p, SHAPE, features, embedded, eagle.empty_cache(SHAPE, 2))
         got, (gk, gv) = eagle.step(f, SHAPE, features, embedded, eagle.empty_cache(SHAPE, 2))

@@ -83,3 +83,13 @@ def test_greedy_is_argmax_ties_and_nan_included(dtype):
     assert got.dtype == torch.int64 and got.shape == (5, 7)
     assert torch.equal(got, logits.argmax(-1))
     assert got[0, 0] == 11 and got[0, 1] == 4 and got[1, 2] == 0 and got[2, 3] == 299
+
+
+def test_greedy_on_a_real_vocabulary_and_a_last_position_view():
+    logits = torch.zeros(3, 5, 49152, dtype=torch.bfloat16)
+    logits[0, -1, [0, 49151]] = 1  # a tie at both ends: the first
+    logits[1, -1, [49150, 49151]] = 2
+    logits[2, -1, 7] = float("-inf")
+    last = logits[:, -1]  # [B, V], a strided view as the runtime passes it
+    assert torch.equal(greedy(last), last.argmax(-1))
+    assert greedy(last).tolist() == [0, 49150, 0]

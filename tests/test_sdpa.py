@@ -1,6 +1,4 @@
 """``rewriter.sdpa``: the one-query bfloat16/float16 CPU path against ATen's SDPA."""
-import time
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +13,7 @@ def every_size(monkeypatch):
     any machine (by default it is taken only where it was measured faster: ``_pays``)."""
     monkeypatch.setattr(sdpa_module, "_SMALL", 0)
     monkeypatch.setattr(sdpa_module, "_PAYS", {torch.bfloat16: True, torch.float16: True})
+    monkeypatch.delenv(sdpa_module.ENV, raising=False)
 
 
 def _inputs(b=2, hq=9, hkv=3, t=37, d=16, dtype=torch.bfloat16, seed=0):
@@ -175,20 +174,74 @@ def test_a_machine_where_the_path_does_not_pay_keeps_the_kernel(monkeypatch):
     assert len(calls) == 1
 
 
-@pytest.mark.parametrize("slow", ["kernel", "path"])
-def test_the_choice_is_measured(monkeypatch, slow):
-    """The path is chosen where the kernel is slower on the probe's call, not otherwise."""
-    def slowed(f):
+def _fake_clock(monkeypatch, kernel_costs, path_costs):
+    """The probe's clock advanced by each call's cost (ms, in turn): no real timing."""
+    now, costs = [0.0], {"kernel": list(kernel_costs), "path": list(path_costs)}
+    monkeypatch.setattr(sdpa_module, "_clock", lambda: now[0])
+
+    def costing(name, f):
         def call(*a, **kw):
-            time.sleep(0.002)
+            now[0] += costs[name].pop(0) if len(costs[name]) > 1 else costs[name][0]
             return f(*a, **kw)
         return call
-    if slow == "kernel":
-        monkeypatch.setattr(sdpa_module.F, "scaled_dot_product_attention",
-                            slowed(F.scaled_dot_product_attention))
-    else:
-        monkeypatch.setattr(sdpa_module, "_grouped", slowed(sdpa_module._grouped))
-    assert sdpa_module._measure(torch.bfloat16) is (slow == "kernel")
+    monkeypatch.setattr(sdpa_module.F, "scaled_dot_product_attention",
+                        costing("kernel", F.scaled_dot_product_attention))
+    monkeypatch.setattr(sdpa_module, "_grouped", costing("path", sdpa_module._grouped))
+
+
+@pytest.mark.parametrize("kernel,path,takes", [
+    ([3.0], [1.0], True),  # the EPYC: the kernel 3.7x slower
+    ([1.6], [1.0], True),
+    ([1.4], [1.0], False),  # within the margin: the kernel keeps the calls
+    ([0.4], [1.0], False),  # the Xeon in bfloat16
+    ([0.4] * 2 + [9.0] * 20 + [0.4], [1.0], False),  # a busy machine slowed all but one call
+    ([3.0], [1.0] * 2 + [20.0] * 20 + [1.0], True),
+])
+def test_the_choice_is_measured_on_each_sides_fastest_call(monkeypatch, kernel, path, takes):
+    _fake_clock(monkeypatch, kernel, path)
+    assert sdpa_module._measure(torch.bfloat16) is takes
+
+
+def test_the_choice_can_be_fixed_by_hand(monkeypatch):
+    monkeypatch.setattr(sdpa_module, "_PAYS", {torch.bfloat16: True})
+    monkeypatch.setattr(sdpa_module, "_measure", lambda dtype: pytest.fail("measured"))
+    q, k, v = _inputs(b=1, t=500)
+    monkeypatch.setenv(sdpa_module.ENV, "off")
+    _refuse_path = []
+    monkeypatch.setattr(sdpa_module, "_grouped", lambda *a: _refuse_path.append(1))
+    sdpa(q, k, v, enable_gqa=True)
+    assert _refuse_path == []
+    monkeypatch.setenv(sdpa_module.ENV, "on")
+    monkeypatch.setattr(sdpa_module, "_PAYS", {torch.bfloat16: False})
+    sdpa(q, k, v, enable_gqa=True)
+    assert _refuse_path == [1]
+    assert sdpa_module.path_taken(torch.float16)  # "on" for every dtype, nothing measured
+    monkeypatch.setenv(sdpa_module.ENV, "yes")
+    with pytest.raises(ValueError, match="REWRITER_SDPA_PATH must be auto, on or off"):
+        sdpa(q, k, v, enable_gqa=True)
+
+
+def test_nothing_is_measured_for_calls_the_path_never_takes(monkeypatch):
+    monkeypatch.setattr(sdpa_module, "_PAYS", {})
+    monkeypatch.setattr(sdpa_module, "_measure", lambda dtype: pytest.fail("measured"))
+    monkeypatch.setattr(sdpa_module, "_SMALL", 1024)
+    q, k, v = _inputs(b=1, t=500)
+    sdpa(q.float(), k.float(), v.float(), enable_gqa=True)  # float32
+    sdpa(*_inputs(b=1, t=100), enable_gqa=True)  # 900 triples: small
+    sdpa(torch.cat([q, q], 2), k, v, enable_gqa=True)  # two queries
+    with sdpa_module.kernel_only():
+        sdpa(q, k, v, enable_gqa=True)
+    assert sdpa_module._PAYS == {}
+
+
+def test_tracing_neither_measures_nor_keeps_a_choice(monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    monkeypatch.setattr(sdpa_module, "_PAYS", {})
+    monkeypatch.setattr(sdpa_module, "_measure", lambda dtype: pytest.fail("measured"))
+    with FakeTensorMode():
+        q, k, v = _inputs(b=1, t=500)
+        out = sdpa(q, k, v, enable_gqa=True)  # the kernel's fake
+    assert out.shape == q.shape and sdpa_module._PAYS == {}
 
 
 def test_the_choice_is_measured_once_a_dtype(monkeypatch):
