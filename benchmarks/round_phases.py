@@ -16,7 +16,9 @@ would give were drafting free (accepted / verification's steps). A plain step is
 median of plain decode's steps on the same prompts (prefill excluded); tok/s and the
 speed-up count whole generations, prefill included, as ``speculative.py`` does. Nested phases are
 included in their callers' (``eagle call`` inside ``draft_from``, ``eagle level`` inside
-``eagle call``). The clocks add a few microseconds a call.
+``eagle call``); the EAGLE catch-up is a phase of its own, beside drafting. "the rest" is
+the round less its top phases. Only time inside rounds counts (not the first token's
+drafting or the catch-up over the prompt). The clocks add a few microseconds a call.
 """
 from __future__ import annotations
 
@@ -56,24 +58,30 @@ PHASES = [(tree_decoding._TreeRounds, "round", "round"),
 
 @contextlib.contextmanager
 def clocked(seconds: dict, calls: Counter):
-    """Every phase's method wrapped with a clock while inside (put back after)."""
-    saved = []
-    for cls, name, label in PHASES:
-        original = cls.__dict__.get(name, getattr(cls, name))
-        saved.append((cls, name, cls.__dict__.get(name)))
-
-        def timed(*a, _f=original, _label=label, **kw):
-            start = time.perf_counter()
-            try:
-                return _f(*a, **kw)
-            finally:
-                seconds[_label] += time.perf_counter() - start
-                calls[_label] += 1
-        setattr(cls, name, functools.wraps(original)(timed))
+    """Every phase's method wrapped with a clock while inside (put back after). A phase is
+    counted only inside a round: the first token's drafting and the draft's catch-up over
+    each prompt (``_TreeRounds.first``) are a generation's, not a round's."""
+    saved, inside = [], [0]
     try:
+        for cls, name, label in PHASES:
+            original = cls.__dict__.get(name, getattr(cls, name))
+            saved.append((cls, name, cls.__dict__.get(name)))
+
+            def timed(*a, _f=original, _label=label, **kw):
+                outer = _label == "round"
+                inside[0] += outer
+                start = time.perf_counter()
+                try:
+                    return _f(*a, **kw)
+                finally:
+                    inside[0] -= outer
+                    if outer or inside[0]:
+                        seconds[_label] += time.perf_counter() - start
+                        calls[_label] += 1
+            setattr(cls, name, functools.wraps(original)(timed))
         yield
     finally:
-        for cls, name, had in saved:
+        for cls, name, had in reversed(saved):
             if had is None:
                 delattr(cls, name)
             else:
@@ -150,10 +158,12 @@ def main():
         step = plain_step(plain, prompts, args.new)
         accepted = 1 + stats.get("accepted", 0) / stats["row_rounds"]
         phases = {k: seconds[k] / rounds / step for k in seconds}
+        top = ("verification", "drafting", "eagle catch-up", "acceptance", "K/V moves", "adaptive tree")
+        phases["the rest"] = phases["round"] - sum(phases.get(k, 0.0) for k in top)
         out["runs"].append({"plain_tok_s": plain_rate, "plain_step_ms": step * 1e3, "tok_s": rate, "speedup": rate / plain_rate,
                             "accepted": accepted, "rounds": rounds,
                             "phases_in_plain_steps": phases,
-                            "ms_a_round": {k: seconds[k] / rounds * 1e3 for k in seconds},
+                            "ms_a_round": {k: v * step * 1e3 for k, v in phases.items()},
                             "free_drafting_speedup": accepted / phases["verification"]})
         r = out["runs"][-1]
         print(f"run {run + 1}: plain {plain_rate:.1f} tok/s (a step {step * 1e3:.1f} ms), {args.strategy} {rate:.1f} tok/s, "

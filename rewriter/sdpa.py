@@ -63,6 +63,14 @@ _LOCK = threading.Lock()  # one probe at a time: two at once would slow each oth
 ENV = "REWRITER_SDPA_PATH"
 
 
+try:  # private torch APIs: without them tracing is told by torch.compiler alone
+    from torch._subclasses.fake_tensor import FakeTensor as _FAKE_TENSOR, FakeTensorMode as _FAKE_MODE
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    _FAKE = (_FAKE_TENSOR, _get_current_dispatch_mode_stack)
+except ImportError:
+    _FAKE, _FAKE_MODE = None, None
+
+
 def sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
          scale: Optional[float] = None, enable_gqa: bool = False) -> Tensor:
     """q ``[B, Hq, S, D]``, k/v ``[B, Hkv, T, D]``, ``attn_mask`` bool, broadcast to ``[B,
@@ -104,21 +112,28 @@ def _grouped_case(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], gqa: 
 def path_taken(dtype: torch.dtype) -> bool:
     """Whether one-query calls in ``dtype`` big enough for the path take it in this process
     (measured now if not yet): for benchmarks to record beside their figures."""
-    return _choice(dtype)
+    return dtype in _LOW and _SMALL != math.inf and _choice(dtype)
 
 
 def _pays(q: Tensor) -> bool:
-    """Whether the path is clearly faster than the kernel here in ``q``'s dtype. While
-    tracing (fake tensors, ``torch.compile``) nothing is timed or kept: the kernel."""
-    if _tracing(q):
-        return False
-    return _choice(q.dtype)
+    """Whether the path is clearly faster than the kernel here in ``q``'s dtype: as the
+    environment fixes it, else as measured. While tracing (fake tensors, ``torch.compile``)
+    nothing is timed or kept: the kernel, unless the environment says otherwise."""
+    setting = _setting()
+    if setting != "auto":
+        return setting == "on"
+    return not _tracing(q) and _choice(q.dtype)
+
+
+def _setting() -> str:
+    setting = os.environ.get(ENV, "auto").strip().lower()
+    if setting not in ("auto", "on", "off"):
+        raise ValueError(f"{ENV} must be auto, on or off, got {os.environ[ENV]!r}")
+    return setting
 
 
 def _choice(dtype: torch.dtype) -> bool:
-    setting = os.environ.get(ENV, "auto")
-    if setting not in ("auto", "on", "off"):
-        raise ValueError(f"{ENV} must be auto, on or off, got {setting!r}")
+    setting = _setting()
     if setting != "auto":
         return setting == "on"
     if dtype not in _PAYS:
@@ -129,12 +144,15 @@ def _choice(dtype: torch.dtype) -> bool:
 
 
 def _tracing(q: Tensor) -> bool:
+    """Whether ``q`` is being traced rather than computed (so a timing would be wrong):
+    ``torch.compile``, or fake tensors (``torch.export``); False where this torch has
+    neither way to tell."""
     if torch.compiler.is_compiling():
         return True
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-    return isinstance(q, FakeTensor) or any(
-        type(m).__name__ == "FakeTensorMode" for m in _get_current_dispatch_mode_stack())
+    if _FAKE is None:
+        return False
+    fake, modes = _FAKE
+    return isinstance(q, fake) or any(isinstance(m, _FAKE_MODE) for m in modes())
 
 
 def _measure(dtype: torch.dtype) -> bool:

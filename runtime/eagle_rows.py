@@ -37,6 +37,16 @@ class EagleProgram:
 
     def __init__(self, params: dict, shape: eagle.Shape, embed: Tensor, lm: Tensor):
         self.params, self.shape, self.embed, self.lm = params, shape, embed, lm
+        self._weights: dict = {}
+
+    def weights(self, device, dtype: torch.dtype) -> dict:
+        """The layer's weights as decoding reads them, on ``device`` in ``dtype``: q/k/v and
+        gate/up as one product each (``eagle.fused``: a level makes 5 weight products, not
+        8), made once for every generation's ``EagleRows``."""
+        key = (str(device), dtype)
+        if key not in self._weights:
+            self._weights[key] = eagle.fused({k: v.to(device, dtype) for k, v in self.params.items()})
+        return self._weights[key]
 
     @classmethod
     def of(cls, ir) -> "EagleProgram":
@@ -96,8 +106,7 @@ class EagleRows:
 
     def __init__(self, program: EagleProgram, batch: int, device, capacity: int = 256):
         dtype = program.lm.dtype  # the model's (the pass stored the layer's weights so)
-        # q/k/v and gate/up as one product each: a level makes 5 weight products, not 8
-        self.p = eagle.fused({k: v.to(device, dtype) for k, v in program.params.items()})
+        self.p = program.weights(device, dtype)
         self.shape, self.embed, self.lm = program.shape, program.embed, program.lm
         s = self.shape
         # [B, kv, capacity, d] each; row r's cache is its first lengths[r] positions

@@ -255,3 +255,36 @@ def test_the_choice_is_measured_once_a_dtype(monkeypatch):
     assert made == [torch.bfloat16, torch.float16]
     sdpa(q.float(), k.float(), v.float(), enable_gqa=True)  # float32 is never measured
     assert made == [torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("how", ["compiling", "fake"])
+def test_a_choice_made_before_tracing_is_not_used_while_tracing(monkeypatch, how):
+    monkeypatch.setattr(sdpa_module, "_PAYS", {torch.bfloat16: True})
+    taken = []
+    monkeypatch.setattr(sdpa_module, "_grouped", lambda *a: taken.append(1))
+    if how == "compiling":
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        sdpa(*_inputs(b=1, t=500), enable_gqa=True)
+    else:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        with FakeTensorMode():
+            sdpa(*_inputs(b=1, t=500), enable_gqa=True)
+    assert taken == []  # the kernel
+    monkeypatch.setenv(sdpa_module.ENV, "ON")  # fixed by hand: taken while tracing too
+    if how == "compiling":
+        sdpa(*_inputs(b=1, t=500), enable_gqa=True)
+    else:
+        with FakeTensorMode():
+            sdpa(*_inputs(b=1, t=500), enable_gqa=True)
+    assert taken == [1]
+
+
+def test_path_taken_says_what_a_call_would_do(monkeypatch):
+    monkeypatch.setattr(sdpa_module, "_PAYS", {torch.bfloat16: True})
+    monkeypatch.setattr(sdpa_module, "_SMALL", 1024)
+    assert sdpa_module.path_taken(torch.bfloat16)
+    assert not sdpa_module.path_taken(torch.float32)  # float32 never takes it
+    with sdpa_module.kernel_only():
+        assert not sdpa_module.path_taken(torch.bfloat16)
+    monkeypatch.setenv(sdpa_module.ENV, "on")
+    assert not sdpa_module.path_taken(torch.float32)
