@@ -35,9 +35,13 @@ DEFAULT = ["dense=", f"duo threshold={DUO}", f"duo sparsity 0.5={DUO},sparsity=0
 
 
 def machine() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
+    """The CPU's model name (Linux), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:  # no /proc (macOS, Windows)
+        pass
     return platform.processor() or platform.machine()
 
 
