@@ -9,8 +9,8 @@ one-token step pays the most per token. On a 2-core Intel Xeon with AMX the same
 takes 0.14-0.16 ms over 4096 keys, three times faster than this path. So whether the path
 pays is measured on the machine, once a process and dtype (``_choice``), and the kernel
 keeps every call where it is not clearly slower; ``REWRITER_SDPA_PATH=on|off`` fixes the
-choice by hand. In float32 the kernel is fast (0.03 ms
-at 300 keys), and on a GPU it is not this kernel at all; both are left to it.
+choice by hand. In float32 the kernel is fast (0.03 ms at 300 keys), and on a GPU it is
+not this kernel at all; both are left to it.
 
 For short caches the kernel is faster still, and keeps them (``_SMALL``).
 
@@ -119,10 +119,9 @@ def _pays(q: Tensor) -> bool:
     """Whether the path is clearly faster than the kernel here in ``q``'s dtype: as the
     environment fixes it, else as measured. While tracing (fake tensors, ``torch.compile``)
     nothing is timed or kept: the kernel, unless the environment says otherwise."""
-    setting = _setting()
-    if setting != "auto":
-        return setting == "on"
-    return not _tracing(q) and _choice(q.dtype)
+    if _setting() == "auto" and _tracing(q):
+        return False
+    return _choice(q.dtype)
 
 
 def _setting() -> str:
