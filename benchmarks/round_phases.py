@@ -42,7 +42,7 @@ from rewriter.runtime import eagle_rows, tree_decoding
 from rewriter.sdpa import path_taken
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from speculative import load, prompt_sets, strategy_engine  # noqa: E402
+from speculative import load, made_tokens, prompt_sets, strategy_engine  # noqa: E402
 from step_time import machine  # noqa: E402
 
 PHASES = [(tree_decoding._TreeRounds, "round", "round"),
@@ -92,15 +92,9 @@ def generated(engine, prompts, new: int, eos: bool) -> tuple[float, int]:
     """(seconds, tokens) of generating every prompt in turn (batch 1); with ``eos`` up to the
     model's end of sequence, counted to it (as ``speculative.timed`` counts a chat answer)."""
     stop = {} if eos else {"eos_token_id": []}
-    ends = set(rewriter.runtime.settings.GenerationSettings().for_model(engine.config).eos_token_id)
     start = time.perf_counter()
     outs = [engine.generate(p, max_new_tokens=new, **stop) for p in prompts]
-    seconds = time.perf_counter() - start
-    made = 0
-    for p, o in zip(prompts, outs):
-        row = o[0, max(map(len, p)):].tolist()
-        made += next((i + 1 for i, t in enumerate(row) if eos and t in ends), len(row))
-    return seconds, made
+    return time.perf_counter() - start, made_tokens(engine, prompts, outs, eos)
 
 
 def plain_step(plain, prompts, new: int) -> float:

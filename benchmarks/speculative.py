@@ -171,14 +171,17 @@ def timed_together(variants, batches, new: int, runs: int = RUNS, eos: bool = Fa
                 stats[i].update(engine.stats)
     got = []
     for (engine, _), out, t, st in zip(variants, outs, times, stats):
-        made = sum(len(prompts) * new for prompts in batches)
-        if eos:
-            ids = set(rewriter.runtime.settings.GenerationSettings().for_model(engine.config).eos_token_id)
-            made = sum(next((i + 1 for i, tok in enumerate(row) if tok in ids), len(row))
-                       for prompts, o in zip(batches, out)
-                       for row in o[:, max(map(len, prompts)):].tolist())
-        got.append((out, made / statistics.median(t), dict(st)))
+        got.append((out, made_tokens(engine, batches, out, eos) / statistics.median(t), dict(st)))
     return got
+
+
+def made_tokens(engine, batches, outs, eos: bool) -> int:
+    """New tokens in ``outs`` (each batch's output ids): every one, or with ``eos`` each
+    row's up to and with the model's end of sequence (a chat answer's)."""
+    ends = set(rewriter.runtime.settings.GenerationSettings().for_model(engine.config).eos_token_id)
+    return sum(next((i + 1 for i, tok in enumerate(row) if eos and tok in ends), len(row))
+               for prompts, o in zip(batches, outs)
+               for row in o[:, max(map(len, prompts)):].tolist())
 
 
 def same(outs, refs) -> str:
