@@ -27,6 +27,7 @@ from rewriter.ops import OPS, op_arguments
 from .attention import cached_attention
 from .kernels import KERNELS, int4_cpu_ok, int4_cpu_tables, linear_int4_cpu, linear_t
 from .kv_cache import attention_params
+from . import packed_linear
 from .page_selection import select_pages
 from .token_selection import select_tokens
 
@@ -138,6 +139,7 @@ def lower(ir: IR, last_only: bool, backend: str = "torch",
     _lower_int4(ir, graph, table["linear_int4"], extra)
     if transposed is not None and backend == "torch":
         _transpose_linear_weights(ir, graph, transposed)
+        _pack_linear_weights(ir, graph, transposed)
     graph.eliminate_dead_code()
     program = fx.GraphModule(_flatten_weights(ir, graph, extra), graph)
     program.generated_kernels = generated  # for dumps and artifacts
@@ -203,6 +205,7 @@ def lower_heads(ir: IR, backend: str = "torch", transposed: dict | None = None,
     _lower_int4(ir, graph, table["linear_int4"], extra)
     if transposed is not None and backend == "torch":
         _transpose_linear_weights(ir, graph, transposed)
+        _pack_linear_weights(ir, graph, transposed)
     graph.eliminate_dead_code()
     return fx.GraphModule(_flatten_weights(ir, graph, extra), graph)
 
@@ -282,6 +285,26 @@ def _transpose_linear_weights(ir: IR, graph: fx.Graph, transposed: dict) -> None
         with graph.inserting_before(node):
             node.args = (node.args[0], graph.get_attr(name), *node.args[2:])
         node.target = linear_t
+
+
+def _pack_linear_weights(ir: IR, graph: fx.Graph, derived: dict) -> None:
+    """``linear(x, W, b)`` -> ``linear_packed(x, pack(W), b)`` for 2-d bfloat16 CPU weights,
+    where packing pays on this machine (``runtime.packed_linear``)."""
+    def weight(target: str) -> torch.Tensor:
+        return derived[target] if target in derived else ir.weight(target)
+
+    nodes = [n for n in graph.find_nodes(op="call_function", target=KERNELS["linear"])
+             if n.args[1].op == "get_attr" and packed_linear.supported(weight(n.args[1].target))]
+    if not nodes or not packed_linear.pays():
+        return
+    for node in nodes:
+        w = node.args[1]
+        name = w.target + ".__packed"
+        if name not in derived:
+            derived[name] = packed_linear.pack(weight(w.target))
+        with graph.inserting_before(node):
+            node.args = (node.args[0], graph.get_attr(name), *node.args[2:])
+        node.target = packed_linear.linear_packed
 
 
 # a weight's transposed copy, kept while the weight lives and is not written in place

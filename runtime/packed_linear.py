@@ -1,0 +1,115 @@
+"""bfloat16 linears on a CPU with their weights packed once for oneDNN.
+
+ATen's bfloat16 ``F.linear`` on a CPU calls oneDNN, which reorders the weight into its
+own blocked layout on every call. For a decode step's few rows that reorder is most of
+the product: on the project's 2-core Xeon (AMX), a ``[1, 576] x [576, 1536]`` product
+took 0.11 ms through ``F.linear`` and 0.05 ms with the weight packed beforehand, and
+SmolLM2's 210 linears a step 22.3 ms against 15.5 (weights read from memory, not cache).
+So the lowered programs read a packed copy of each bfloat16 CPU weight, made once and
+shared by a model's programs (``runtime.lower``), and call oneDNN's linear on it.
+
+The values are oneDNN's either way: the same kernel, given the same layout (equal to
+``F.linear`` bit for bit on every shape the tests try). Whether packing pays is measured
+on the machine, once a process (``pays``); ``REWRITER_PACKED_LINEAR=on|off`` fixes the
+choice by hand. Where this torch or CPU lacks oneDNN's bfloat16 linear nothing is packed.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
+
+ENV = "REWRITER_PACKED_LINEAR"
+# Whether packing pays on this machine: measured at the first lowering that could pack
+# (``_measure``), then kept for the process.
+_PAYS: dict = {}
+# The measured products: one row through 8 weights of SmolLM2's MLP shape (14 MB in all,
+# more than a core's cache, as a step's weights are), each side's fastest pass of
+# ``_RUNS``; packing is taken only where it is clearly faster.
+_PROBE = (8, 1536, 576)  # weights, out, in
+_RUNS = 9
+_MARGIN = 1.15
+_clock = time.perf_counter  # the probe's clock (a test's fake one)
+_LOCK = threading.Lock()
+
+
+def linear_packed(x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``rw.linear`` on a weight packed by ``pack``: ``x`` ``[..., in]`` -> ``[..., out]``."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def supported(weight: Tensor) -> bool:
+    """Whether ``weight`` can be packed here: a 2-d bfloat16 CPU tensor, and a torch and
+    CPU with oneDNN's bfloat16 linear."""
+    return (weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+            and weight.numel() > 0 and _machine_ok())
+
+
+def _machine_ok() -> bool:
+    mkldnn = torch.ops.mkldnn
+    try:
+        return (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_linear_pointwise")
+                and hasattr(mkldnn, "_reorder_linear_weight") and mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # an op this torch does not have
+        return False
+
+
+def pays() -> bool:
+    """Whether the programs pack their bfloat16 weights: as ``REWRITER_PACKED_LINEAR``
+    fixes it (``on`` packs wherever ``supported``), else as measured here."""
+    setting = os.environ.get(ENV, "auto").strip().lower()
+    if setting not in ("auto", "on", "off"):
+        raise ValueError(f"{ENV} must be auto, on or off, got {os.environ[ENV]!r}")
+    if setting != "auto":
+        return setting == "on"
+    if "bfloat16" not in _PAYS:
+        with _LOCK:
+            if "bfloat16" not in _PAYS:
+                _PAYS["bfloat16"] = _machine_ok() and _measure()
+    return _PAYS["bfloat16"]
+
+
+def _measure() -> bool:
+    """Time ``F.linear`` and packed linears on ``_PROBE``'s products, interleaved: about
+    20 ms, once a process."""
+    n, out, inner = _PROBE
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        weights = [torch.randn(out, inner, generator=g).to(torch.bfloat16) for _ in range(n)]
+        packed = [pack(w) for w in weights]
+        x = torch.randn(1, inner, generator=g).to(torch.bfloat16)
+        calls = {"linear": lambda: [F.linear(x, w) for w in weights],
+                 "packed": lambda: [linear_packed(x, p) for p in packed]}
+        times: dict = {name: [] for name in calls}
+        for run in range(_RUNS + 1):  # a warm-up pass each
+            for name, call in calls.items():
+                start = _clock()
+                call()
+                if run:
+                    times[name].append(_clock() - start)
+    return min(times["packed"]) * _MARGIN < min(times["linear"])
+
+
+# a weight's packed copy, kept while the weight lives and is not written in place (as
+# ``runtime.lower``'s transposed copies: a pass that times its programs lowers a model a
+# dozen times)
+_PACKED = WeakIdKeyDictionary()
+
+
+def pack(weight: Tensor) -> Tensor:
+    """``weight`` ``[out, in]`` in oneDNN's layout for ``linear_packed`` (an opaque
+    ``torch._mkldnn`` tensor of the same shape), made once per weight and version."""
+    if weight.is_inference():  # made under inference_mode: no version counter to trust
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    stamp = (weight._version, weight.data_ptr(), weight.dtype, weight.device)
+    kept = _PACKED.get(weight)
+    if kept is None or kept[0] != stamp:
+        with torch.no_grad():
+            kept = (stamp, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
+        _PACKED[weight] = kept
+    return kept[1]

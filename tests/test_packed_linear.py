@@ -1,0 +1,163 @@
+"""bfloat16 linears on packed weights (``runtime.packed_linear``): the values oneDNN's
+``F.linear`` gives, the copies kept while their weights are unchanged, the choice measured
+or fixed by hand, and the lowered programs reading them where it is taken."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rewriter.runtime import packed_linear
+from rewriter.runtime.kernels import KERNELS
+from rewriter.runtime.lower import lower
+
+needs_onednn = pytest.mark.skipif(not packed_linear._machine_ok(),
+                                  reason="this torch or CPU has no oneDNN bfloat16 linear")
+
+
+def _bf16(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+@needs_onednn
+@pytest.mark.parametrize("x_shape", [(1, 96), (7, 96), (2, 5, 96), (3, 1, 96), (1, 0, 96)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_packed_linear_gives_f_linears_values(x_shape, bias):
+    w, x = _bf16(40, 96, seed=1), _bf16(*x_shape, seed=2)
+    b = _bf16(40, seed=3) if bias else None
+    got = packed_linear.linear_packed(x, packed_linear.pack(w), b)
+    assert got.shape == (*x_shape[:-1], 40) and got.dtype == torch.bfloat16
+    assert torch.equal(got, F.linear(x, w, b))
+
+
+@needs_onednn
+def test_a_strided_input_is_read_as_it_is():
+    """The last position of a prompt (``x[:, -1:]``) and a transposed view: not contiguous."""
+    w, x = _bf16(40, 96, seed=1), _bf16(2, 6, 96, seed=2)
+    packed = packed_linear.pack(w)
+    assert torch.equal(packed_linear.linear_packed(x[:, -1:], packed), F.linear(x[:, -1:], w))
+    xt = _bf16(96, 4, seed=3).t()
+    assert torch.equal(packed_linear.linear_packed(xt, packed), F.linear(xt, w))
+
+
+def test_only_2d_bfloat16_cpu_weights_are_packed(monkeypatch):
+    monkeypatch.setattr(packed_linear, "_machine_ok", lambda: True)
+    assert packed_linear.supported(_bf16(4, 8))
+    assert not packed_linear.supported(torch.randn(4, 8))  # float32
+    assert not packed_linear.supported(torch.randn(4, 8).half())
+    assert not packed_linear.supported(_bf16(8))
+    assert not packed_linear.supported(_bf16(0, 8))
+    monkeypatch.setattr(packed_linear, "_machine_ok", lambda: False)
+    assert not packed_linear.supported(_bf16(4, 8))
+
+
+@needs_onednn
+def test_a_packed_copy_is_kept_until_its_weight_is_written():
+    w = torch.nn.Parameter(_bf16(40, 96), requires_grad=False)
+    first = packed_linear.pack(w)
+    assert packed_linear.pack(w) is first
+    x = _bf16(3, 96, seed=4)
+    with torch.no_grad():
+        w.mul_(2)  # in place: the kept copy is stale
+    again = packed_linear.pack(w)
+    assert again is not first
+    assert torch.equal(packed_linear.linear_packed(x, again), F.linear(x, w))
+    with torch.inference_mode():
+        made = _bf16(40, 96)
+    # an inference tensor has no version counter: packed afresh every time
+    assert packed_linear.pack(made) is not packed_linear.pack(made)
+
+
+def _fake_clock(monkeypatch, linear_costs, packed_costs):
+    """The probe's clock advanced by each pass's cost, in turn: no real timing."""
+    now, costs = [0.0], {"linear": list(linear_costs), "packed": list(packed_costs)}
+    monkeypatch.setattr(packed_linear, "_clock", lambda: now[0])
+
+    def costing(name, f):
+        def call(*a, **kw):
+            # a pass is _PROBE[0] products: its cost is counted once, on its first
+            costing.calls[name] = costing.calls.get(name, 0) + 1
+            if costing.calls[name] % packed_linear._PROBE[0] == 1:
+                now[0] += costs[name].pop(0) if len(costs[name]) > 1 else costs[name][0]
+            return f(*a, **kw)
+        return call
+    costing.calls = {}
+    monkeypatch.setattr(packed_linear.F, "linear", costing("linear", F.linear))
+    monkeypatch.setattr(packed_linear, "linear_packed", costing("packed", packed_linear.linear_packed))
+
+
+@needs_onednn
+@pytest.mark.parametrize("linear,packed,takes", [
+    ([1.4], [1.0], True),  # the Xeon: 22.3 ms against 15.5
+    ([1.1], [1.0], False),  # within the margin: F.linear keeps the calls
+    ([0.8], [1.0], False),
+    ([1.0] * 2 + [9.0] * 8, [1.0], False),  # a busy machine slowed all but one pass
+    ([2.0], [1.0] * 2 + [20.0] * 8, True),
+])
+def test_the_choice_is_measured_on_each_sides_fastest_pass(monkeypatch, linear, packed, takes):
+    _fake_clock(monkeypatch, linear, packed)
+    assert packed_linear._measure() is takes
+
+
+def test_the_choice_is_measured_once_and_can_be_fixed_by_hand(monkeypatch):
+    monkeypatch.delenv(packed_linear.ENV, raising=False)
+    monkeypatch.setattr(packed_linear, "_PAYS", {})
+    monkeypatch.setattr(packed_linear, "_machine_ok", lambda: True)
+    measured = []
+    monkeypatch.setattr(packed_linear, "_measure", lambda: measured.append(1) or True)
+    assert packed_linear.pays() and packed_linear.pays() and measured == [1]
+    monkeypatch.setenv(packed_linear.ENV, " OFF ")
+    assert not packed_linear.pays()
+    monkeypatch.setenv(packed_linear.ENV, "on")
+    monkeypatch.setattr(packed_linear, "_PAYS", {"bfloat16": False})
+    assert packed_linear.pays()
+    monkeypatch.setenv(packed_linear.ENV, "yes")
+    with pytest.raises(ValueError, match="REWRITER_PACKED_LINEAR must be auto, on or off"):
+        packed_linear.pays()
+
+
+def test_a_machine_without_the_op_is_not_measured(monkeypatch):
+    monkeypatch.delenv(packed_linear.ENV, raising=False)
+    monkeypatch.setattr(packed_linear, "_PAYS", {})
+    monkeypatch.setattr(packed_linear, "_machine_ok", lambda: False)
+    monkeypatch.setattr(packed_linear, "_measure", lambda: pytest.fail("measured"))
+    assert not packed_linear.pays()
+
+
+def _targets(program):
+    return {n.target for n in program.graph.nodes if n.op == "call_function"}
+
+
+@needs_onednn
+@pytest.mark.parametrize("setting", ["on", "off"])
+def test_programs_read_packed_weights_where_chosen(monkeypatch, setting):
+    """A bfloat16 model's linears read packed copies (one per weight, shared by prefill
+    and decode) when packing is on, and decode the same tokens either way."""
+    import rewriter
+    from conftest import make_model
+    monkeypatch.setenv(packed_linear.ENV, setting)
+    model = make_model("llama-gqa-3l").to(torch.bfloat16)
+    opt = rewriter.optimize(model)
+    programs = opt._lowered()
+    prefill, decode = programs["prefill"], programs["decode"]
+    packed = lambda gm: {id(t) for t in gm.__dict__["_buffers"].values() if t.is_mkldnn}  # noqa: E731
+    if setting == "on":
+        assert packed_linear.linear_packed in _targets(decode)
+        assert KERNELS["linear"] not in _targets(decode)
+        # 7 linears a layer, 3 layers, the LM head
+        assert len(packed(decode)) == 22 and packed(prefill) == packed(decode)
+    else:
+        assert packed_linear.linear_packed not in _targets(decode) and not packed(decode)
+    got = opt.generate([[3, 4, 5, 6], [7, 8, 9, 10]], max_new_tokens=8, eos_token_id=[])
+    monkeypatch.setenv(packed_linear.ENV, "off")
+    want = rewriter.optimize(model).generate([[3, 4, 5, 6], [7, 8, 9, 10]], max_new_tokens=8,
+                                             eos_token_id=[])
+    assert torch.equal(got, want)
+
+
+def test_float32_programs_are_not_packed_nor_measured(monkeypatch):
+    import rewriter
+    from conftest import make_model
+    monkeypatch.delenv(packed_linear.ENV, raising=False)
+    monkeypatch.setattr(packed_linear, "_PAYS", {})
+    monkeypatch.setattr(packed_linear, "_measure", lambda: pytest.fail("measured"))
+    opt = rewriter.optimize(make_model("llama-gqa-3l"))
+    assert packed_linear.linear_packed not in _targets(lower(opt.ir, False, "torch", {}))
