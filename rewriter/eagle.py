@@ -141,9 +141,17 @@ def _rotate(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return t * cos + torch.cat([-t[..., d // 2:], t[..., :d // 2]], -1) * sin
 
 
+def _linear(x: Tensor, w: Tensor) -> Tensor:
+    """``x @ w.T``; ``w`` ``[out, in]``, or packed for oneDNN (``runtime.packed_linear``:
+    decoding's bfloat16 weights, ``runtime.eagle_rows``), which gives the same values."""
+    if w.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    return x @ w.t()
+
+
 def _input(p: dict, feature: Tensor, embedded: Tensor) -> Tensor:
     """``fc([feature; embedded])`` ``[B, L, H]``."""
-    return torch.cat([feature, embedded.to(feature.dtype)], -1) @ p["fc.weight"].t() + p["fc.bias"]
+    return _linear(torch.cat([feature, embedded.to(feature.dtype)], -1), p["fc.weight"]) + p["fc.bias"]
 
 
 def fused(p: dict) -> dict:
@@ -167,10 +175,10 @@ def _qkv(p: dict, shape: Shape, z: Tensor, positions: Tensor) -> tuple:
     d = shape.head_dim
     x = F.rms_norm(z, (z.shape[-1],), p["input_layernorm.weight"], shape.eps)
     if "qkv.weight" in p:  # one product (``fused``)
-        q, k, v = (x @ p["qkv.weight"].t()).split([shape.heads * d, shape.kv_heads * d,
+        q, k, v = _linear(x, p["qkv.weight"]).split([shape.heads * d, shape.kv_heads * d,
                                                    shape.kv_heads * d], -1)
     else:
-        q, k, v = (x @ p[f"self_attn.{n}_proj.weight"].t() for n in "qkv")
+        q, k, v = (_linear(x, p[f"self_attn.{n}_proj.weight"]) for n in "qkv")
     q = q.reshape(b, s, shape.heads, d).transpose(1, 2)
     k = k.reshape(b, s, shape.kv_heads, d).transpose(1, 2)
     v = v.reshape(b, s, shape.kv_heads, d).transpose(1, 2)
@@ -181,13 +189,13 @@ def _qkv(p: dict, shape: Shape, z: Tensor, positions: Tensor) -> tuple:
 def _finish(p: dict, shape: Shape, z: Tensor, a: Tensor) -> Tensor:
     """The output feature ``[B, L, H]`` from the layer's input ``z`` and attention ``a``
     ``[B, h, L, d]``: o_proj and the residual, the MLP and its residual, the final norm."""
-    h = z + a.transpose(1, 2).flatten(2) @ p["self_attn.o_proj.weight"].t()  # [B, L, H]
+    h = z + _linear(a.transpose(1, 2).flatten(2), p["self_attn.o_proj.weight"])  # [B, L, H]
     x = F.rms_norm(h, (h.shape[-1],), p["post_attention_layernorm.weight"], shape.eps)
     if "gate_up.weight" in p:  # one product (``fused``)
-        gate, up = (x @ p["gate_up.weight"].t()).chunk(2, -1)
+        gate, up = _linear(x, p["gate_up.weight"]).chunk(2, -1)
     else:
-        gate, up = x @ p["mlp.gate_proj.weight"].t(), x @ p["mlp.up_proj.weight"].t()
-    h = h + (F.silu(gate) * up) @ p["mlp.down_proj.weight"].t()
+        gate, up = _linear(x, p["mlp.gate_proj.weight"]), _linear(x, p["mlp.up_proj.weight"])
+    h = h + _linear(F.silu(gate) * up, p["mlp.down_proj.weight"])
     return F.rms_norm(h, (h.shape[-1],), p["norm.weight"], shape.eps)
 
 
@@ -290,22 +298,27 @@ def _tree_attention(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, ow
     A row's text keys are read once for its ``P`` nodes and every query head of a group (a
     node's queries as rows of one ``[kv, P * g, d]`` product), not copied ``P`` times and
     repeated per head: on a CPU, bfloat16 ``scaled_dot_product_attention`` over such
-    copies cost 0.38 ms a level against 0.07 for this."""
+    copies cost 0.38 ms a level against 0.07 for this.
+
+    It computes in float32 whatever the inputs' dtype, and rounds once at the end: bfloat16
+    products on a CPU go to oneDNN, which builds a new kernel for every new text length,
+    and the text grows every round (on the project's Xeon a round's first level took 1.7
+    ms in bfloat16, the next ones 0.3; float32 takes 0.1 at every level)."""
     b, n, _, d = q.shape
     kv = shape.kv_heads
     g = shape.heads // kv
     t = keys.shape[2]
-    text_k, text_v = keys.to(q.dtype), values.to(q.dtype)  # [B, kv, T, d]
-    qg = q.reshape(b, n, kv, g, d)  # head kv * g + i reads key/value head kv (repeat_interleave's)
+    text_k, text_v = keys.float(), values.float()  # [B, kv, T, d]
+    qg = q.float().reshape(b, n, kv, g, d)  # head kv * g + i reads key/value head kv (repeat_interleave's)
     rows = qg.permute(0, 2, 1, 3, 4).reshape(b, kv, n * g, d)  # [B, kv, P * g, d]
     on_text = (rows @ text_k.transpose(-1, -2)).view(b, kv, n, g, t).permute(0, 2, 1, 3, 4)  # [B, P, kv, g, T]
     past = torch.arange(t, device=q.device) >= lengths[:, None]  # [B, T]: padding
     on_text = on_text.masked_fill(past[:, None, None, None], float("-inf"))
-    on_path = qg @ own_k.transpose(-1, -2)  # [B, P, kv, g, j + 1]
-    w = torch.softmax(torch.cat([on_text, on_path], -1).float() / math.sqrt(d), -1).to(q.dtype)
+    on_path = qg @ own_k.float().transpose(-1, -2)  # [B, P, kv, g, j + 1]
+    w = torch.softmax(torch.cat([on_text, on_path], -1) / math.sqrt(d), -1)
     w_text = w[..., :t].permute(0, 2, 1, 3, 4).reshape(b, kv, n * g, t)  # [B, kv, P * g, T]
-    a = (w_text @ text_v).view(b, kv, n, g, d).permute(0, 2, 1, 3, 4) + w[..., t:] @ own_v
-    return a.reshape(b * n, shape.heads, 1, d)  # [B, P, kv, g, d] -> [B*P, h, 1, d]
+    a = (w_text @ text_v).view(b, kv, n, g, d).permute(0, 2, 1, 3, 4) + w[..., t:] @ own_v.float()
+    return a.reshape(b * n, shape.heads, 1, d).to(q.dtype)  # [B, P, kv, g, d] -> [B*P, h, 1, d]
 
 
 def _pair(v, what: str) -> tuple:

@@ -29,6 +29,8 @@ from rewriter import eagle
 from rewriter.errors import RewriterError
 from rewriter.ops import EAGLE_WEIGHTS, op_arguments
 
+from . import packed_linear
+
 
 class EagleProgram:
     """The draft layer's weights as the IR holds them, with the model's token embedding
@@ -40,12 +42,19 @@ class EagleProgram:
         self._weights: dict = {}
 
     def weights(self, device, dtype: torch.dtype) -> dict:
-        """The layer's weights as decoding reads them, on ``device`` in ``dtype``: q/k/v and
-        gate/up as one product each (``eagle.fused``: a level makes 5 weight products, not
-        8), made once for every generation's ``EagleRows``."""
+        """The layer's weights as decoding reads them, on ``device`` in ``dtype``, with the
+        draft's LM head (``lm_head``, ``[V, H]``): q/k/v and gate/up as one product each
+        (``eagle.fused``: a level makes 5 weight products, not 8), matrices packed for
+        oneDNN where the model's programs pack theirs (``runtime.packed_linear``), made
+        once for every generation's ``EagleRows``."""
         key = (str(device), dtype)
         if key not in self._weights:
-            self._weights[key] = eagle.fused({k: v.to(device, dtype) for k, v in self.params.items()})
+            p = eagle.fused({k: v.to(device, dtype) for k, v in self.params.items()})
+            p["lm_head"] = self.lm.to(device, dtype)
+            matrices = [k for k, v in p.items() if v.dim() == 2 and packed_linear.supported(v)]
+            if matrices and packed_linear.pays():
+                p.update({k: packed_linear.pack(p[k]) for k in matrices})
+            self._weights[key] = p
         return self._weights[key]
 
     @classmethod
@@ -163,10 +172,10 @@ class EagleRows:
         ``tree_dynamic``'s weight 0)."""
         b, n = chains.shape[:2]
         g = self._level(d, chains).reshape(b * n, -1)  # [B*P, H]
-        lm = self.lm.t().to(g.dtype)
+        lm = self.p["lm_head"]  # [V, H], or packed
         logp, ids = [], []
         for a in range(0, b * n, self.chunk):  # [chunk, V] logits at a time, not [B*P, V]
-            top = (g[a:a + self.chunk] @ lm).float().log_softmax(-1).topk(ranks, dim=-1)
+            top = eagle._linear(g[a:a + self.chunk], lm).float().log_softmax(-1).topk(ranks, dim=-1)
             logp.append(top.values)
             ids.append(top.indices)
         logp, ids = torch.cat(logp).view(b, n, ranks), torch.cat(ids).view(b, n, ranks)

@@ -161,3 +161,32 @@ def test_float32_programs_are_not_packed_nor_measured(monkeypatch):
     monkeypatch.setattr(packed_linear, "_measure", lambda: pytest.fail("measured"))
     opt = rewriter.optimize(make_model("llama-gqa-3l"))
     assert packed_linear.linear_packed not in _targets(lower(opt.ir, False, "torch", {}))
+
+
+@needs_onednn
+def test_the_eagle_layer_reads_packed_weights_with_the_same_values(monkeypatch):
+    """``EagleProgram.weights`` packs the draft layer's matrices and its LM head where the
+    model's programs pack theirs; a drafted tree is the same either way."""
+    from rewriter import eagle
+    from rewriter.runtime.eagle_rows import EagleProgram, EagleRows
+    from rewriter.runtime.tree_dynamic import grow
+    shape = eagle.Shape(64, 4, 2, 96, 500.0)
+    g = torch.Generator().manual_seed(3)
+    p = {k: v * 20 if v.dim() == 2 else v for k, v in eagle.init(shape, g).items()}
+    embed, lm = torch.randn(50, 64, generator=g), torch.randn(50, 64, generator=g)
+    features, text = torch.randn(8, 64, generator=g).bfloat16(), torch.randint(0, 50, (9,), generator=g)
+    trees = {}
+    for setting in ("on", "off"):
+        monkeypatch.setenv(packed_linear.ENV, setting)
+        program = EagleProgram(p, shape, embed.bfloat16(), lm.bfloat16())
+        weights = program.weights("cpu", torch.bfloat16)
+        matrices = [k for k, v in weights.items() if v.dim() == 2]
+        assert "lm_head" in matrices and "fc.weight" in matrices
+        assert all(weights[k].is_mkldnn == (setting == "on") for k in matrices)
+        rows = EagleRows(program, 1, "cpu")
+        rows.catch_up(0, features, text[1:].tolist())
+        tree, tokens, _ = grow(lambda d, c: rows.call(d, c, 4), text[-1:], 10, 3, 3)
+        trees[setting] = (tokens, rows.drafted(0), rows.g[0])
+    assert torch.equal(trees["on"][0], trees["off"][0]) and torch.equal(trees["on"][2], trees["off"][2])
+    assert trees["on"][1].keys() == trees["off"][1].keys()
+    assert all(torch.equal(trees["on"][1][k], trees["off"][1][k]) for k in trees["on"][1])
