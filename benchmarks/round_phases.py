@@ -38,7 +38,7 @@ from tabulate import tabulate
 import rewriter
 from rewriter.checkpoints import cast
 from rewriter.passes import EagleDraft, HydraHeads
-from rewriter.runtime import eagle_rows, tree_decoding
+from rewriter.runtime import eagle_rows, packed_linear, tree_decoding
 from rewriter.sdpa import path_taken
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -135,6 +135,7 @@ def main():
     prompts = prompt_sets(plain, tok, 1, args.samples)[args.prompts]
     out = {"machine": machine(), "torch": torch.__version__, "dtype": args.dtype,
            "sdpa_path": path_taken(getattr(torch, args.dtype)),
+           "packed_linears": args.dtype == "bfloat16" and packed_linear._machine_ok() and packed_linear.pays(),
            "strategy": args.strategy, "nodes": args.nodes if args.strategy == "eagle" else None,
            "prompts": args.prompts, "samples": len(prompts), "date": time.strftime("%Y-%m-%d"),
            "runs": []}

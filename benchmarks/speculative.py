@@ -69,6 +69,7 @@ from rewriter.corpus import load_corpus
 from rewriter.eval import CHAT_PROMPTS
 from rewriter.passes import EagleDraft, HydraHeads, MedusaHeads, PromptLookup, SelfSpeculative
 from rewriter.passes.layer_skip import kept_positions
+from rewriter.runtime import packed_linear
 from rewriter.runtime.chat import chat_prompt
 from rewriter.sdpa import kernel_only, path_taken
 from rewriter.tree import MAX_NODES, Tree, choose_tree, expected_tokens
@@ -320,6 +321,8 @@ def run(args, ap):
                "new_tokens": args.new, "max_draft": args.max_draft, "chat": args.chat,
                "attention_kernel": args.attention_kernel,
                "sdpa_path_bfloat16": path_taken(torch.bfloat16),  # one-query calls: rewriter.sdpa
+               # bfloat16 CPU linears on packed weights (runtime.packed_linear)
+               "packed_linears_bfloat16": packed_linear._machine_ok() and packed_linear.pays(),
                "runs": []}
     rows, curves, head_rows, lookup_rows, eagle_table = [], [], [], [], []
     for dtype in args.dtype:
