@@ -322,7 +322,8 @@ def run(args, ap):
                "attention_kernel": args.attention_kernel,
                "sdpa_path_bfloat16": path_taken(torch.bfloat16),  # one-query calls: rewriter.sdpa
                # bfloat16 CPU linears on packed weights (runtime.packed_linear)
-               "packed_linears_bfloat16": packed_linear._machine_ok() and packed_linear.pays(),
+               "packed_linears_bfloat16": args.device == "cpu" and args.backend == "torch"
+               and packed_linear._machine_ok() and packed_linear.pays(),
                "runs": []}
     rows, curves, head_rows, lookup_rows, eagle_table = [], [], [], [], []
     for dtype in args.dtype:

@@ -298,27 +298,24 @@ def _tree_attention(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, ow
     A row's text keys are read once for its ``P`` nodes and every query head of a group (a
     node's queries as rows of one ``[kv, P * g, d]`` product), not copied ``P`` times and
     repeated per head: on a CPU, bfloat16 ``scaled_dot_product_attention`` over such
-    copies cost 0.38 ms a level against 0.07 for this.
-
-    It computes in float32 whatever the inputs' dtype, and rounds once at the end: bfloat16
-    products on a CPU go to oneDNN, which builds a new kernel for every new text length,
-    and the text grows every round (on the project's Xeon a round's first level took 1.7
-    ms in bfloat16, the next ones 0.3; float32 takes 0.1 at every level)."""
+    copies cost 0.38 ms a level against 0.07 for this. (bfloat16 products on a CPU go to
+    oneDNN, which builds a kernel for every new shape: the runtime passes ``T`` in steps of
+    256, ``runtime.eagle_rows``, so a growing text does not make a new one every round.)"""
     b, n, _, d = q.shape
     kv = shape.kv_heads
     g = shape.heads // kv
     t = keys.shape[2]
-    text_k, text_v = keys.float(), values.float()  # [B, kv, T, d]
-    qg = q.float().reshape(b, n, kv, g, d)  # head kv * g + i reads key/value head kv (repeat_interleave's)
+    text_k, text_v = keys.to(q.dtype), values.to(q.dtype)  # [B, kv, T, d]
+    qg = q.reshape(b, n, kv, g, d)  # head kv * g + i reads key/value head kv (repeat_interleave's)
     rows = qg.permute(0, 2, 1, 3, 4).reshape(b, kv, n * g, d)  # [B, kv, P * g, d]
     on_text = (rows @ text_k.transpose(-1, -2)).view(b, kv, n, g, t).permute(0, 2, 1, 3, 4)  # [B, P, kv, g, T]
     past = torch.arange(t, device=q.device) >= lengths[:, None]  # [B, T]: padding
     on_text = on_text.masked_fill(past[:, None, None, None], float("-inf"))
-    on_path = qg @ own_k.float().transpose(-1, -2)  # [B, P, kv, g, j + 1]
-    w = torch.softmax(torch.cat([on_text, on_path], -1) / math.sqrt(d), -1)
+    on_path = qg @ own_k.transpose(-1, -2)  # [B, P, kv, g, j + 1]
+    w = torch.softmax(torch.cat([on_text, on_path], -1).float() / math.sqrt(d), -1).to(q.dtype)
     w_text = w[..., :t].permute(0, 2, 1, 3, 4).reshape(b, kv, n * g, t)  # [B, kv, P * g, T]
-    a = (w_text @ text_v).view(b, kv, n, g, d).permute(0, 2, 1, 3, 4) + w[..., t:] @ own_v.float()
-    return a.reshape(b * n, shape.heads, 1, d).to(q.dtype)  # [B, P, kv, g, d] -> [B*P, h, 1, d]
+    a = (w_text @ text_v).view(b, kv, n, g, d).permute(0, 2, 1, 3, 4) + w[..., t:] @ own_v
+    return a.reshape(b * n, shape.heads, 1, d)  # [B, P, kv, g, d] -> [B*P, h, 1, d]
 
 
 def _pair(v, what: str) -> tuple:

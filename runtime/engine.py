@@ -12,6 +12,7 @@ back from an artifact.
 """
 from __future__ import annotations
 
+import copy
 import os
 from collections import Counter
 from typing import Iterator, Optional, Sequence, Union
@@ -311,14 +312,29 @@ class Engine:
 
     def _lowered(self) -> dict:
         """The named step programs (``runtime.programs``), lowered again only when the IR
-        changed since (``ir.refresh()``, or nodes added or removed by hand)."""
-        key = (getattr(self.ir, "version", 0), tuple(map(id, self.ir.graph.nodes)))
+        changed since (``ir.refresh()``, nodes added or removed by hand) or a weight was
+        written in place or replaced: the programs read derived copies of weights
+        (transposed, packed, 4-bit tables) that would otherwise go stale."""
+        key = (getattr(self.ir, "version", 0), tuple(map(id, self.ir.graph.nodes)),
+               _weights_stamp(self.ir))
         if self._programs is None or self._programs_key != key:
             self._programs = None  # a failed lowering leaves none behind
             self.replays.clear()  # they call the old programs
             self._programs = build_programs(self.ir, self.backend, self.trusted_kernels)
             self._programs_key = key
         return self._programs
+
+    def __deepcopy__(self, memo: dict) -> "Engine":
+        """A copy that lowers its own programs on first use: lowered programs may hold
+        packed weights (``runtime.packed_linear``), which cannot be copied, and replays
+        that call them."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            if name not in ("_programs", "_programs_key", "replays"):
+                setattr(new, name, copy.deepcopy(value, memo))
+        new._programs, new._programs_key, new.replays = None, None, Replays()
+        return new
 
     def lower(self) -> None:
         """Lower the step programs now, so that their errors surface here (``optimize`` and
@@ -410,3 +426,11 @@ def check_token_ids(ids: Tensor, vocab: Optional[int]) -> None:
 def _module_source(module) -> str:
     import inspect
     return inspect.getsource(module)
+
+
+def _weights_stamp(ir: IR) -> tuple:
+    """What changes when any of the IR's weights is written in place (its version counter)
+    or replaced (its address, e.g. ``param.data = new``); tensors made under
+    ``inference_mode`` count by address alone (they keep no version)."""
+    return tuple((t.data_ptr(), None if t.is_inference() else t._version)
+                 for t in ir.weights().values())

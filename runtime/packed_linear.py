@@ -8,11 +8,13 @@ SmolLM2's 210 linears a step 22.3 ms against 15.5 (weights read from memory, not
 So the lowered programs read a packed copy of each bfloat16 CPU weight, made once and
 shared by a model's programs (``runtime.lower``), and call oneDNN's linear on it.
 
-The values are oneDNN's either way: the same kernel, given the same layout (equal to
-``F.linear`` bit for bit on every shape the tests try). Packing is checked on the machine,
-once a process (``pays``): kept unless it measures clearly slower than ``F.linear``;
-``REWRITER_PACKED_LINEAR=on|off`` fixes the choice by hand. Where this torch or CPU lacks
-oneDNN's bfloat16 linear nothing is packed.
+Only on a CPU that multiplies bfloat16 natively (AVX512-BF16 or AMX), where the values
+are oneDNN's either way: the same kernel, given the same layout, equal to ``F.linear`` bit
+for bit on every shape the tests try (where oneDNN emulates bfloat16 they differ by a unit
+on some shapes). Packing is checked on the machine once a process (``pays``): its values
+against ``F.linear``'s on a few products, then its time; kept unless it measures clearly
+slower. ``REWRITER_PACKED_LINEAR=on|off`` fixes the choice by hand (``on`` still packs
+only where the machine can).
 """
 from __future__ import annotations
 
@@ -55,12 +57,39 @@ def supported(weight: Tensor) -> bool:
 
 
 def _machine_ok() -> bool:
+    """A torch with oneDNN's bfloat16 linear, on a CPU that multiplies bfloat16 natively
+    (``_native_bf16``): elsewhere oneDNN emulates it, and its packed and unpacked products
+    round differently (one bfloat16 unit on some shapes, with AVX-512 alone)."""
     mkldnn = torch.ops.mkldnn
     try:
         return (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_linear_pointwise")
-                and hasattr(mkldnn, "_reorder_linear_weight") and mkldnn._is_mkldnn_bf16_supported())
+                and hasattr(mkldnn, "_reorder_linear_weight") and mkldnn._is_mkldnn_bf16_supported()
+                and _native_bf16())
     except (AttributeError, RuntimeError):  # an op this torch does not have
         return False
+
+
+# oneDNN's ISA limits (``ONEDNN_MAX_CPU_ISA``) that keep its native bfloat16 instructions
+_NATIVE_ISAS = ("ALL", "DEFAULT", "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX",
+                "AVX512_CORE_AMX_FP16", "AVX10_1_512", "AVX10_1_512_AMX", "AVX10_1_512_AMX_FP16",
+                "AVX10_2_512", "AVX10_2_512_AMX_2")
+
+
+_CPUINFO = "/proc/cpuinfo"
+
+
+def _native_bf16() -> bool:
+    """Whether the CPU has AVX512-BF16 or AMX-BF16 (Linux's ``/proc/cpuinfo`` flags; False
+    where there is none to read) and oneDNN is not limited below them."""
+    limit = os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "ALL"))
+    if limit.strip().upper() not in _NATIVE_ISAS:
+        return False
+    try:
+        with open(_CPUINFO) as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def pays() -> bool:
@@ -74,8 +103,31 @@ def pays() -> bool:
     if "bfloat16" not in _PAYS:
         with _LOCK:
             if "bfloat16" not in _PAYS:
-                _PAYS["bfloat16"] = _machine_ok() and _measure()
+                _PAYS["bfloat16"] = _machine_ok() and _probe()
     return _PAYS["bfloat16"]
+
+
+def _probe() -> bool:
+    """``_same`` and ``_measure``; False where either raises (an op this build lacks)."""
+    try:
+        return _same() and _measure()
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def _same() -> bool:
+    """Whether packed products give ``F.linear``'s values here, on random weights of two
+    shapes and a few row counts (the ones where an emulating oneDNN was seen to differ)."""
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for out, inner in ((1536, 576), (576, 1536)):
+            w = torch.randn(out, inner, generator=g).to(torch.bfloat16)
+            packed = pack(w)
+            for rows in (1, 2, 7):
+                x = torch.randn(rows, inner, generator=g).to(torch.bfloat16)
+                if not torch.equal(linear_packed(x, packed), F.linear(x, w)):
+                    return False
+    return True
 
 
 def _measure() -> bool:

@@ -278,18 +278,3 @@ def test_fused_products_give_the_separate_ones_values():
         for a, b in zip(*level):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
-
-def test_a_bfloat16_tree_level_attends_in_float32():
-    """``_tree_attention`` on bfloat16 inputs is its float32 computation on the same values,
-    rounded once at the end (bfloat16 products would go to oneDNN, which builds a kernel
-    for every new text length)."""
-    g = torch.Generator().manual_seed(11)
-    b, n, kv, d, t, j = 2, 3, SHAPE.kv_heads, SHAPE.head_dim, 7, 2
-    q = torch.randn(b, n, SHAPE.heads, d, generator=g).bfloat16()
-    keys, values = (torch.randn(b, kv, t, d, generator=g).bfloat16() for _ in range(2))
-    own_k, own_v = (torch.randn(b, n, kv, j + 1, d, generator=g).bfloat16() for _ in range(2))
-    lengths = torch.tensor([7, 4])
-    got = eagle._tree_attention(q, keys, values, lengths, own_k, own_v, SHAPE)
-    want = eagle._tree_attention(*(x.float() for x in (q, keys, values)), lengths,
-                                 own_k.float(), own_v.float(), SHAPE)
-    assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16())

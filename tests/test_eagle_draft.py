@@ -341,6 +341,35 @@ def test_each_drafted_node_is_the_layer_run_along_its_path():
         assert len(rows.drafted(r)) > 4 and rows.caches[r][0].shape[2] == len(texts[r]) - 1
 
 
+def test_a_level_reads_the_text_in_steps_of_256_positions(monkeypatch):
+    """A level's text grows in steps (bfloat16 products on a CPU build a kernel for every
+    new shape), never past the buffer; what it reads past a row's length is masked, so
+    the drafted features are a row's own (the test above)."""
+    from rewriter.runtime import eagle_rows
+    from rewriter.runtime.eagle_rows import EagleProgram, EagleRows
+    from rewriter.runtime.tree_dynamic import grow
+    shape = eagle.Shape(32, 4, 2, 48, 500.0)
+    g = torch.Generator().manual_seed(3)
+    embed, lm = torch.randn(40, 32, generator=g), torch.randn(40, 32, generator=g)
+    rows = EagleRows(EagleProgram(eagle.init(shape, g), shape, embed, lm), 2, "cpu", capacity=256)
+    seen, level = [], eagle.tree_level
+    monkeypatch.setattr(eagle_rows.eagle, "tree_level",
+                        lambda p, s, f, e, k, v, *a: seen.append(k.shape[2]) or level(p, s, f, e, k, v, *a))
+    # 300 positions double the 256-position buffer to 512; 700 double it again, to 1024
+    for texts, want in (((9, 5), 256), ((255, 5), 256), ((300, 5), 512), ((700, 5), 768)):
+        for r, n in enumerate(texts):
+            rows.lengths[r] = 0
+            rows.catch_up(r, torch.randn(n, 32, generator=g), torch.randint(0, 40, (n,), generator=g).tolist())
+        seen.clear()
+        grow(lambda d, c: rows.call(d, c, 3), torch.tensor([1, 2]), 6, 3, 2)
+        assert seen and set(seen) == {want}, (texts, seen)
+    small = EagleRows(EagleProgram(eagle.init(shape, g), shape, embed, lm), 1, "cpu", capacity=4)
+    small.catch_up(0, torch.randn(9, 32, generator=g), list(range(9)))  # a buffer of 9
+    seen.clear()
+    grow(lambda d, c: small.call(d, c, 3), torch.tensor([1]), 6, 3, 2)
+    assert set(seen) == {9}  # never past the buffer
+
+
 def test_the_rows_cache_grows_past_its_capacity_in_chunks():
     """``EagleRows`` from a 2-position buffer, prompts caught up 3 positions at a time and
     then a round's 2: each row's cache is ``eagle.step``'s over its whole text."""

@@ -102,7 +102,7 @@ def test_the_choice_is_measured_once_and_can_be_fixed_by_hand(monkeypatch):
     monkeypatch.setattr(packed_linear, "_PAYS", {})
     monkeypatch.setattr(packed_linear, "_machine_ok", lambda: True)
     measured = []
-    monkeypatch.setattr(packed_linear, "_measure", lambda: measured.append(1) or True)
+    monkeypatch.setattr(packed_linear, "_probe", lambda: measured.append(1) or True)
     assert packed_linear.pays() and packed_linear.pays() and measured == [1]
     monkeypatch.setenv(packed_linear.ENV, " OFF ")
     assert not packed_linear.pays()
@@ -118,8 +118,52 @@ def test_a_machine_without_the_op_is_not_measured(monkeypatch):
     monkeypatch.delenv(packed_linear.ENV, raising=False)
     monkeypatch.setattr(packed_linear, "_PAYS", {})
     monkeypatch.setattr(packed_linear, "_machine_ok", lambda: False)
-    monkeypatch.setattr(packed_linear, "_measure", lambda: pytest.fail("measured"))
+    monkeypatch.setattr(packed_linear, "_probe", lambda: pytest.fail("measured"))
     assert not packed_linear.pays()
+
+
+def test_packing_is_refused_where_its_values_differ_or_its_ops_fail(monkeypatch):
+    monkeypatch.setattr(packed_linear, "_measure", lambda: True)
+    monkeypatch.setattr(packed_linear, "_same", lambda: False)  # an emulating oneDNN
+    assert not packed_linear._probe()
+
+    def broken():
+        raise RuntimeError("no such kernel in this build")
+    monkeypatch.setattr(packed_linear, "_same", broken)
+    assert not packed_linear._probe()
+    monkeypatch.setattr(packed_linear, "_same", lambda: True)
+    assert packed_linear._probe()
+
+
+@needs_onednn
+def test_the_value_check_compares_real_products(monkeypatch):
+    assert packed_linear._same()  # this machine packs: its products are F.linear's
+    off_by_one = lambda x, p, b=None: torch.ops.mkldnn._linear_pointwise(x, p, b, "none", [], "") * 1.01  # noqa: E731
+    monkeypatch.setattr(packed_linear, "linear_packed", off_by_one)
+    assert not packed_linear._same()
+
+
+@pytest.mark.parametrize("flags,native", [("fpu avx512f avx512bw", False),
+                                          ("avx512f avx512_bf16", True), ("avx512f amx_bf16 amx_tile", True)])
+def test_native_bfloat16_is_read_from_the_cpus_flags(monkeypatch, tmp_path, flags, native):
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
+    monkeypatch.setattr(packed_linear, "_CPUINFO", str(info))
+    assert packed_linear._native_bf16() is native
+    monkeypatch.setattr(packed_linear, "_CPUINFO", str(tmp_path / "missing"))  # not Linux
+    assert packed_linear._native_bf16() is False
+
+
+@pytest.mark.parametrize("limit,native", [("AVX512_CORE", False), ("avx2", False), ("SSE41", False),
+                                          ("AVX512_CORE_AMX", True), ("all", True)])
+def test_a_onednn_limited_below_native_bfloat16_is_not_packed(monkeypatch, tmp_path, limit, native):
+    info = tmp_path / "cpuinfo"
+    info.write_text("flags\t\t: avx512f amx_bf16\n")
+    monkeypatch.setattr(packed_linear, "_CPUINFO", str(info))
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", limit)
+    assert packed_linear._native_bf16() is native
 
 
 def _targets(program):
@@ -127,30 +171,48 @@ def _targets(program):
 
 
 @needs_onednn
-@pytest.mark.parametrize("setting", ["on", "off"])
-def test_programs_read_packed_weights_where_chosen(monkeypatch, setting):
+def test_programs_read_packed_weights_where_chosen(monkeypatch):
     """A bfloat16 model's linears read packed copies (one per weight, shared by prefill
-    and decode) when packing is on, and decode the same tokens either way."""
+    and decode) when packing is on, none when off; both decode the same tokens."""
     import rewriter
     from conftest import make_model
-    monkeypatch.setenv(packed_linear.ENV, setting)
+    model = make_model("llama-gqa-3l").to(torch.bfloat16)
+    packed = lambda gm: {id(t) for t in gm.__dict__["_buffers"].values() if t.is_mkldnn}  # noqa: E731
+    tokens = {}
+    for setting in ("on", "off"):
+        monkeypatch.setenv(packed_linear.ENV, setting)
+        opt = rewriter.optimize(model)
+        prefill, decode = opt._lowered()["prefill"], opt._lowered()["decode"]
+        if setting == "on":
+            assert packed_linear.linear_packed in _targets(decode)
+            assert KERNELS["linear"] not in _targets(decode)
+            # 7 linears a layer, 3 layers, the LM head
+            assert len(packed(decode)) == 22 and packed(prefill) == packed(decode)
+        else:
+            assert packed_linear.linear_packed not in _targets(decode) and not packed(decode)
+        tokens[setting] = opt.generate([[3, 4, 5, 6], [7, 8, 9, 10]], max_new_tokens=8, eos_token_id=[])
+    assert torch.equal(tokens["on"], tokens["off"])
+
+
+@needs_onednn
+def test_an_engine_with_packed_weights_copies_and_reads_weights_written_later(monkeypatch):
+    """Packed copies cannot be deep-copied: a copied engine lowers its own programs. A
+    weight written in place after lowering is read at the next call, not its stale copy."""
+    import copy
+    import rewriter
+    from conftest import make_model
+    monkeypatch.setenv(packed_linear.ENV, "on")
     model = make_model("llama-gqa-3l").to(torch.bfloat16)
     opt = rewriter.optimize(model)
-    programs = opt._lowered()
-    prefill, decode = programs["prefill"], programs["decode"]
-    packed = lambda gm: {id(t) for t in gm.__dict__["_buffers"].values() if t.is_mkldnn}  # noqa: E731
-    if setting == "on":
-        assert packed_linear.linear_packed in _targets(decode)
-        assert KERNELS["linear"] not in _targets(decode)
-        # 7 linears a layer, 3 layers, the LM head
-        assert len(packed(decode)) == 22 and packed(prefill) == packed(decode)
-    else:
-        assert packed_linear.linear_packed not in _targets(decode) and not packed(decode)
-    got = opt.generate([[3, 4, 5, 6], [7, 8, 9, 10]], max_new_tokens=8, eos_token_id=[])
-    monkeypatch.setenv(packed_linear.ENV, "off")
-    want = rewriter.optimize(model).generate([[3, 4, 5, 6], [7, 8, 9, 10]], max_new_tokens=8,
-                                             eos_token_id=[])
-    assert torch.equal(got, want)
+    before = opt.generate([[3, 4, 5]], max_new_tokens=6, eos_token_id=[])
+    twin = copy.deepcopy(opt)
+    assert torch.equal(twin.generate([[3, 4, 5]], max_new_tokens=6, eos_token_id=[]), before)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1)  # the greedy token becomes the least likely one
+    after = opt.generate([[3, 4, 5]], max_new_tokens=6, eos_token_id=[])
+    assert not torch.equal(after, before)
+    assert torch.equal(after, rewriter.optimize(model).generate([[3, 4, 5]], max_new_tokens=6,
+                                                                eos_token_id=[]))
 
 
 def test_float32_programs_are_not_packed_nor_measured(monkeypatch):
