@@ -74,9 +74,8 @@ class Engine:
         # is also captured in a CUDA graph; settable to test it on a CPU.
         self.static_decode: Optional[bool] = None
         # Those fixed-shape calls (and their CUDA graphs), kept across generations while the
-        # cache and the programs they hold stay the same. Weights replaced by new tensors
-        # (not updated in place) need ``ir.refresh()`` or ``replays.clear()``: a graph
-        # reads the addresses it was captured with.
+        # cache and the programs they hold stay the same (a weight written or replaced
+        # since lowering makes new programs and drops them: ``_lowered``).
         self.replays = Replays()
 
     # ------------------------------------------------------------------ properties
@@ -324,17 +323,17 @@ class Engine:
             self._programs_key = key
         return self._programs
 
-    def __deepcopy__(self, memo: dict) -> "Engine":
-        """A copy that lowers its own programs on first use: lowered programs may hold
-        packed weights (``runtime.packed_linear``), which cannot be copied, and replays
-        that call them."""
-        new = type(self).__new__(type(self))
-        memo[id(self)] = new
-        for name, value in self.__dict__.items():
-            if name not in ("_programs", "_programs_key", "replays"):
-                setattr(new, name, copy.deepcopy(value, memo))
-        new._programs, new._programs_key, new.replays = None, None, Replays()
-        return new
+    def __getstate__(self) -> dict:
+        """For ``copy.deepcopy``: everything but the lowered programs, their replays and
+        the KV cache, which a copy makes afresh on first use (lowered programs may hold
+        packed weights, ``runtime.packed_linear``, which cannot be copied)."""
+        state = dict(self.__dict__)
+        state.update(_programs=None, _programs_key=None, _cache=None, replays=None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.replays = Replays()
 
     def lower(self) -> None:
         """Lower the step programs now, so that their errors surface here (``optimize`` and
@@ -430,7 +429,16 @@ def _module_source(module) -> str:
 
 def _weights_stamp(ir: IR) -> tuple:
     """What changes when any of the IR's weights is written in place (its version counter)
-    or replaced (its address, e.g. ``param.data = new``); tensors made under
-    ``inference_mode`` count by address alone (they keep no version)."""
-    return tuple((t.data_ptr(), None if t.is_inference() else t._version)
+    or replaced (its address, e.g. ``param.data = new``). Tensors made under
+    ``inference_mode`` count by address alone (they keep no version), tensors without an
+    address (sparse, uninitialised) by identity. (A weight replaced twice between calls
+    could land at its first address again: not seen.)"""
+    return tuple((_address(t), None if t.is_inference() else t._version)
                  for t in ir.weights().values())
+
+
+def _address(t: Tensor) -> int:
+    try:
+        return t.data_ptr()
+    except (RuntimeError, ValueError):
+        return id(t)

@@ -28,8 +28,8 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 ENV = "REWRITER_PACKED_LINEAR"
-# Whether packing pays on this machine: measured at the first lowering that could pack
-# (``_measure``), then kept for the process.
+# Whether this machine can pack ("machine") and whether packing pays ("bfloat16"): asked at
+# the first lowering that could pack (``_probe``), then kept for the process.
 _PAYS: dict = {}
 # The measured products: one row through 4 weights of SmolLM2's MLP shape (7 MB in all,
 # more than a core's cache, as a step's weights are), each side's fastest pass of
@@ -59,7 +59,14 @@ def supported(weight: Tensor) -> bool:
 def _machine_ok() -> bool:
     """A torch with oneDNN's bfloat16 linear, on a CPU that multiplies bfloat16 natively
     (``_native_bf16``): elsewhere oneDNN emulates it, and its packed and unpacked products
-    round differently (one bfloat16 unit on some shapes, with AVX-512 alone)."""
+    round differently (one bfloat16 unit on some shapes, with AVX-512 alone). Asked once a
+    process (every weight of every lowering asks)."""
+    if "machine" not in _PAYS:
+        _PAYS["machine"] = _machine_check()
+    return _PAYS["machine"]
+
+
+def _machine_check() -> bool:
     mkldnn = torch.ops.mkldnn
     try:
         return (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_linear_pointwise")
