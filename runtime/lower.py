@@ -297,6 +297,10 @@ def _pack_linear_weights(ir: IR, graph: fx.Graph, derived: dict) -> None:
              if n.args[1].op == "get_attr" and packed_linear.supported(weight(n.args[1].target))]
     if not nodes or not packed_linear.pays():
         return
+    new = {n.args[1].target: weight(n.args[1].target) for n in nodes
+           if n.args[1].target + ".__packed" not in derived}
+    if not packed_linear.room_for(sum(w.nbytes for w in new.values())):
+        return  # the copies would not fit beside the weights: F.linear, slower but there
     for node in nodes:
         w = node.args[1]
         name = w.target + ".__packed"

@@ -158,6 +158,24 @@ def _measure() -> bool:
     return min(times["packed"]) <= min(times["linear"]) * _MARGIN
 
 
+_MEMINFO = "/proc/meminfo"
+
+
+def room_for(nbytes: int) -> bool:
+    """Whether ``nbytes`` of packed copies fit: at most half the memory the machine has
+    available (Linux's ``MemAvailable``; unknown elsewhere: yes). The copies sit beside the
+    weights, so a bfloat16 model of more than about a third of the memory would not fit
+    twice. ``REWRITER_PACKED_LINEAR=on`` packs regardless."""
+    if nbytes == 0 or os.environ.get(ENV, "auto").strip().lower() == "on":
+        return True
+    try:
+        with open(_MEMINFO) as f:
+            kb = next((int(line.split()[1]) for line in f if line.startswith("MemAvailable:")), None)
+    except (OSError, ValueError, IndexError):
+        return True
+    return kb is None or nbytes <= kb * 1024 // 2
+
+
 # a weight's packed copy, kept while the weight lives and is not written in place (as
 # ``runtime.lower``'s transposed copies: a pass that times its programs lowers a model a
 # dozen times)

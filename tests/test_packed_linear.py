@@ -275,3 +275,27 @@ def test_generations_do_not_lower_again():
             opt.generate([[3, 4, 5], [6, 7, 8]], max_new_tokens=5, eos_token_id=[])
             list(opt.stream([[3, 4, 5]], max_new_tokens=3, eos_token_id=[]))
         assert opt._lowered() is programs
+
+
+@needs_onednn
+def test_copies_that_would_not_fit_in_memory_are_not_made(monkeypatch, tmp_path):
+    """Packed copies sit beside the weights: past half the available memory the programs
+    keep ``F.linear`` (unless packing is forced on)."""
+    import rewriter
+    from conftest import make_model
+    monkeypatch.setattr(packed_linear, "_PAYS", {**packed_linear._PAYS, "bfloat16": True})
+    model = make_model("llama-gqa-3l").to(torch.bfloat16)
+    # what the copies need: every linear's weight (the token embedding is no linear's)
+    need = sum(t.nbytes for n, t in model.named_parameters() if t.dim() == 2 and "embed" not in n)
+    info = tmp_path / "meminfo"
+    for available_kb, env, packs in ((need // 1024, "auto", False),  # half of it is room for half
+                                     (3 * need // 1024, "auto", True),
+                                     (need // 1024, "on", True)):
+        info.write_text(f"MemTotal:       99999999 kB\nMemAvailable:   {available_kb} kB\n")
+        monkeypatch.setattr(packed_linear, "_MEMINFO", str(info))
+        monkeypatch.setenv(packed_linear.ENV, env)
+        decode = lower(rewriter.optimize(model).ir, False, "torch", {})
+        assert (packed_linear.linear_packed in _targets(decode)) is packs, (available_kb, env)
+    monkeypatch.setattr(packed_linear, "_MEMINFO", str(tmp_path / "missing"))  # not Linux
+    monkeypatch.setenv(packed_linear.ENV, "auto")
+    assert packed_linear.room_for(10 ** 15)
