@@ -34,23 +34,13 @@ from rewriter.checkpoints import cast
 from rewriter.runtime import packed_linear
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from speculative import load, spread_code_prompts  # noqa: E402  (benchmarks/ is not a package)
+from decode_attention import _median_ms  # noqa: E402  (benchmarks/ is not a package)
+from speculative import load, spread_code_prompts  # noqa: E402
 from step_time import machine  # noqa: E402
 
 # SmolLM2's linears: q and o, k and v, gate and up, down, the LM head ([out, in])
 SHAPES = {"q, o": (576, 576), "k, v": (192, 576), "gate, up": (1536, 576),
           "down": (576, 1536), "LM head": (49152, 576)}
-
-
-def _median_ms(fn, n: int = 200) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(n):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def product_rows() -> list[dict]:
