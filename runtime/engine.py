@@ -12,7 +12,6 @@ back from an artifact.
 """
 from __future__ import annotations
 
-import copy
 import os
 from collections import Counter
 from typing import Iterator, Optional, Sequence, Union
