@@ -1,13 +1,14 @@
 """bfloat16 linears on a CPU: ``F.linear`` against weights packed once for oneDNN
-(``runtime.packed_linear``), alone and inside SmolLM2's plain decode.
+(``runtime.packed_linear``), alone and inside a model's plain decode.
 
-    python benchmarks/packed_linear.py [--batch 1 4] [--lengths 128 1024] [--steps 24]
-                                       [--rounds 3] [--same 8]
+    python benchmarks/packed_linear.py [--model smollm2] [--batch 1 4] [--lengths 128 1024]
+                                       [--steps 24] [--rounds 3] [--same 8]
                                        [--json benchmarks/results/packed_linear.json]
 
 1. The products alone, at SmolLM2's shapes, for 1, 4 and 16 rows: ms of each (median of
    200 calls; the weight stays in cache, so this is the per-call cost, not a step's).
-2. Plain greedy decode of SmolLM2 (its GGUF, bfloat16, torch backend): two engines of the
+2. Plain greedy decode of ``--model`` (SmolLM2's GGUF, or the shipped default model;
+   bfloat16, torch backend): two engines of the
    same model, lowered with ``REWRITER_PACKED_LINEAR=off`` and ``on``; each round prefills
    both to every length and times ``--steps`` decode steps of each, the two alternating
    in turn (the order reversed on odd rounds); tokens/s from the median step, the ratio
@@ -126,6 +127,7 @@ def same_rows(runs: dict, tok, n: int) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2", help="smollm2 or default (the shipped model)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--lengths", type=int, nargs="+", default=[128, 1024])
     ap.add_argument("--steps", type=int, default=24)
@@ -137,11 +139,11 @@ def main():
         ap.error("--batch, --lengths and --rounds must be positive, --steps at least 3, --same not negative")
     if not packed_linear._machine_ok():
         raise SystemExit("this machine's torch or CPU has no oneDNN bfloat16 linear: nothing to compare")
-    out = {"machine": machine(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+    out = {"model": args.model, "machine": machine(), "torch": torch.__version__, "threads": torch.get_num_threads(),
            "date": time.strftime("%Y-%m-%d"), "probe_chooses_packing": packed_linear._measure()}
     with torch.inference_mode():
         out["products"] = product_rows()
-        model, tok = load("smollm2")
+        model, tok = load(args.model)
         runs = engines(cast(model, torch.bfloat16, "cpu"), tok)
         tok = runs["on"].tokenizer  # the tokenizer as the benchmarks' prompt helpers read it
         out["decode"] = decode_rows(runs, tok, args.lengths, args.batch, args.steps, args.rounds)
