@@ -16,7 +16,6 @@ import operator
 
 import torch
 from torch import fx
-from torch.utils.weak import WeakIdKeyDictionary
 
 from rewriter.errors import RewriterError
 from rewriter.ir.cacheable import check_cacheable
@@ -27,7 +26,7 @@ from rewriter.ops import OPS, op_arguments
 from .attention import cached_attention
 from .kernels import KERNELS, int4_cpu_ok, int4_cpu_tables, linear_int4_cpu, linear_t
 from .kv_cache import attention_params
-from . import packed_linear
+from . import memory, packed_linear
 from .page_selection import select_pages
 from .token_selection import select_tokens
 
@@ -271,20 +270,35 @@ def _generated_call(graph: fx.Graph, group: list, env: dict, index: int, sources
 
 def _transpose_linear_weights(ir: IR, graph: fx.Graph, transposed: dict) -> None:
     """``linear(x, W, b)`` -> ``linear_t(x, W^T, b)`` for 2-d float32 CPU weights (see
-    ``linear_t``)."""
-    for node in list(graph.find_nodes(op="call_function", target=KERNELS["linear"])):
+    ``linear_t``), where the copies fit in memory (``runtime.memory``)."""
+    def weight(target: str) -> torch.Tensor:
+        return transposed[target] if target in transposed else ir.weight(target)
+
+    # bfloat16 streams faster untransposed (measured: docs/benchmarks.md)
+    nodes = [n for n in graph.find_nodes(op="call_function", target=KERNELS["linear"])
+             if n.args[1].op == "get_attr" and _transposable(weight(n.args[1].target))]
+    if not memory.room_for(_new_bytes(nodes, transposed, weight, ".__transposed", _transposed)):
+        return  # the copies would not fit beside the weights: F.linear, slower but there
+    for node in nodes:
         w = node.args[1]
-        if w.op != "get_attr":
-            continue
-        weight = transposed[w.target] if w.target in transposed else ir.weight(w.target)
-        if weight.dim() != 2 or weight.is_cuda or weight.dtype != torch.float32:
-            continue  # bfloat16 streams faster untransposed (measured: docs/benchmarks.md)
         name = w.target + ".__transposed"
         if name not in transposed:
-            transposed[name] = _transposed(weight)  # [in, out]
+            transposed[name] = _transposed(weight(w.target))  # [in, out]
         with graph.inserting_before(node):
             node.args = (node.args[0], graph.get_attr(name), *node.args[2:])
         node.target = linear_t
+
+
+def _transposable(weight: torch.Tensor) -> bool:
+    return weight.dim() == 2 and not weight.is_cuda and weight.dtype == torch.float32
+
+
+def _new_bytes(nodes: list, derived: dict, weight, suffix: str, copies: memory.Copies) -> int:
+    """The bytes the linears' derived copies (``suffix``) need beyond those already made:
+    by this lowering (in ``derived``) or by an earlier one (kept by ``copies``). Counted
+    once a weight, however many linears read it."""
+    targets = {n.args[1].target for n in nodes if n.args[1].target + suffix not in derived}
+    return sum(weight(t).nbytes for t in targets if not copies.has(weight(t)))
 
 
 def _pack_linear_weights(ir: IR, graph: fx.Graph, derived: dict) -> None:
@@ -297,9 +311,7 @@ def _pack_linear_weights(ir: IR, graph: fx.Graph, derived: dict) -> None:
              if n.args[1].op == "get_attr" and packed_linear.supported(weight(n.args[1].target))]
     if not nodes or not packed_linear.pays():
         return
-    new = {n.args[1].target: weight(n.args[1].target) for n in nodes
-           if n.args[1].target + ".__packed" not in derived}
-    if not packed_linear.room_for(sum(w.nbytes for w in new.values())):
+    if not packed_linear.room_for(_new_bytes(nodes, derived, weight, ".__packed", packed_linear.pack)):
         return  # the copies would not fit beside the weights: F.linear, slower but there
     for node in nodes:
         w = node.args[1]
@@ -311,24 +323,8 @@ def _pack_linear_weights(ir: IR, graph: fx.Graph, derived: dict) -> None:
         node.target = packed_linear.linear_packed
 
 
-# a weight's transposed copy, kept while the weight lives and is not written in place
-# (its version counter): a pass that times its programs lowers the model a dozen times,
-# and copying every weight each time was a fifth of optimize() for SmolLM2 on a CPU. A
-# write through ``.data`` bypasses the counter (as it does autograd's): replace the weight.
-_TRANSPOSED = WeakIdKeyDictionary()
-
-
-def _transposed(weight: torch.Tensor) -> torch.Tensor:
-    if weight.is_inference():  # made under inference_mode: no version counter to trust
-        return weight.t().contiguous()
-    # ``param.data = new`` (``module.to()``) keeps the object and its version: the address
-    # tells that change
-    stamp = (weight._version, weight.data_ptr(), weight.dtype, weight.device)
-    kept = _TRANSPOSED.get(weight)
-    if kept is None or kept[0] != stamp:
-        kept = (stamp, weight.t().contiguous())
-        _TRANSPOSED[weight] = kept
-    return kept[1]
+# a float32 weight transposed, ``[in, out]``, made once per weight and version
+_transposed = memory.Copies(lambda weight: weight.t().contiguous())
 
 
 def _lower_int4(ir: IR, graph: fx.Graph, target, extra: dict) -> None:

@@ -25,7 +25,8 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.weak import WeakIdKeyDictionary
+
+from . import memory
 
 ENV = "REWRITER_PACKED_LINEAR"
 # Whether this machine can pack ("machine") and whether packing pays ("bfloat16"): asked at
@@ -158,39 +159,17 @@ def _measure() -> bool:
     return min(times["packed"]) <= min(times["linear"]) * _MARGIN
 
 
-_MEMINFO = "/proc/meminfo"
-
-
 def room_for(nbytes: int) -> bool:
-    """Whether ``nbytes`` of packed copies fit: at most half the memory the machine has
-    available (Linux's ``MemAvailable``; unknown elsewhere: yes). The copies sit beside the
-    weights, so a bfloat16 model of more than about a third of the memory would not fit
-    twice. ``REWRITER_PACKED_LINEAR=on`` packs regardless."""
-    if nbytes == 0 or os.environ.get(ENV, "auto").strip().lower() == "on":
-        return True
-    try:
-        with open(_MEMINFO) as f:
-            kb = next((int(line.split()[1]) for line in f if line.startswith("MemAvailable:")), None)
-    except (OSError, ValueError, IndexError):
-        return True
-    return kb is None or nbytes <= kb * 1024 // 2
+    """Whether ``nbytes`` of packed copies fit (``runtime.memory.room_for``: half the
+    available memory). ``REWRITER_PACKED_LINEAR=on`` packs regardless."""
+    return os.environ.get(ENV, "auto").strip().lower() == "on" or memory.room_for(nbytes)
 
 
-# a weight's packed copy, kept while the weight lives and is not written in place (as
-# ``runtime.lower``'s transposed copies: a pass that times its programs lowers a model a
-# dozen times)
-_PACKED = WeakIdKeyDictionary()
+def _reorder(weight: Tensor) -> Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
-def pack(weight: Tensor) -> Tensor:
-    """``weight`` ``[out, in]`` in oneDNN's layout for ``linear_packed`` (an opaque
-    ``torch._mkldnn`` tensor of the same shape), made once per weight and version."""
-    if weight.is_inference():  # made under inference_mode: no version counter to trust
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-    stamp = (weight._version, weight.data_ptr(), weight.dtype, weight.device)
-    kept = _PACKED.get(weight)
-    if kept is None or kept[0] != stamp:
-        with torch.no_grad():
-            kept = (stamp, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
-        _PACKED[weight] = kept
-    return kept[1]
+# ``weight`` ``[out, in]`` in oneDNN's layout for ``linear_packed`` (an opaque
+# ``torch._mkldnn`` tensor of the same shape), made once per weight and version; shared by
+# a model's programs, as ``runtime.lower``'s transposed copies are
+pack = memory.Copies(_reorder)

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rewriter.runtime import packed_linear
+from rewriter.runtime import memory, packed_linear
 from rewriter.runtime.kernels import KERNELS
 from rewriter.runtime.lower import lower
 
@@ -292,10 +292,10 @@ def test_copies_that_would_not_fit_in_memory_are_not_made(monkeypatch, tmp_path)
                                      (3 * need // 1024, "auto", True),
                                      (need // 1024, "on", True)):
         info.write_text(f"MemTotal:       99999999 kB\nMemAvailable:   {available_kb} kB\n")
-        monkeypatch.setattr(packed_linear, "_MEMINFO", str(info))
+        monkeypatch.setattr(memory, "MEMINFO", str(info))
         monkeypatch.setenv(packed_linear.ENV, env)
         decode = lower(rewriter.optimize(model).ir, False, "torch", {})
         assert (packed_linear.linear_packed in _targets(decode)) is packs, (available_kb, env)
-    monkeypatch.setattr(packed_linear, "_MEMINFO", str(tmp_path / "missing"))  # not Linux
+    monkeypatch.setattr(memory, "MEMINFO", str(tmp_path / "missing"))  # not Linux
     monkeypatch.setenv(packed_linear.ENV, "auto")
     assert packed_linear.room_for(10 ** 15)

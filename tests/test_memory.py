@@ -1,0 +1,94 @@
+"""Room for the derived copies of the weights (``runtime.memory``): float32 weights
+transposed and bfloat16 weights packed are made only where they fit in half the available
+memory, a copy made once is reused without asking again, and the copies follow their
+weights."""
+import torch
+
+import rewriter
+from conftest import make_model
+from rewriter.runtime import memory
+from rewriter.runtime.kernels import linear_t
+from rewriter.runtime.lower import lower
+
+
+def _meminfo(monkeypatch, tmp_path, available_kb: int) -> None:
+    info = tmp_path / "meminfo"
+    info.write_text(f"MemTotal:       99999999 kB\nMemFree:        1 kB\n"
+                    f"MemAvailable:   {available_kb} kB\n")
+    monkeypatch.setattr(memory, "MEMINFO", str(info))
+
+
+def _linear_bytes(model) -> int:
+    """What one copy of every linear's weight takes (the token embedding is no linear's)."""
+    return sum(t.nbytes for n, t in model.named_parameters() if t.dim() == 2 and "embed" not in n)
+
+
+def _reads_transposed(model) -> bool:
+    decode = lower(rewriter.optimize(model).ir, False, "torch", {})
+    return any(n.op == "call_function" and n.target is linear_t for n in decode.graph.nodes)
+
+
+def test_available_memory_is_read_from_meminfo(monkeypatch, tmp_path):
+    _meminfo(monkeypatch, tmp_path, 2048)
+    assert memory.available_bytes() == 2048 * 1024
+    assert memory.room_for(1024 * 1024) and not memory.room_for(1024 * 1024 + 1)
+    assert memory.room_for(0)
+    for text in ("MemTotal: 5 kB\n", "MemAvailable: lots\n", ""):  # no figure: not known
+        (tmp_path / "meminfo").write_text(text)
+        assert memory.available_bytes() is None and memory.room_for(10 ** 15)
+    monkeypatch.setattr(memory, "MEMINFO", str(tmp_path / "missing"))  # not Linux
+    assert memory.available_bytes() is None and memory.room_for(10 ** 15)
+
+
+def test_float32_weights_are_transposed_only_where_the_copies_fit(monkeypatch, tmp_path):
+    model = make_model("llama-gqa-3l")  # float32, weights never transposed before
+    need = _linear_bytes(model)
+    _meminfo(monkeypatch, tmp_path, need // 1024)  # half of it is room for half the copies
+    assert not _reads_transposed(model)
+    plain = rewriter.optimize(model)
+    tight = plain.generate([[3, 4, 5], [6, 7]], max_new_tokens=6, eos_token_id=[])
+    _meminfo(monkeypatch, tmp_path, 3 * need // 1024)
+    assert _reads_transposed(model)
+    roomy = rewriter.optimize(model).generate([[3, 4, 5], [6, 7]], max_new_tokens=6, eos_token_id=[])
+    assert torch.equal(tight, roomy)  # F.linear and the transposed product: the same tokens
+
+
+def test_copies_already_made_are_reused_when_memory_is_tight(monkeypatch, tmp_path):
+    """An IR lowered again (a pass times its programs a dozen times) reads the copies it
+    has: they take no new memory, and the programs of one model stay alike."""
+    model = make_model("llama-gqa-3l")
+    ir = rewriter.optimize(model).ir
+
+    def transposed() -> bool:
+        decode = lower(ir, False, "torch", {})
+        return any(n.op == "call_function" and n.target is linear_t for n in decode.graph.nodes)
+    _meminfo(monkeypatch, tmp_path, 3 * _linear_bytes(model) // 1024)
+    assert transposed()
+    _meminfo(monkeypatch, tmp_path, 1)  # the copies now fill the memory
+    assert transposed()
+    with torch.no_grad():  # a weight written in place: its copy is stale, a new one needs room
+        model.lm_head.weight.mul_(2)
+    assert not transposed()
+
+
+def test_a_copy_follows_its_weight():
+    made = []
+    copies = memory.Copies(lambda w: made.append(1) or w.t().contiguous())
+    w = torch.randn(3, 5)
+    assert not copies.has(w)
+    first = copies(w)
+    assert copies.has(w) and copies(w) is first and len(made) == 1
+    assert not first.requires_grad
+    w.add_(1)  # written in place: a new copy
+    assert not copies.has(w) and torch.equal(copies(w), w.t()) and len(made) == 2
+    w.data = torch.randn(3, 5)  # replaced in place of its storage
+    assert not copies.has(w) and torch.equal(copies(w), w.t())
+    with torch.inference_mode():  # no version counter: made every time, never kept
+        v = torch.randn(2, 2)
+        assert not copies.has(v) and copies(v) is not copies(v)
+
+
+def test_a_parameter_copy_is_detached():
+    p = torch.nn.Parameter(torch.randn(4, 6))
+    copy = memory.Copies(lambda w: w.t().contiguous())(p)
+    assert not copy.requires_grad and copy.grad_fn is None
