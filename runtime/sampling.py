@@ -22,16 +22,69 @@ def warp(logits: Tensor, s: GenerationSettings) -> Tensor:
     logits = logits.float()
     if s.temperature != 1.0:
         logits = logits / s.temperature
-    if s.top_k and s.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, s.top_k, dim=-1).values[:, -1:]  # [B, 1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if s.top_p < 1.0:
+    top_k = s.top_k if s.top_k and s.top_k < logits.shape[-1] else None
+    if top_k is None and s.top_p >= 1.0:
+        return logits
+    fast, ok = _among_candidates(logits, top_k, s.top_p)
+    if fast is None:
+        return _whole(logits, top_k, s.top_p)
+    if not bool(ok.all()):  # rows whose kept tokens may reach past the candidates
+        fast[~ok] = _whole(logits[~ok], top_k, s.top_p)
+    return fast
+
+
+def _whole(logits: Tensor, top_k: Optional[int], top_p: float) -> Tensor:
+    """``warp``'s top-k and top-p over the whole vocabulary ``[B, V]`` (one sort a row)."""
+    if top_k is not None:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # [B, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))  # ties of the k-th stay
+    if top_p < 1.0:
         ascending, order = torch.sort(logits, dim=-1)
         cumulative = ascending.softmax(-1).cumsum(-1)  # [B, V]
-        drop = cumulative <= 1.0 - s.top_p  # the low tail whose mass is <= 1 - top_p
+        drop = cumulative <= 1.0 - top_p  # the low tail whose mass is <= 1 - top_p
         drop[:, -1] = False  # the most likely token always stays
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     return logits
+
+
+# Top-k and top-p first look among this many of the most likely tokens: sorting a whole
+# vocabulary was most of a sampled step's warping (SmolLM2's 49,152 logits on the 2-core
+# Xeon: 2.9 ms a row, against 0.15 for the 256 largest), and what they keep is usually
+# far fewer tokens.
+CANDIDATES = 256
+
+
+def _among_candidates(logits: Tensor, top_k: Optional[int], top_p: float) -> tuple:
+    """``(warped [B, V], ok [B])``: ``warp``'s top-k and top-p over the ``CANDIDATES`` largest
+    logits of each row, right where ``ok`` (elsewhere what they keep may reach past the
+    candidates); ``(None, None)`` where the candidates are not fewer than the vocabulary or
+    than top-k.
+
+    Top-k keeps every logit at least the k-th largest (its ties too, as Hugging Face's
+    ``TopKLogitsWarper``). Top-p keeps the smallest set of tokens whose mass is more than
+    ``top_p``, as ``TopPLogitsWarper``, which drops the low tail whose ascending cumulative
+    mass is at most ``1 - top_p``: it keeps a token while the mass ranked above it is less
+    than ``top_p``, and always the most likely one."""
+    m = CANDIDATES
+    if m >= logits.shape[-1] or (top_k is not None and top_k >= m):
+        return None, None
+    vals, at = logits.topk(m, dim=-1)  # [B, m], descending
+    ok = torch.ones(len(logits), dtype=torch.bool, device=logits.device)
+    if top_k is not None:
+        kth = vals[:, top_k - 1:top_k]  # [B, 1]
+        ok &= vals[:, -1] < kth[:, 0]  # else the k-th's ties may lie past the candidates
+        vals = vals.masked_fill(vals < kth, float("-inf"))
+    if top_p < 1.0:
+        # each candidate's share of the whole distribution (after top-k: of the candidates)
+        total = (vals if top_k is not None else logits).logsumexp(-1, keepdim=True)  # [B, 1]
+        probs = (vals - total).exp()  # [B, m]
+        keep = probs.cumsum(-1) - probs < top_p  # the mass ranked above each
+        keep[:, 0] = True
+        # the nucleus ends inside the candidates, and no token past them ties with one it
+        # keeps (ties are kept in no particular order, Hugging Face's unstable sort's either)
+        ok &= vals.masked_fill(~keep, float("inf")).amin(-1) > vals[:, -1]
+        vals = vals.masked_fill(~keep, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(-1, at, vals), ok
 
 
 def greedy(logits: Tensor) -> Tensor:

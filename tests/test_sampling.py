@@ -93,3 +93,65 @@ def test_greedy_on_a_real_vocabulary_and_a_last_position_view():
     last = logits[:, -1]  # [B, V], a strided view as the runtime passes it
     assert torch.equal(greedy(last), last.argmax(-1))
     assert greedy(last).tolist() == [0, 49150, 0]
+
+
+def _vocab_logits(kind: str, rows: int = 6, vocab: int = 5000) -> torch.Tensor:
+    """Logits of a large vocabulary (the candidates are fewer than it): ``peaked`` as a
+    trained model's (a nucleus of a few tokens), ``flat`` (a nucleus past the candidates),
+    ``mixed`` (both in one batch), ``tied`` (integers: many ties of the k-th largest)."""
+    g = torch.Generator().manual_seed({"peaked": 1, "flat": 2, "mixed": 3, "tied": 4}[kind])
+    if kind == "tied":
+        return torch.randint(-20, 8, (rows, vocab), generator=g).float()
+    logits = torch.randn(rows, vocab, generator=g)
+    peaked = logits * 4 + torch.zeros(rows, vocab).index_fill_(1, torch.arange(7), 18.0)
+    if kind == "peaked":
+        return peaked
+    if kind == "flat":
+        return logits * 0.5
+    return torch.where(torch.arange(rows)[:, None] % 2 == 0, peaked, logits * 0.5)
+
+
+@pytest.mark.parametrize("kind", ["peaked", "flat", "mixed", "tied"])
+@pytest.mark.parametrize("temperature,top_k,top_p", [
+    (1.0, 50, 1.0), (1.0, 0, 0.9), (0.7, 50, 0.95), (1.3, 5, 0.5), (1.0, 255, 0.99),
+    (1.0, 256, 0.9), (1.0, 1000, 0.9), (1.0, 0, 0.05), (1.0, 1, 0.9)])
+def test_warping_a_large_vocabulary_matches_hugging_face(kind, temperature, top_k, top_p):
+    """Top-k and top-p look among the largest logits first, and sort the whole vocabulary
+    only for the rows (or settings) where what they keep may reach past those: the same
+    tokens kept as Hugging Face's warpers, ties of the k-th included."""
+    logits = _vocab_logits(kind)
+    ours = warp(logits, sampling(True, temperature, top_k, top_p))
+    theirs = hf_warp(logits, temperature, top_k, top_p)
+    for a, b in zip(ours, theirs):  # the same logits kept (ties at top-p's cut: as many)
+        assert torch.equal(a[a.isfinite()].sort().values, b[b.isfinite()].sort().values)
+    if kind != "tied":  # which of tied tokens top-p keeps is its sort's order, in theirs too
+        assert torch.equal(ours.isinf(), theirs.isinf())
+        torch.testing.assert_close(ours.softmax(-1), theirs.softmax(-1))
+
+
+def test_both_ways_of_warping_are_exercised(monkeypatch):
+    """The large-vocabulary cases above reach both the candidates' way and the whole sort
+    (a test that always took one of them could not tell a wrong other)."""
+    from rewriter.runtime import sampling as sampling_module
+    whole_rows = []
+    real = sampling_module._whole
+    monkeypatch.setattr(sampling_module, "_whole",
+                        lambda x, k, p: whole_rows.append(len(x)) or real(x, k, p))
+    warp(_vocab_logits("peaked"), sampling(True, 1.0, 0, 0.9))
+    assert whole_rows == []  # every row's nucleus among the candidates
+    warp(_vocab_logits("mixed"), sampling(True, 1.0, 0, 0.9))
+    assert whole_rows == [3]  # the flat rows only
+    warp(_vocab_logits("tied"), sampling(True, 1.0, 50, 1.0))
+    assert whole_rows == [3]  # the 50th's ties (about 180 of each value) among them
+    warp(_vocab_logits("tied"), sampling(True, 1.0, 200, 1.0))
+    assert len(whole_rows) == 2 and whole_rows[-1] > 0  # the 200th's ties reach past them
+
+
+def test_logits_already_excluded_stay_excluded():
+    logits = _vocab_logits("peaked")
+    logits[:, 3] = float("-inf")
+    logits[0, :] = float("-inf")
+    logits[0, 42] = 0.0  # one token left in a row
+    ours = warp(logits, sampling(True, 1.0, 0, 0.9))
+    assert torch.equal(ours.isinf(), hf_warp(logits, 1.0, 0, 0.9).isinf())
+    assert ours[0].isfinite().nonzero().flatten().tolist() == [42]
