@@ -3,9 +3,10 @@
 The order and meaning follow ``transformers`` generation: logits are divided by
 ``temperature``, then only the ``top_k`` largest are kept, then only the smallest set of
 tokens whose probabilities add up to more than ``top_p`` (always at least one). Defaults
-are Hugging Face's (``temperature=1.0, top_k=50, top_p=1.0``). Everything stays on the
-device: no host synchronisation per token. The settings arrive checked
-(``GenerationSettings``): nothing here validates again.
+are Hugging Face's (``temperature=1.0, top_k=50, top_p=1.0``). On a GPU everything stays
+on the device: no host synchronisation per token (on a CPU top-k and top-p look among a
+few candidates first, and read back which rows need the whole sort). The settings arrive
+checked (``GenerationSettings``): nothing here validates again.
 """
 from __future__ import annotations
 
@@ -47,10 +48,10 @@ def _whole(logits: Tensor, top_k: Optional[int], top_p: float) -> Tensor:
     return logits
 
 
-# Top-k and top-p first look among this many of the most likely tokens: sorting a whole
-# vocabulary was most of a sampled step's warping (SmolLM2's 49,152 logits on the 2-core
-# Xeon: 2.9 ms a row, against 0.15 for the 256 largest), and what they keep is usually
-# far fewer tokens.
+# On a CPU top-k and top-p first look among this many of the most likely tokens: sorting
+# a whole vocabulary was most of a sampled step's warping (SmolLM2's 49,152 logits on the
+# 2-core Xeon: 2.9 ms a row, against 0.15 for the 256 largest), and what they keep is
+# usually far fewer tokens.
 CANDIDATES = 256
 
 
@@ -68,6 +69,8 @@ def _among_candidates(logits: Tensor, top_k: Optional[int], top_p: float) -> tup
     m = CANDIDATES
     if m >= logits.shape[-1] or (top_k is not None and top_k >= m):
         return None, None
+    if logits.device.type != "cpu":  # a GPU sorts fast, and rows falling back would be a
+        return None, None  # read back each step (the runtime reads none while sampling)
     vals, at = logits.topk(m, dim=-1)  # [B, m], descending
     ok = torch.ones(len(logits), dtype=torch.bool, device=logits.device)
     if top_k is not None:

@@ -155,3 +155,11 @@ def test_logits_already_excluded_stay_excluded():
     ours = warp(logits, sampling(True, 1.0, 0, 0.9))
     assert torch.equal(ours.isinf(), hf_warp(logits, 1.0, 0, 0.9).isinf())
     assert ours[0].isfinite().nonzero().flatten().tolist() == [42]
+
+
+def test_off_the_cpu_the_whole_vocabulary_is_sorted():
+    """A GPU sorts fast, and choosing rows to sort would read the device back every step."""
+    from rewriter.runtime.sampling import _among_candidates
+    logits = torch.empty(2, 5000, device="meta")
+    assert _among_candidates(logits, 50, 0.9) == (None, None)
+    assert warp(logits, sampling(True, 0.7, 50, 0.9)).shape == (2, 5000)
