@@ -37,7 +37,7 @@ from .attention import Step
 from .generate import Batch, _run, run_prompt
 from .kv_cache import KVCache
 from .replay import Replay, Replays
-from .sampling import greedy, next_token, warp
+from .sampling import draw, greedy, next_token, warp
 from .settings import GenerationSettings
 
 
@@ -222,7 +222,7 @@ class _Rounds:
             stop = j + 1 < k and self.strategy.threshold > 0  # no confidence is below 0
             if self.s.do_sample:
                 q = warp(logits, self.s).softmax(-1)
-                token = torch.multinomial(q, 1, generator=self.generator).squeeze(-1)
+                token = draw(q, self.generator)
                 dists.append(q)
             else:
                 q = logits.float().softmax(-1) if stop else None
@@ -262,4 +262,4 @@ class _Rounds:
         total = residual.sum(-1, keepdim=True)
         # p == q at a rejection has probability 0; guard the division anyway
         residual = torch.where(total > 0, residual / total.clamp_min(1e-30), p.gather(1, at).squeeze(1))
-        return n, torch.multinomial(residual, 1, generator=self.generator).squeeze(-1)
+        return n, draw(residual, self.generator)

@@ -44,7 +44,7 @@ from rewriter.tree import MAX_NODES, MAX_RANK, Tree, make_tree
 from .eagle_rows import EagleRows
 from .generate import Batch, run_prompt
 from .kv_cache import KVCache
-from .sampling import greedy, next_token, warp
+from .sampling import draw, greedy, next_token, warp
 from .settings import GenerationSettings
 from .speculative import _Rounds
 from .tree_adapt import AdaptiveTree
@@ -517,7 +517,7 @@ class _TreeRounds(_Rounds):
                     p = rest / total
                 if chosen is None:
                     if self.s.do_sample:
-                        extra = int(torch.multinomial(p, 1, generator=self.generator))
+                        extra = int(draw(p[None], self.generator)[0])
                     else:
                         extra = int(row.argmax())
                     bonus.append(extra)

@@ -163,3 +163,36 @@ def test_off_the_cpu_the_whole_vocabulary_is_sorted():
     logits = torch.empty(2, 5000, device="meta")
     assert _among_candidates(logits, 50, 0.9) == (None, None)
     assert warp(logits, sampling(True, 0.7, 50, 0.9)).shape == (2, 5000)
+
+
+def test_draws_follow_the_distribution_and_never_pick_a_token_without_mass():
+    from rewriter.runtime.sampling import draw
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0],  # rows need not sum to 1:
+                          [0.0, 0.0, 0.0, 0.0, 0.0, 2.0]])  # scaled as multinomial scales
+    n = 40_000
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.stack([draw(probs, g) for _ in range(n)])  # [n, 2]
+    assert tokens.dtype == torch.int64 and tokens.shape == (n, 2)
+    freq = torch.bincount(tokens[:, 0], minlength=6).float() / n
+    assert (freq[probs[0] == 0] == 0).all()
+    assert 0.5 * (freq - probs[0]).abs().sum() < 0.015
+    assert (tokens[:, 1] == 5).all()
+
+
+@pytest.mark.parametrize("u", [0.0, 1.0 - 2 ** -53, 1.0])
+def test_a_draw_at_either_end_of_the_unit_interval_has_mass(monkeypatch, u):
+    """The uniform draw times the row's total may round up to the total: the token drawn
+    is still one with mass (the last one here has none)."""
+    from rewriter.runtime import sampling as sampling_module
+    probs = torch.tensor([[0.0, 0.1, 0.0, 0.9, 0.0, 0.0]])
+    monkeypatch.setattr(sampling_module.torch, "rand",
+                        lambda shape, generator=None, dtype=None: torch.full(shape, u, dtype=dtype))
+    assert sampling_module.draw(probs, None).tolist() == [1 if u == 0.0 else 3]
+
+
+@pytest.mark.parametrize("bad", [[0.0, 0.0, 0.0], [0.5, float("nan"), 0.5], [0.5, float("inf"), 0.0],
+                                 [1.5, -0.5, 0.0]])
+def test_a_distribution_that_is_no_distribution_is_refused(bad):
+    from rewriter.runtime.sampling import draw
+    with pytest.raises(RuntimeError, match="probabilities"):
+        draw(torch.tensor([[0.2, 0.3, 0.5], bad]), None)
