@@ -11,11 +11,13 @@ rounds, "before" (top-k and top-p over the whole sorted vocabulary, tokens drawn
 1. ``warp`` and a draw from its softmax on the model's own logits (its answers to the eval's
    chat questions), per call of 1 and 16 rows, both ways, and whether the two keep the
    same tokens.
-2. Whole generations of the eval's chat questions to the end of each answer, batch 1:
+2. Whole generations of ``--new`` tokens for the eval's chat questions (past the end of an
+   answer: the same number of tokens both ways; sampled answers end at random), batch 1:
    plain decode and the Hydra heads as a user gets them (``HydraHeads(weights=MODEL,
    draft_vocab=4096)``: their auto tree and copied chains, sampled rounds lossless in
    distribution), each both ways, their runs interleaved; tokens a second are medians of
-   ``--runs``. Both ways draw from the same seeds, but not the same way: their texts differ.
+   ``--runs``, each run with its own seeds. The two ways draw differently, so their texts,
+   and the heads' tokens a round, differ by chance: ms a round compares the heads' rounds.
 """
 from __future__ import annotations
 
@@ -40,9 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from speculative import load, made_tokens, prompt_sets, strategy_engine  # noqa: E402
 from step_time import machine  # noqa: E402
 
-# (temperature, top_k, top_p): Hugging Face's default top-k with a common top-p, and top-p
-# alone (top_k=0), which sorted the whole vocabulary for every row
-SETTINGS = [(0.7, 50, 0.9), (1.0, 0, 0.95)]
+# (temperature, top_k, top_p): Hugging Face's defaults (top-k alone: no sort to save, only
+# the draw), its default top-k with a common top-p, and top-p alone (top_k=0), which
+# sorted the whole vocabulary for every row
+SETTINGS = [(1.0, 50, 1.0), (0.7, 50, 0.9), (1.0, 0, 0.95)]
 WHOLE = 1 << 62  # CANDIDATES past any vocabulary: the whole sort for every row
 BEFORE, AFTER = (WHOLE, False), (sampling.CANDIDATES, True)  # (CANDIDATES, CDF_DRAWS)
 
@@ -107,7 +110,7 @@ def generations(variants, prompts, new: int, settings: dict, runs: int) -> list:
     for _, engine, m in variants:  # every prompt's shapes first
         with choosing(m):
             for p in prompts:
-                engine.generate([p], max_new_tokens=4, seed=0, **settings)
+                engine.generate([p], max_new_tokens=4, seed=0, eos_token_id=[], **settings)
     times = [[] for _ in variants]
     outs, stats = [None] * len(variants), [None] * len(variants)
     for run in range(runs):
@@ -117,13 +120,14 @@ def generations(variants, prompts, new: int, settings: dict, runs: int) -> list:
             with choosing(m):
                 engine.stats.clear()
                 start = time.perf_counter()
-                outs[i] = [engine.generate([p], max_new_tokens=new, seed=s, **settings)
+                outs[i] = [engine.generate([p], max_new_tokens=new, seed=run * len(prompts) + s,
+                                           eos_token_id=[], **settings)
                            for s, p in enumerate(prompts)]
                 times[i].append(time.perf_counter() - start)
                 stats[i] = dict(engine.stats)
     got = []
     for (_, engine, _), out, t, st in zip(variants, outs, times, stats):
-        made = made_tokens(engine, [[p] for p in prompts], out, True)
+        made = made_tokens(engine, [[p] for p in prompts], out, False)
         rounds = st.get("row_rounds", 0)  # batch 1: a row's rounds are the rounds
         per_round = 1 + st["accepted"] / rounds if rounds else None
         got.append((made / statistics.median(t), per_round, statistics.median(t) / rounds * 1e3 if rounds else None))

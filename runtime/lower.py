@@ -270,16 +270,14 @@ def _generated_call(graph: fx.Graph, group: list, env: dict, index: int, sources
 
 def _transpose_linear_weights(ir: IR, graph: fx.Graph, transposed: dict) -> None:
     """``linear(x, W, b)`` -> ``linear_t(x, W^T, b)`` for 2-d float32 CPU weights (see
-    ``linear_t``), where the copies fit in memory (``runtime.memory``)."""
+    ``linear_t``), where the copies fit in memory (``_fitting``)."""
     def weight(target: str) -> torch.Tensor:
         return transposed[target] if target in transposed else ir.weight(target)
 
     # bfloat16 streams faster untransposed (measured: docs/benchmarks.md)
     nodes = [n for n in graph.find_nodes(op="call_function", target=KERNELS["linear"])
              if n.args[1].op == "get_attr" and _transposable(weight(n.args[1].target))]
-    if not memory.room_for(_new_bytes(nodes, transposed, weight, ".__transposed", _transposed)):
-        return  # the copies would not fit beside the weights: F.linear, slower but there
-    for node in nodes:
+    for node in _fitting(nodes, transposed, weight, ".__transposed", _transposed, memory.room_for):
         w = node.args[1]
         name = w.target + ".__transposed"
         if name not in transposed:
@@ -293,17 +291,27 @@ def _transposable(weight: torch.Tensor) -> bool:
     return weight.dim() == 2 and not weight.is_cuda and weight.dtype == torch.float32
 
 
-def _new_bytes(nodes: list, derived: dict, weight, suffix: str, copies: memory.Copies) -> int:
-    """The bytes the linears' derived copies (``suffix``) need beyond those already made:
-    by this lowering (in ``derived``) or by an earlier one (kept by ``copies``). Counted
-    once a weight, however many linears read it."""
-    targets = {n.args[1].target for n in nodes if n.args[1].target + suffix not in derived}
-    return sum(weight(t).nbytes for t in targets if not copies.has(weight(t)))
+def _fitting(nodes: list, derived: dict, weight, suffix: str, copies: memory.Copies, room) -> list:
+    """The linears (``nodes``) that read derived copies (``suffix``): all of them where the
+    copies not yet made fit (``room(bytes)``). Where they do not, only those whose copy an
+    earlier program of the model already reads; the refusal is kept in ``derived`` (shared
+    by the model's programs), so that no later program makes a copy either, and a weight
+    is read the same way by every program (prefill, decode, verify)."""
+    refused = ("refused", suffix)  # no weight's name: a tuple
+    if not derived.get(refused):
+        copies.sweep()
+        targets = {n.args[1].target for n in nodes if n.args[1].target + suffix not in derived}
+        new = {id(w): w for w in map(weight, targets) if not copies.has(w)}  # tied weights once
+        if room(sum(w.nbytes for w in new.values())):
+            return nodes
+        derived[refused] = True
+    return [n for n in nodes if n.args[1].target + suffix in derived]
 
 
 def _pack_linear_weights(ir: IR, graph: fx.Graph, derived: dict) -> None:
     """``linear(x, W, b)`` -> ``linear_packed(x, pack(W), b)`` for 2-d bfloat16 CPU weights,
-    where packing pays on this machine (``runtime.packed_linear``)."""
+    where packing pays on this machine (``runtime.packed_linear``) and the copies fit in
+    memory (``_fitting``)."""
     def weight(target: str) -> torch.Tensor:
         return derived[target] if target in derived else ir.weight(target)
 
@@ -311,9 +319,7 @@ def _pack_linear_weights(ir: IR, graph: fx.Graph, derived: dict) -> None:
              if n.args[1].op == "get_attr" and packed_linear.supported(weight(n.args[1].target))]
     if not nodes or not packed_linear.pays():
         return
-    if not packed_linear.room_for(_new_bytes(nodes, derived, weight, ".__packed", packed_linear.pack)):
-        return  # the copies would not fit beside the weights: F.linear, slower but there
-    for node in nodes:
+    for node in _fitting(nodes, derived, weight, ".__packed", packed_linear.pack, packed_linear.room_for):
         w = node.args[1]
         name = w.target + ".__packed"
         if name not in derived:

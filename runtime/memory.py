@@ -16,16 +16,37 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 MEMINFO = "/proc/meminfo"
+CGROUP = "/sys/fs/cgroup"  # a container's memory limit (cgroup v2), where there is one
 
 
 def available_bytes() -> Optional[int]:
-    """Linux's ``MemAvailable``, in bytes; None where it is not known (another system)."""
+    """What the process may still use, in bytes: Linux's ``MemAvailable``, or less where a
+    cgroup's limit leaves less (a container sees the host's memory in ``/proc/meminfo``);
+    None where neither is known (another system)."""
+    known = [b for b in (_meminfo_available(), _cgroup_available()) if b is not None]
+    return min(known) if known else None
+
+
+def _meminfo_available() -> Optional[int]:
     try:
         with open(MEMINFO) as f:
             kb = next((int(line.split()[1]) for line in f if line.startswith("MemAvailable:")), None)
     except (OSError, ValueError, IndexError):
         return None
     return None if kb is None else kb * 1024
+
+
+def _cgroup_available() -> Optional[int]:
+    """``memory.max - memory.current`` of this cgroup (v2); None where it sets no limit."""
+    try:
+        with open(f"{CGROUP}/memory.max") as f:
+            limit = f.read().strip()
+        if limit == "max":
+            return None
+        with open(f"{CGROUP}/memory.current") as f:
+            return max(0, int(limit) - int(f.read().strip()))
+    except (OSError, ValueError):
+        return None
 
 
 def room_for(nbytes: int) -> bool:
@@ -45,7 +66,7 @@ class Copies:
     ``module.to()`` does, keeps the object and its version; the address tells that change).
     A write through ``.data`` bypasses the counter, as it does autograd's: replace the
     weight instead. Weights made under ``inference_mode`` have no counter to trust: their
-    copies are made again at every call."""
+    copies are made again at every call, never kept (each lowering counts them as new)."""
 
     def __init__(self, make):
         self._make = make
@@ -62,10 +83,18 @@ class Copies:
         kept = self._kept.get(weight)
         return kept is not None and kept[0] == self._stamp(weight)
 
+    def sweep(self) -> None:
+        """Drop the copies whose weights were written or replaced since: they are never
+        read again, and the memory they hold is what new copies would need."""
+        for weight, (stamp, _) in list(self._kept.items()):
+            if stamp != self._stamp(weight):
+                del self._kept[weight]
+
     def __call__(self, weight: Tensor) -> Tensor:
         if weight.is_inference():
             return self._make(weight)
         if not self.has(weight):
+            self._kept.pop(weight, None)  # a stale copy: not held beside the new one
             with torch.no_grad():
                 self._kept[weight] = (self._stamp(weight), self._make(weight.detach()))
         return self._kept[weight][1]

@@ -2,6 +2,7 @@
 transposed and bfloat16 weights packed are made only where they fit in half the available
 memory, a copy made once is reused without asking again, and the copies follow their
 weights."""
+import pytest
 import torch
 
 import rewriter
@@ -92,3 +93,48 @@ def test_a_parameter_copy_is_detached():
     p = torch.nn.Parameter(torch.randn(4, 6))
     copy = memory.Copies(lambda w: w.t().contiguous())(p)
     assert not copy.requires_grad and copy.grad_fn is None
+
+
+def test_a_containers_limit_counts_where_it_leaves_less(monkeypatch, tmp_path):
+    _meminfo(monkeypatch, tmp_path, 4096)  # 4 MiB by /proc/meminfo
+    group = tmp_path / "cgroup"
+    group.mkdir()
+    monkeypatch.setattr(memory, "CGROUP", str(group))
+    assert memory.available_bytes() == 4096 * 1024  # no cgroup files: meminfo's
+    (group / "memory.max").write_text("max\n")
+    (group / "memory.current").write_text("123\n")
+    assert memory.available_bytes() == 4096 * 1024  # no limit
+    (group / "memory.max").write_text(f"{3 * 1024 * 1024}\n")
+    (group / "memory.current").write_text(f"{1024 * 1024}\n")
+    assert memory.available_bytes() == 2 * 1024 * 1024  # the limit leaves 2 MiB
+    (group / "memory.current").write_text(f"{5 * 1024 * 1024}\n")  # past it: nothing left
+    assert memory.available_bytes() == 0 and not memory.room_for(1)
+    (group / "memory.max").write_text("garbage\n")
+    assert memory.available_bytes() == 4096 * 1024
+
+
+@pytest.mark.parametrize("answers", [(False, True), (True, False)])
+def test_one_models_programs_read_a_weight_the_same_way(monkeypatch, answers):
+    """Each program asks for room as it is lowered; memory that frees (or fills) between
+    them must not leave prefill on F.linear and decode on the transposed copies (their
+    floats differ): the first answer holds for every program of the model."""
+    from rewriter.passes import HydraHeads
+    from rewriter.runtime.programs import build_programs
+    model = make_model("llama-gqa-3l")
+    ir = rewriter.optimize(model, passes=[HydraHeads(num_heads=2, tree=[[0], [1], [0, 0]])]).ir
+    asked = list(answers) + [answers[-1]] * 20
+    monkeypatch.setattr(memory, "room_for", lambda nbytes: asked.pop(0))
+    programs = build_programs(ir, "torch", {})
+    reads = {name: any(n.op == "call_function" and n.target is linear_t for n in p.graph.nodes)
+             for name, p in programs.items() if hasattr(p, "graph")}
+    assert set(reads) >= {"prefill", "decode", "tree_prefill", "verify"}
+    assert all(reads[k] is answers[0] for k in ("prefill", "decode", "tree_prefill", "verify")), reads
+
+
+def test_stale_copies_are_dropped_before_room_is_asked():
+    copies = memory.Copies(lambda w: w.t().contiguous())
+    w, v = torch.randn(3, 5), torch.randn(2, 2)
+    copies(w), copies(v)
+    w.add_(1)  # written: its copy is stale
+    copies.sweep()
+    assert len(copies._kept) == 1 and copies.has(v)

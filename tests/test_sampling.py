@@ -141,10 +141,12 @@ def test_both_ways_of_warping_are_exercised(monkeypatch):
     assert whole_rows == []  # every row's nucleus among the candidates
     warp(_vocab_logits("mixed"), sampling(True, 1.0, 0, 0.9))
     assert whole_rows == [3]  # the flat rows only
-    warp(_vocab_logits("tied"), sampling(True, 1.0, 50, 1.0))
+    warp(_vocab_logits("tied"), sampling(True, 1.0, 50, 0.99))
     assert whole_rows == [3]  # the 50th's ties (about 180 of each value) among them
-    warp(_vocab_logits("tied"), sampling(True, 1.0, 200, 1.0))
+    warp(_vocab_logits("tied"), sampling(True, 1.0, 200, 0.99))
     assert len(whole_rows) == 2 and whole_rows[-1] > 0  # the 200th's ties reach past them
+    warp(_vocab_logits("peaked"), sampling(True, 1.0, 50, 1.0))
+    assert whole_rows[-1] == 6  # top-k alone: no sort to save
 
 
 def test_logits_already_excluded_stay_excluded():
@@ -186,7 +188,7 @@ def test_a_draw_at_either_end_of_the_unit_interval_has_mass(monkeypatch, u):
     from rewriter.runtime import sampling as sampling_module
     probs = torch.tensor([[0.0, 0.1, 0.0, 0.9, 0.0, 0.0]])
     monkeypatch.setattr(sampling_module.torch, "rand",
-                        lambda shape, generator=None, dtype=None: torch.full(shape, u, dtype=dtype))
+                        lambda shape, generator=None, dtype=None, **kw: torch.full(shape, u, dtype=dtype, **kw))
     assert sampling_module.draw(probs, None).tolist() == [1 if u == 0.0 else 3]
 
 
@@ -196,3 +198,9 @@ def test_a_distribution_that_is_no_distribution_is_refused(bad):
     from rewriter.runtime.sampling import draw
     with pytest.raises(RuntimeError, match="probabilities"):
         draw(torch.tensor([[0.2, 0.3, 0.5], bad]), None)
+
+
+def test_a_draw_takes_rows_of_probabilities():
+    from rewriter.runtime.sampling import draw
+    with pytest.raises(ValueError, match=r"\[B, V\]"):
+        draw(torch.tensor([0.5, 0.5]), None)
