@@ -26,6 +26,7 @@ import json
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -103,7 +104,7 @@ def answers_logits(model, tok, prompts, new: int) -> torch.Tensor:
 
 def generations(variants, prompts, new: int, settings: dict, runs: int) -> list:
     """Per variant ``(name, engine, way)``: (tok/s median, tokens a round or None, ms a
-    round or None: the median run's time over its rounds, prefill included), runs
+    round or None: every run's time over every run's rounds, prefill included), runs
     interleaved and each run starting with the next variant. Sampled texts differ between
     the ways (their draws differ), and so do the heads' tokens a round: ms a round is the
     figure that compares them."""
@@ -112,7 +113,7 @@ def generations(variants, prompts, new: int, settings: dict, runs: int) -> list:
             for p in prompts:
                 engine.generate([p], max_new_tokens=4, seed=0, eos_token_id=[], **settings)
     times = [[] for _ in variants]
-    outs, stats = [None] * len(variants), [None] * len(variants)
+    outs, stats = [None] * len(variants), [Counter() for _ in variants]
     for run in range(runs):
         for j in range(len(variants)):
             i = (run + j) % len(variants)
@@ -124,13 +125,13 @@ def generations(variants, prompts, new: int, settings: dict, runs: int) -> list:
                                            eos_token_id=[], **settings)
                            for s, p in enumerate(prompts)]
                 times[i].append(time.perf_counter() - start)
-                stats[i] = dict(engine.stats)
+                stats[i].update(engine.stats)  # every run's rounds
     got = []
     for (_, engine, _), out, t, st in zip(variants, outs, times, stats):
         made = made_tokens(engine, [[p] for p in prompts], out, False)
         rounds = st.get("row_rounds", 0)  # batch 1: a row's rounds are the rounds
-        per_round = 1 + st["accepted"] / rounds if rounds else None
-        got.append((made / statistics.median(t), per_round, statistics.median(t) / rounds * 1e3 if rounds else None))
+        per_round = 1 + st.get("accepted", 0) / rounds if rounds else None
+        got.append((made / statistics.median(t), per_round, sum(t) / rounds * 1e3 if rounds else None))
     return got
 
 

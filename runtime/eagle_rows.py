@@ -48,14 +48,16 @@ class EagleProgram:
         """The layer's weights as decoding reads them, on ``device`` in ``dtype``, with the
         draft's LM head (``lm_head``, ``[V, H]``): q/k/v and gate/up as one product each
         (``eagle.fused``: a level makes 5 weight products, not 8), matrices packed for
-        oneDNN where the model's programs pack theirs (``runtime.packed_linear``), made
+        oneDNN where the machine packs (``runtime.packed_linear``) and there is room, made
         once for every generation's ``EagleRows``."""
         key = (str(device), dtype)
         if key not in self._weights:
             p = eagle.fused({k: v.to(device, dtype) for k, v in self.params.items()})
             p["lm_head"] = self.lm.to(device, dtype)
             matrices = [k for k, v in p.items() if v.dim() == 2 and packed_linear.supported(v)]
-            if matrices and packed_linear.pays():
+            # each packed copy replaces its matrix here: room for the moment both exist
+            if matrices and packed_linear.pays() and packed_linear.room_for(
+                    max(p[k].nbytes for k in matrices)):
                 p.update({k: packed_linear.pack(p[k]) for k in matrices})
             self._weights[key] = p
         return self._weights[key]

@@ -4,11 +4,12 @@ The torch backend keeps derived copies beside a model's weights: float32 weights
 transposed (``kernels.linear_t``), bfloat16 weights packed for oneDNN
 (``runtime.packed_linear``). Each set is as large as the weights it copies, so a model of
 more than about a third of the memory would not fit twice: such copies are made only where
-they fit in half the memory the machine has available, and a program that finds no room
-keeps ``F.linear`` (slower, but there).
+they fit in half the memory the machine has available, and a model whose programs find no
+room keeps ``F.linear`` (slower, but there).
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -17,6 +18,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 MEMINFO = "/proc/meminfo"
 CGROUP = "/sys/fs/cgroup"  # a container's memory limit (cgroup v2), where there is one
+SELF_CGROUP = "/proc/self/cgroup"
 
 
 def available_bytes() -> Optional[int]:
@@ -37,16 +39,38 @@ def _meminfo_available() -> Optional[int]:
 
 
 def _cgroup_available() -> Optional[int]:
-    """``memory.max - memory.current`` of this cgroup (v2); None where it sets no limit."""
+    """What this process's cgroup (v2) still allows: ``memory.max`` less what it uses
+    (``memory.current``), reclaimable file cache (``inactive_file``) not counted as used,
+    as ``MemAvailable`` does not count it (a model read from disk leaves its file in the
+    cache). None where it sets no limit. Limits of parent cgroups are not read."""
+    base = _own_cgroup()
     try:
-        with open(f"{CGROUP}/memory.max") as f:
+        with open(f"{base}/memory.max") as f:
             limit = f.read().strip()
         if limit == "max":
             return None
-        with open(f"{CGROUP}/memory.current") as f:
-            return max(0, int(limit) - int(f.read().strip()))
-    except (OSError, ValueError):
+        with open(f"{base}/memory.current") as f:
+            used = int(f.read().strip())
+        try:
+            with open(f"{base}/memory.stat") as f:
+                used -= next((int(line.split()[1]) for line in f if line.startswith("inactive_file ")), 0)
+        except OSError:
+            pass
+        return max(0, int(limit) - used)
+    except (OSError, ValueError, IndexError):
         return None
+
+
+def _own_cgroup() -> str:
+    """The folder of this process's cgroup (``/proc/self/cgroup``'s ``0::PATH``) where it
+    has one, else ``CGROUP`` itself (inside a container the two are the same)."""
+    try:
+        with open(SELF_CGROUP) as f:
+            path = next((line.strip()[3:] for line in f if line.startswith("0::")), "")
+    except OSError:
+        path = ""
+    own = f"{CGROUP}{path.rstrip('/')}" if path.startswith("/") else CGROUP
+    return own if os.path.exists(f"{own}/memory.max") else CGROUP
 
 
 def room_for(nbytes: int) -> bool:

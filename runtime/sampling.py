@@ -58,8 +58,8 @@ CANDIDATES = 256
 def _among_candidates(logits: Tensor, top_k: Optional[int], top_p: float) -> tuple:
     """``(warped [B, V], ok [B])``: ``warp``'s top-k and top-p over the ``CANDIDATES`` largest
     logits of each row, right where ``ok`` (elsewhere what they keep may reach past the
-    candidates); ``(None, None)`` where the candidates are not fewer than the vocabulary or
-    than top-k.
+    candidates); ``(None, None)`` for top-k alone (its one ``topk`` is cheap) and where the
+    candidates are not fewer than the vocabulary or than top-k.
 
     Top-k keeps every logit at least the k-th largest (its ties too, as Hugging Face's
     ``TopKLogitsWarper``). Top-p keeps the smallest set of tokens whose mass is more than
@@ -77,16 +77,15 @@ def _among_candidates(logits: Tensor, top_k: Optional[int], top_p: float) -> tup
         kth = vals[:, top_k - 1:top_k]  # [B, 1]
         ok &= vals[:, -1] < kth[:, 0]  # else the k-th's ties may lie past the candidates
         vals = vals.masked_fill(vals < kth, float("-inf"))
-    if top_p < 1.0:
-        # each candidate's share of the whole distribution (after top-k: of the candidates)
-        total = (vals if top_k is not None else logits).logsumexp(-1, keepdim=True)  # [B, 1]
-        probs = (vals - total).exp()  # [B, m]
-        keep = probs.cumsum(-1) - probs < top_p  # the mass ranked above each
-        keep[:, 0] = True
-        # the nucleus ends inside the candidates, and no token past them ties with one it
-        # keeps (ties are kept in no particular order, Hugging Face's unstable sort's either)
-        ok &= vals.masked_fill(~keep, float("inf")).amin(-1) > vals[:, -1]
-        vals = vals.masked_fill(~keep, float("-inf"))
+    # top-p: each candidate's share of the whole distribution (after top-k: of the candidates)
+    total = (vals if top_k is not None else logits).logsumexp(-1, keepdim=True)  # [B, 1]
+    probs = (vals - total).exp()  # [B, m]
+    keep = probs.cumsum(-1) - probs < top_p  # the mass ranked above each
+    keep[:, 0] = True
+    # the nucleus ends inside the candidates, and no token past them ties with one it keeps
+    # (ties are kept in no particular order, as by Hugging Face's unstable sort)
+    ok &= vals.masked_fill(~keep, float("inf")).amin(-1) > vals[:, -1]
+    vals = vals.masked_fill(~keep, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter_(-1, at, vals), ok
 
 

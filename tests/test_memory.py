@@ -17,6 +17,13 @@ def _meminfo(monkeypatch, tmp_path, available_kb: int) -> None:
     info.write_text(f"MemTotal:       99999999 kB\nMemFree:        1 kB\n"
                     f"MemAvailable:   {available_kb} kB\n")
     monkeypatch.setattr(memory, "MEMINFO", str(info))
+    _no_cgroup(monkeypatch, tmp_path)
+
+
+def _no_cgroup(monkeypatch, tmp_path) -> None:
+    """No cgroup limit, whatever the machine running the tests has."""
+    monkeypatch.setattr(memory, "CGROUP", str(tmp_path / "no-cgroup"))
+    monkeypatch.setattr(memory, "SELF_CGROUP", str(tmp_path / "no-self-cgroup"))
 
 
 def _linear_bytes(model) -> int:
@@ -101,12 +108,23 @@ def test_a_containers_limit_counts_where_it_leaves_less(monkeypatch, tmp_path):
     group.mkdir()
     monkeypatch.setattr(memory, "CGROUP", str(group))
     assert memory.available_bytes() == 4096 * 1024  # no cgroup files: meminfo's
+    own = group / "user.slice" / "me"
+    own.mkdir(parents=True)
+    (tmp_path / "self").write_text("0::/user.slice/me\n")
+    monkeypatch.setattr(memory, "SELF_CGROUP", str(tmp_path / "self"))
+    (own / "memory.max").write_text(f"{1024 * 1024}\n")  # the process's own cgroup first
+    (own / "memory.current").write_text("0\n")
+    assert memory.available_bytes() == 1024 * 1024
+    (own / "memory.max").unlink()  # none of its own: the root's
     (group / "memory.max").write_text("max\n")
     (group / "memory.current").write_text("123\n")
     assert memory.available_bytes() == 4096 * 1024  # no limit
     (group / "memory.max").write_text(f"{3 * 1024 * 1024}\n")
     (group / "memory.current").write_text(f"{1024 * 1024}\n")
     assert memory.available_bytes() == 2 * 1024 * 1024  # the limit leaves 2 MiB
+    (group / "memory.stat").write_text(f"anon 5\ninactive_file {512 * 1024}\nactive_file 9\n")
+    assert memory.available_bytes() == 2 * 1024 * 1024 + 512 * 1024  # file cache reclaimable
+    (group / "memory.stat").unlink()
     (group / "memory.current").write_text(f"{5 * 1024 * 1024}\n")  # past it: nothing left
     assert memory.available_bytes() == 0 and not memory.room_for(1)
     (group / "memory.max").write_text("garbage\n")
@@ -138,3 +156,41 @@ def test_stale_copies_are_dropped_before_room_is_asked():
     w.add_(1)  # written: its copy is stale
     copies.sweep()
     assert len(copies._kept) == 1 and copies.has(v)
+
+
+def _linears(*targets):
+    from types import SimpleNamespace
+    return [SimpleNamespace(args=(None, SimpleNamespace(target=t))) for t in targets]
+
+
+def test_room_is_asked_for_new_copies_only_once_stale_ones_are_dropped():
+    """``_fitting`` asks for the bytes of copies not yet made (a weight read by two linears,
+    or tied under two names, once), after dropping copies whose weights were written."""
+    from rewriter.runtime.lower import _fitting
+    copies = memory.Copies(lambda w: w.t().contiguous())
+    a, b, made = torch.randn(4, 8), torch.randn(2, 8), torch.randn(3, 8)
+    stale = torch.randn(5, 5)
+    copies(made), copies(stale)
+    stale.add_(1)  # written: its copy is never read again
+    weights = {"a": a, "tied": a, "b": b, "made": made}
+    asked = []
+
+    def room(nbytes):
+        asked.append((nbytes, len(copies._kept)))
+        return True
+    nodes = _linears("a", "a", "tied", "b", "made")
+    assert _fitting(nodes, {}, weights.__getitem__, ".__t", copies, room) == nodes
+    assert asked == [(a.nbytes + b.nbytes, 1)]  # a once, made not at all, the stale one gone
+
+
+def test_a_refusal_holds_for_the_models_later_programs():
+    from rewriter.runtime.lower import _fitting
+    copies = memory.Copies(lambda w: w.t().contiguous())
+    weights = {"a": torch.randn(4, 8), "b": torch.randn(2, 8)}
+    derived = {"a.__t": copies(weights["a"])}  # an earlier program's copy
+    answers = []
+    nodes = _linears("a", "b")
+    got = _fitting(nodes, derived, weights.__getitem__, ".__t", copies,
+                   lambda n: answers.append(n) or False)
+    assert got == nodes[:1] and len(answers) == 1  # refused: only the copy already read
+    assert _fitting(nodes, derived, weights.__getitem__, ".__t", copies, lambda n: True) == nodes[:1]

@@ -293,6 +293,7 @@ def test_copies_that_would_not_fit_in_memory_are_not_made(monkeypatch, tmp_path)
                                      (need // 1024, "on", True)):
         info.write_text(f"MemTotal:       99999999 kB\nMemAvailable:   {available_kb} kB\n")
         monkeypatch.setattr(memory, "MEMINFO", str(info))
+        monkeypatch.setattr(memory, "CGROUP", str(tmp_path / "no-cgroup"))  # whatever the machine's
         monkeypatch.setenv(packed_linear.ENV, env)
         decode = lower(rewriter.optimize(model).ir, False, "torch", {})
         assert (packed_linear.linear_packed in _targets(decode)) is packs, (available_kb, env)
