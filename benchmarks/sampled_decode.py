@@ -11,7 +11,8 @@ rounds, "before" (top-k and top-p over the whole sorted vocabulary, tokens drawn
 1. ``warp`` and a draw from its softmax on the model's own logits (its answers to the eval's
    chat questions), per call of 1 and 16 rows, both ways, and whether the two keep the
    same tokens.
-2. Whole generations of ``--new`` tokens for the eval's chat questions (past the end of an
+2. Whole generations of ``--new`` tokens for the eval's chat questions (code prompts for a
+   model without a chat template; past the end of an
    answer: the same number of tokens both ways; sampled answers end at random), batch 1:
    plain decode and the Hydra heads as a user gets them (``HydraHeads(weights=MODEL,
    draft_vocab=4096)``: their auto tree and copied chains, sampled rounds lossless in
@@ -150,14 +151,17 @@ def main():
     model = cast(model, getattr(torch, args.dtype), "cpu")
     plain = rewriter.optimize(model, tokenizer=tok)
     tok = plain.tokenizer
-    prompts = [b[0] for b in prompt_sets(plain, tok, 1, args.samples)["chat"]]
+    sets = prompt_sets(plain, tok, 1, args.samples)
+    kind = "chat" if "chat" in sets else "code"  # a model without a chat template: code
+    prompts = [b[0] for b in sets[kind]]
     heads = strategy_engine(model, tokenizer=tok, passes=[HydraHeads(weights=args.model, draft_vocab=4096)])
     out = {"machine": machine(), "torch": torch.__version__, "dtype": args.dtype,
            "date": time.strftime("%Y-%m-%d"), "candidates": sampling.CANDIDATES,
            "ways": {"before": "whole sort, torch.multinomial", "after": "candidates, inverse-CDF draws"},
            "sdpa_path": path_taken(getattr(torch, args.dtype)),
            "packed_linears": args.dtype == "bfloat16" and packed_linear._machine_ok() and packed_linear.pays(),
-           "prompts": len(prompts), "new": args.new, "runs": args.runs}
+           "model": args.model, "prompts": len(prompts), "prompt_kind": kind, "new": args.new,
+           "runs": args.runs}
 
     out["warp"] = warp_times(answers_logits(model, tok, prompts, args.new))
     print(tabulate([[r["temperature"], r["top_k"], r["top_p"], r["rows"], f"{r['ms_before']:.3f}",
