@@ -13,6 +13,7 @@ The program is an ``fx.GraphModule`` over the same weights, with
 from __future__ import annotations
 
 import operator
+import os
 
 import torch
 from torch import fx
@@ -270,14 +271,18 @@ def _generated_call(graph: fx.Graph, group: list, env: dict, index: int, sources
 
 def _transpose_linear_weights(ir: IR, graph: fx.Graph, transposed: dict) -> None:
     """``linear(x, W, b)`` -> ``linear_t(x, W^T, b)`` for 2-d float32 CPU weights (see
-    ``linear_t``), where the copies fit in memory (``_fitting``)."""
+    ``linear_t``), where the copies fit in memory (``_fitting``) or
+    ``REWRITER_TRANSPOSED_LINEAR`` says so."""
     def weight(target: str) -> torch.Tensor:
         return transposed[target] if target in transposed else ir.weight(target)
 
     # bfloat16 streams faster untransposed (measured: docs/benchmarks.md)
+    setting = _transposed_setting()
     nodes = [n for n in graph.find_nodes(op="call_function", target=KERNELS["linear"])
              if n.args[1].op == "get_attr" and _transposable(weight(n.args[1].target))]
-    for node in _fitting(nodes, transposed, weight, ".__transposed", _transposed, memory.room_for):
+    # "off" is a refusal like a full memory's: the model's programs all read F.linear
+    room = {"on": lambda nbytes: True, "off": lambda nbytes: False}.get(setting, memory.room_for)
+    for node in _fitting(nodes, transposed, weight, ".__transposed", _transposed, room):
         w = node.args[1]
         name = w.target + ".__transposed"
         if name not in transposed:
@@ -285,6 +290,19 @@ def _transpose_linear_weights(ir: IR, graph: fx.Graph, transposed: dict) -> None
         with graph.inserting_before(node):
             node.args = (node.args[0], graph.get_attr(name), *node.args[2:])
         node.target = linear_t
+
+
+TRANSPOSED_ENV = "REWRITER_TRANSPOSED_LINEAR"
+
+
+def _transposed_setting() -> str:
+    """``REWRITER_TRANSPOSED_LINEAR``: ``auto`` (copies where they fit), ``on`` (copies
+    whatever memory is left: a machine whose available memory reads low, wrongly), ``off``
+    (never: the weights' memory once, ``F.linear``'s speed)."""
+    setting = os.environ.get(TRANSPOSED_ENV, "auto").strip().lower()
+    if setting not in ("auto", "on", "off"):
+        raise ValueError(f"{TRANSPOSED_ENV} must be auto, on or off, got {os.environ[TRANSPOSED_ENV]!r}")
+    return setting
 
 
 def _transposable(weight: torch.Tensor) -> bool:

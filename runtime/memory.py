@@ -39,38 +39,55 @@ def _meminfo_available() -> Optional[int]:
 
 
 def _cgroup_available() -> Optional[int]:
-    """What this process's cgroup (v2) still allows: ``memory.max`` less what it uses
-    (``memory.current``), reclaimable file cache (``inactive_file``) not counted as used,
-    as ``MemAvailable`` does not count it (a model read from disk leaves its file in the
-    cache). None where it sets no limit. Limits of parent cgroups are not read."""
-    base = _own_cgroup()
-    try:
-        with open(f"{base}/memory.max") as f:
-            limit = f.read().strip()
-        if limit == "max":
-            return None
-        with open(f"{base}/memory.current") as f:
-            used = int(f.read().strip())
+    """What this process's cgroups (v2) still allow: the least headroom of its own cgroup
+    and each parent up to ``CGROUP``, a level's headroom being its limit (``memory.max``,
+    or ``memory.high`` where lower: past it the kernel throttles and reclaims) less what it
+    uses (``memory.current``), reclaimable file cache (``inactive_file``) not counted as
+    used, as ``MemAvailable`` does not count it (a model read from disk leaves its file in
+    the cache). None where no level sets a limit; a level whose files do not parse is
+    passed over."""
+    known = [b for b in map(_level_available, _levels()) if b is not None]
+    return min(known) if known else None
+
+
+def _level_available(folder: str) -> Optional[int]:
+    limits = []
+    for name in ("memory.max", "memory.high"):
         try:
-            with open(f"{base}/memory.stat") as f:
-                used -= next((int(line.split()[1]) for line in f if line.startswith("inactive_file ")), 0)
-        except OSError:
+            with open(f"{folder}/{name}") as f:
+                value = f.read().strip()
+            if value != "max":
+                limits.append(int(value))
+        except (OSError, ValueError):
             pass
-        return max(0, int(limit) - used)
-    except (OSError, ValueError, IndexError):
+    if not limits:
         return None
+    try:
+        with open(f"{folder}/memory.current") as f:
+            used = int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+    try:
+        with open(f"{folder}/memory.stat") as f:
+            used -= next((int(line.split()[1]) for line in f if line.startswith("inactive_file ")), 0)
+    except (OSError, ValueError, IndexError):
+        pass
+    return max(0, min(limits) - used)
 
 
-def _own_cgroup() -> str:
-    """The folder of this process's cgroup (``/proc/self/cgroup``'s ``0::PATH``) where it
-    has one, else ``CGROUP`` itself (inside a container the two are the same)."""
+def _levels() -> list[str]:
+    """The folders of this process's cgroup (``/proc/self/cgroup``'s ``0::PATH``) and its
+    parents, down from ``CGROUP`` itself (inside a container, the container's own). A path
+    with ``..`` in it is not followed past ``CGROUP``."""
     try:
         with open(SELF_CGROUP) as f:
             path = next((line.strip()[3:] for line in f if line.startswith("0::")), "")
     except OSError:
         path = ""
-    own = f"{CGROUP}{path.rstrip('/')}" if path.startswith("/") else CGROUP
-    return own if os.path.exists(f"{own}/memory.max") else CGROUP
+    parts = [p for p in path.split("/") if p and p != "."] if path.startswith("/") else []
+    if ".." in parts:  # not a path the kernel writes: only the root is trusted
+        parts = []
+    return [os.path.join(CGROUP, *parts[:i]) for i in range(len(parts) + 1)]
 
 
 def room_for(nbytes: int) -> bool:

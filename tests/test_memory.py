@@ -61,6 +61,25 @@ def test_float32_weights_are_transposed_only_where_the_copies_fit(monkeypatch, t
     assert torch.equal(tight, roomy)  # F.linear and the transposed product: the same tokens
 
 
+def test_the_environment_fixes_whether_float32_weights_are_transposed(monkeypatch, tmp_path):
+    model = make_model("llama-gqa-3l")
+    need = _linear_bytes(model)
+    _meminfo(monkeypatch, tmp_path, need // 1024)  # no room
+    monkeypatch.setenv("REWRITER_TRANSPOSED_LINEAR", "on")
+    assert _reads_transposed(model)  # whatever the memory reads
+    _meminfo(monkeypatch, tmp_path, 100 * need // 1024)  # plenty
+    monkeypatch.setenv("REWRITER_TRANSPOSED_LINEAR", " OFF ")
+    assert not _reads_transposed(model)
+    off = rewriter.optimize(model).generate([[3, 4, 5], [6, 7]], max_new_tokens=6, eos_token_id=[])
+    monkeypatch.setenv("REWRITER_TRANSPOSED_LINEAR", "auto")
+    assert _reads_transposed(model)
+    auto = rewriter.optimize(model).generate([[3, 4, 5], [6, 7]], max_new_tokens=6, eos_token_id=[])
+    assert torch.equal(off, auto)
+    monkeypatch.setenv("REWRITER_TRANSPOSED_LINEAR", "yes")
+    with pytest.raises(ValueError, match="REWRITER_TRANSPOSED_LINEAR must be auto, on or off"):
+        rewriter.optimize(model)
+
+
 def test_copies_already_made_are_reused_when_memory_is_tight(monkeypatch, tmp_path):
     """An IR lowered again (a pass times its programs a dozen times) reads the copies it
     has: they take no new memory, and the programs of one model stay alike."""
@@ -129,6 +148,35 @@ def test_a_containers_limit_counts_where_it_leaves_less(monkeypatch, tmp_path):
     assert memory.available_bytes() == 0 and not memory.room_for(1)
     (group / "memory.max").write_text("garbage\n")
     assert memory.available_bytes() == 4096 * 1024
+
+
+def test_every_cgroup_above_the_process_counts(monkeypatch, tmp_path):
+    _meminfo(monkeypatch, tmp_path, 64 * 1024)  # 64 MiB by /proc/meminfo
+    group = tmp_path / "cgroup"
+    own = group / "parent" / "me"
+    own.mkdir(parents=True)
+    monkeypatch.setattr(memory, "CGROUP", str(group))
+    (tmp_path / "self").write_text("0::/parent/me\n")
+    monkeypatch.setattr(memory, "SELF_CGROUP", str(tmp_path / "self"))
+    mib = 1024 * 1024
+    for folder, limit, used in ((own, 8, 1), (group / "parent", 6, 2)):
+        (folder / "memory.max").write_text(f"{limit * mib}\n")
+        (folder / "memory.current").write_text(f"{used * mib}\n")
+    assert memory.available_bytes() == 4 * mib  # the parent's 6 - 2, under the own 8 - 1
+    (own / "memory.high").write_text(f"{3 * mib}\n")  # throttled past it: a limit too
+    assert memory.available_bytes() == 2 * mib
+    (own / "memory.high").write_text("max\n")
+    (group / "memory.max").write_text(f"{mib}\n")  # the root (a container's) as well
+    (group / "memory.current").write_text("0\n")
+    assert memory.available_bytes() == mib
+    (group / "parent" / "memory.max").write_text("garbage\n")  # a level that does not parse
+    (group / "memory.max").write_text("max\n")
+    assert memory.available_bytes() == 7 * mib  # is passed over; the own one still counts
+    (tmp_path / "self").write_text("0::/parent/../../outside\n")  # not followed out of CGROUP
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "memory.max").write_text("1\n")
+    (tmp_path / "outside" / "memory.current").write_text("0\n")
+    assert memory.available_bytes() == 64 * mib  # the root alone: no limit there
 
 
 @pytest.mark.parametrize("answers", [(False, True), (True, False)])
