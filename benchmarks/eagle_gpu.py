@@ -21,7 +21,15 @@ Phases, each ending at its deadline (a fraction of ``--seconds`` from the start)
 
 ``DIR/eagle.safetensors`` is the draft file ``EagleDraft(weights=...)`` reads (with the
 tokens' counts for ``draft_vocab``), ``DIR/eagle_gpu.json`` what was made and measured.
-Nothing is cached: the data lives for the run (the point is a GPU's minutes).
+
+Without ``--data`` nothing is cached: the data lives for the run (the point is a GPU's
+minutes). With ``--data ROWS`` (``eagle_rows``) the run keeps its answered rows there, and
+trains on every earlier run's rows in that folder as well (their held-out code prompts
+left out; this run's held-out chat rows are its own): a CPU adds a GPU call's data in
+about an hour a session. A run whose seed already has rows there was cut short: it takes
+them instead of asking and answering again, and may go on from its own checkpoint
+(``--init DIR/eagle.safetensors``). Token counts of earlier runs' rows are counted again
+where ``--init`` already holds them (they only rank the draft vocabulary).
 """
 from __future__ import annotations
 
@@ -42,6 +50,7 @@ from rewriter.train_heads import (_continue, _ends, _eos_ids, _hidden_states, _m
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from eagle_draft import Draft, produced_counts  # noqa: E402
+import eagle_rows  # noqa: E402
 from step_time import machine  # noqa: E402
 
 HELD_CODE = 48  # held-out code prompts (train-heads' default)
@@ -56,7 +65,9 @@ def main() -> None:
     model, tok = load_model(args.model, args.dtype)
     model = model.to(device).eval()
     eos = _eos_ids(model, tok)
-    init = start_of(args, model)  # refused now, not minutes later
+    vocab = model.lm_head.weight.shape[0]
+    earlier, resumed = rows_of(args, vocab)  # refused now, not minutes later
+    init = start_of(args, model, resuming=resumed is not None)
     report = {"args": dict(vars(args)), "cpu": machine(), "torch": torch.__version__,
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     report["seconds"] = {}
@@ -65,41 +76,42 @@ def main() -> None:
         report["seconds"][name] = round(time.perf_counter() - began - sum(report["seconds"].values()), 1)
     phase("load")
 
-    asked = self_asked(model, tok, args.questions, args.seed, progress=False,
-                       batch=args.question_batch, deadline=at(args.ask))
-    phase("ask")
-    print(f"{len(asked)} questions asked", flush=True)
-    held = make_prompts(tok, "heldout", HELD_CODE, PROMPT_TOKENS, args.seed, chat=True)
-    code = make_prompts(tok, "train", args.code_prompts, PROMPT_TOKENS, args.seed, chat=True)
-    # held-out first (answered unless the deadline passed before them), then chat and code
-    # interleaved: a deadline keeps both kinds
-    mixed = [("chat", p) for p in asked] + [("code", p) for p in code]
-    random.Random(args.seed).shuffle(mixed)
-    kinds = ["held"] * len(held) + [k for k, _ in mixed]
-    tokens, start, _ = _continue(model, tok, held + [p for _, p in mixed], args.new_tokens,
-                                 args.generate_batch, False, "train", deadline=at(args.answer))
-    phase("answer")
-    if len(tokens):  # padded to the widest prompt of all: only the answered ones' width
-        tokens = tokens[:, :int(start.max()) + args.new_tokens]
+    if resumed is None:
+        tokens, start, kinds, questions = ask_and_answer(args, model, tok, at, phase)
+        enough_chat(kinds, args)  # before the rows are kept: a later run could not use them
+        if args.data:
+            eagle_rows.save(args.data, eagle_rows.Rows(tokens, start, kinds, args.seed, args.new_tokens,
+                                                       args.chat_heldout), vocab)
+    else:
+        tokens, start, kinds = resumed.tokens, resumed.start, resumed.kind
+        questions = int((kinds == 1).sum())
+        print(f"{len(tokens)} rows of this seed's cut-short run taken from {args.data}", flush=True)
+        phase("rows")
+    # earlier runs' rows train only: their chat as kind 3, their held-out code dropped
+    old = [(e.tokens[e.kind != 0], e.start[e.kind != 0], torch.where(e.kind[e.kind != 0] == 1, 3, 2))
+           for e in earlier]
+    if old:
+        tokens = eagle_rows.padded([tokens] + [t for t, _, _ in old])
+        start = torch.cat([start] + [s for _, s, _ in old])
+        kinds = torch.cat([kinds] + [k for _, _, k in old])
     hidden, _ = _hidden_states(model, tokens, False, "train", chunk=args.hidden_chunk)
     phase("hidden")
     data = {"tokens": tokens, "start": start, "hidden": hidden}
     data["end"] = _ends(data, args.new_tokens, eos)
-    kinds = torch.tensor([("held", "chat", "code").index(k) for k in kinds[:len(tokens)]])
     part = lambda rows: {k: v[rows] for k, v in data.items()}  # noqa: E731
     chat = (kinds == 1).nonzero().flatten()
-    if len(chat) <= args.chat_heldout:
-        sys.exit(f"eagle_gpu: {len(chat)} chat rows answered, --chat-heldout {args.chat_heldout}: "
-                 f"give more --seconds or a smaller --chat-heldout")
+    enough_chat(kinds, args)
     cut = len(chat) - args.chat_heldout
     code_rows = (kinds == 2).nonzero().flatten()
-    parts = [part(chat[:cut])] + ([part(code_rows)] if len(code_rows) else [])
+    old_chat = (kinds == 3).nonzero().flatten()
+    parts = [part(chat[:cut])] + [part(r) for r in (code_rows, old_chat) if len(r)]
     train = _merge(parts)
     heldout = {"chat": part(chat[cut:]), "code": part((kinds == 0).nonzero().flatten())}
     positions = int((train["end"] - train["start"]).sum())
     if not len(heldout["code"]["tokens"]):
         sys.exit("eagle_gpu: no held-out code prompt was answered: give more --seconds")
-    report["data"] = {"questions": len(asked), "chat_rows": cut, "code_rows": len(code_rows),
+    report["data"] = {"questions": questions, "chat_rows": cut, "code_rows": len(code_rows),
+                      "earlier_runs": [e.seed for e in earlier], "earlier_chat_rows": len(old_chat),
                       "heldout_chat_rows": args.chat_heldout,
                       "heldout_code_rows": len(heldout["code"]["tokens"]),
                       "generated_positions": positions}
@@ -107,7 +119,7 @@ def main() -> None:
 
     torch.manual_seed(args.seed)
     draft = Draft(model, "random", args.depth, device)
-    counts = produced_counts(parts, model.lm_head.weight.shape[0])
+    counts = produced_counts(parts, vocab)
     if init is not None:
         go_on_from(draft, init)
         counts = counts + init.counts if init.counts is not None else counts
@@ -146,10 +158,60 @@ def main() -> None:
                                              "heldout_top1", "device_name")}), flush=True)
 
 
-def start_of(args, model):
+def ask_and_answer(args, model, tok, at, phase) -> tuple:
+    """This run's rows: ``(tokens [N, L], start [N], kinds [N], questions asked)``, kinds 0
+    held-out code, 1 chat, 2 code (``eagle_rows``)."""
+    asked = self_asked(model, tok, args.questions, args.seed, progress=False,
+                       batch=args.question_batch, deadline=at(args.ask))
+    phase("ask")
+    print(f"{len(asked)} questions asked", flush=True)
+    held = make_prompts(tok, "heldout", HELD_CODE, PROMPT_TOKENS, args.seed, chat=True)
+    code = make_prompts(tok, "train", args.code_prompts, PROMPT_TOKENS, args.seed, chat=True)
+    # held-out first (answered unless the deadline passed before them), then chat and code
+    # interleaved: a deadline keeps both kinds
+    mixed = [("chat", p) for p in asked] + [("code", p) for p in code]
+    random.Random(args.seed).shuffle(mixed)
+    kinds = ["held"] * len(held) + [k for k, _ in mixed]
+    tokens, start, _ = _continue(model, tok, held + [p for _, p in mixed], args.new_tokens,
+                                 args.generate_batch, False, "train", deadline=at(args.answer))
+    phase("answer")
+    if len(tokens):  # padded to the widest prompt of all: only the answered ones' width
+        tokens = tokens[:, :int(start.max()) + args.new_tokens]
+    kinds = torch.tensor([("held", "chat", "code").index(k) for k in kinds[:len(tokens)]], dtype=torch.int64)
+    return tokens, start, kinds, len(asked)
+
+
+def enough_chat(kinds: torch.Tensor, args) -> None:
+    chat = int((kinds == 1).sum())
+    if chat <= args.chat_heldout:
+        sys.exit(f"eagle_gpu: {chat} chat rows answered, --chat-heldout {args.chat_heldout}: "
+                 f"give more --seconds or a smaller --chat-heldout")
+
+
+def rows_of(args, vocab: int) -> tuple:
+    """``--data``'s earlier runs' rows, and this seed's own where a run of it was cut short
+    (None: none)."""
+    if not args.data:
+        return [], None
+    if Path(args.data).exists() and not Path(args.data).is_dir():
+        sys.exit(f"eagle_gpu: --data {args.data}: exists and is not a folder")
+    try:
+        earlier = eagle_rows.earlier(args.data, args.seed, vocab, args.new_tokens)
+        own = eagle_rows.path(args.data, args.seed)
+        resumed = eagle_rows.load(own, vocab) if own.is_file() else None
+    except eagle_rows.RowsError as e:
+        sys.exit(f"eagle_gpu: --data: {e}")
+    if resumed is not None and resumed.new_tokens != args.new_tokens:
+        sys.exit(f"eagle_gpu: --data: this seed's rows have answers of {resumed.new_tokens} "
+                 f"tokens, --new-tokens is {args.new_tokens}")
+    return earlier, resumed
+
+
+def start_of(args, model, resuming: bool = False):
     """The draft file ``--init`` names (None: none), checked against the model and the run
     before any minute is spent: its questions must be new ones, so neither its seed nor
-    any seed of the files it went on from may be this run's."""
+    any seed of the files it went on from may be this run's (unless ``resuming``: the
+    seed's own rows, kept in ``--data``, are what it trained on)."""
     if args.init is None:
         return None
     try:
@@ -164,7 +226,7 @@ def start_of(args, model):
     while isinstance(trained, dict):  # each run records the file it went on from
         seeds.append(trained.get("seed"))
         trained = trained.get("init")
-    if args.seed in seeds:
+    if args.seed in seeds and not resuming:
         sys.exit(f"eagle_gpu: --init {args.init} was trained (or went on from a draft trained) "
                  f"with --seed {args.seed}: the same questions again; give another")
     return init
@@ -213,6 +275,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--init", default=None,
                     help="a draft file (or 'smollm2', the shipped one) the layer starts from")
     ap.add_argument("--out", required=True, help="folder for eagle.safetensors and eagle_gpu.json")
+    ap.add_argument("--data", default=None,
+                    help="a folder that keeps each run's rows; earlier runs' rows there are trained on too")
     ap.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16"],
                     help="the draft file's parameters (the shipped one: bfloat16, half the bytes)")
     args = ap.parse_args()

@@ -98,3 +98,11 @@ def test_a_layer_of_another_shape_is_refused_before_any_work(tmp_path):
     draft = types.SimpleNamespace(shape=SHAPE, device=torch.device("cpu"), p={})
     with pytest.raises(SystemExit, match="is not this model's"):
         eagle_gpu.go_on_from(draft, init)
+
+
+def test_a_cut_short_run_may_go_on_from_its_own_checkpoint(tmp_path):
+    """With its own rows kept (``--data``), a run of seed 12 trains on what its checkpoint
+    was trained on: the same questions, not new ones asked again."""
+    lm = torch.randn(40, SHAPE.hidden)
+    path, _ = _file(tmp_path, lm, seed=12)
+    assert eagle_gpu.start_of(_args(path, seed=12), _model(lm), resuming=True) is not None
