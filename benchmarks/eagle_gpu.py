@@ -17,7 +17,8 @@ Phases, each ending at its deadline (a fraction of ``--seconds`` from the start)
    ``--seconds`` less ``--reserve``, checkpointed to ``DIR/eagle.safetensors`` every 100
    steps;
 5. held-out top-1 of each draft step: the last ``--chat-heldout`` chat rows and the
-   held-out code prompts.
+   held-out code prompts (with ``--init``, the file's too, before training: what the run
+   added).
 
 ``DIR/eagle.safetensors`` is the draft file ``EagleDraft(weights=...)`` reads (with the
 tokens' counts for ``draft_vocab``), ``DIR/eagle_gpu.json`` what was made and measured.
@@ -123,6 +124,9 @@ def main() -> None:
     if init is not None:
         go_on_from(draft, init)
         counts = counts + init.counts if init.counts is not None else counts
+        # where it started, on the same held-out rows: what this run's training added
+        report["heldout_top1_init"] = {k: draft.accuracy(v) for k, v in heldout.items()}
+        print(f"--init's held-out top-1: {report['heldout_top1_init']}", flush=True)
     lm = model.lm_head.weight.detach().cpu()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
