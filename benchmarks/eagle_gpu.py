@@ -25,12 +25,16 @@ tokens' counts for ``draft_vocab``), ``DIR/eagle_gpu.json`` what was made and me
 
 Without ``--data`` nothing is cached: the data lives for the run (the point is a GPU's
 minutes). With ``--data ROWS`` (``eagle_rows``) the run keeps its answered rows there, and
-trains on every earlier run's rows in that folder as well (their held-out code prompts
-left out; this run's held-out chat rows are its own): a CPU adds a GPU call's data in
-about an hour a session. A run whose seed already has rows there was cut short: it takes
-them instead of asking and answering again, and may go on from its own checkpoint
-(``--init DIR/eagle.safetensors``). Token counts of earlier runs' rows are counted again
-where ``--init`` already holds them (they only rank the draft vocabulary).
+trains on every earlier run's rows in that folder as well: a CPU adds a GPU call's data in
+under an hour a session. Earlier runs' held-out code prompts, and their rows that ask one of
+this run's held-out chat questions again, are left out. The draft file records the seeds
+whose rows it trained on, and a later ``--init`` of it refuses them as it refuses its own.
+A run whose seed already has rows there was cut short: it takes them instead of asking and
+answering again, and goes on from its own checkpoint (``--init DIR/eagle.safetensors``,
+made by a run of that seed). Token counts already in ``--init`` (earlier runs' rows, or a
+resumed run's own) are counted again: they only rank the draft vocabulary. Every earlier
+row's hidden states are made again each run (about 3,400 positions a second in bfloat16 on
+the 2-core Xeon), and held about twice over while the training set is built.
 """
 from __future__ import annotations
 
@@ -67,7 +71,8 @@ def main() -> None:
     model = model.to(device).eval()
     eos = _eos_ids(model, tok)
     vocab = model.lm_head.weight.shape[0]
-    earlier, resumed = rows_of(args, vocab)  # refused now, not minutes later
+    lm = model.lm_head.weight.detach().cpu()
+    earlier, resumed = rows_of(args, lm)  # refused now, not minutes later
     init = start_of(args, model, resuming=resumed is not None)
     report = {"args": dict(vars(args)), "cpu": machine(), "torch": torch.__version__,
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
@@ -79,40 +84,37 @@ def main() -> None:
 
     if resumed is None:
         tokens, start, kinds, questions = ask_and_answer(args, model, tok, at, phase)
-        enough_chat(kinds, args)  # before the rows are kept: a later run could not use them
+        enough_rows(kinds, args, "give more --seconds")  # a resumed run would stop here again
         if args.data:
             eagle_rows.save(args.data, eagle_rows.Rows(tokens, start, kinds, args.seed, args.new_tokens,
-                                                       args.chat_heldout), vocab)
+                                                       args.chat_heldout), lm)
     else:
         tokens, start, kinds = resumed.tokens, resumed.start, resumed.kind
-        questions = int((kinds == 1).sum())
+        questions = None  # not known: the cut-short run's count of distinct questions
         print(f"{len(tokens)} rows of this seed's cut-short run taken from {args.data}", flush=True)
         phase("rows")
-    # earlier runs' rows train only: their chat as kind 3, their held-out code dropped
-    old = [(e.tokens[e.kind != 0], e.start[e.kind != 0], torch.where(e.kind[e.kind != 0] == 1, 3, 2))
-           for e in earlier]
-    if old:
-        tokens = eagle_rows.padded([tokens] + [t for t, _, _ in old])
-        start = torch.cat([start] + [s for _, s, _ in old])
-        kinds = torch.cat([kinds] + [k for _, _, k in old])
+    own_rows = len(tokens)
+    tokens, start, kinds, dropped = eagle_rows.merged(tokens, start, kinds, args.chat_heldout, earlier)
     hidden, _ = _hidden_states(model, tokens, False, "train", chunk=args.hidden_chunk)
     phase("hidden")
     data = {"tokens": tokens, "start": start, "hidden": hidden}
     data["end"] = _ends(data, args.new_tokens, eos)
     part = lambda rows: {k: v[rows] for k, v in data.items()}  # noqa: E731
-    chat = (kinds == 1).nonzero().flatten()
-    enough_chat(kinds, args)
+    chat = (kinds == eagle_rows.CHAT).nonzero().flatten()
     cut = len(chat) - args.chat_heldout
-    code_rows = (kinds == 2).nonzero().flatten()
-    old_chat = (kinds == 3).nonzero().flatten()
+    code_rows = (kinds == eagle_rows.CODE).nonzero().flatten()
+    old_chat = (kinds == eagle_rows.EARLIER_CHAT).nonzero().flatten()
     parts = [part(chat[:cut])] + [part(r) for r in (code_rows, old_chat) if len(r)]
     train = _merge(parts)
-    heldout = {"chat": part(chat[cut:]), "code": part((kinds == 0).nonzero().flatten())}
+    heldout = {"chat": part(chat[cut:]), "code": part((kinds == eagle_rows.HELD).nonzero().flatten())}
+    data.clear()  # the training set and the held-out rows hold their own copies
+    del hidden
     positions = int((train["end"] - train["start"]).sum())
-    if not len(heldout["code"]["tokens"]):
-        sys.exit("eagle_gpu: no held-out code prompt was answered: give more --seconds")
-    report["data"] = {"questions": questions, "chat_rows": cut, "code_rows": len(code_rows),
+    report["data"] = {"questions": questions, "chat_rows": cut,
+                      "code_rows": int((code_rows < own_rows).sum()),
                       "earlier_runs": [e.seed for e in earlier], "earlier_chat_rows": len(old_chat),
+                      "earlier_code_rows": int((code_rows >= own_rows).sum()),
+                      "earlier_rows_dropped": dropped,
                       "heldout_chat_rows": args.chat_heldout,
                       "heldout_code_rows": len(heldout["code"]["tokens"]),
                       "generated_positions": positions}
@@ -121,13 +123,13 @@ def main() -> None:
     torch.manual_seed(args.seed)
     draft = Draft(model, "random", args.depth, device)
     counts = produced_counts(parts, vocab)
+    del parts  # their hidden states: the training set has them
     if init is not None:
         go_on_from(draft, init)
         counts = counts + init.counts if init.counts is not None else counts
         # where it started, on the same held-out rows: what this run's training added
         report["heldout_top1_init"] = {k: draft.accuracy(v) for k, v in heldout.items()}
         print(f"--init's held-out top-1: {report['heldout_top1_init']}", flush=True)
-    lm = model.lm_head.weight.detach().cpu()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -139,6 +141,7 @@ def main() -> None:
                                  "lr": args.lr, "seed": args.seed, "depth": args.depth,
                                  "batch_rows": args.rows, "batch_positions": args.positions,
                                  "device": report["device_name"], "stored": args.save_dtype,
+                                 "data_seeds": [e.seed for e in earlier],
                                  **({"init": {"file": args.init, **init.trained}} if init else {}),
                                  "accuracy_on": "held-out self-asked chat rows"}
                         ).save(out / "eagle.safetensors", dtype=getattr(torch, args.save_dtype))
@@ -185,29 +188,37 @@ def ask_and_answer(args, model, tok, at, phase) -> tuple:
     return tokens, start, kinds, len(asked)
 
 
-def enough_chat(kinds: torch.Tensor, args) -> None:
-    chat = int((kinds == 1).sum())
+def enough_rows(kinds: torch.Tensor, args, fix: str) -> None:
+    """More chat rows than ``--chat-heldout`` and a held-out code prompt, or the run stops."""
+    chat = int((kinds == eagle_rows.CHAT).sum())
     if chat <= args.chat_heldout:
-        sys.exit(f"eagle_gpu: {chat} chat rows answered, --chat-heldout {args.chat_heldout}: "
-                 f"give more --seconds or a smaller --chat-heldout")
+        sys.exit(f"eagle_gpu: {chat} chat rows answered, --chat-heldout {args.chat_heldout}: {fix}")
+    if not bool((kinds == eagle_rows.HELD).any()):
+        sys.exit(f"eagle_gpu: no held-out code prompt was answered: {fix}")
 
 
-def rows_of(args, vocab: int) -> tuple:
+def rows_of(args, lm_head: torch.Tensor) -> tuple:
     """``--data``'s earlier runs' rows, and this seed's own where a run of it was cut short
-    (None: none)."""
+    (None: none), all checked before any minute is spent."""
     if not args.data:
         return [], None
     if Path(args.data).exists() and not Path(args.data).is_dir():
         sys.exit(f"eagle_gpu: --data {args.data}: exists and is not a folder")
+    own = eagle_rows.path(args.data, args.seed)
+    if (own.exists() or own.is_symlink()) and not (own.is_file() and not own.is_symlink()):
+        sys.exit(f"eagle_gpu: --data: {own} is not a plain file")
     try:
-        earlier = eagle_rows.earlier(args.data, args.seed, vocab, args.new_tokens)
-        own = eagle_rows.path(args.data, args.seed)
-        resumed = eagle_rows.load(own, vocab) if own.is_file() else None
+        earlier = eagle_rows.earlier(args.data, args.seed, lm_head, args.new_tokens)
+        resumed = eagle_rows.load(own, lm_head) if own.is_file() else None
     except eagle_rows.RowsError as e:
         sys.exit(f"eagle_gpu: --data: {e}")
-    if resumed is not None and resumed.new_tokens != args.new_tokens:
-        sys.exit(f"eagle_gpu: --data: this seed's rows have answers of {resumed.new_tokens} "
-                 f"tokens, --new-tokens is {args.new_tokens}")
+    if resumed is not None:
+        fix = f"remove {own} (this seed's rows) or give another --seed"
+        if (resumed.new_tokens, resumed.chat_heldout) != (args.new_tokens, args.chat_heldout):
+            sys.exit(f"eagle_gpu: --data: this seed's rows were answered with --new-tokens "
+                     f"{resumed.new_tokens} and hold out {resumed.chat_heldout} chat rows; this "
+                     f"run has {args.new_tokens} and {args.chat_heldout}: {fix}")
+        enough_rows(resumed.kind, args, fix)
     return earlier, resumed
 
 
@@ -229,8 +240,15 @@ def start_of(args, model, resuming: bool = False):
     trained, seeds = init.trained, []
     while isinstance(trained, dict):  # each run records the file it went on from
         seeds.append(trained.get("seed"))
+        data = trained.get("data_seeds")  # the earlier runs' rows it trained on (--data)
+        seeds += data if isinstance(data, list) else []
         trained = trained.get("init")
-    if args.seed in seeds and not resuming:
+    if resuming:  # only its own checkpoint: trained on this seed's rows and no others of it
+        if not isinstance(init.trained, dict) or init.trained.get("seed") != args.seed:
+            sys.exit(f"eagle_gpu: --init {args.init} was not made by a run of --seed {args.seed}: "
+                     f"a run that takes this seed's kept rows goes on from its own checkpoint")
+        seeds = seeds[1:]
+    if args.seed in seeds:
         sys.exit(f"eagle_gpu: --init {args.init} was trained (or went on from a draft trained) "
                  f"with --seed {args.seed}: the same questions again; give another")
     return init

@@ -77,15 +77,17 @@ def _level_available(folder: str) -> Optional[int]:
 
 def _levels() -> list[str]:
     """The folders of this process's cgroup (``/proc/self/cgroup``'s ``0::PATH``) and its
-    parents, down from ``CGROUP`` itself (inside a container, the container's own). A path
-    with ``..`` in it is not followed past ``CGROUP``."""
+    parents, down from ``CGROUP`` itself (inside a container, the container's own). Where
+    the path is not one under ``CGROUP`` (a process outside its cgroup namespace's root is
+    shown ``/../x``; a container without a namespace is shown the host's path, which it
+    does not mount), ``CGROUP`` alone."""
     try:
         with open(SELF_CGROUP) as f:
             path = next((line.strip()[3:] for line in f if line.startswith("0::")), "")
     except OSError:
         path = ""
     parts = [p for p in path.split("/") if p and p != "."] if path.startswith("/") else []
-    if ".." in parts:  # not a path the kernel writes: only the root is trusted
+    if ".." in parts or not os.path.isdir(os.path.join(CGROUP, *parts)):
         parts = []
     return [os.path.join(CGROUP, *parts[:i]) for i in range(len(parts) + 1)]
 

@@ -102,7 +102,33 @@ def test_a_layer_of_another_shape_is_refused_before_any_work(tmp_path):
 
 def test_a_cut_short_run_may_go_on_from_its_own_checkpoint(tmp_path):
     """With its own rows kept (``--data``), a run of seed 12 trains on what its checkpoint
-    was trained on: the same questions, not new ones asked again."""
+    was trained on: the same questions, not new ones asked again. Only its own checkpoint:
+    a draft of another seed that went on from a seed-12 draft is refused."""
     lm = torch.randn(40, SHAPE.hidden)
     path, _ = _file(tmp_path, lm, seed=12)
     assert eagle_gpu.start_of(_args(path, seed=12), _model(lm), resuming=True) is not None
+    g = torch.Generator().manual_seed(1)
+    later = tmp_path / "later.safetensors"
+    eagle_file.made(eagle.init(SHAPE, g), SHAPE, lm,
+                    trained={"seed": 13, "init": {"file": "a", "seed": 12}}).save(later)
+    with pytest.raises(SystemExit, match="was not made by a run of --seed 12"):
+        eagle_gpu.start_of(_args(later, seed=12), _model(lm), resuming=True)
+
+
+def test_the_seeds_of_the_rows_a_draft_trained_on_are_refused(tmp_path):
+    """A draft trained with ``--data`` on seed 11's rows (held-out ones included): a run of
+    seed 11 may not measure it on them, at any depth of the chain."""
+    lm = torch.randn(40, SHAPE.hidden)
+    g = torch.Generator().manual_seed(1)
+    path = tmp_path / "b.safetensors"
+    eagle_file.made(eagle.init(SHAPE, g), SHAPE, lm,
+                    trained={"seed": 14, "data_seeds": [9],
+                             "init": {"seed": 12, "data_seeds": [11]}}).save(path)
+    for seed in (9, 11):
+        with pytest.raises(SystemExit, match=f"with --seed {seed}: the same questions"):
+            eagle_gpu.start_of(_args(path, seed=seed), _model(lm))
+    assert eagle_gpu.start_of(_args(path, seed=15), _model(lm)) is not None
+    own = tmp_path / "own.safetensors"  # its own checkpoint, trained on seed 12's rows too
+    eagle_file.made(eagle.init(SHAPE, g), SHAPE, lm, trained={"seed": 12, "data_seeds": [12]}).save(own)
+    with pytest.raises(SystemExit, match="with --seed 12: the same questions"):
+        eagle_gpu.start_of(_args(own, seed=12), _model(lm), resuming=True)

@@ -177,6 +177,12 @@ def test_every_cgroup_above_the_process_counts(monkeypatch, tmp_path):
     (tmp_path / "outside" / "memory.max").write_text("1\n")
     (tmp_path / "outside" / "memory.current").write_text("0\n")
     assert memory.available_bytes() == 64 * mib  # the root alone: no limit there
+    (tmp_path / "self").write_text("0::/docker/abc\n")  # a host's path, not mounted here
+    (group / "docker").mkdir()
+    (group / "docker" / "memory.max").write_text("1\n")  # a folder of the same name
+    (group / "docker" / "memory.current").write_text("0\n")
+    (group / "memory.max").write_text(f"{5 * mib}\n")
+    assert memory.available_bytes() == 5 * mib  # is not the process's: the root alone
 
 
 @pytest.mark.parametrize("answers", [(False, True), (True, False)])
