@@ -117,12 +117,19 @@ smollm2() {  # the GGUF file: the argument, or the parts held in /tmp/gpu_parts
       [ -n "${EAGLE_INIT:-}" ] && [ -z "${EAGLE_SEED:-}" ] && seed=12
       timeout ${SLOT:-520} python3 benchmarks/eagle_gpu.py --model "$gguf" --device cuda \
         --seconds ${BUDGET:-470} --out /tmp/eagle_gpu --save-dtype bfloat16 \
-        ${EAGLE_INIT:+--init "$EAGLE_INIT"} --seed $seed --lr ${EAGLE_LR:-5e-4}
+        ${EAGLE_INIT:+--init "$EAGLE_INIT"} --seed $seed --lr ${EAGLE_LR:-5e-4} --data /tmp/eagle_rows
       rc=$?
       if [ -f /tmp/eagle_gpu/eagle.safetensors ]; then
         split -n 2 /tmp/eagle_gpu/eagle.safetensors "$out/eagle_part_"
         sha256sum /tmp/eagle_gpu/eagle.safetensors | awk '{print $1}' > "$out/eagle.sha256"
       fi
+      # the run's rows (eagle_rows: a CPU's later runs train on them too), in 15 MB pieces:
+      # cat rows_part_* > rows-SEED.safetensors; sha256sum it against rows.sha256
+      for f in /tmp/eagle_rows/rows-*.safetensors; do
+        [ -f "$f" ] || continue
+        split -b 15M "$f" "$out/rows_part_"
+        sha256sum "$f" | awk -v n="$(basename "$f")" '{print $1, n}' > "$out/rows.sha256"
+      done
       cp /tmp/eagle_gpu/eagle_gpu.json "$out/" 2>/dev/null
       exit $rc ;;
     *) echo "unknown stage $stage"; exit 2 ;;
