@@ -123,6 +123,9 @@ def test_on_text_that_loops_the_chain_is_kept_and_where_it_cannot_pay_it_rests()
     plain = rewriter.optimize(model)
     pl = rewriter.optimize(model, passes=[PromptLookup()])
     pl.fallback = False  # the chain's own rests, not the timed guard's (test_speed_guard)
+    # what verifying 1-5 tokens costs, fixed: the pass's timings at optimize() follow the
+    # machine's load (a busy CI machine measured chains that paid less)
+    pl.ir.info["decoding"]["costs"] = [[1, [1.0, 1.04, 1.08, 1.12, 1.16]]]
     ids = repeating(plain, [[5, 9, 2] * 4, [7, 3] * 6, [4, 4, 8] * 3], 12)
     kw = dict(max_new_tokens=40, eos_token_id=[])
     assert torch.equal(pl.generate(ids, **kw), plain.generate(ids, **kw))
