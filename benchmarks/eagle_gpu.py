@@ -237,17 +237,18 @@ def start_of(args, model, resuming: bool = False):
     if not same_shape(init.shape, eagle.Shape.of(model.config)):
         sys.exit(f"eagle_gpu: --init's layer {init.shape} is not this model's "
                  f"{eagle.Shape.of(model.config)}")
-    trained, seeds = init.trained, []
+    if resuming and (not isinstance(init.trained, dict) or init.trained.get("seed") != args.seed):
+        sys.exit(f"eagle_gpu: --init {args.init} was not made by a run of --seed {args.seed}: "
+                 f"a run that takes this seed's kept rows goes on from its own checkpoint")
+    trained, seeds, own = init.trained, [], resuming
     while isinstance(trained, dict):  # each run records the file it went on from
-        seeds.append(trained.get("seed"))
+        # a resumed run's own checkpoints (cut short more than once) are the same questions
+        own = own and trained.get("seed") == args.seed
+        if not own:
+            seeds.append(trained.get("seed"))
         data = trained.get("data_seeds")  # the earlier runs' rows it trained on (--data)
         seeds += data if isinstance(data, list) else []
         trained = trained.get("init")
-    if resuming:  # only its own checkpoint: trained on this seed's rows and no others of it
-        if not isinstance(init.trained, dict) or init.trained.get("seed") != args.seed:
-            sys.exit(f"eagle_gpu: --init {args.init} was not made by a run of --seed {args.seed}: "
-                     f"a run that takes this seed's kept rows goes on from its own checkpoint")
-        seeds = seeds[1:]
     if args.seed in seeds:
         sys.exit(f"eagle_gpu: --init {args.init} was trained (or went on from a draft trained) "
                  f"with --seed {args.seed}: the same questions again; give another")

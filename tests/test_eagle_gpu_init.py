@@ -113,6 +113,12 @@ def test_a_cut_short_run_may_go_on_from_its_own_checkpoint(tmp_path):
                     trained={"seed": 13, "init": {"file": "a", "seed": 12}}).save(later)
     with pytest.raises(SystemExit, match="was not made by a run of --seed 12"):
         eagle_gpu.start_of(_args(later, seed=12), _model(lm), resuming=True)
+    twice = tmp_path / "twice.safetensors"  # cut short twice: its own chain of checkpoints
+    eagle_file.made(eagle.init(SHAPE, g), SHAPE, lm,
+                    trained={"seed": 12, "init": {"seed": 12, "init": {"seed": 11}}}).save(twice)
+    assert eagle_gpu.start_of(_args(twice, seed=12), _model(lm), resuming=True) is not None
+    with pytest.raises(SystemExit, match="with --seed 12: the same questions"):
+        eagle_gpu.start_of(_args(twice, seed=12), _model(lm))  # not resuming: refused
 
 
 def test_the_seeds_of_the_rows_a_draft_trained_on_are_refused(tmp_path):
