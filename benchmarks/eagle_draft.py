@@ -150,6 +150,7 @@ class Draft:
         c = model.config
         self.device = torch.device(device)
         self.lm = model.lm_head.weight.detach().to(self.device, torch.bfloat16)  # [V, H] frozen
+        self.vocab = None  # all of it; trim(): the ids of a trimmed draft vocabulary
         self.embed = model.model.embed_tokens.weight.detach().to(self.device, torch.float32)  # [V, H]
         self.depth = depth
         self.shape = eagle.Shape.of(c)
@@ -168,6 +169,31 @@ class Draft:
         self.p["norm.weight"] = model.model.norm.weight.detach().float().cpu().clone()
         # drawn on the CPU, as before, then moved: the same start on every device
         self.p = {n: t.to(self.device).requires_grad_(True) for n, t in self.p.items()}
+
+    def trim(self, ids: torch.Tensor) -> None:
+        """Train and measure on the draft vocabulary ``ids`` alone (sorted token ids, as
+        ``eagle_file.draft_vocab`` gives them): the logits are the LM head's rows for
+        them, ``[P, S, N]``, as ``EagleDraft(draft_vocab=N)`` drafts. A target outside
+        them is no training target (the draft can never propose it) and always a miss in
+        ``accuracy``, as it is in the runtime."""
+        ids = ids.to(torch.int64)
+        if ids.dim() != 1 or not len(ids) or not bool((ids[1:] > ids[:-1]).all()) \
+                or int(ids[0]) < 0 or int(ids[-1]) >= self.lm.shape[0]:
+            raise ValueError("Draft.trim: ids must be sorted distinct token ids of the model's vocabulary")
+        self.lm = self.lm[ids.to(self.device)]  # [N, H]
+        self.vocab = ids
+
+    def targets(self, missing: int):
+        """``y -> y'``: the model's tokens as indices into the draft vocabulary, a token
+        outside it ``missing`` (None: the full vocabulary, nothing to map)."""
+        if self.vocab is None:
+            return None
+        index = torch.full((int(self.vocab[-1]) + 1,), missing, dtype=torch.int64)
+        index[self.vocab] = torch.arange(len(self.vocab))
+        def remap(y: torch.Tensor) -> torch.Tensor:  # -100 (past a row's end) stays
+            inside = (y >= 0) & (y < len(index))
+            return torch.where(inside, index[y.clamp(0, len(index) - 1)], torch.where(y >= 0, missing, y))
+        return remap
 
     def unroll(self, hidden: torch.Tensor, tokens: torch.Tensor) -> list:
         """``eagle.unroll`` over whole rows ``[B, L]``: the next token at the last position
@@ -193,13 +219,14 @@ class Draft:
         opt = torch.optim.AdamW(list(self.p.values()), lr=args.lr, weight_decay=0.0)
         # EAGLE clips at 0.5 too (by value; here by norm)
         return train_rows(opt, data, args, self.logits, self.depth, warmup=50, clip=0.5,
-                          every=100, device=self.device, seconds=seconds, checkpoint=checkpoint)
+                          every=100, device=self.device, seconds=seconds, checkpoint=checkpoint,
+                          targets=self.targets(missing=-100))
 
     def accuracy(self, data: dict) -> list[float]:
         def logits_of(rows, pairs):
             with torch.autocast(self.device.type, dtype=torch.bfloat16):
                 return self.logits(data, rows, pairs)
-        return top1(data, self.depth, logits_of, rows=8)
+        return top1(data, self.depth, logits_of, rows=8, targets=self.targets(missing=-1))
 
 
 if __name__ == "__main__":

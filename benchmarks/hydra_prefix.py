@@ -177,14 +177,15 @@ class Run:
 
 def train_rows(opt, data: dict, args, logits_of, depth: int, warmup: int,
                clip: float | None = None, every: int = 0, device="cpu",
-               seconds: float | None = None, checkpoint=None) -> float:
+               seconds: float | None = None, checkpoint=None, targets=None) -> float:
     """``args.steps`` steps on ``args.positions`` positions of ``args.rows`` random whole
     rows each (``row_batch``, seeded by ``args.seed``); ``logits_of(data, rows, pairs)``
     ``[P, depth, V]`` on ``device`` under bfloat16 autocast, trained by ``train_step`` on
     the model's own tokens weighted ``DECAY ** k``. Prints the loss every ``every`` steps
     (0: never). ``seconds``: a time budget as well; the schedule's cosine follows whichever
     of steps and seconds runs out first, and training ends there. ``checkpoint(step)`` is
-    called after every ``every``-th step. Returns the last step's loss (NaN when no step
+    called after every ``every``-th step. ``targets``: maps the model's tokens ``[P, K]``
+    to the logits' columns (a trimmed draft vocabulary), -100 where none is. Returns the last step's loss (NaN when no step
     ran); ``args.steps_done`` is set to the steps taken."""
     if seconds is not None and not seconds > 0:
         raise ValueError(f"train_rows: seconds must be > 0 (or None), got {seconds!r}")
@@ -206,7 +207,8 @@ def train_rows(opt, data: dict, args, logits_of, depth: int, warmup: int,
         rows, pairs = row_batch(data, args.rows, args.positions, g)
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
             logits = logits_of(data, rows, pairs)  # [P, depth, V]
-        y = _targets(data, pairs, depth).to(device)
+        y = _targets(data, pairs, depth)
+        y = (y if targets is None else targets(y)).to(device)
         loss = train_step(opt, sched, logits, y, weight, clip=clip)
         step += 1
         if every and (step - 1) % every == 0:
@@ -252,9 +254,10 @@ def train_step(opt, sched, logits: torch.Tensor, y: torch.Tensor, weight: torch.
     return loss
 
 
-def top1(data: dict, k: int, logits_of, rows: int = 8) -> list[float]:
+def top1(data: dict, k: int, logits_of, rows: int = 8, targets=None) -> list[float]:
     """Top-1 of each of ``k`` heads on every generated position (given the right path);
-    ``logits_of(rows, pairs)``: the heads' logits ``[P, K, V]`` at ``pairs`` of ``rows``."""
+    ``logits_of(rows, pairs)``: the heads' logits ``[P, K, V]`` at ``pairs`` of ``rows``;
+    ``targets``: the model's tokens to the logits' columns (a token with none: -1, a miss)."""
     hits, count = torch.zeros(k), torch.zeros(k)
     with torch.inference_mode():
         for i in range(0, len(data["tokens"]), rows):
@@ -262,6 +265,7 @@ def top1(data: dict, k: int, logits_of, rows: int = 8) -> list[float]:
             pairs = _pairs(data, chunk)
             y = _targets(data, pairs, k)
             ok = y != -100
+            y = y if targets is None else targets(y)
             hits += ((logits_of(chunk, pairs).argmax(-1).cpu() == y) & ok).sum(0).float()
             count += ok.sum(0).float()
     return [round(a, 4) for a in (hits / count.clamp_min(1)).tolist()]

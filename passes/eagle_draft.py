@@ -106,8 +106,7 @@ class EagleDraft(Pass):
         embed = embedding_weight(ir, lm)
         vocab = None
         if self.draft_vocab is not None:  # the most produced tokens, ids sorted
-            n = min(self.draft_vocab, lm.shape[0])
-            vocab = self.draft.counts.to(torch.float64).topk(n).indices.sort().values
+            vocab = eagle_file.draft_vocab(self.draft.counts, self.draft_vocab)
         self._vocab_size = None if vocab is None else len(vocab)
         insert_eagle(ir, head, embed, self.draft, lm, self.name, vocab)
         strategy = self.strategy()

@@ -1,0 +1,110 @@
+"""``eagle_gpu.py --train-vocab N``: the EAGLE draft trained and measured on the trimmed
+draft vocabulary ``EagleDraft(draft_vocab=N)`` drafts from. The same tokens on both sides,
+a target outside them no training target and always a miss, and a trimmed run that
+learns."""
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import rewriter
+from rewriter import eagle_file
+from rewriter.passes import EagleDraft
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from eagle_draft import Draft  # noqa: E402
+
+PROMPTS = [list(range(3 + 7 * i, 20 + 7 * i)) for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def rows():
+    """The default model and its greedy answers to ``PROMPTS``, as the training's data."""
+    model, _ = rewriter.default_model()
+    tokens = rewriter.optimize(model).generate(PROMPTS, max_new_tokens=24)  # [B, L]
+    with torch.no_grad():
+        hidden = model.model(tokens).last_hidden_state  # [B, L, H]
+    b, length = tokens.shape
+    data = {"tokens": tokens, "hidden": hidden, "start": torch.full((b,), 17),
+            "end": torch.full((b,), length)}
+    return model, data
+
+
+def _args(steps=0, seed=0):
+    return types.SimpleNamespace(steps=steps, rows=6, positions=4096, lr=3e-3, seed=seed)
+
+
+def test_the_draft_vocabulary_is_the_most_produced_tokens_sorted():
+    counts = torch.tensor([5, 0, 9, 9, 1, 7])
+    assert eagle_file.draft_vocab(counts, 3).tolist() == [2, 3, 5]
+    assert eagle_file.draft_vocab(counts, 100).tolist() == list(range(6))  # capped at V
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="positive int"):
+            eagle_file.draft_vocab(counts, bad)
+
+
+def test_the_pass_drafts_from_the_same_tokens(tmp_path, monkeypatch):
+    """``EagleDraft(draft_vocab=N)`` hands the IR exactly ``draft_vocab(counts, N)``."""
+    model, _ = rewriter.default_model()
+    lm = model.lm_head.weight.detach()
+    counts = torch.randint(0, 1000, (lm.shape[0],), generator=torch.Generator().manual_seed(3))
+    d = Draft(model, "random", 2)
+    path = tmp_path / "d.safetensors"
+    eagle_file.made({n: t.detach() for n, t in d.p.items()}, d.shape, lm, counts=counts).save(path)
+    seen = []
+    import rewriter.passes.eagle_draft as pass_module
+    real = pass_module.insert_eagle
+    monkeypatch.setattr(pass_module, "insert_eagle",
+                        lambda *a: (seen.append(a[-1]), real(*a))[1])
+    rewriter.optimize(model, passes=[EagleDraft(weights=str(path), draft_vocab=50)])
+    assert torch.equal(seen[0], eagle_file.draft_vocab(counts, 50))
+
+
+def test_trimming_to_every_token_changes_nothing(rows):
+    model, data = rows
+    torch.manual_seed(0)
+    full = Draft(model, "random", 2)
+    torch.manual_seed(0)
+    trimmed = Draft(model, "random", 2)
+    trimmed.trim(torch.arange(model.lm_head.weight.shape[0]))
+    assert full.accuracy(data) == trimmed.accuracy(data)
+    assert full.train(data, _args(steps=3)) == pytest.approx(trimmed.train(data, _args(steps=3)), rel=1e-5)
+
+
+def test_a_target_outside_the_vocabulary_is_a_miss_and_no_target(rows):
+    model, data = rows
+    used = torch.unique(data["tokens"])
+    others = torch.ones(model.lm_head.weight.shape[0], dtype=torch.bool)
+    others[used] = False
+    d = Draft(model, "random", 2)
+    d.trim(others.nonzero().flatten())  # not one of the text's tokens
+    assert d.accuracy(data) == [0.0, 0.0]
+    remap = d.targets(missing=-100)
+    y = torch.tensor([[int(used[0]), -100], [int(d.vocab[4]), int(used[-1])]])
+    assert remap(y).tolist() == [[-100, -100], [4, -100]]
+    before = {n: t.detach().clone() for n, t in d.p.items()}
+    assert d.train(data, _args(steps=2)) == 0.0  # nothing to learn: no gradient at all
+    assert all(torch.equal(before[n], d.p[n].detach()) for n in before)
+
+
+def test_a_trimmed_run_learns_its_text(rows):
+    """Trained on the answers' own tokens plus others, the trimmed draft's top-1 (as the
+    runtime counts it) rises well above where it started."""
+    model, data = rows
+    counts = torch.bincount(data["tokens"].flatten(), minlength=model.lm_head.weight.shape[0])
+    torch.manual_seed(0)
+    d = Draft(model, "random", 2)
+    d.trim(eagle_file.draft_vocab(counts + 1, 300))  # the text's tokens, then 0, 1, 2 ...
+    before = d.accuracy(data)
+    d.train(data, _args(steps=60))
+    after = d.accuracy(data)
+    assert after[0] > before[0] + 0.3 and after[1] > before[1] + 0.2, (before, after)
+
+
+@pytest.mark.parametrize("ids", [torch.tensor([3, 2]), torch.tensor([1, 1]), torch.tensor([], dtype=torch.int64),
+                                 torch.tensor([-1, 4]), torch.tensor([0, 10 ** 9])])
+def test_bad_vocabularies_are_refused(rows, ids):
+    with pytest.raises(ValueError, match="sorted distinct token ids"):
+        Draft(rows[0], "random", 2).trim(ids)
