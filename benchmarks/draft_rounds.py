@@ -52,6 +52,9 @@ def main() -> None:
                                                        "'none' to skip")
     ap.add_argument("--nodes", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--expand", type=int, default=4)
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="draft from the N tokens each file counts most produced, as "
+                         "draft_vocab=N does (0: the whole vocabulary)")
     ap.add_argument("--depth", type=int, default=4, help="the deepest draft level")
     ap.add_argument("--new", type=int, default=96, help="greedy tokens an answer runs to")
     ap.add_argument("--chat", default="wide", choices=["eval", "wide"])
@@ -63,6 +66,8 @@ def main() -> None:
     args = ap.parse_args()
     if min(args.nodes) < 2 or args.expand < 1 or args.depth < 1 or args.new < 1:
         ap.error("--nodes must be >= 2, --expand, --depth and --new >= 1")
+    if args.draft_vocab < 0 or 0 < args.draft_vocab < 10:
+        ap.error("--draft-vocab must be 0 (the whole vocabulary) or >= 10")
     import rewriter
     from rewriter.runtime.chat import chat_prompt
     model, tok = load(args.model)
@@ -76,11 +81,11 @@ def main() -> None:
             heads.fits(lm, str(args.heads))
             if args.depth > heads.num_heads:
                 ap.error(f"--depth {args.depth}: the heads {args.heads} go {heads.num_heads} deep")
-            drafts["Hydra heads"] = HydraDraft(heads, lm, embed)
+            drafts["Hydra heads"] = HydraDraft(heads, Projection(lm, heads.counts, args.draft_vocab), embed)
         if args.eagle is not None:
             d = eagle_file.load(args.eagle)
             d.fits(lm, args.eagle)
-            drafts["EAGLE layer"] = EagleDraft(d, lm, embed)
+            drafts["EAGLE layer"] = EagleDraft(d, Projection(lm, d.counts, args.draft_vocab), embed)
     except (heads_file.HeadsFileError, eagle_file.DraftFileError) as e:
         ap.error(str(e))
     if not drafts:
@@ -158,6 +163,24 @@ def replay(draft, text: list, f: torch.Tensor, start: int, nodes: int, depth: in
     return got
 
 
+class Projection:
+    """The LM head a draft guesses through: all of it, or (``n``) the rows of the ``n``
+    tokens ``counts`` ranks most produced, as the runtime's ``draft_vocab=n``."""
+
+    def __init__(self, lm: torch.Tensor, counts, n: int):
+        if n and counts is None:
+            raise SystemExit("draft_rounds: --draft-vocab needs draft files that count their tokens")
+        self.ids = eagle_file.draft_vocab(counts, n) if n else None
+        self.w = lm if self.ids is None else lm[self.ids]  # [V or n, H]
+
+    def top(self, g: torch.Tensor):
+        """The 8 likeliest tokens after each feature ``g`` ``[P, H]``: (log-probabilities,
+        token ids), each ``[1, P, 8]``."""
+        top = (g @ self.w.t()).log_softmax(-1).topk(8, dim=-1)
+        ids = top.indices if self.ids is None else self.ids[top.indices]
+        return top.values[None], ids[None]
+
+
 class HydraDraft:
     def __init__(self, heads, lm, embed):
         f = lambda t: t.float()  # noqa: E731  (a file may hold bfloat16)
@@ -179,8 +202,7 @@ class HydraDraft:
         if self.deep is not None:
             for v, c in zip(*self.deep):
                 r = r + F.silu(r @ v[d].t() + c[d])
-        top = (r @ self.lm.t()).log_softmax(-1).topk(8, dim=-1)
-        return top.values[None], top.indices[None]  # [1, P, 8]
+        return self.lm.top(r)
 
 
 class EagleDraft:
@@ -218,8 +240,7 @@ class EagleDraft:
                     (torch.cat([path[0][i:i + 1], k[i:i + 1]], 2),
                      torch.cat([path[1][i:i + 1], v[i:i + 1]], 2))
                 self.memo[pth] = (g[i], (own[0][0], own[1][0]))
-        top = (g @ self.lm.t()).log_softmax(-1).topk(8, dim=-1)
-        return top.values[None], top.indices[None]  # [1, P, 8]
+        return self.lm.top(g)
 
 
 if __name__ == "__main__":

@@ -108,3 +108,22 @@ def test_a_trimmed_run_learns_its_text(rows):
 def test_bad_vocabularies_are_refused(rows, ids):
     with pytest.raises(ValueError, match="sorted distinct token ids"):
         Draft(rows[0], "random", 2).trim(ids)
+
+
+def test_the_replay_drafts_from_the_same_tokens():
+    """``draft_rounds.py --draft-vocab N`` guesses among ``draft_vocab(counts, N)`` alone,
+    normalised over them, as the runtime's trimmed projection does."""
+    import draft_rounds
+    g = torch.Generator().manual_seed(0)
+    lm, feature = torch.randn(40, 8, generator=g), torch.randn(3, 8, generator=g)
+    counts = torch.randint(0, 100, (40,), generator=g)
+    values, ids = draft_rounds.Projection(lm, counts, 12).top(feature)  # [1, 3, 8]
+    vocab = eagle_file.draft_vocab(counts, 12)
+    assert set(ids.flatten().tolist()) <= set(vocab.tolist())
+    want = (feature @ lm[vocab].t()).log_softmax(-1).topk(8, dim=-1)
+    torch.testing.assert_close(values[0], want.values)
+    assert torch.equal(ids[0], vocab[want.indices])
+    full = draft_rounds.Projection(lm, None, 0).top(feature)
+    assert torch.equal(full[1][0], (feature @ lm.t()).topk(8, dim=-1).indices)
+    with pytest.raises(SystemExit, match="count their tokens"):
+        draft_rounds.Projection(lm, None, 12)
