@@ -176,10 +176,12 @@ class Draft:
         them, ``[P, S, N]``, as ``EagleDraft(draft_vocab=N)`` drafts. A target outside
         them is no training target (the draft can never propose it) and always a miss in
         ``accuracy``, as it is in the runtime."""
-        ids = ids.to(torch.int64)
-        if ids.dim() != 1 or not len(ids) or not bool((ids[1:] > ids[:-1]).all()) \
-                or int(ids[0]) < 0 or int(ids[-1]) >= self.lm.shape[0]:
+        if self.vocab is not None:  # the LM head is trimmed already: its rows are not ids
+            raise ValueError("Draft.trim: the draft vocabulary is chosen once")
+        if ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 1 or not len(ids) \
+                or not bool((ids[1:] > ids[:-1]).all()) or int(ids[0]) < 0 or int(ids[-1]) >= self.lm.shape[0]:
             raise ValueError("Draft.trim: ids must be sorted distinct token ids of the model's vocabulary")
+        ids = ids.to("cpu", torch.int64)
         self.lm = self.lm[ids.to(self.device)]  # [N, H]
         self.vocab = ids
 

@@ -39,7 +39,8 @@ whose rows it trained on, and a later ``--init`` of it refuses them as it refuse
 A run whose seed already has rows there was cut short: it takes them instead of asking and
 answering again, and goes on from its own checkpoint (``--init DIR/eagle.safetensors``,
 made by a run of that seed). Token counts already in ``--init`` (earlier runs' rows, or a
-resumed run's own) are counted again: they only rank the draft vocabulary. Every earlier
+resumed run's own) are counted again: they only rank the draft vocabulary (a resumed run
+keeps its checkpoint's counts, so its ``--train-vocab`` stays the one it began with). Every earlier
 row's hidden states are made again each run (about 3,400 positions a second in bfloat16 on
 the 2-core Xeon), and held about twice over while the training set is built.
 """
@@ -129,17 +130,16 @@ def main() -> None:
 
     torch.manual_seed(args.seed)
     draft = Draft(model, "random", args.depth, device)
-    counts = produced_counts(parts, vocab)
+    counts = counts_of(produced_counts(parts, vocab), init, resumed is not None)
     del parts  # their hidden states: the training set has them
     if init is not None:
         go_on_from(draft, init)
-        counts = counts + init.counts if init.counts is not None else counts
     if args.train_vocab:  # the runtime's EagleDraft(draft_vocab=N) takes the same N tokens
-        vocab = eagle_file.draft_vocab(counts, args.train_vocab)
-        draft.trim(vocab)
-        report["train_vocab"] = {"tokens": len(vocab), "covers": round(
-            float(counts[vocab].sum()) / max(1, float(counts.sum())), 4)}
-        print(f"trained and measured on the {len(vocab)} most produced tokens: "
+        kept = eagle_file.draft_vocab(counts, args.train_vocab)
+        draft.trim(kept)
+        report["train_vocab"] = {"tokens": len(kept), "covers": round(
+            float(counts[kept].sum()) / max(1, float(counts.sum())), 4)}
+        print(f"trained and measured on the {len(kept)} most produced tokens: "
               f"{report['train_vocab']['covers']:.1%} of the tokens counted", flush=True)
     if init is not None:
         # where it started, on the same held-out rows: what this run's training added
@@ -206,6 +206,17 @@ def ask_and_answer(args, model, tok, at, phase) -> tuple:
     return tokens, start, kinds, len(asked)
 
 
+def counts_of(own: torch.Tensor, init, resuming: bool) -> torch.Tensor:
+    """The token counts the draft file keeps, from which ``--train-vocab`` (and later the
+    runtime's ``draft_vocab``) takes its tokens: this run's rows' ``own`` plus ``--init``'s.
+    A resumed run keeps its checkpoint's, which already count its rows: counted again, they
+    would rank the tokens otherwise, and the run would go on training on another
+    vocabulary than its checkpoint's."""
+    if init is None or init.counts is None:
+        return own
+    return init.counts.clone() if resuming else own + init.counts
+
+
 def enough_rows(kinds: torch.Tensor, args, fix: str) -> None:
     """More chat rows than ``--chat-heldout`` and a held-out code prompt, or the run stops."""
     chat = int((kinds == eagle_rows.CHAT).sum())
@@ -258,6 +269,9 @@ def start_of(args, model, resuming: bool = False):
     if resuming and (not isinstance(init.trained, dict) or init.trained.get("seed") != args.seed):
         sys.exit(f"eagle_gpu: --init {args.init} was not made by a run of --seed {args.seed}: "
                  f"a run that takes this seed's kept rows goes on from its own checkpoint")
+    if resuming and init.trained.get("train_vocab", 0) != getattr(args, "train_vocab", 0):
+        sys.exit(f"eagle_gpu: --init {args.init} trained with --train-vocab "
+                 f"{init.trained.get('train_vocab', 0)}: a cut-short run goes on as it began")
     trained, seeds, own = init.trained, [], resuming
     while isinstance(trained, dict):  # each run records the file it went on from
         # a resumed run's own checkpoints (cut short more than once) are the same questions

@@ -182,15 +182,14 @@ class MedusaHeads(Pass):
         return like(self.heads.w), like(self.heads.b), deep
 
     def _vocab(self, lm: torch.Tensor):
-        """The draft vocabulary's ids ``[N]`` (most produced first), or None."""
+        """The draft vocabulary's ids ``[N]`` (the most produced, sorted), or None."""
         if self.draft_vocab is None:
             return None
-        counts = self.heads.counts.to(torch.float64)
+        counts = self.heads.counts
         if counts.numel() != lm.shape[0]:
             raise PassError(f"{self!r}: the heads file counts {counts.numel()} tokens, the "
                             f"model has {lm.shape[0]}")
-        n = min(self.draft_vocab, lm.shape[0])
-        return counts.topk(n).indices.sort().values
+        return heads_file.draft_vocab(counts, self.draft_vocab)
 
     def _tree(self, ir: IR) -> tuple:
         """The tree and, when chosen here, the sub-trees a round verifies at larger batches

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from rewriter import eagle
-from rewriter.heads import PROBE, probe_of, unfit
+from rewriter.heads import PROBE, draft_vocab, probe_of, unfit  # noqa: F401  (draft_vocab: one rule for both)
 
 FORMAT = "rewriter-eagle-draft"
 VERSION = "1"
@@ -77,15 +77,6 @@ class Draft:
 
 def made(params: dict, shape: eagle.Shape, lm_head: Tensor, **kw) -> Draft:
     return Draft(params, shape, lm_head.shape[0], probe_of(lm_head), **kw)
-
-
-def draft_vocab(counts: Tensor, n: int) -> Tensor:
-    """The trimmed draft vocabulary of ``n`` tokens: the ids ``counts`` ``[V]`` ranks most
-    produced, sorted. The one rule for every user of it (``EagleDraft(draft_vocab=n)`` and
-    a training run that trains on that vocabulary alone), so both pick the same tokens."""
-    if type(n) is not int or n < 1:
-        raise ValueError(f"eagle_file.draft_vocab: n must be a positive int, got {n!r}")
-    return counts.to(torch.float64).topk(min(n, counts.shape[0])).indices.sort().values
 
 
 def resolve(weights: Union[str, os.PathLike]) -> Path:

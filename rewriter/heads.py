@@ -232,6 +232,16 @@ def unfit(lm_head: Tensor, vocab: int, hidden: int, probe: list) -> Optional[str
     return None
 
 
+def draft_vocab(counts: Tensor, n: int) -> Tensor:
+    """The trimmed draft vocabulary of ``n`` tokens: the ids ``counts`` ``[V]`` ranks most
+    produced, sorted. The one rule for every user of it (the heads' and the EAGLE draft's
+    ``draft_vocab=n``, and a training run on that vocabulary alone), so all pick the same
+    tokens from the same counts."""
+    if type(n) is not int or n < 1:
+        raise ValueError(f"draft_vocab: n must be a positive int, got {n!r}")
+    return counts.to(torch.float64).topk(min(n, counts.shape[0])).indices.sort().values
+
+
 def probe_of(lm_head: Tensor) -> list:
     return lm_head[:PROBE[0], :PROBE[1]].float().tolist()
 

@@ -138,3 +138,32 @@ def test_the_seeds_of_the_rows_a_draft_trained_on_are_refused(tmp_path):
     eagle_file.made(eagle.init(SHAPE, g), SHAPE, lm, trained={"seed": 12, "data_seeds": [12]}).save(own)
     with pytest.raises(SystemExit, match="with --seed 12: the same questions"):
         eagle_gpu.start_of(_args(own, seed=12), _model(lm), resuming=True)
+
+
+def test_a_resumed_run_keeps_its_checkpoints_counts_and_vocabulary(tmp_path):
+    """A run's file counts its rows plus ``--init``'s; cut short and resumed from that file,
+    it keeps the file's counts (its rows are in them already): counted again they would
+    rank other tokens first, and it would go on training on another vocabulary."""
+    lm = torch.randn(40, SHAPE.hidden)
+    before = torch.zeros(40, dtype=torch.int64)
+    before[:10] = 3  # the draft it began from: tokens 0-9
+    own = torch.zeros(40, dtype=torch.int64)
+    own[20:26] = 2  # its own rows: tokens 20-25
+    counts = eagle_gpu.counts_of(own, types.SimpleNamespace(counts=before), resuming=False)
+    assert counts.tolist() == (before + own).tolist()
+    g = torch.Generator().manual_seed(1)
+    path = tmp_path / "checkpoint.safetensors"
+    eagle_file.made(eagle.init(SHAPE, g), SHAPE, lm, counts=counts,
+                    trained={"seed": 12, "train_vocab": 10, "init": {"seed": 11}}).save(path)
+    init = eagle_gpu.start_of(types.SimpleNamespace(init=str(path), seed=12, train_vocab=10),
+                              _model(lm), resuming=True)
+    again = eagle_gpu.counts_of(own, init, resuming=True)
+    assert torch.equal(again, counts)
+    assert torch.equal(eagle_file.draft_vocab(again, 10), eagle_file.draft_vocab(counts, 10))
+    doubled = own + init.counts  # what counting its rows twice would choose
+    assert not torch.equal(eagle_file.draft_vocab(doubled, 10), eagle_file.draft_vocab(counts, 10))
+    assert eagle_gpu.counts_of(own, None, resuming=False) is own
+    for other in (0, 4096):
+        with pytest.raises(SystemExit, match="trained with --train-vocab 10"):
+            eagle_gpu.start_of(types.SimpleNamespace(init=str(path), seed=12, train_vocab=other),
+                               _model(lm), resuming=True)

@@ -127,3 +127,41 @@ def test_the_replay_drafts_from_the_same_tokens():
     assert torch.equal(full[1][0], (feature @ lm.t()).topk(8, dim=-1).indices)
     with pytest.raises(SystemExit, match="count their tokens"):
         draft_rounds.Projection(lm, None, 12)
+
+
+def test_top1_counts_a_target_outside_the_vocabulary_as_a_miss():
+    """Logits that always pick the target where it is in the vocabulary: top-1 is the share
+    of targets inside it, every valid target counted, none dropped."""
+    from hydra_prefix import _pairs, _targets, top1
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 20, (3, 12), generator=g)
+    data = {"tokens": tokens, "start": torch.tensor([4, 5, 6]), "end": torch.tensor([12, 11, 12])}
+    vocab = torch.tensor([1, 4, 7, 8, 11, 15, 19])
+    d = types.SimpleNamespace(vocab=vocab)
+    remap = Draft.targets(d, missing=-1)
+
+    def logits_of(rows, pairs):  # [P, 2, 7]: column of the target, or column 0
+        y = remap(_targets(data, pairs, 2)).clamp_min(0)
+        return torch.nn.functional.one_hot(y, len(vocab)).float()
+    got = top1(data, 2, logits_of, rows=2, targets=remap)
+    y = _targets(data, _pairs(data, torch.arange(3)), 2)
+    ok = y != -100
+    inside = torch.isin(y, vocab) & ok  # a target outside: column 0 picked, never -1
+    want = [round(float(inside[:, k].sum() / ok[:, k].sum()), 4) for k in range(2)]
+    assert got == want and 0 < want[0] < 1
+
+
+def test_the_map_to_the_vocabulary():
+    remap = Draft.targets(types.SimpleNamespace(vocab=torch.tensor([2, 5])), missing=-100)
+    assert remap(torch.tensor([7, -100, 5, 0, 2])).tolist() == [-100, -100, 1, -100, 0]
+    miss = Draft.targets(types.SimpleNamespace(vocab=torch.tensor([2, 5])), missing=-1)
+    assert miss(torch.tensor([7, -100, 5, 0, 2])).tolist() == [-1, -100, 1, -1, 0]
+
+
+def test_a_vocabulary_is_chosen_once(rows):
+    d = Draft(rows[0], "random", 2)
+    d.trim(torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="chosen once"):
+        d.trim(torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="sorted distinct token ids"):
+        Draft(rows[0], "random", 2).trim(torch.tensor([1.0, 2.0]))
