@@ -185,8 +185,8 @@ def train_rows(opt, data: dict, args, logits_of, depth: int, warmup: int,
     (0: never). ``seconds``: a time budget as well; the schedule's cosine follows whichever
     of steps and seconds runs out first, and training ends there. ``checkpoint(step)`` is
     called after every ``every``-th step. ``targets``: maps the model's tokens ``[P, K]``
-    to the logits' columns (a trimmed draft vocabulary), -100 where none is. Returns the last step's loss (NaN when no step
-    ran); ``args.steps_done`` is set to the steps taken."""
+    to the logits' columns (a trimmed draft vocabulary), -100 where none is. Returns the
+    last step's loss (NaN when no step ran); ``args.steps_done`` is set to the steps taken."""
     if seconds is not None and not seconds > 0:
         raise ValueError(f"train_rows: seconds must be > 0 (or None), got {seconds!r}")
     if checkpoint is not None and not every:
