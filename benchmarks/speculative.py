@@ -68,6 +68,7 @@ from rewriter.calibrate import predicted_speedup, verify_cost
 from rewriter.corpus import load_corpus
 from rewriter.eval import CHAT_PROMPTS
 from rewriter.passes import EagleDraft, HydraHeads, MedusaHeads, PromptLookup, SelfSpeculative
+from rewriter.passes.eagle_draft import MAX_DEPTH
 from rewriter.passes.layer_skip import kept_positions
 from rewriter.runtime import packed_linear
 from rewriter.runtime.chat import chat_prompt
@@ -272,7 +273,8 @@ def main():
                          "set instead of the spread and calibrated skip sets (its prediction: "
                          "benchmarks/quantized_draft.py)")
     ap.add_argument("--heads", default=None, help="heads file (default: the model's shipped heads; "
-                                                   "with one of medusa, hydra)")
+                                                   "with one of medusa, hydra; with eagle, 'none' "
+                                                   "times the EAGLE draft alone)")
     ap.add_argument("--draft-vocab", type=int, default=4096, help="trimmed draft vocabulary (0: none)")
     ap.add_argument("--max-nodes", type=int, default=32, help="largest tree the choice considers")
     ap.add_argument("--tree-nodes", type=int, default=None,
@@ -311,8 +313,10 @@ def run(args, ap):
         ap.error("--strategies eagle and --eagle FILE go together")
     if not all(2 <= n < MAX_NODES for n in args.eagle_nodes):
         ap.error(f"--eagle-nodes must be in [2, {MAX_NODES - 1}], got {args.eagle_nodes}")
-    if not 1 <= args.eagle_depth <= 4:
-        ap.error(f"--eagle-depth must be in [1, 4] (the heads' count), got {args.eagle_depth}")
+    deepest = MAX_DEPTH if args.heads == "none" else 4  # the heads compared have 4
+    if not 1 <= args.eagle_depth <= deepest:
+        ap.error(f"--eagle-depth must be in [1, {deepest}] (with --heads none: the draft alone), "
+                 f"got {args.eagle_depth}")
     if args.tree_nodes is not None and not 1 <= args.tree_nodes < MAX_NODES:
         ap.error(f"--tree-nodes must be in [1, {MAX_NODES - 1}], got {args.tree_nodes}")
     results = {"model": args.model, "device": device_name(args.device), "backend": args.backend,
@@ -542,10 +546,11 @@ def eagle_rows(model, tok, plain, args, dtype, results, rows) -> None:
         tree = budget_tree(nodes, args.eagle_depth).record()
         engines = {"EAGLE layer": strategy_engine(model, tokenizer=tok, backend=args.backend, passes=[
                        EagleDraft(weights=args.eagle, nodes=nodes, expand=expand, depth=args.eagle_depth,
-                                  draft_vocab=vocab, lookup=args.lookup)]),
-                   "Hydra heads": strategy_engine(model, tokenizer=tok, backend=args.backend, passes=[
-                       HydraHeads(weights=args.heads or args.model, tree=tree, dynamic=expand,
-                                  lookup=args.lookup, draft_vocab=vocab)])}
+                                  draft_vocab=vocab, lookup=args.lookup)])}
+        if args.heads != "none":  # the heads on the same rounds, for comparison
+            engines["Hydra heads"] = strategy_engine(model, tokenizer=tok, backend=args.backend, passes=[
+                HydraHeads(weights=args.heads or args.model, tree=tree, dynamic=expand,
+                           lookup=args.lookup, draft_vocab=vocab)])
         for b in args.batch:
             for kind, prompts in prompt_sets(plain, tok, b, args.samples, args.chat).items():
                 variants = [(plain, contextlib.nullcontext)] + \

@@ -236,10 +236,14 @@ def draft_vocab(counts: Tensor, n: int) -> Tensor:
     """The trimmed draft vocabulary of ``n`` tokens: the ids ``counts`` ``[V]`` ranks most
     produced, sorted. The one rule for every user of it (the heads' and the EAGLE draft's
     ``draft_vocab=n``, and a training run on that vocabulary alone), so all pick the same
-    tokens from the same counts."""
+    tokens from the same counts. Equal counts go to the lower id: real counts tie at every
+    cut-off (SmolLM2's draft file: 61 tokens share the count at the 4096th place), and
+    ``topk`` leaves the order of ties to its implementation, so a draft trained under one
+    torch could be given other tokens under another."""
     if type(n) is not int or n < 1:
         raise ValueError(f"draft_vocab: n must be a positive int, got {n!r}")
-    return counts.to(torch.float64).topk(min(n, counts.shape[0])).indices.sort().values
+    order = counts.to(torch.float64).sort(descending=True, stable=True).indices  # [V] ties: id order
+    return order[:n].sort().values
 
 
 def probe_of(lm_head: Tensor) -> list:

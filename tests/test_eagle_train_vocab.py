@@ -40,6 +40,21 @@ def test_the_draft_vocabulary_is_the_most_produced_tokens_sorted():
     counts = torch.tensor([5, 0, 9, 9, 1, 7])
     assert eagle_file.draft_vocab(counts, 3).tolist() == [2, 3, 5]
     assert eagle_file.draft_vocab(counts, 100).tolist() == list(range(6))  # capped at V
+    assert eagle_file.draft_vocab(counts, 2).tolist() == [2, 3]
+
+
+def test_equal_counts_at_the_cut_off_go_to_the_lower_ids():
+    """Ties are broken by token id, not by ``topk``'s implementation: many tokens share the
+    count at the cut-off, and the later ones are kept whatever the order of the tie."""
+    counts = torch.zeros(5000)
+    counts[4000:] = 3.0  # 1000 tied tokens; the 10 kept are the lowest ids
+    counts[[7, 123]] = 5.0
+    assert eagle_file.draft_vocab(counts, 12).tolist() == [7, 123] + list(range(4000, 4010))
+    assert eagle_file.draft_vocab(counts.to(torch.int64), 12).tolist() == [7, 123] + list(range(4000, 4010))
+    # a vocabulary's worth of small counts ties everywhere (topk keeps other ids here)
+    counts = torch.randint(0, 60, (49152,), generator=torch.Generator().manual_seed(0))
+    want = sorted(sorted(range(len(counts)), key=lambda i: (-int(counts[i]), i))[:4096])
+    assert eagle_file.draft_vocab(counts, 4096).tolist() == want
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="positive int"):
             eagle_file.draft_vocab(counts, bad)
