@@ -11,11 +11,13 @@
 #                                            # (default: the parts carried so far, gpu_prepare.sh)
 #   bash benchmarks/gpu_suite.sh sparse [F]  # sparse.py decode speed at 8k on F, both backends (~8 min)
 #   bash benchmarks/gpu_suite.sh eagle-probe # eagle's GPU paths on a random model        (~1 min)
-#   [SLOT=520] [BUDGET=470] [EAGLE_INIT=smollm2 [EAGLE_SEED=12] EAGLE_LR=2e-4] \
+#   [SLOT=520] [BUDGET=470] [EAGLE_INIT=smollm2 [EAGLE_SEED=12] EAGLE_LR=2e-4] [EAGLE_VOCAB=4096] \
 #   bash benchmarks/gpu_suite.sh eagle [F]   # chat data + an EAGLE draft layer trained on it
 #                                            # (eagle_gpu.py; EAGLE_INIT: going on from a draft
 #                                            # file on new questions), the file back in two
 #                                            # halves: cat eagle_part_a? > f; sha256sum f
+#                                            # EAGLE_VOCAB=N: trained on draft_vocab=N's tokens
+#                                            # alone, every chain start (not yet run on a GPU)
 #   [INIT=smollm2] [PROMPTS=..] [ROWS=..] [QUESTIONS=..] [LR=..] [SEED=3] [BLOCKS=4] [SLOT=540] \
 #   bash benchmarks/gpu_suite.sh heads [F]   # Hydra heads trained on the GPU on more data than a
 #                                            # CPU makes in a session; its work dir stays in
@@ -117,7 +119,8 @@ smollm2() {  # the GGUF file: the argument, or the parts held in /tmp/gpu_parts
       [ -n "${EAGLE_INIT:-}" ] && [ -z "${EAGLE_SEED:-}" ] && seed=12
       timeout ${SLOT:-520} python3 benchmarks/eagle_gpu.py --model "$gguf" --device cuda \
         --seconds ${BUDGET:-470} --out /tmp/eagle_gpu --save-dtype bfloat16 \
-        ${EAGLE_INIT:+--init "$EAGLE_INIT"} --seed $seed --lr ${EAGLE_LR:-5e-4} --data /tmp/eagle_rows
+        ${EAGLE_INIT:+--init "$EAGLE_INIT"} --seed $seed --lr ${EAGLE_LR:-5e-4} --data /tmp/eagle_rows \
+        ${EAGLE_VOCAB:+--train-vocab "$EAGLE_VOCAB" --positions 4096}
       rc=$?
       if [ -f /tmp/eagle_gpu/eagle.safetensors ]; then
         split -n 2 /tmp/eagle_gpu/eagle.safetensors "$out/eagle_part_"
