@@ -115,6 +115,7 @@ smollm2() {  # the GGUF file: the argument, or the parts held in /tmp/gpu_parts
       # chat data and the EAGLE layer in one call (benchmarks/eagle_gpu.py); the draft file
       # (bfloat16, 9 MB; 17 in float32) comes back in two halves with its SHA-256: $OUT
       # takes files up to 16 MiB
+      [ "${EAGLE_VOCAB:-}" = 0 ] && EAGLE_VOCAB=  # 0: the whole vocabulary, as eagle_gpu.py's
       seed=${EAGLE_SEED:-11}  # going on from a draft: new questions (the shipped one's was 11)
       [ -n "${EAGLE_INIT:-}" ] && [ -z "${EAGLE_SEED:-}" ] && seed=12
       timeout ${SLOT:-520} python3 benchmarks/eagle_gpu.py --model "$gguf" --device cuda \

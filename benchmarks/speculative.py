@@ -313,6 +313,8 @@ def run(args, ap):
         ap.error("--strategies eagle and --eagle FILE go together")
     if not all(2 <= n < MAX_NODES for n in args.eagle_nodes):
         ap.error(f"--eagle-nodes must be in [2, {MAX_NODES - 1}], got {args.eagle_nodes}")
+    if args.heads == "none" and {"medusa", "hydra"} & set(args.strategies):
+        ap.error("--heads none times the EAGLE draft alone: not with --strategies medusa or hydra")
     deepest = MAX_DEPTH if args.heads == "none" else 4  # the heads compared have 4
     if not 1 <= args.eagle_depth <= deepest:
         ap.error(f"--eagle-depth must be in [1, {deepest}] (with --heads none: the draft alone), "
@@ -534,9 +536,10 @@ def heads_rows(model, tok, plain, args, dtype, results, rows, arch):
 
 def eagle_rows(model, tok, plain, args, dtype, results, rows) -> None:
     """The EAGLE draft layer (``EagleDraft``) against plain decode and against Hydra heads
-    (``--heads``, default the model's shipped ones) given the same rounds: a tree of as
-    many nodes re-grown every round from the draft's probabilities (``--dynamic`` nodes
-    expanded a level, 4 without it), four levels, the ``--draft-vocab`` most produced tokens
+    (``--heads``, default the model's shipped ones; ``none``: the draft alone) given the same
+    rounds: a tree of as many nodes re-grown every round from the draft's probabilities
+    (``--dynamic`` nodes expanded a level, 4 without it), ``--eagle-depth`` levels, the
+    ``--draft-vocab`` most produced tokens
     (0: the whole vocabulary), ``--lookup`` tokens copied from the text (0: none). Runs
     interleaved."""
     from rewriter.passes.eagle_draft import budget_tree
