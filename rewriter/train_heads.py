@@ -38,6 +38,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -133,19 +134,11 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
                          f"when deepening it): give another seed or more data")
     # the training's own key (not the data's: a run from other heads reuses the data)
     train_settings = {**settings, **({"init": start[1]} if start is not None else {})}
-    sets, data_seconds, counts = {}, 0.0, torch.zeros(lm_head.shape[0], dtype=torch.int64)
-    for split, n in (("train", prompts), ("heldout", heldout_prompts)):
-        parts = []
-        for kind, count in _parts(data if split == "train" else "generated", n, rows, questions):
-            part, seconds = _dataset(model, tokenizer, work, split, count,
-                                     _part_settings(settings, kind, count), generate_batch,
-                                     progress)
-            part["end"] = _ends(part, new_tokens, _eos_ids(model, tokenizer))
-            if split == "train":
-                counts += produced(part, lm_head.shape[0])
-            parts.append(part)
-            data_seconds = None if seconds is None or data_seconds is None else data_seconds + seconds
-        sets[split] = parts[0] if len(parts) == 1 else _merge(parts)
+    counts = torch.zeros(lm_head.shape[0], dtype=torch.int64)
+    with _one_engine(model):
+        sets, data_seconds = _datasets(model, tokenizer, work, settings, data, prompts,
+                                       heldout_prompts, rows, questions, new_tokens,
+                                       generate_batch, progress, lm_head, counts)
     if start is not None and start[0].counts is not None:  # the data the start was trained on
         counts += start[0].counts
     with reuse_freed_memory():  # each step's large blocks reused, not faulted in again
@@ -268,6 +261,52 @@ def _ends(data: dict, new_tokens: int, eos: set) -> Tensor:
                 end[r] = int(start[r]) + int(hit[0]) + 1
     return end
 
+
+
+def _datasets(model, tokenizer, work: Path, settings: dict, data: str, prompts: int,
+              heldout_prompts: int, rows, questions: int, new_tokens: int, generate_batch: int,
+              progress: bool, lm_head: Tensor, counts: Tensor) -> tuple[dict, Optional[float]]:
+    """``({"train": .., "heldout": ..}, the seconds making them took)``; ``counts`` gains the
+    training rows' produced tokens."""
+    sets, data_seconds = {}, 0.0
+    for split, n in (("train", prompts), ("heldout", heldout_prompts)):
+        parts = []
+        for kind, count in _parts(data if split == "train" else "generated", n, rows, questions):
+            part, seconds = _dataset(model, tokenizer, work, split, count,
+                                     _part_settings(settings, kind, count), generate_batch,
+                                     progress)
+            part["end"] = _ends(part, new_tokens, _eos_ids(model, tokenizer))
+            if split == "train":
+                counts += produced(part, lm_head.shape[0])
+            parts.append(part)
+            data_seconds = None if seconds is None or data_seconds is None else data_seconds + seconds
+        sets[split] = parts[0] if len(parts) == 1 else _merge(parts)
+    return sets, data_seconds
+
+
+_SHARED: dict = {}  # id(model) -> its engine (None: not made yet), inside _one_engine
+
+
+@contextlib.contextmanager
+def _one_engine(model):
+    """One optimized engine of ``model`` for every prompt set a ``train_heads`` call asks or
+    continues: tracing the model (``torch.export``) takes seconds, and a call may make
+    three sets. The model is frozen throughout, so the engine stays its own."""
+    _SHARED[id(model)] = None
+    try:
+        yield
+    finally:
+        _SHARED.pop(id(model), None)
+
+
+def _engine(model):
+    """``rewriter.optimize(model)``, made once inside ``_one_engine``."""
+    import rewriter
+    if id(model) not in _SHARED:
+        return rewriter.optimize(model)
+    if _SHARED[id(model)] is None:
+        _SHARED[id(model)] = rewriter.optimize(model)
+    return _SHARED[id(model)]
 
 def _dataset(model, tokenizer, work: Path, split: str, n: int, settings: dict,
              generate_batch: int, progress: bool) -> dict:
@@ -399,12 +438,11 @@ def self_asked(model, tokenizer, n: int, seed: int, progress: bool = False,
     after the batch that passes it, with fewer than ``n``."""
     if type(batch) is not int or batch < 1:
         raise ValueError(f"train_heads: the question batch must be an int >= 1, got {batch!r}")
-    import rewriter
     from rewriter.runtime.chat import chat_prompt, split_tokenizer
     tok, text = split_tokenizer(tokenizer)
     prefix = question_prefix(model, tokenizer)
     eos = _eos_ids(model, tokenizer)
-    engine = rewriter.optimize(model)
+    engine = _engine(model)
     seen, out, tries = set(), [], 0
     bar = _bar(progress, n, "self-asked questions", "question")
     while len(out) < n and (deadline is None or time.perf_counter() < deadline):
@@ -485,9 +523,8 @@ def _continue(model, tokenizer, prompts, new_tokens: int, generate_batch: int, p
     took, and a run interrupted while generating resumes there. ``deadline``
     (``time.perf_counter()``): stop after the batch that passes it, with the first prompts'
     rows only."""
-    import rewriter
     began = time.perf_counter()
-    engine = rewriter.optimize(model)
+    engine = _engine(model)
     width = max(map(len, prompts))
     rows, before = _partial_rows(partial, key) if partial is not None else ([], 0.0)
     # saved rows count only where they continue these prompts (sampled prompts made again

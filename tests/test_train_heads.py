@@ -619,3 +619,17 @@ def test_greedy_tokens_from_a_reused_logits_buffer_with_and_without_bias():
         lm = torch.nn.Linear(16, 50, bias=bias)
         with torch.no_grad():
             assert torch.equal(th._greedy(lm, row, buf), lm(row).argmax(-1))
+
+
+def test_a_run_traces_the_model_once(tmp_path, monkeypatch):
+    """Every prompt set a run makes (training and held-out rows) is continued by one
+    optimized engine: tracing the model takes seconds. Outside a run each call makes its own."""
+    import rewriter
+    model, tok = default_model()
+    made, real = [], rewriter.optimize
+    monkeypatch.setattr(rewriter, "optimize", lambda *a, **k: made.append(1) or real(*a, **k))
+    th.train_heads(model, tok, tmp_path / "a.safetensors", **SMALL)
+    assert len(made) == 1 and not th._SHARED
+    th._continue(model, tok, [[1, 2, 3]], 2, 1, False, "train")
+    th._continue(model, tok, [[1, 2, 3]], 2, 1, False, "train")
+    assert len(made) == 3
