@@ -134,11 +134,20 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
                          f"when deepening it): give another seed or more data")
     # the training's own key (not the data's: a run from other heads reuses the data)
     train_settings = {**settings, **({"init": start[1]} if start is not None else {})}
-    counts = torch.zeros(lm_head.shape[0], dtype=torch.int64)
+    sets, data_seconds, counts = {}, 0.0, torch.zeros(lm_head.shape[0], dtype=torch.int64)
     with _one_engine(model):
-        sets, data_seconds = _datasets(model, tokenizer, work, settings, data, prompts,
-                                       heldout_prompts, rows, questions, new_tokens,
-                                       generate_batch, progress, lm_head, counts)
+        for split, n in (("train", prompts), ("heldout", heldout_prompts)):
+            parts = []
+            for kind, count in _parts(data if split == "train" else "generated", n, rows, questions):
+                part, seconds = _dataset(model, tokenizer, work, split, count,
+                                         _part_settings(settings, kind, count), generate_batch,
+                                         progress)
+                part["end"] = _ends(part, new_tokens, _eos_ids(model, tokenizer))
+                if split == "train":
+                    counts += produced(part, lm_head.shape[0])
+                parts.append(part)
+                data_seconds = None if seconds is None or data_seconds is None else data_seconds + seconds
+            sets[split] = parts[0] if len(parts) == 1 else _merge(parts)
     if start is not None and start[0].counts is not None:  # the data the start was trained on
         counts += start[0].counts
     with reuse_freed_memory():  # each step's large blocks reused, not faulted in again
@@ -262,26 +271,6 @@ def _ends(data: dict, new_tokens: int, eos: set) -> Tensor:
     return end
 
 
-
-def _datasets(model, tokenizer, work: Path, settings: dict, data: str, prompts: int,
-              heldout_prompts: int, rows, questions: int, new_tokens: int, generate_batch: int,
-              progress: bool, lm_head: Tensor, counts: Tensor) -> tuple[dict, Optional[float]]:
-    """``({"train": .., "heldout": ..}, the seconds making them took)``; ``counts`` gains the
-    training rows' produced tokens."""
-    sets, data_seconds = {}, 0.0
-    for split, n in (("train", prompts), ("heldout", heldout_prompts)):
-        parts = []
-        for kind, count in _parts(data if split == "train" else "generated", n, rows, questions):
-            part, seconds = _dataset(model, tokenizer, work, split, count,
-                                     _part_settings(settings, kind, count), generate_batch,
-                                     progress)
-            part["end"] = _ends(part, new_tokens, _eos_ids(model, tokenizer))
-            if split == "train":
-                counts += produced(part, lm_head.shape[0])
-            parts.append(part)
-            data_seconds = None if seconds is None or data_seconds is None else data_seconds + seconds
-        sets[split] = parts[0] if len(parts) == 1 else _merge(parts)
-    return sets, data_seconds
 
 
 _SHARED: dict = {}  # id(model) -> its engine (None: not made yet), inside _one_engine
