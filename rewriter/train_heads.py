@@ -271,8 +271,6 @@ def _ends(data: dict, new_tokens: int, eos: set) -> Tensor:
     return end
 
 
-
-
 _SHARED: dict = {}  # id(model) -> its engine (None: not made yet), inside _one_engine
 
 
