@@ -33,4 +33,8 @@ t = time.perf_counter()
 loss = d.train(data, args, seconds=5.0, checkpoint=lambda s: None)
 print("draft steps", args.steps_done, "in", round(time.perf_counter() - t, 1), "s; loss", round(loss, 3), flush=True)
 print("accuracy", d.accuracy(data), flush=True)
+d = Draft(model, "random", 4, dev)  # gpu_suite.sh eagle's EAGLE_VOCAB: a trimmed draft vocabulary
+d.trim(torch.arange(0, 512, 2))
+loss = d.train(data, args, seconds=3.0, checkpoint=lambda s: None)
+print("trimmed draft steps", args.steps_done, "loss", round(loss, 3), "accuracy", d.accuracy(data), flush=True)
 print("PROBE OK", flush=True)

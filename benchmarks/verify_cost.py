@@ -1,6 +1,6 @@
 """What verifying S tokens a round costs, in decode steps: the curve a tree's size is paid on.
 
-    python benchmarks/verify_cost.py [--model smollm2] [--dtype bfloat16]
+    python benchmarks/verify_cost.py [--model smollm2] [--dtype bfloat16] [--device cuda]
         [--sizes 1 2 4 8 16 24 32 48 63] [--runs 15] [--repeats 3]
         [--json benchmarks/results/verify_cost.json]
 
@@ -33,6 +33,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2", help="a GGUF file, 'smollm2' or 'default'")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (timed from a CUDA graph there)")
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 24, 32, 48, 63])
     ap.add_argument("--runs", type=int, default=15)
     ap.add_argument("--repeats", type=int, default=3)
@@ -41,7 +42,7 @@ def main() -> None:
     if min(args.sizes) < 1 or args.runs < 1 or args.repeats < 1:
         ap.error("--sizes, --runs and --repeats must be >= 1")
     model, tok = load_model(args.model)
-    model = cast(model, getattr(torch, args.dtype), "cpu")
+    model = cast(model, getattr(torch, args.dtype), args.device)
     ir = rewriter.optimize(model, tokenizer=tok).ir
     most = max(args.sizes)
     context = context_length(ir.info.get("config", {}))
@@ -55,7 +56,9 @@ def main() -> None:
     print(tabulate([[r["tokens"], f"{r['median']:.3f}", f"{r['low']:.3f}-{r['high']:.3f}"] for r in rows],
                    headers=["tokens verified", "decode steps", "range"]))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"args": vars(args), "cpu": machine(), "torch": torch.__version__,
+    Path(args.json).write_text(json.dumps({"args": vars(args), "cpu": machine(),
+                                           "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+                                           "torch": torch.__version__,
                                            "threads": torch.get_num_threads(),
                                            "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=1))
 
