@@ -19,6 +19,11 @@
 # go after the two "stash"-style calls, while the parts are held:
 #   run(carry=[".gpu/w"], command="INIT=smollm2 bash benchmarks/gpu_suite.sh heads")
 # its heads file comes back in $OUT; time it on the CPU with speculative.py --heads FILE.
+# Issue 13's EAGLE draft on a GPU (not yet run: a 48-node tree verifies there at 1.23 plain
+# steps, 8 nodes at 1.16, so its speed-up may be a GPU's): the two calls above, the second as
+#   run(carry=[".gpu/w", ".gpu/p/part_ab"], command="STRATEGIES=eagle SLOT=400 SAMPLES=8 bash benchmarks/gpu_suite.sh smollm2")
+# then, with `gpu_slim.sh off`, the GPU tests (EAGLE's included):
+#   run(carry=[".gpu/w"], command="bash benchmarks/gpu_suite.sh gpu-tests")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .gpu/w .gpu/p .git/info

@@ -232,3 +232,15 @@ class Clock:
     def __call__(self) -> float:
         self.now += self.tick
         return self.now
+
+
+def random_draft(model, path, seed=0, scale=1.0):
+    """An EAGLE draft file for ``model`` with seeded random weights (``scale`` on its linears)."""
+    from rewriter import eagle, eagle_file
+    h = model.config.hidden_size
+    heads = 4 if h % 8 == 0 else 2
+    shape = eagle.Shape(h, heads, heads // 2 if (h // heads) % 2 == 0 else heads, 2 * h)
+    p = eagle.init(shape, torch.Generator().manual_seed(seed))
+    p = {k: v * scale if v.dim() == 2 else v for k, v in p.items()}
+    eagle_file.made(p, shape, model.get_output_embeddings().weight.detach()).save(path)
+    return path

@@ -12,22 +12,11 @@ from rewriter.errors import PassError, RewriterError
 from rewriter.passes import EagleDraft, HydraHeads, from_spec
 from rewriter.passes.eagle_draft import budget_tree
 
-from conftest import assert_same_distribution, make_model, varied_init
+from conftest import assert_same_distribution, make_model, random_draft, varied_init
 
 RAGGED = [[3, 17, 42, 5, 99, 8, 64, 11, 12], [1, 2, 3], [50, 51, 52, 53, 54]]
 KW = dict(max_new_tokens=24, eos_token_id=[])
 TAUGHT = [list(range(3 + 7 * i, 20 + 7 * i)) for i in range(12)]  # the trained draft's prompts
-
-
-def random_draft(model, path, seed=0, scale=1.0):
-    """A draft file for ``model`` with seeded random weights (``scale`` on its linears)."""
-    h = model.config.hidden_size
-    heads = 4 if h % 8 == 0 else 2
-    shape = eagle.Shape(h, heads, heads // 2 if (h // heads) % 2 == 0 else heads, 2 * h)
-    p = eagle.init(shape, torch.Generator().manual_seed(seed))
-    p = {k: v * scale if v.dim() == 2 else v for k, v in p.items()}
-    eagle_file.made(p, shape, model.get_output_embeddings().weight.detach()).save(path)
-    return path
 
 
 def kept_rows(monkeypatch) -> list:
