@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -52,6 +53,9 @@ def main() -> None:
                                                        "'none' to skip")
     ap.add_argument("--nodes", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--expand", type=int, default=4)
+    ap.add_argument("--temperature", type=float, default=1.0,
+                    help="each draft's logits divided by T before its tree is grown (the runtime's "
+                         "T is 1: a probe of whether softer or sharper scores grow better trees)")
     ap.add_argument("--draft-vocab", type=int, default=0,
                     help="draft from the N tokens each file counts most produced, as "
                          "draft_vocab=N does (0: the whole vocabulary)")
@@ -64,6 +68,8 @@ def main() -> None:
                          "same --model, --chat, --questions and --new), else written")
     ap.add_argument("--json", default="benchmarks/results/draft_rounds.json")
     args = ap.parse_args()
+    if not (math.isfinite(args.temperature) and args.temperature > 0):
+        ap.error(f"--temperature must be a positive number, got {args.temperature}")
     if min(args.nodes) < 2 or args.expand < 1 or args.depth < 1 or args.new < 1:
         ap.error("--nodes must be >= 2, --expand, --depth and --new >= 1")
     if args.draft_vocab < 0 or 0 < args.draft_vocab < 10:
@@ -81,11 +87,11 @@ def main() -> None:
             heads.fits(lm, str(args.heads))
             if args.depth > heads.num_heads:
                 ap.error(f"--depth {args.depth}: the heads {args.heads} go {heads.num_heads} deep")
-            drafts["Hydra heads"] = HydraDraft(heads, Projection(lm, heads.counts, args.draft_vocab), embed)
+            drafts["Hydra heads"] = HydraDraft(heads, Projection(lm, heads.counts, args.draft_vocab, args.temperature), embed)
         if args.eagle is not None:
             d = eagle_file.load(args.eagle)
             d.fits(lm, args.eagle)
-            drafts["EAGLE layer"] = EagleDraft(d, Projection(lm, d.counts, args.draft_vocab), embed)
+            drafts["EAGLE layer"] = EagleDraft(d, Projection(lm, d.counts, args.draft_vocab, args.temperature), embed)
     except (heads_file.HeadsFileError, eagle_file.DraftFileError) as e:
         ap.error(str(e))
     if not drafts:
@@ -165,18 +171,20 @@ def replay(draft, text: list, f: torch.Tensor, start: int, nodes: int, depth: in
 
 class Projection:
     """The LM head a draft guesses through: all of it, or (``n``) the rows of the ``n``
-    tokens ``counts`` ranks most produced, as the runtime's ``draft_vocab=n``."""
+    tokens ``counts`` ranks most produced, as the runtime's ``draft_vocab=n``; the logits
+    divided by ``temperature`` (the runtime's is 1)."""
 
-    def __init__(self, lm: torch.Tensor, counts, n: int):
+    def __init__(self, lm: torch.Tensor, counts, n: int, temperature: float = 1.0):
         if n and counts is None:
             raise SystemExit("draft_rounds: --draft-vocab needs draft files that count their tokens")
         self.ids = eagle_file.draft_vocab(counts, n) if n else None
         self.w = lm if self.ids is None else lm[self.ids]  # [V or n, H]
+        self.temperature = temperature
 
     def top(self, g: torch.Tensor):
         """The 8 likeliest tokens after each feature ``g`` ``[P, H]``: (log-probabilities,
         token ids), each ``[1, P, 8]``."""
-        top = (g @ self.w.t()).log_softmax(-1).topk(8, dim=-1)
+        top = ((g @ self.w.t()) / self.temperature).log_softmax(-1).topk(8, dim=-1)
         ids = top.indices if self.ids is None else self.ids[top.indices]
         return top.values[None], ids[None]
 

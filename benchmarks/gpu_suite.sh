@@ -6,10 +6,11 @@
 #   bash benchmarks/gpu_suite.sh capture    # the Triton step's CUDA-graph capture, probed  (~1 min)
 #   bash benchmarks/gpu_suite.sh kernels    # benchmarks/kernels.py timing                  (~3 min)
 #   bash benchmarks/gpu_suite.sh decode     # benchmarks/decode.py --device cuda, 1B        (~6 min)
-#   [STRATEGIES="medusa hydra"] [SLOT=280] [EAGLE_NODES="8 16 48"] \
+#   [STRATEGIES="medusa hydra"] [SLOT=280] [EAGLE_NODES="48 8 16"] \
 #   bash benchmarks/gpu_suite.sh smollm2 [F] # speculative.py on SmolLM2's GGUF F, per strategy
 #                                            # (default: the parts carried so far, gpu_prepare.sh);
-#                                            # eagle: the shipped draft alone at each tree size
+#                                            # eagle: the shipped draft alone at each tree size,
+#                                            # 8 nodes expanded a level (the CPU record's)
 #   bash benchmarks/gpu_suite.sh sparse [F]  # sparse.py decode speed at 8k on F, both backends (~8 min)
 #   bash benchmarks/gpu_suite.sh eagle-probe # eagle's GPU paths on a random model        (~1 min)
 #   [SLOT=520] [BUDGET=470] [EAGLE_INIT=smollm2 [EAGLE_SEED=12] EAGLE_LR=2e-4] [EAGLE_VOCAB=4096] \
@@ -84,7 +85,8 @@ smollm2() {  # the GGUF file: the argument, or the parts held in /tmp/gpu_parts
       # 135 s (optimize() runs 3-6 times a strategy): one or two strategies a call, SLOT=280
       for s in ${STRATEGIES:-medusa hydra lookup self}; do
         draft=(--heads smollm2)  # eagle: on the GPU a 48-node tree verifies at 1.23 steps, 8 at 1.16
-        [ "$s" = eagle ] && draft=(--heads none --eagle smollm2 --eagle-nodes ${EAGLE_NODES:-8 16 48} --new 48)
+        # the largest tree first: SLOT may cut the last (finished rows are kept)
+        [ "$s" = eagle ] && draft=(--heads none --eagle smollm2 --eagle-nodes ${EAGLE_NODES:-48 8 16} --dynamic 8 --new 48)
         timeout ${SLOT:-135} python3 benchmarks/speculative.py --device cuda --backend torch --model "$gguf" \
           "${draft[@]}" --strategies $s --dtype bfloat16 --batch ${BATCHES:-1} \
           --samples ${SAMPLES:-3} --json "$out/spec_$s.json"

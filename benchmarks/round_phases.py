@@ -12,7 +12,8 @@ prompts just before it. The rounds' methods are wrapped with a clock
 (``tree_decoding._TreeRounds.step``, ``draft_from``, ``accept``, ... and ``EagleRows``'
 ``call``, ``_level`` and ``catch_up``), so each phase's time a round can be set against
 a plain step: what a round costs beyond verifying, and the speed-up the accepted tokens
-would give were drafting free (accepted / verification's steps). A plain step is the
+would give were verification a round's only cost (accepted / verification's steps: no
+drafting, acceptance or prefill; JSON key ``free_drafting_speedup``, its name before). A plain step is the
 median of plain decode's steps on the same prompts (prefill excluded); tok/s and the
 speed-up count whole generations, prefill included, as ``speculative.py`` does. Nested phases are
 included in their callers' (``eagle call`` inside ``draft_from``, ``eagle level`` inside
@@ -162,7 +163,7 @@ def main():
                             "free_drafting_speedup": accepted / phases["verification"]})
         r = out["runs"][-1]
         print(f"run {run + 1}: plain {plain_rate:.1f} tok/s (a step {step * 1e3:.1f} ms), {args.strategy} {rate:.1f} tok/s, "
-              f"{r['speedup']:.2f}x, {accepted:.2f} tokens a round; were drafting free: "
+              f"{r['speedup']:.2f}x, {accepted:.2f} tokens a round; verification alone: "
               f"{r['free_drafting_speedup']:.2f}x")
         print(tabulate([[k, f"{r['ms_a_round'][k]:.2f}", f"{v:.3f}"] for k, v in
                         sorted(phases.items(), key=lambda kv: -kv[1])],

@@ -33,7 +33,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2", help="a GGUF file, 'smollm2' or 'default'")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    ap.add_argument("--device", default="cpu", help="cpu or cuda (timed from a CUDA graph there)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="timed from CUDA graphs on cuda, as the engine's rounds run there")
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 24, 32, 48, 63])
     ap.add_argument("--runs", type=int, default=15)
     ap.add_argument("--repeats", type=int, default=3)
