@@ -142,6 +142,13 @@ def test_the_replay_drafts_from_the_same_tokens():
     assert torch.equal(full[1][0], (feature @ lm.t()).topk(8, dim=-1).indices)
     with pytest.raises(SystemExit, match="count their tokens"):
         draft_rounds.Projection(lm, None, 12)
+    # --temperature T: the scores a tree is grown from are log_softmax(logits / T); the
+    # ranking stays, the gaps between the guesses shrink for T > 1
+    soft = draft_rounds.Projection(lm, None, 0, temperature=2.0).top(feature)
+    want = (feature @ lm.t() / 2.0).log_softmax(-1).topk(8, dim=-1)
+    torch.testing.assert_close(soft[0][0], want.values)
+    assert torch.equal(soft[1], full[1])
+    assert bool((soft[0][0, :, 0] - soft[0][0, :, 1] < full[0][0, :, 0] - full[0][0, :, 1]).all())
 
 
 def test_top1_counts_a_target_outside_the_vocabulary_as_a_miss():
