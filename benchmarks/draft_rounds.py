@@ -81,17 +81,18 @@ def main() -> None:
     lm = model.lm_head.weight.detach()  # [V, H]
     embed = model.model.embed_tokens.weight.detach()  # [V, H]
     drafts = {}
+    project = lambda counts: Projection(lm, counts, args.draft_vocab, args.temperature)  # noqa: E731
     try:  # checked before the answers are made: minutes
         if args.heads != "none":
             heads = heads_file.load(args.heads, "hydra")
             heads.fits(lm, str(args.heads))
             if args.depth > heads.num_heads:
                 ap.error(f"--depth {args.depth}: the heads {args.heads} go {heads.num_heads} deep")
-            drafts["Hydra heads"] = HydraDraft(heads, Projection(lm, heads.counts, args.draft_vocab, args.temperature), embed)
+            drafts["Hydra heads"] = HydraDraft(heads, project(heads.counts), embed)
         if args.eagle is not None:
             d = eagle_file.load(args.eagle)
             d.fits(lm, args.eagle)
-            drafts["EAGLE layer"] = EagleDraft(d, Projection(lm, d.counts, args.draft_vocab, args.temperature), embed)
+            drafts["EAGLE layer"] = EagleDraft(d, project(d.counts), embed)
     except (heads_file.HeadsFileError, eagle_file.DraftFileError) as e:
         ap.error(str(e))
     if not drafts:

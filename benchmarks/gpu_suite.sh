@@ -84,8 +84,9 @@ smollm2() {  # the GGUF file: the argument, or the parts held in /tmp/gpu_parts
       # one process each: a failure costs one strategy. On 2026-11-24 none finished a row in
       # 135 s (optimize() runs 3-6 times a strategy): one or two strategies a call, SLOT=280
       for s in ${STRATEGIES:-medusa hydra lookup self}; do
-        draft=(--heads smollm2)  # eagle: on the GPU a 48-node tree verifies at 1.23 steps, 8 at 1.16
-        # the largest tree first: SLOT may cut the last (finished rows are kept)
+        draft=(--heads smollm2)
+        # eagle: the largest tree first (on the H200 48 nodes verify at 1.23 steps, 8 at 1.16);
+        # SLOT may cut the last size, and finished rows are kept
         [ "$s" = eagle ] && draft=(--heads none --eagle smollm2 --eagle-nodes ${EAGLE_NODES:-48 8 16} --dynamic 8 --new 48)
         timeout ${SLOT:-135} python3 benchmarks/speculative.py --device cuda --backend torch --model "$gguf" \
           "${draft[@]}" --strategies $s --dtype bfloat16 --batch ${BATCHES:-1} \
