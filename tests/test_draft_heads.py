@@ -304,6 +304,22 @@ def test_trained_heads_files_draft_vocabularies_and_artifact_round_trip(tmp_path
     assert torch.equal(loaded(IDS), plain(IDS))  # calling the model still gives its logits
 
 
+def test_the_ir_and_its_dumps_show_the_heads_and_their_programs(tmp_path):
+    """The heads print as ops of their pass, the pass's dump and diff list them, and the
+    dump's programs include the ones the tree rounds run."""
+    model = make_model("llama-gqa-3l")
+    med = rewriter.optimize(model, passes=[MedusaHeads(num_heads=2, tree=[[0], [0, 0]])])
+    heads = [ln for ln in str(med.ir).splitlines() if ln.strip().startswith("%medusa_")]
+    assert any("rw.silu" in ln for ln in heads) and all("# draft_head [MedusaHeads]" in ln for ln in heads)
+    assert "return [%linear_21, %medusa_logits]" in str(med.ir)  # the heads' logits beside the model's
+    med.dump(tmp_path)
+    text = (tmp_path / "01_MedusaHeads.txt").read_text()
+    assert "medusa_0_silu" in text and "medusa_1_silu" in text and "medusa_logits" in text
+    assert "medusa_" not in (tmp_path / "00_lift.txt").read_text()
+    assert "rw.silu: +2" in (tmp_path / "01_MedusaHeads.diff.txt").read_text()
+    assert {"verify.py", "heads.py"} <= {p.name for p in (tmp_path / "programs").iterdir()}
+
+
 def test_auto_tree_comes_from_accuracies_and_measured_cost(tmp_path):
     model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
     path = random_heads(model, tmp_path / "h.safetensors")
