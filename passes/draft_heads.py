@@ -33,7 +33,8 @@ by level over the tree's nodes (``runtime.tree_decoding``).
 ``P`` is the model's own LM head weight (shared: no copy), or with ``draft_vocab=N`` its
 rows for the ``N`` tokens the model produced most often on the training text
 (``index_select(lm_head, 0, medusa.vocab)`` ``[N, H]``, computed once at lowering;
-VocabTrim). The graph
+VocabTrim; an ``N`` past the vocabulary keeps all of it, so one setting serves models of
+any vocabulary). The graph
 then returns ``(logits, draft)``. The decoding record (``rewriter.decoding``) holds the
 tree (``rewriter.tree``): given, or chosen from the heads' measured accuracies and the
 cost of a round measured here, its programs and its own work against a whole plain step
