@@ -2,7 +2,9 @@
 
 Queries are the ``S`` tokens at cache positions ``[q_start, q_start + S)`` with heads folded
 (``[B, S, Hq*D]``, the IR's layout); keys and values are cache positions ``[0, q_start + S)``
-of ``[B, Hkv, L, D]`` tensors, already written. Query ``i`` sees key ``j`` when ``j <= i``,
+of ``[B, Hkv, L, D]`` tensors, already written. ``q_start`` is an int, or a ``[B]`` device
+tensor when each row has its own length (speculative rounds after ragged acceptance, and
+the static rounds a CUDA graph replays): the kernel reads it, the host never does. Query ``i`` sees key ``j`` when ``j <= i``,
 ``j`` is a real token of its row (``j >= start[b]``; a padding query sees itself only, so
 no row is empty), and, with ``window > 0``, ``i - j < window`` or ``j`` is one of the first
 ``sinks`` real tokens. With ``tree`` (int64 ``[S]``: bit ``j`` of ``tree[i]`` set when query
@@ -26,15 +28,18 @@ from .rope import rope_operands, rope_rows
 
 @triton.jit
 def prefill_attention_kernel(
-        q_ptr, k_ptr, v_ptr, start_ptr, out_ptr, cos_ptr, sin_ptr, tree_ptr,
+        q_ptr, k_ptr, v_ptr, start_ptr, out_ptr, cos_ptr, sin_ptr, tree_ptr, qstart_ptr,
         seq, q_start, scale, window, sinks, n_heads, group, head_dim, half,
         q_sb, q_ss, k_sb, k_sh, k_sl, v_sb, v_sh, v_sl, o_sb, o_ss, cs_ss,
-        HAS_ROPE: tl.constexpr, HAS_TREE: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
+        HAS_ROPE: tl.constexpr, HAS_TREE: tl.constexpr, QSTART_PER_ROW: tl.constexpr,
+        DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     mblock = tl.program_id(0)
     b = tl.program_id(1) // n_heads
     h = tl.program_id(1) % n_heads
     kvh = h // group
+    if QSTART_PER_ROW:  # this row's first query position, read on the device
+        q_start = tl.load(qstart_ptr + b)
     rows = mblock * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the step
     d = tl.arange(0, BLOCK_D)
     rmask, dmask = rows < seq, d < head_dim
@@ -82,23 +87,32 @@ def prefill_attention_kernel(
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      num_heads: int, scale: float, q_start: int = 0,
+                      num_heads: int, scale: float, q_start=0,
                       start: Optional[torch.Tensor] = None, window: int = 0, sinks: int = 0,
                       out: Optional[torch.Tensor] = None, block: Optional[int] = None,
                       cos: Optional[torch.Tensor] = None,
                       sin: Optional[torch.Tensor] = None,
                       tree: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``q`` ``[B, S, Hq*D]`` over cache ``[B, Hkv, L, D]`` positions ``[0, q_start + S)``
-    -> ``[B, S, Hq*D]``. ``block``: query and key tile (64 on a GPU; 16 under the
-    interpreter, where small tiles keep several blocks, and their masks, in small tests).
+    -> ``[B, S, Hq*D]``; ``q_start`` an int or each row's, ``[B]`` on q's device.
+    ``block``: query and key tile (64 on a GPU; 16 under the interpreter, where small tiles keep several blocks, and their masks, in small tests).
     With ``cos``/``sin`` ``[B, S, R]``, q is first rotated as ``rw.rope`` does; ``tree``
     (``tree_bits``) replaces the causal order among the step's own tokens."""
     b, s, hd = q.shape
     dim = hd // num_heads
     hkv = k_cache.shape[1]
-    if num_heads % hkv or k_cache.shape[-1] != dim or q_start + s > k_cache.shape[2]:
+    per_row = isinstance(q_start, torch.Tensor)
+    if per_row and (q_start.shape != (b,) or q_start.dtype not in (torch.int32, torch.int64)
+                    or q_start.device != q.device):
+        raise ValueError(f"prefill_attention: a per-row q_start must be an int tensor [{b}] on "
+                         f"{q.device}, got {q_start.dtype} {list(q_start.shape)} on {q_start.device}")
+    # a per-row start is never read here (under CUDA-graph capture that would sync): the
+    # caller keeps each row's q_start + S within the cache, as the runtime's steps do
+    if num_heads % hkv or k_cache.shape[-1] != dim or \
+            (not per_row and q_start + s > k_cache.shape[2]) or s > k_cache.shape[2]:
         raise ValueError(f"prefill_attention: q {list(q.shape)} ({num_heads} heads), cache "
-                         f"{list(k_cache.shape)}, q_start {q_start} do not fit")
+                         f"{list(k_cache.shape)}, q_start {'per row' if per_row else q_start} "
+                         f"do not fit")
     if q.stride(-1) != 1:
         q = q.contiguous()
     if start is None:
@@ -117,10 +131,12 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     # hit its 255-register ceiling there (benchmarks/kernels.py --aot 80), so 8 warps.
     warps = 8 if block >= 64 and block_d >= 128 else 4
     prefill_attention_kernel[grid](
-        q, k_cache, v_cache, start, out, cos2, sin2, tree if tree is not None else start, s, q_start, scale, window, sinks, num_heads,
+        q, k_cache, v_cache, start, out, cos2, sin2, tree if tree is not None else start,
+        q_start if per_row else start, s, 0 if per_row else q_start, scale, window, sinks, num_heads,
         num_heads // hkv, dim, half, q.stride(0), q.stride(1), *k_cache.stride()[:3],
         *v_cache.stride()[:3], out.stride(0), out.stride(1), cos2.stride(0),
-        HAS_ROPE=cos is not None, HAS_TREE=tree is not None, DOT_F32=interpreted(), BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d, num_warps=warps)
+        HAS_ROPE=cos is not None, HAS_TREE=tree is not None, QSTART_PER_ROW=per_row,
+        DOT_F32=interpreted(), BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d, num_warps=warps)
     return out
 
 

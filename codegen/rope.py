@@ -17,17 +17,18 @@ from . import check
 @triton.jit
 def rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, start_ptr, v_ptr, v_out_ptr, seq, start, heads,
                 head_dim, half, x_stride, cs_stride, o_sb, o_ss, o_sh, v_stride, vo_sb, vo_ss,
-                vo_sh, START_FROM_PTR: tl.constexpr, HAS_V: tl.constexpr, BLOCK_H: tl.constexpr,
+                vo_sh, start_sb, START_FROM_PTR: tl.constexpr, HAS_V: tl.constexpr, BLOCK_H: tl.constexpr,
                 BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HD: tl.constexpr):
     """One token, ``BLOCK_H`` heads: read ``x`` ``[tokens, H*D]``, write each rotated head
     at ``out + b*o_sb + (start + s)*o_ss + head*o_sh``: a ``[B, S, H*D]`` tensor or a
-    ``[B, H, L, D]`` cache, by strides. ``start`` may come from a device value. With
+    ``[B, H, L, D]`` cache, by strides. ``start`` may come from a device value, one for
+    every row (``start_sb`` 0) or each row's own (``start_sb`` 1). With
     ``HAS_V`` the same heads of ``v`` are copied, unrotated, into the V cache too."""
-    if START_FROM_PTR:
-        start = tl.load(start_ptr)
     token = tl.program_id(0)  # b * seq + s
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [H]
     b, s = token // seq, token % seq
+    if START_FROM_PTR:
+        start = tl.load(start_ptr + b * start_sb)
     src = x_ptr + token * x_stride + h[:, None] * head_dim  # [H, 1]
     dst = out_ptr + b * o_sb + (start + s) * o_ss + h[:, None] * o_sh
     i = tl.arange(0, BLOCK_HALF)
@@ -99,6 +100,7 @@ def _launch(x, cos, sin, head_dim, out, start, out_strides, v=None, v_out=None):
         x2, c2, s2, out, start_ptr, v2, v_out if v is not None else out, s,
         0 if isinstance(start, torch.Tensor) else start, heads, head_dim, rot // 2,
         x2.stride(0), c2.stride(0), *out_strides, v2.stride(0), *v_out_strides,
+        1 if isinstance(start, torch.Tensor) and start.numel() == b and b > 1 else 0,
         START_FROM_PTR=isinstance(start, torch.Tensor), HAS_V=v is not None, BLOCK_H=block_h,
         BLOCK_HALF=block_half, BLOCK_D=triton.next_power_of_2(max(1, head_dim - rot)),
         BLOCK_HD=triton.next_power_of_2(head_dim))
@@ -134,7 +136,9 @@ def rope_into_cache(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_
                     v: torch.Tensor | None = None, v_cache: torch.Tensor | None = None) -> None:
     """Rotate ``k`` ``[B, S, Hkv*D]`` and write it into ``cache`` ``[B, Hkv, L, D]`` at
     positions ``[start, start + S)``: ``FuseRoPE``'s K path, one read and one write.
-    ``start`` may be a one-element device tensor (a CUDA-graph decode step). With ``v``
+    ``start`` may be a one-element device tensor (a CUDA-graph decode step), or a ``[B]``
+    one, each row's own (the steps of speculative rounds; kept within the cache by the
+    caller: a device start is never read on the host). With ``v``
     and ``v_cache`` (same shapes as ``k`` and ``cache``), V is stored by the same launch."""
     b, s, hd = k.shape
     check((v is None) == (v_cache is None) and (v is None or (
@@ -143,7 +147,12 @@ def rope_into_cache(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_
     check(cache.dim() == 4 and cache.shape[0] == b and cache.shape[1] * head_dim == hd
           and cache.shape[3] == head_dim and cache.stride(3) == 1, "rope_into_cache",
           f"cache {list(cache.shape)} does not hold k {list(k.shape)} as heads of {head_dim}")
-    if not isinstance(start, torch.Tensor):  # a device tensor is never read here: under
+    if isinstance(start, torch.Tensor):
+        check(start.numel() in (1, b) and start.dim() <= 1 and start.device == k.device
+              and start.dtype in (torch.int32, torch.int64), "rope_into_cache",
+              f"a device start must be an int tensor of 1 or {b} elements on {k.device}, got "
+              f"{start.dtype} {list(start.shape)} on {start.device}")
+    else:  # a device tensor is never read here: under
         # CUDA-graph capture, even formatting it into the message would sync the stream
         check(0 <= start <= cache.shape[2] - s, "rope_into_cache",
               f"positions [{start}, {start} + {s}) are outside a cache of {cache.shape[2]}")

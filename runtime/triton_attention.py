@@ -29,9 +29,10 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, cache_id: int,
     with ``cos``/``sin`` (``FuseRoPE``) K is rotated by the kernel that writes the cache
     (V with it) and q by the attention kernel: no launch of its own for either. A step
     whose start is per row (speculative decoding after ragged acceptance, and every step of
-    a static round, ``runtime.replay``), or a token tree under a sliding window, runs the
-    torch path; a tree at one start runs
-    the prefill kernel with each node's ancestors as a bit set. A decode step with a
+    a static round, ``runtime.replay``) runs the prefill kernel with each row's start, read
+    on the device; with a selection (TidalDecode, Quest), or a token tree under a sliding
+    window, it runs the torch path. A tree runs the prefill kernel with each node's
+    ancestors as a bit set. A decode step with a
     selection (``select``: TidalDecode, Quest) passes the decode kernel its per-KV-head
     position lists, so it reads those keys only. A sink + window ring (``StreamingAttention``,
     DuoAttention's streaming heads) runs its one-token steps through the decode kernel too,
@@ -44,7 +45,8 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, cache_id: int,
     if sinks is not None:  # a sink + window ring (runtime.ring_cache): decode by the kernel
         return ring_attention(step, q, k, v, cache_id, num_heads, num_kv_heads, head_dim, scale,
                               window, sinks, cos, sin, rotary, kernel=decode_attention)
-    if step.per_row or (step.tree is not None and (window is not None or page is not None)):
+    if (step.per_row and (select is not None or page is not None)) or \
+            (step.tree is not None and (window is not None or page is not None)):
         return torch_cached_attention(step, q, k, v, cache_id, num_heads, num_kv_heads,
                                       head_dim, scale, window, cos, sin, select=select, page=page)
     b, s, _ = q.shape
@@ -58,7 +60,7 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, cache_id: int,
     if page is not None:  # Quest: the bounds of the pages just written
         refresh_bounds(step, cache_id, page, k_cache)
     start = step.pad if step.pad is not None else step.once("zeros", lambda: _zeros(b, q.device))
-    if s == 1 and step.tree is None:
+    if s == 1 and step.tree is None and not step.per_row:
         end = step.once("end", lambda: step.pos + 1) if step.static else step.end
         # TidalDecode, Quest: the kernel reads only the selected positions and this one
         index = None if select is None else selection_index(step, select)  # [B, Hkv, k + 1]

@@ -422,6 +422,47 @@ def test_triton_prefill_kernel_takes_the_tree_as_ancestor_bit_sets():
     assert torch.allclose(outs[0], outs[1], atol=1e-5)
 
 
+@pytest.mark.parametrize("tree", [0, 1, 3])  # 0: a tree; else a chain of as many tokens
+@pytest.mark.parametrize("rope", [False, True])
+@pytest.mark.parametrize("window", [None, 4])
+def test_triton_kernels_take_each_rows_own_start(tree, rope, window):
+    """A step whose rows start at their own cache positions (a ``[B]`` device tensor, as
+    after ragged acceptance and in every static round) runs the prefill kernel, and
+    ``rope_into_cache`` with ``FuseRoPE``, under the interpreter: the same output and the
+    same cache as the torch attention, rows padded and not, trees and chains, a window."""
+    from rewriter.runtime import triton_attention
+    from rewriter.runtime.attention import cached_attention
+    from rewriter.runtime.kv_cache import CacheSpec
+    chain, tree = tree, tree == 0
+    if tree and window:
+        pytest.skip("a tree under a window runs the torch path")
+    torch.manual_seed(1)
+    spec = CacheSpec(id=0, num_heads=4, num_kv_heads=2, head_dim=16, scale=0.25, causal=True, window=window)
+    lay = make_tree(WIDE, 3).layout()
+    n = len(WIDE) + 1 if tree else chain
+    caches = [KVCache({0: spec}, 3, 40, torch.float32, torch.device("cpu")) for _ in range(2)]
+    prefix = torch.randn(3, 2, 40, 16)
+    for c in caches:  # garbage past each row's start: masked, then overwritten
+        c.k[0][:], c.v[0][:] = prefix, -prefix
+    q, k, v = torch.randn(3, n, 64), torch.randn(3, n, 32), torch.randn(3, n, 32)
+    cos, sin = (torch.randn(3, n, 16), torch.randn(3, n, 16)) if rope else (None, None)
+    start, pad = torch.tensor([9, 5, 14]), torch.tensor([0, 2, 0])
+    kw = dict(tree=lay["ancestors"], depth=lay["depth"]) if tree else {}
+    calls = []
+    real = triton_attention.torch_cached_attention
+    triton_attention.torch_cached_attention = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        outs = [fn(Step(c, start, n, pad, end=14 + n, **kw), q, k, v, 0, 4, 2, 16, 0.25, window, cos, sin)
+                for fn, c in ((cached_attention, caches[0]), (triton_attention.cached_attention, caches[1]))]
+    finally:
+        triton_attention.torch_cached_attention = real
+    assert calls == []  # the kernels ran, not the torch path
+    assert torch.allclose(outs[0], outs[1], atol=1e-5)
+    for a, b in ((caches[0].k[0], caches[1].k[0]), (caches[0].v[0], caches[1].v[0])):
+        assert torch.allclose(a, b, atol=1e-6)
+    assert not torch.equal(caches[1].k[0], prefix)  # each row's tokens were written
+
+
 # ---------------------------------------------------------------------------- oracle drafts
 @pytest.mark.parametrize("config", ["llama-gqa-3l", "mistral-window-3l", "gpt2-3l"])
 def test_right_drafts_are_accepted_whole_and_the_output_stays_plain_greedys(config, monkeypatch):
