@@ -45,6 +45,13 @@ def _launch_everything():
         cs = torch.randn(1, 70, dim, dtype=torch.bfloat16)
         prefill_attention(torch.randn(1, 70, 4 * dim, dtype=torch.bfloat16), kc, kc, 4,
                           dim ** -0.5, block=64, cos=cs, sin=cs)
+    # a speculative round's tree at each row's own start, K rotated into the cache first
+    starts, kc = torch.tensor([3, 9]), torch.zeros(2, 2, 40, 64, dtype=torch.bfloat16)
+    cs = torch.randn(2, 8, 64, dtype=torch.bfloat16)
+    rope.rope_into_cache(torch.randn(2, 8, 2 * 64, dtype=torch.bfloat16), cs, cs, 64, kc, starts)
+    prefill_attention(torch.randn(2, 8, 4 * 64, dtype=torch.bfloat16), kc, kc, 4, 0.125,
+                      q_start=starts, block=64, cos=cs, sin=cs,
+                      tree=torch.tensor([1 << i | 1 for i in range(8)]))
 
 
 def test_every_kernel_the_backend_launches_compiles_for_sm90_without_spills():
@@ -69,6 +76,8 @@ def test_every_kernel_the_backend_launches_compiles_for_sm90_without_spills():
                     ("decode_attention_split_kernel", "HAS_SINK_Q", "True"),
                     ("prefill_attention_kernel", "HAS_ROPE", "True"),
                     ("prefill_attention_kernel", "BLOCK_M", "64"),
+                    ("prefill_attention_kernel", "QSTART_PER_ROW", "True"),
+                    ("prefill_attention_kernel", "HAS_TREE", "True"),
                     ("decode_attention_split_kernel", "DOT_F32", "False")]:
         assert variant in seen, variant
     assert not any(k == "DOT_F32" and v == "True" for _, k, v in seen)  # GPU builds only
