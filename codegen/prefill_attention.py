@@ -103,9 +103,10 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     hkv = k_cache.shape[1]
     per_row = isinstance(q_start, torch.Tensor)
     if per_row and (q_start.shape != (b,) or q_start.dtype not in (torch.int32, torch.int64)
-                    or q_start.device != q.device):
-        raise ValueError(f"prefill_attention: a per-row q_start must be an int tensor [{b}] on "
-                         f"{q.device}, got {q_start.dtype} {list(q_start.shape)} on {q_start.device}")
+                    or q_start.device != q.device or (b > 1 and q_start.stride(0) != 1)):
+        raise ValueError(f"prefill_attention: a per-row q_start must be a contiguous int tensor "
+                         f"[{b}] on {q.device}, got {q_start.dtype} {list(q_start.shape)} "
+                         f"(strides {list(q_start.stride())}) on {q_start.device}")
     # a per-row start is never read here (under CUDA-graph capture that would sync): the
     # caller keeps each row's q_start + S within the cache, as the runtime's steps do
     if num_heads % hkv or k_cache.shape[-1] != dim or \

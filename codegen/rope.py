@@ -149,9 +149,11 @@ def rope_into_cache(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_
           f"cache {list(cache.shape)} does not hold k {list(k.shape)} as heads of {head_dim}")
     if isinstance(start, torch.Tensor):
         check(start.numel() in (1, b) and start.dim() <= 1 and start.device == k.device
-              and start.dtype in (torch.int32, torch.int64), "rope_into_cache",
-              f"a device start must be an int tensor of 1 or {b} elements on {k.device}, got "
-              f"{start.dtype} {list(start.shape)} on {start.device}")
+              and start.dtype in (torch.int32, torch.int64)
+              and (start.numel() == 1 or start.stride(0) == 1), "rope_into_cache",
+              f"a device start must be a contiguous int tensor of 1 or {b} elements on "
+              f"{k.device}, got {start.dtype} {list(start.shape)} (strides "
+              f"{list(start.stride())}) on {start.device}")
     else:  # a device tensor is never read here: under
         # CUDA-graph capture, even formatting it into the message would sync the stream
         check(0 <= start <= cache.shape[2] - s, "rope_into_cache",

@@ -332,12 +332,26 @@ def _bad_calls():
         "write past the cache": lambda: rope.rope_into_cache(
             torch.randn(2, 3, 32), torch.randn(2, 3, 16), torch.randn(2, 3, 16), 16,
             torch.zeros(2, 2, 8, 16), 6),
+        **{f"rope start {name}": (lambda bad=bad: rope.rope_into_cache(
+            torch.randn(2, 3, 32), torch.randn(2, 3, 16), torch.randn(2, 3, 16), 16,
+            torch.zeros(2, 2, 8, 16), bad)) for name, bad in _bad_starts().items()},
+        **{f"prefill_attention q_start {name}": (lambda bad=bad: prefill_attention(
+            torch.randn(2, 3, 64), torch.zeros(2, 2, 8, 16), torch.zeros(2, 2, 8, 16), 4, 0.25,
+            q_start=bad)) for name, bad in {**_bad_starts(), "of one row": torch.tensor([3])}.items()},
     }
+
+
+def _bad_starts():
+    """Per-row starts for 2 rows that both kernels refuse."""
+    return {"float": torch.tensor([1.0, 2.0]), "2-d": torch.tensor([[1, 2]]),
+            "3 rows": torch.tensor([1, 2, 3]), "strided": torch.tensor([[4, 0], [5, 0]])[:, 0],
+            "expanded": torch.tensor([4]).expand(2), "on the meta device": torch.tensor(
+                [1, 2], device="meta"), "0-dim float": torch.tensor(3.0)}
 
 
 @pytest.mark.parametrize("case", list(_bad_calls()))
 def test_bad_arguments_are_refused_before_a_launch(case):
-    with pytest.raises(ValueError, match="rms_norm|swiglu|rope"):
+    with pytest.raises(ValueError, match="rms_norm|swiglu|rope|prefill_attention"):
         _bad_calls()[case]()
 
 
