@@ -4,8 +4,8 @@ Queries are the ``S`` tokens at cache positions ``[q_start, q_start + S)`` with 
 (``[B, S, Hq*D]``, the IR's layout); keys and values are cache positions ``[0, q_start + S)``
 of ``[B, Hkv, L, D]`` tensors, already written. ``q_start`` is an int, or a ``[B]`` device
 tensor when each row has its own length (speculative rounds after ragged acceptance, and
-the static rounds a CUDA graph replays): the kernel reads it, the host never does. Query ``i`` sees key ``j`` when ``j <= i``,
-``j`` is a real token of its row (``j >= start[b]``; a padding query sees itself only, so
+the static rounds a CUDA graph replays): the kernel reads it, the host never does.
+Query ``i`` sees key ``j`` when ``j <= i``, ``j`` is a real token of its row (``j >= start[b]``; a padding query sees itself only, so
 no row is empty), and, with ``window > 0``, ``i - j < window`` or ``j`` is one of the first
 ``sinks`` real tokens. With ``tree`` (int64 ``[S]``: bit ``j`` of ``tree[i]`` set when query
 ``i`` may see the step's own token ``j``; a token tree verified at once, at most 64 nodes)
@@ -95,7 +95,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       tree: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``q`` ``[B, S, Hq*D]`` over cache ``[B, Hkv, L, D]`` positions ``[0, q_start + S)``
     -> ``[B, S, Hq*D]``; ``q_start`` an int or each row's, ``[B]`` on q's device.
-    ``block``: query and key tile (64 on a GPU; 16 under the interpreter, where small tiles keep several blocks, and their masks, in small tests).
+    ``block``: query and key tile (64 on a GPU; 16 under the interpreter, where small tiles
+    keep several blocks, and their masks, in small tests).
     With ``cos``/``sin`` ``[B, S, R]``, q is first rotated as ``rw.rope`` does; ``tree``
     (``tree_bits``) replaces the causal order among the step's own tokens."""
     b, s, hd = q.shape
