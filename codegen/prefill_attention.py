@@ -5,8 +5,8 @@ Queries are the ``S`` tokens at cache positions ``[q_start, q_start + S)`` with 
 of ``[B, Hkv, L, D]`` tensors, already written. ``q_start`` is an int, or a ``[B]`` device
 tensor when each row has its own length (speculative rounds after ragged acceptance, and
 the static rounds a CUDA graph replays): the kernel reads it, the host never does.
-Query ``i`` sees key ``j`` when ``j <= i``, ``j`` is a real token of its row (``j >= start[b]``; a padding query sees itself only, so
-no row is empty), and, with ``window > 0``, ``i - j < window`` or ``j`` is one of the first
+Query ``i`` sees key ``j`` when ``j <= i``, ``j`` is a real token of its row (``j >=
+start[b]``; a padding query sees itself only, so no row is empty), and, with ``window > 0``, ``i - j < window`` or ``j`` is one of the first
 ``sinks`` real tokens. With ``tree`` (int64 ``[S]``: bit ``j`` of ``tree[i]`` set when query
 ``i`` may see the step's own token ``j``; a token tree verified at once, at most 64 nodes)
 the step's tokens see only their ancestors and themselves instead of every earlier one.
