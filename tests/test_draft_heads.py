@@ -425,7 +425,7 @@ def test_triton_prefill_kernel_takes_the_tree_as_ancestor_bit_sets():
 @pytest.mark.parametrize("tree", [0, 1, 3])  # 0: a tree; else a chain of as many tokens
 @pytest.mark.parametrize("rope", [False, True])
 @pytest.mark.parametrize("window", [None, 4])
-def test_triton_kernels_take_each_rows_own_start(tree, rope, window):
+def test_triton_kernels_take_each_rows_own_start(tree, rope, window, monkeypatch):
     """A step whose rows start at their own cache positions (a ``[B]`` device tensor, as
     after ragged acceptance and in every static round) runs the prefill kernel, and
     ``rope_into_cache`` with ``FuseRoPE``, under the interpreter: the same output and the
@@ -449,13 +449,10 @@ def test_triton_kernels_take_each_rows_own_start(tree, rope, window):
     start, pad = torch.tensor([9, 5, 14]), torch.tensor([0, 2, 0])
     kw = dict(tree=lay["ancestors"], depth=lay["depth"]) if tree else {}
     calls = []
-    real = triton_attention.torch_cached_attention
-    triton_attention.torch_cached_attention = lambda *a, **k: calls.append(1) or real(*a, **k)
-    try:
-        outs = [fn(Step(c, start, n, pad, end=14 + n, **kw), q, k, v, 0, 4, 2, 16, 0.25, window, cos, sin)
-                for fn, c in ((cached_attention, caches[0]), (triton_attention.cached_attention, caches[1]))]
-    finally:
-        triton_attention.torch_cached_attention = real
+    monkeypatch.setattr(triton_attention, "torch_cached_attention",
+                        lambda *a, **k: calls.append(1) or cached_attention(*a, **k))
+    outs = [fn(Step(c, start, n, pad, end=14 + n, **kw), q, k, v, 0, 4, 2, 16, 0.25, window, cos, sin)
+            for fn, c in ((cached_attention, caches[0]), (triton_attention.cached_attention, caches[1]))]
     assert calls == []  # the kernels ran, not the torch path
     assert torch.allclose(outs[0], outs[1], atol=1e-5)
     for a, b in ((caches[0].k[0], caches[1].k[0]), (caches[0].v[0], caches[1].v[0])):
