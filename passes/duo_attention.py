@@ -9,6 +9,9 @@ file's ``sinks`` and ``window`` (or the ones given here) in a ring, as
 ``StreamingAttention`` does, with the sink positions the gates were calibrated with
 (``positions``: StreamingLLM's, ``"cache"``, by default).
 
+Their ``sinks + window`` may not pass the model's context length (a gates file's as well as
+those given here), as with ``StreamingAttention``.
+
 In the IR every attention op shows its ``gates``; a layer whose heads all stream gets
 ``sinks`` and ``window`` (a whole ring), a layer with both kinds ``full_heads=[...]`` too,
 and the KV-cache runtime keeps that layer in two caches: the full heads' and the others'
@@ -30,7 +33,7 @@ from rewriter.ir.core import IR
 from rewriter.ops import MAX_INT, OPS, op_arguments
 from rewriter.pass_manager import Pass
 from rewriter.passes.streaming import ring_attention_nodes, rotary_frequencies
-from rewriter.values import is_int
+from rewriter.values import context_length, is_int, within_context
 
 
 class DuoAttention(Pass):
@@ -88,6 +91,10 @@ class DuoAttention(Pass):
     def run(self, ir: IR) -> IR:
         nodes = ring_attention_nodes(self, ir)
         self._check_model(ir)
+        # the streaming heads' ring is sized by these (a gates file's or the ones given)
+        who = self.name if isinstance(self.gates, list) else f"{self.name} (gates {self.gates})"
+        within_context(who, context_length(ir.info.get("config", {})), sinks=self.sinks,
+                       window=self.window)
         for n in nodes:
             self._check_fits(n, op_arguments("attention", tuple(n.args), dict(n.kwargs)))
         full = self.full_heads(sorted(op_arguments("attention", tuple(n.args), dict(n.kwargs))

@@ -16,6 +16,7 @@ attended densely, as Quest does), so a decode step reads the bounds and ``budget
 per KV head instead of the whole cache. The whole-sequence graph selects at every position,
 so it is the reference for decode steps. Windows, sink caches, TidalDecode and speculative
 strategies are refused beside it, and it runs before ``FuseRoPE`` (it reads rotated keys).
+A selection is ``budget + recent`` tokens wide, at most the model's context length.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from rewriter.errors import PassError
 from rewriter.ir.core import IR
 from rewriter.ops import MAX_INT, OPS, op_arguments
 from rewriter.pass_manager import Pass
-from rewriter.values import is_int
+from rewriter.values import context_length, is_int, within_context
 
 
 class Quest(Pass):
@@ -51,7 +52,7 @@ class Quest(Pass):
         if len(nodes) <= self.dense_layers:
             raise PassError(f"{self!r}: the IR has {len(nodes)} attention layers, all kept "
                             f"dense; nothing would select")
-        for n in nodes[self.dense_layers:]:
+        for n in nodes[self.dense_layers:]:  # every conflict before the graph changes
             args = _args(n)
             if args["window"] is not None or args["sinks"] is not None or args["select"] is not None:
                 raise PassError(f"{self!r}: {n.name} already limits what it sees (window="
@@ -60,6 +61,11 @@ class Quest(Pass):
             if args["cos"] is not None:
                 raise PassError(f"{self!r} must run before FuseRoPE: the selection reads the "
                                 f"rotated q and k")
+        # a selection is budget + recent tokens wide (rewriter.ops.select_pages)
+        within_context(self.name, context_length(ir.info.get("config", {})), budget=self.budget,
+                       recent=self.recent)
+        for n in nodes[self.dense_layers:]:
+            args = _args(n)
             with ir.graph.inserting_before(n):
                 selection = ir.graph.call_function(OPS["select_pages"], (args["q"], args["k"]), {
                     "layer": args["layer"], "num_heads": args["num_heads"],

@@ -15,6 +15,10 @@ attention op takes the model's RoPE frequencies for it, ``rotary=``). ``position
 "original"`` keeps the true distances to the sinks (they grow without bound).
 
 A layer that already has a sliding window (Mistral) keeps the smaller of the two windows.
+``sinks + window`` may not pass the model's context length: the runtime sizes the ring and
+its sink layout by them, and no sequence the model was made for needs more. The pass checks
+it when it runs (``__init__`` does not know the model); the verifier, after every pass and
+when an artifact is loaded, checks every attention op's (``rewriter.ops.check_context``).
 Speculative strategies (``SelfSpeculative``, draft heads) roll rejected tokens back by
 length, which a ring that overwrote the oldest keys cannot do: the combination is refused.
 """
@@ -27,7 +31,7 @@ from rewriter.errors import PassError
 from rewriter.ir.core import IR
 from rewriter.ops import MAX_INT, OPS, op_arguments
 from rewriter.pass_manager import Pass
-from rewriter.values import is_int
+from rewriter.values import context_length, is_int, within_context
 
 
 class StreamingAttention(Pass):
@@ -55,6 +59,9 @@ class StreamingAttention(Pass):
         if missing:
             raise PassError(f"{self!r}: no attention names cache {missing[0]}; the IR has "
                             f"{sorted(by_layer)}")
+        # the ring's slots and its sink layout are sized by these (runtime.ring_cache)
+        within_context(self.name, context_length(ir.info.get("config", {})), sinks=self.sinks,
+                       window=self.window)
         for i in chosen:
             n = by_layer[i]
             args = op_arguments("attention", tuple(n.args), dict(n.kwargs))

@@ -25,7 +25,8 @@ The KV-cache runtime keeps the whole cache and selects at decode only: a prompt 
 attended densely (TidalDecode leaves prefill dense), so a decode step of a sparse layer
 reads ``top_k + 1`` keys instead of the whole cache. The whole-sequence graph selects at
 every position (it has no prompt/decode split), so it is the reference for decode steps
-only. Windows, sink caches and speculative strategies are refused beside it.
+only. Windows, sink caches and speculative strategies are refused beside it. A selection
+is ``top_k + recent`` tokens wide, at most the model's context length.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from rewriter.errors import PassError
 from rewriter.ir.core import IR
 from rewriter.ops import MAX_INT, OPS, op_arguments
 from rewriter.pass_manager import Pass
-from rewriter.values import is_int
+from rewriter.values import context_length, is_int, within_context
 
 CALIBRATION_QUERIES = 32  # the last positions of each calibration prompt, taken as decode steps
 MAX_READ = 0.25  # with calibrate: a decode step reads at most this of dense attention's KV bytes
@@ -109,6 +110,9 @@ class TidalDecode(Pass):
             if args["cos"] is not None:
                 raise PassError(f"{self!r} must run before FuseRoPE: the selection reads the "
                                 f"rotated q and k")
+        # a selection is top_k + recent tokens wide (rewriter.ops.select_tokens)
+        within_context(self.name, context_length(ir.info.get("config", {})), top_k=self.top_k,
+                       recent=self.recent)
         if self.calibrate is not None:
             self.selection_layers = self._choose(ir, layers)
         missing = [i for i in self.selection_layers if i not in layers]

@@ -22,7 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from rewriter.heads import MAX_HEADS
 from rewriter.int4 import dequantize
+from rewriter.values import within_context
 
 OPS: dict[str, torch._ops.OpOverload] = {}
 # The same ops as plain Python functions: the runtime calls these directly, because a
@@ -581,10 +583,10 @@ def eagle_layer(feature: Tensor, embedded: Tensor, fc_weight: Tensor, fc_bias: T
 MAX_INT = 2**31 - 1
 
 
-def _int(low: int):
+def _int(low: int, high: int = MAX_INT):
     def check(v):
-        if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= MAX_INT:
-            return f"an integer in [{low}, {MAX_INT}]"
+        if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+            return f"an integer in [{low}, {high}]"
     return check
 
 
@@ -632,7 +634,8 @@ ATTRIBUTES: dict[str, dict[str, callable]] = {
     "rotary": {"scaling": _finite_positive},
     "rope": {"head_dim": _int(1)},
     "linear_int4": {"group_size": _int(2)},
-    "next_tokens": {"count": _int(1)},
+    # Hydra's heads read the path drafted so far (EAGLE's 1): no more tokens than heads
+    "next_tokens": {"count": _int(1, MAX_HEADS)},
     "eagle_layer": {"num_heads": _int(1), "num_kv_heads": _int(1),
                     "rope_theta": _finite_positive, "eps": _finite_positive},
     "select_tokens": {"layer": _int(0), "num_heads": _int(1), "num_kv_heads": _int(1),
@@ -645,6 +648,25 @@ ATTRIBUTES: dict[str, dict[str, callable]] = {
                   "window": _optional(_int(1)), "sinks": _optional(_int(0)),
                   "full_heads": _optional(_head_list), "gates": _optional(_gate_list)},
 }
+
+# Token counts the runtime sizes a layer's state by: a ring's slots and sink layout
+# (``sinks + window``), a selection's width (``top_k`` or ``budget``, plus ``recent``).
+# Together they may not pass the model's context length, which the schema above does not
+# know: ``check_context`` is applied by the verifier (after every pass, and at load) and,
+# naming their own parameters, by the passes that write them. A plain sliding window
+# (no sinks) sizes nothing: the cache is the sequence's, and the artifact loader ties the
+# window to the config's ``sliding_window``.
+CONTEXT_BOUNDED = {"attention": ("sinks", "window"), "select_tokens": ("top_k", "recent"),
+                   "select_pages": ("budget", "recent")}
+
+
+def check_context(name: str, bound: dict, context: int) -> None:
+    """``ValueError`` when the ``CONTEXT_BOUNDED`` counts of a call of ``rw.<name>`` (its
+    arguments by name, ``op_arguments``) add up past ``context``, naming them."""
+    keys = CONTEXT_BOUNDED.get(name)
+    if keys is None or (name == "attention" and bound["sinks"] is None):
+        return
+    within_context(f"rw.{name}", context, **{k: bound[k] for k in keys})
 
 
 def op_arguments(name: str, args: tuple, kwargs: dict) -> dict:

@@ -48,6 +48,10 @@ def ring_attention(step, q: Tensor, k: Tensor, v: Tensor, cache_id: int, num_hea
     b, s, _ = q.shape
     k_ring, v_ring = step.cache.k[cache_id], step.cache.v[cache_id]  # [B, Hkv, C + 1, D]
     size = k_ring.shape[2] - 1  # sinks + window, or fewer for sequences that never wrap
+    # A ring shorter than its sinks (sequences shorter than them) holds sinks only, the
+    # same under either count, so no score changes; and no step sizes anything by more
+    # sinks than the ring has slots (an artifact may claim a context as long as its sinks)
+    sinks = min(sinks, size)
     new_k = k.view(b, s, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, S, D]
     new_v = v.view(b, s, num_kv_heads, head_dim).transpose(1, 2)
     qh = q.view(b, s, num_heads, head_dim).transpose(1, 2)  # [B, Hq, S, D]

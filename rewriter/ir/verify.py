@@ -8,7 +8,8 @@ from torch import fx
 
 from rewriter.errors import VerificationError
 from rewriter.ir.core import IR
-from rewriter.ops import OPS, check_arguments, op_arguments
+from rewriter.ops import OPS, check_arguments, check_context, op_arguments
+from rewriter.values import context_length
 
 _RW_NAMES = {op: name for name, op in OPS.items()}
 
@@ -47,16 +48,18 @@ def _check_node(ir: IR, n: fx.Node, shapes: bool) -> None:
     if shapes and n.meta.get("shape") is None and isinstance(n.meta.get("val"), torch.Tensor):
         raise VerificationError(f"{n.name} has no shape")
     if n.op == "call_function" and n.target in _RW_NAMES:
-        _check_rw_arguments(n)
+        _check_rw_arguments(ir, n)
     if n.op == "call_function" and n.target is OPS["attention"]:
         _check_sparse_inputs(ir, n)
 
 
-def _check_rw_arguments(n: fx.Node) -> None:
-    """The op's attributes by the rules beside it (``rewriter.ops.ATTRIBUTES``)."""
+def _check_rw_arguments(ir: IR, n: fx.Node) -> None:
+    """The op's attributes by the rules beside it (``rewriter.ops.ATTRIBUTES``), and the
+    token counts the runtime sizes state by against the model's context length."""
     try:
         bound = check_arguments(_RW_NAMES[n.target], n.args, n.kwargs,
                                 is_tensor=lambda v: isinstance(v, fx.Node))
+        check_context(_RW_NAMES[n.target], bound, context_length(ir.info.get("config", {})))
     except ValueError as e:
         raise VerificationError(f"{n.name}: {e}") from None
     if _RW_NAMES[n.target] == "attention" and "layer" in n.meta and bound["layer"] != n.meta["layer"]:
