@@ -14,6 +14,7 @@ import importlib.util
 import os
 import stat
 import tempfile
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -230,11 +231,41 @@ def compile_source(kernel: GeneratedKernel):
         d = cache_dir()
         name = f"k_{digest}.py"
         _store(d, name, kernel.source.encode())
-        spec = importlib.util.spec_from_file_location(f"rewriter_kernel_{digest}", d / name)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        _COMPILED[digest] = getattr(module, kernel.name)
+        _COMPILED[digest] = _import_kernel(d / name, f"rewriter_kernel_{digest}", kernel.name)
     return _COMPILED[digest]
+
+
+class KernelSourceError(RewriterError):
+    """A kernel's source does not import, or defines no ``@triton.jit`` function of its
+    name: an artifact's stored kernel (``trust_code=True``), or a code generator's bug."""
+
+    def __init__(self, kernel: str, problem: str):
+        super().__init__(f"kernel {kernel}: {problem}")
+        self.kernel, self.problem = kernel, problem
+
+
+def _import_kernel(path: Path, module_name: str, name: str):
+    """What the source file at ``path`` defines as ``name``. A stored source may fail
+    anyhow when imported: a SyntaxError, a NameError, a failed import, an exit."""
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except (Exception, SystemExit) as e:
+        raise KernelSourceError(name, f"importing it raised {_described(e, path)}") from e
+    if not hasattr(module, name):
+        raise KernelSourceError(name, f"defines no {name!r}")
+    return getattr(module, name)
+
+
+def _described(e: BaseException, path: Path) -> str:
+    """``SyntaxError at line 3: invalid syntax``: the error and where in the file it was."""
+    if isinstance(e, SyntaxError):
+        line, text = e.lineno, e.msg
+    else:
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == str(path)]
+        line, text = frames[-1].lineno if frames else None, str(e).split("\n")[0][:200]
+    return f"{type(e).__name__}{f' at line {line}' if line else ''}: {text}"
 
 
 def _store(d: Path, name: str, source: bytes) -> None:
@@ -261,8 +292,14 @@ class Launcher:
     whose symbolic shapes name them; outputs take the broadcast shape of the inputs."""
 
     def __init__(self, kernel: GeneratedKernel):
+        import triton.runtime
         self.kernel = kernel
         self.fn = compile_source(kernel)
+        if not isinstance(self.fn, triton.runtime.KernelInterface):  # launched as fn[grid](...)
+            kind = type(self.fn).__name__
+            article = "an" if kind[0] in "aeiou" else "a"
+            raise KernelSourceError(kernel.name, f"{kernel.name!r} is {article} {kind}, not a "
+                                                 f"@triton.jit function")
         self.out_dtypes = [n.meta["val"].dtype for n in kernel.outputs]
         self.__name__ = kernel.name  # fx prints the callable's name
 

@@ -30,8 +30,9 @@ Guarantees of ``save(engine, DIR)``:
 
 ``read`` (under ``rewriter.load``) reads the pointer, checks the manifest against the
 pointer's checksum (an edited manifest is reported as such), checks the manifest's fields,
-then every file's size and sha256, before reading any of them. The manifest may list only
-the format's files (those above; a kernel by a module name, ``kernels/<identifier>.py``).
+then every file's size and sha256, before reading any of them, then that every floating
+weight is finite (no NaN, no infinity; ``save`` refuses to write one). The manifest may list
+only the format's files (those above; a kernel by a module name, ``kernels/<identifier>.py``).
 Every failure is an ``ArtifactError`` naming the file and the reason. Format 1 (a flat
 directory, written by rewriter before format 2) is recognised so that a save may replace
 it, but not loaded: save it again.
@@ -114,6 +115,9 @@ def _serialize(engine) -> dict[str, bytes]:
     stored, names = _unique_weights(engine.ir.weights())
     ir_data = {"graph": graph_to_data(engine.ir.gm), "weights": names,
                "info": {**engine.ir.info, "passes": engine.pass_specs}}
+    problem = non_finite(stored)  # load refuses it: an artifact that cannot load is not written
+    if problem:
+        raise ArtifactError(f"cannot save the model: its {problem}")
     files = {IR_FILE: _json_bytes(ir_data), WEIGHTS_FILE: safetensors_bytes(stored)}
     tokenizer = _tokenizer_json(engine.tokenizer)
     if tokenizer is not None:
@@ -258,15 +262,8 @@ def read(directory, backend: Optional[str] = None) -> Stored:
     ir_data = _read_json(d / IR_FILE)
     weights = _read_weights(d / WEIGHTS_FILE)
     ir = ir_from_data(ir_data, weights, manifest, Paths(d / IR_FILE, d / MANIFEST, d / WEIGHTS_FILE))
-    tokenizer = None
-    if manifest["tokenizer"] is not None:
-        if manifest["tokenizer"] != TOKENIZER_FILE or TOKENIZER_FILE not in manifest["files"]:
-            raise ArtifactError(f"{d / MANIFEST}: tokenizer must be the listed {TOKENIZER_FILE}, "
-                                f"got {manifest['tokenizer']!r}")
-        tokenizer = _read_tokenizer(d / TOKENIZER_FILE)
+    tokenizer = _listed_tokenizer(d, manifest)
     text = _read_text_config(d / TEXT_FILE) if TEXT_FILE in manifest["files"] else None
-    if text is not None and tokenizer is None:
-        raise ArtifactError(f"{d / MANIFEST}: lists {TEXT_FILE} but no tokenizer")
     backend = backend or manifest["backend"]
     stored_kernels = {n.split("/", 1)[1].removesuffix(".py"): _read_text(d / n)
                       for n in manifest["files"] if n.startswith(KERNELS_DIR + "/")}
@@ -278,6 +275,26 @@ def read(directory, backend: Optional[str] = None) -> Stored:
     elif backend != "torch":
         raise ArtifactError(f"{d / MANIFEST}: unknown backend {backend!r}")
     return Stored(d, ir, tokenizer, manifest["passes"], backend, text, stored_kernels)
+
+
+def _listed_tokenizer(d: Path, manifest: dict):
+    """The tokenizer, or None; the manifest's ``tokenizer`` field and its file list agree.
+    An artifact saved without one loads, and its messages say so where text is needed."""
+    named, files, where = manifest["tokenizer"], manifest["files"], d / MANIFEST
+    if named not in (None, TOKENIZER_FILE):
+        raise ArtifactError(f"{where}: tokenizer must be the listed {TOKENIZER_FILE} or null, "
+                            f"got {_short(named)}")
+    listed = TOKENIZER_FILE in files
+    lacking = "the artifact has no tokenizer (save the model again with its tokenizer)"
+    if named and not listed:
+        raise ArtifactError(f"{where}: names {TOKENIZER_FILE} as the tokenizer, but its file "
+                            f"list has no {TOKENIZER_FILE}: {lacking}")
+    if TEXT_FILE in files and not listed:
+        raise ArtifactError(f"{where}: lists {TEXT_FILE} but not {TOKENIZER_FILE}: {lacking}")
+    if listed and not named:
+        raise ArtifactError(f"{where}: lists {TOKENIZER_FILE} but its tokenizer field is null "
+                            f"(the manifest was edited)")
+    return _read_tokenizer(d / TOKENIZER_FILE) if listed else None
 
 
 def read_manifest(directory) -> dict:
@@ -459,9 +476,35 @@ def _read_json(path: Path) -> dict:
 def _read_weights(path: Path) -> dict:
     from safetensors.torch import load_file
     try:
-        return load_file(str(path))
+        tensors = load_file(str(path))
     except Exception as e:  # safetensors raises its own error types for corrupt headers
         raise ArtifactError(f"{path}: unreadable safetensors ({e})") from e
+    problem = non_finite(tensors)
+    if problem:
+        raise ArtifactError(f"{path}: {problem}")
+    return tensors
+
+
+def non_finite(tensors: dict[str, torch.Tensor]) -> Optional[str]:
+    """What is wrong with the first floating tensor holding NaN or an infinity, or None.
+
+    Such a weight loads and runs: a NaN int4 scale makes every logit NaN, and greedy
+    decoding then emits token 0 forever. ``aminmax`` is one read of each tensor with
+    nothing allocated (NaN propagates to both ends; an infinity is one of them): 20x
+    faster than ``isfinite(t).all()`` on SmolLM2's embedding, 0.15 s for all its weights."""
+    for name, t in tensors.items():
+        if not t.is_floating_point() or not t.numel():
+            continue
+        x = t if t.dtype in _MINMAX_DTYPES else t.float()  # float8 has no aminmax kernel
+        low, high = torch.aminmax(x)
+        if not bool(torch.isfinite(low) & torch.isfinite(high)):
+            bad = int((~torch.isfinite(x)).sum())  # on the failure path only: counted
+            return (f"tensor {name!r} ({str(t.dtype).removeprefix('torch.')} {list(t.shape)}) "
+                    f"holds {bad} NaN or infinite value{'s' if bad != 1 else ''}")
+    return None
+
+
+_MINMAX_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def _read_tokenizer(path: Path):

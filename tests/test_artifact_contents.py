@@ -222,6 +222,18 @@ def test_bad_attributes_of_other_ops_are_refused(art, name, index, value, proble
     refused(art, "ir.json", rf"node {name}: {problem}")
 
 
+@pytest.mark.parametrize("name, change", [
+    ("mul_19", lambda n: n["args"].__setitem__(1, float("nan"))),
+    ("add_6", lambda n: n.__setitem__("kwargs", {"alpha": float("nan")})),
+    ("mul_28", lambda n: n["args"].__setitem__(1, [1.0, {"tuple": [float("nan")]}])),
+])
+def test_a_nan_constant_in_an_aten_node_is_refused(art, name, change):
+    """JSON readers accept ``NaN``; a resealed one loaded and greedy decoding emitted token 0
+    forever (issue 57). No IR rewriter writes holds one."""
+    edit(art, "ir.json", lambda d: change(node(d, name)))
+    refused(art, "ir.json", rf"node {name}: a NaN constant")
+
+
 class SetAttention(rewriter.Pass):
     """A faulty pass: writes one attention argument."""
 

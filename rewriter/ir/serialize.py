@@ -23,6 +23,7 @@ from __future__ import annotations
 import builtins
 import functools
 import keyword
+import math
 import operator
 import re
 
@@ -126,11 +127,19 @@ def _add_node(graph: fx.Graph, d, env: dict, weights: dict) -> None:
                 check_arguments(_RW[fn], tuple(args), kwargs, lambda v: isinstance(v, fx.Node))
             except ValueError as e:
                 raise IRDataError(f"node {name}: {e}") from None
+        elif _holds_nan((args, kwargs)):  # JSON readers accept NaN; no IR we write holds one
+            raise IRDataError(f"node {name}: a NaN constant (it would make the logits NaN)")
         node = graph.create_node("call_function", fn, tuple(args), kwargs, name=name)
     if node.name != name:  # fx renamed it: it would shadow a builtin or a global
         raise IRDataError(f"bad node name {name!r} (reserved in the code fx generates)")
     node.meta.update(d.get("meta", {}))
     env[name] = node
+
+
+def _holds_nan(value) -> bool:
+    found = []
+    fx.node.map_aggregate(value, lambda v: found.append(isinstance(v, float) and math.isnan(v)))
+    return any(found)
 
 
 def _check_fields(d, env: dict) -> tuple[str, str]:
