@@ -11,15 +11,22 @@ it are resolved without following symbolic links:
   and a reader sees the old content or the new, never half of it.
 - ``read_file`` reads a regular file and refuses a symlink.
 - ``open_dir`` / ``make_dirs`` open (and create) subdirectories, refusing symlinks.
+
+For files named by a path (the training commands' outputs, caches and checkpoints):
+``replace_path`` is ``replace_file`` in the path's directory, its errors naming the path;
+``check_new_file`` refuses an output path before any work is done; ``new_dirs`` creates a
+directory and removes it again if what runs inside fails before writing anything there.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
 import shutil
 import stat
-from typing import Callable, Optional
+from pathlib import Path
+from typing import BinaryIO, Callable, Iterator, Optional, Union
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
@@ -61,13 +68,21 @@ def make_dirs(parts: list[str], dir_fd: int, mode: int = 0o777) -> int:
     return fd
 
 
-def create_file(name: str, data: bytes, dir_fd: int, mode: int = 0o666) -> None:
+# What a file is made of: its bytes, or a function that writes them to the open file (to
+# stream gigabytes without a second copy in memory).
+Data = Union[bytes, Callable[[BinaryIO], None]]
+
+
+def create_file(name: str, data: Data, dir_fd: int, mode: int = 0o666) -> None:
     """Create ``name`` in ``dir_fd`` and write ``data`` (to disk: fsync). Raises
     ``FileExistsError`` when anything is at ``name``; a partly written file is removed."""
     fd = os.open(name, _CREATE, mode, dir_fd=dir_fd)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            if callable(data):
+                data(f)
+            else:
+                f.write(data)
             f.flush()
             os.fsync(f.fileno())
     except BaseException:
@@ -79,7 +94,7 @@ def temp_name(name: str) -> str:
     return f".{name}.{secrets.token_hex(4)}.tmp"
 
 
-def replace_file(name: str, data: bytes, dir_fd: int, mode: int = 0o666,
+def replace_file(name: str, data: Data, dir_fd: int, mode: int = 0o666,
                  before_rename: Optional[Callable[[], None]] = None) -> None:
     """Put ``data`` at ``name`` atomically: written to a new temporary file in the same
     directory, then renamed onto ``name`` (which replaces a symlink, never follows it).
@@ -102,6 +117,98 @@ def replace_file(name: str, data: bytes, dir_fd: int, mode: int = 0o666,
         os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except OSError:
         _unlink_quietly(tmp, dir_fd)
+        raise
+
+
+def replace_path(path: Union[str, os.PathLike], data: Data) -> None:
+    """Put ``data`` at ``path`` atomically (``replace_file`` in its directory, which may be
+    reached through links the user made; the file itself never is). An ``OSError`` names
+    ``path``: a full disk is "PATH: No space left on device", and leaves the old file."""
+    path = os.fspath(path)
+    folder, name = os.path.split(path)
+    try:
+        fd = _open_folder(folder)
+        try:
+            replace_file(name, data, fd)
+            fsync_dir(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        if e.errno is None or e.filename is not None:  # our own message, or a path already
+            raise
+        raise type(e)(e.errno, e.strerror, path) from e
+
+
+def remove_temp_files(folder: Union[str, os.PathLike]) -> None:
+    """Delete the temporary files ``replace_file`` left in ``folder`` when a process was
+    killed while writing (``TEMP_NAME``: a caller's own directory has no other such names)."""
+    fd = _open_folder(folder)
+    try:
+        for name in os.listdir(fd):
+            if TEMP_NAME.fullmatch(name) and entry_type(name, fd) == "file":
+                _unlink_quietly(name, fd)
+    finally:
+        os.close(fd)
+
+
+def _open_folder(folder) -> int:
+    """A descriptor of directory ``folder`` (``""``: the current one), reached through any
+    links in it: a directory the user named, not a name inside one."""
+    return os.open(os.fspath(folder) or ".", os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
+
+
+def check_new_file(path, who: str, kind: str, ours: Callable[[Path], bool],
+                   make_parents: bool = False) -> Path:
+    """``path`` as a ``Path`` if a ``kind`` may be written there, else a ``ValueError``
+    naming ``who`` (a parameter) and the problem, before any work is done: an empty
+    name, a directory, a link, a special file (``/dev/null``: a rename would replace the
+    device), a file ``ours`` does not recognise (it would be lost), a parent directory
+    that is missing (unless ``make_parents``), a file, or closed to us."""
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path).strip():
+        raise ValueError(f"{who} must name a {kind}, got {path!r}")
+    target = Path(path).absolute()
+    try:
+        found = entry_type(str(target))
+    except OSError:  # a file in the path (ENOTDIR): the parent's check below names it
+        found = None
+    if found == "link":
+        raise ValueError(f"{who} {path} is a symbolic link: name the {kind} itself")
+    if found == "dir":
+        where = "" if make_parents else " in an existing directory"
+        raise ValueError(f"{who} {path} is a directory: it must name a {kind}{where}")
+    if found == "other":
+        raise ValueError(f"{who} {path} is not a regular file")
+    if found == "file" and not ours(target):
+        raise ValueError(f"{who} {path} exists and is not a {kind}: it would be overwritten "
+                         f"(remove it or name another path)")
+    parent = target.parent
+    while make_parents and not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"{who} {path}: {parent} is not an existing directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{who} {path}: cannot write in {parent} (permission denied)")
+    return Path(path)
+
+
+@contextlib.contextmanager
+def new_dirs(path: Path) -> Iterator[Path]:
+    """``path`` made a directory (with its missing parents) for the block; if the block
+    raises, the directories this made are removed again when they are still empty."""
+    made = []
+    for p in (path, *path.parents):
+        if p.exists() or p.is_symlink():
+            break
+        made.append(p)
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        yield path
+    except BaseException:
+        for p in made:  # the deepest first
+            try:
+                p.rmdir()
+            except OSError:
+                break  # something was written there (resumable progress): kept
         raise
 
 

@@ -27,7 +27,7 @@ from typing import Sequence, Union
 import torch
 from torch import Tensor, fx
 
-from . import duo_gates
+from . import duo_gates, safe_files, tensor_files
 from .ops import OPS, REFERENCE, op_arguments
 from .passes.streaming import rotary_frequencies
 
@@ -50,21 +50,46 @@ def train_gates(opt, tokenizer, out: Union[str, os.PathLike], sinks: int = 16, w
     if not lengths or not all(isinstance(n, int) and 64 <= n <= context for n in lengths):
         raise ValueError(f"train_gates: lengths must be token counts in [64, {context}] (the "
                          f"model's context), got {lengths!r}")
-    out = Path(out)
-    if out.is_dir() or out.is_symlink() or not out.parent.is_dir():
-        raise ValueError(f"train_gates: {out} must be a file path in an existing directory "
-                         f"(not a directory or a link)")
-    work = out.with_name(out.name + ".work")
-    if work.is_symlink() or work.exists() and not work.is_dir():
-        raise ValueError(f"train_gates: {work} (the checkpoint directory) is not a directory")
-    work.mkdir(exist_ok=True)
     if sinks + window >= min(lengths):
         raise ValueError(f"train_gates: sinks + window = {sinks + window} must be below the "
                          f"shortest length {min(lengths)}, or streaming heads see everything "
                          f"and every gate falls to 0")
     if positions not in ("cache", "original"):
         raise ValueError(f"train_gates: positions must be 'cache' or 'original', got {positions!r}")
+    if tokenizer is None:
+        raise ValueError("train_gates: the model has no tokenizer; the pass-key prompts "
+                         "calibration runs on are text")
+    out, work = check_out(out)
     layers, kv_heads = _shape(opt.ir)
+    with safe_files.new_dirs(work):  # removed again if nothing is done
+        return _calibrate(opt, tokenizer, out, work, layers, kv_heads, sinks, window, steps,
+                          lengths, lr, reg, seed, positions, progress)
+
+
+def check_out(out) -> tuple[Path, Path]:
+    """``(out, its work directory)`` once a gates file may be written to ``out``
+    (``safe_files.check_new_file``) and checkpoints to ``OUT.work``: checked before the
+    model is traced or anything calibrated."""
+    out = safe_files.check_new_file(out, "train_gates: out", "gates file", is_gates_file)
+    work = out.with_name(out.name + ".work")
+    if work.is_symlink() or work.exists() and not work.is_dir():
+        raise ValueError(f"train_gates: {work} (the checkpoint directory) is not a directory")
+    return out, work
+
+
+def is_gates_file(path: Path) -> bool:
+    """Whether ``path`` holds a gates file (JSON of this format), which a run may replace."""
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read(duo_gates.MAX_BYTES + 1))
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(data, dict) and data.get("format") == duo_gates.FORMAT
+
+
+def _calibrate(opt, tokenizer, out: Path, work: Path, layers: int, kv_heads: int, sinks: int,
+               window: int, steps: int, lengths: Sequence[int], lr: float, reg: float,
+               seed: int, positions: str, progress: bool) -> dict:
     device = opt._device()
     gates = torch.ones(layers, kv_heads, device=device, requires_grad=True)
     optim = torch.optim.Adam([gates], lr=lr)
@@ -233,28 +258,22 @@ def _samples(tokenizer, lengths: Sequence[int], seed: int):
 
 def _checkpoint(work: Path, settings: dict, gates: Tensor, optim, history: list,
                 seconds: float) -> None:
-    from safetensors.torch import save_file
     state = optim.state_dict()["state"].get(0, {})
     tensors = {"gates": gates.detach().cpu().clone()}
     tensors.update({f"adam_{k}": v.detach().cpu().clone() for k, v in state.items()
                     if isinstance(v, Tensor)})
     meta = {"settings": json.dumps(settings), "history": json.dumps(history),
             "seconds": str(seconds)}
-    tmp = work / "state.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata=meta)
-    os.replace(tmp, work / "state.safetensors")
+    tensor_files.save(work / "state.safetensors", tensors, meta)
 
 
 def _resume(work: Path, settings: dict, gates: Tensor, optim) -> tuple[int, list, float]:
     """(first step, history, seconds) from ``work``'s checkpoint when its settings match."""
-    path = work / "state.safetensors"
-    if not path.is_file():
+    loaded = tensor_files.load(work / "state.safetensors", "the calibration checkpoint")
+    if loaded is None:  # none, or torn (a warning says so): start over
         return 0, [], 0.0
-    from safetensors import safe_open
+    tensors, meta = loaded
     try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
         same = lambda d: {k: v for k, v in d.items() if k != "steps"}  # noqa: E731  (more steps: go on)
         if same(json.loads(meta["settings"])) != same(settings) or tensors["gates"].shape != gates.shape:
             return 0, [], 0.0  # another calibration's state: start over
@@ -265,7 +284,7 @@ def _resume(work: Path, settings: dict, gates: Tensor, optim) -> tuple[int, list
                 for k in ("exp_avg", "exp_avg_sq")) or "adam_step" not in tensors:
             return 0, [], 0.0  # a longer run than this one: start over
     except Exception:
-        return 0, [], 0.0  # an unreadable checkpoint: start over rather than trust it
+        return 0, [], 0.0  # metadata that do not parse: start over rather than trust them
     state = [tensors[k] for k in ("gates", "adam_exp_avg", "adam_exp_avg_sq", "adam_step")]
     if not all(t.is_floating_point() and bool(torch.isfinite(t).all()) for t in state) \
             or tensors["adam_step"].numel() != 1 or len(history) != int(tensors["adam_step"]) \

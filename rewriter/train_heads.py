@@ -20,7 +20,9 @@
    greedily like the other prompts: chat text in the model's own distribution, where the
    corpus's questions are all about its code.
 2. **Hidden states**, computed once with the model (its last hidden state, the LM head's
-   input) and cached in ``work_dir`` with the tokens: a resumed run reuses both.
+   input) and cached in ``work_dir`` with the tokens: a resumed run reuses both. Every
+   file there is written under a temporary name and renamed (``rewriter.tensor_files``);
+   a torn one (from a version that wrote in place) is made again, with a warning.
 3. **Training**: only the heads' residual blocks learn; the LM head is shared and frozen.
    Head ``k`` at position ``t`` (from the prompt's last token on) learns the token at
    ``t + k + 2``, cross-entropy weighted ``0.8**k`` (Medusa's decay). The target is the
@@ -51,7 +53,10 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
+from safetensors import SafetensorError, safe_open
+
 from rewriter import heads as heads_file
+from rewriter import safe_files, tensor_files
 from rewriter.corpus import load_corpus
 from rewriter.malloc import reuse_freed_memory
 
@@ -60,6 +65,7 @@ CHECKPOINT_EVERY = 200  # steps
 DECAY = 0.8
 LOSSES = ("tokens", "teacher")
 DATA = ("generated", "corpus", "mixed")
+SEEDS = 2 ** 32  # seeds are below this: torch's generators take seed * 1000 + epoch
 
 
 def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int = 4,
@@ -106,15 +112,21 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
         raise ValueError(f"train_heads: blocks must be at most {heads_file.MAX_BLOCKS}, got {blocks}")
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < 1:
         raise ValueError(f"train_heads: lr must be a number in (0, 1), got {lr!r}")
+    if type(seed) is not int or not 0 <= seed < SEEDS:
+        raise ValueError(f"train_heads: seed must be an int in [0, 2**32), got {seed!r}")
+    context = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(context, int) and prompt_tokens + new_tokens > context:
+        raise ValueError(f"train_heads: prompt_tokens + new_tokens = {prompt_tokens + new_tokens} "
+                         f"exceeds the model's context of {context} tokens")
+    if tokenizer is None:
+        raise ValueError("train_heads: the model has no tokenizer; the training prompts are text")
     if questions:  # checked (an int by now) before hours of other data are made
         question_prefix(model, tokenizer)
-    if init is not None and not isinstance(init, (str, os.PathLike)):
+    if init is not None and (not isinstance(init, (str, os.PathLike)) or not os.fspath(init)):
         raise ValueError(f"train_heads: init must be a heads file's path or a shipped name "
                          f"({', '.join(heads_file.SHIPPED)}), got {init!r}")
+    out, work = check_paths(out, work_dir)
     start = _initial(init, arch, num_heads, model, blocks) if init is not None else None
-    out = Path(out)
-    work = Path(work_dir) if work_dir is not None else out.with_name(out.name + ".work")
-    work.mkdir(parents=True, exist_ok=True)
     settings = {"prompts": prompts, "heldout_prompts": heldout_prompts, "seed": seed,
                 "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "chat": chat}
     lm_head = model.get_output_embeddings().weight.detach()
@@ -135,7 +147,8 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
     # the training's own key (not the data's: a run from other heads reuses the data)
     train_settings = {**settings, **({"init": start[1]} if start is not None else {})}
     sets, data_seconds, counts = {}, 0.0, torch.zeros(lm_head.shape[0], dtype=torch.int64)
-    with _one_engine(model):
+    with _one_engine(model), safe_files.new_dirs(work):  # no empty work dir left if it fails
+        safe_files.remove_temp_files(work)  # what a run killed while writing left
         for split, n in (("train", prompts), ("heldout", heldout_prompts)):
             parts = []
             for kind, count in _parts(data if split == "train" else "generated", n, rows, questions):
@@ -171,6 +184,33 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
     heads_file.Heads(w, b.to(torch.bfloat16), lm_head.shape[0], heads_file.probe_of(lm_head),
                      accuracy, report, counts, arch, deep).save(out)
     return report
+
+
+def check_paths(out, work_dir) -> tuple[Path, Path]:
+    """``(out, work directory)`` once both are places this run may write: ``out`` no
+    directory, link or special file, no file but a heads file (it is replaced), its
+    missing parents creatable; the work directory (``OUT.work`` by default) a directory
+    or nothing yet. Checked before the model makes any data."""
+    out = safe_files.check_new_file(out, "train_heads: out", "heads file", is_heads_file,
+                                    make_parents=True)
+    if work_dir is not None and (not isinstance(work_dir, (str, os.PathLike))
+                                 or not os.fspath(work_dir).strip()):
+        raise ValueError(f"train_heads: work_dir must name a directory, got {work_dir!r}")
+    work = Path(work_dir) if work_dir is not None else out.with_name(out.name + ".work")
+    if (work.exists() or work.is_symlink()) and not work.is_dir():
+        raise ValueError(f"train_heads: work directory {work} exists and is not a directory")
+    if work.absolute() == out.absolute():
+        raise ValueError(f"train_heads: work_dir and out both name {out}")
+    return out, work
+
+
+def is_heads_file(path: Path) -> bool:
+    """Whether ``path`` is a heads file (by its format tag), which a run may replace."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return (f.metadata() or {}).get("format") == heads_file.FORMAT
+    except (SafetensorError, OSError):
+        return False
 
 
 def _initial(init, arch: str, num_heads: int, model, blocks: int = 1) -> tuple:
@@ -299,7 +339,6 @@ def _dataset(model, tokenizer, work: Path, split: str, n: int, settings: dict,
              generate_batch: int, progress: bool) -> dict:
     """(``{"tokens" [N, L], "start" [N], "hidden" [N, L, H]}``, the seconds making it took),
     cached in ``work``."""
-    from safetensors.torch import load_file, save_file
     kind = settings.get("data", "generated") if split == "train" else "generated"
     corpus = kind == "corpus"  # held out: always generated
     # a file of its own: a corpus run must not overwrite generated data that took hours
@@ -310,13 +349,12 @@ def _dataset(model, tokenizer, work: Path, split: str, n: int, settings: dict,
     drop |= {"prompts"} if split == "heldout" else set()
     key = json.dumps({**{k: v for k, v in settings.items() if k not in drop},
                       "split": split}, sort_keys=True)
-    if f.is_file():
-        from safetensors import safe_open
-        with safe_open(str(f), framework="pt") as g:
-            meta = g.metadata() or {}
-        if meta.get("settings") == key:
-            seconds = meta.get("seconds")  # None: a cache from before timings were kept
-            return load_file(str(f)), float(seconds) if seconds is not None else None
+    cached = tensor_files.load(f, f"the {split} data cache", lambda m: m.get("settings") == key)
+    if cached is not None:
+        why = _cache_problem(cached[0], n, settings["model"]["shape"], corpus)
+        if why is None:
+            return cached[0], _seconds(cached[1].get("seconds"))
+        tensor_files.discard(f, f"the {split} data cache", why)
     started = time.perf_counter()
     if corpus:  # teacher-forced: the text is the corpus's, the targets the model's argmax
         rows = corpus_rows(tokenizer, split, n, settings["prompt_tokens"] + settings["new_tokens"],
@@ -339,10 +377,46 @@ def _dataset(model, tokenizer, work: Path, split: str, n: int, settings: dict,
     if corpus:
         data["next"] = nxt  # [N, L] the model's greedy token after each position
     seconds = before + time.perf_counter() - started  # an interrupted run's time counts too
-    save_file(data, str(f), metadata={"settings": key, "seconds": f"{seconds:.3f}"})
+    tensor_files.save(f, data, {"settings": key, "seconds": f"{seconds:.3f}"})
     if not corpus:  # an interrupted generation's rows: this kind's own
         (work / f"{split}{own}.partial.safetensors").unlink(missing_ok=True)
     return data, seconds
+
+
+def _cache_problem(data: dict, n: int, lm_shape: list, corpus: bool) -> Optional[str]:
+    """Why a data cache whose settings match cannot be what ``_dataset`` made (``n`` rows
+    for a model whose LM head is ``lm_shape``), or None: ``tokens`` ``[n, L]`` ids,
+    ``start`` ``[n]`` in ``[1, L]``, ``hidden`` ``[n, L, H]`` floats; corpus rows ``next``
+    ``[n, L]`` ids too."""
+    names = {"tokens", "start", "hidden"} | ({"next"} if corpus else set())
+    if set(data) != names:
+        return f"holding {sorted(data)}, not {sorted(names)}"
+    tokens, start, hidden = data["tokens"], data["start"], data["hidden"]
+    if tokens.dim() != 2 or len(tokens) != n or tokens.shape[1] < 1:
+        return f"holding tokens of shape {list(tokens.shape)}, not [{n}, L]"
+    length, vocab = tokens.shape[1], lm_shape[0]
+    for name in ("tokens", "next") if corpus else ("tokens",):
+        t = data[name]
+        if t.dtype != torch.int64 or t.shape != tokens.shape:
+            return f"holding {name} of {t.dtype} {list(t.shape)}, not int64 {list(tokens.shape)}"
+        if t.numel() and not (0 <= int(t.min()) and int(t.max()) < vocab):
+            return f"holding {name} outside the vocabulary of {vocab}"
+    if start.shape != (n,) or start.dtype != torch.int64 or n and not (
+            1 <= int(start.min()) and int(start.max()) <= length):
+        return f"holding starts outside [1, {length}]"
+    if not hidden.is_floating_point() or hidden.shape != (n, length, lm_shape[1]):
+        return f"holding hidden states of shape {list(hidden.shape)}, not {[n, length, lm_shape[1]]}"
+    return None
+
+
+def _seconds(text) -> Optional[float]:
+    """A cache's recorded seconds, or None (a cache from before timings were kept, or a
+    value no run can have taken)."""
+    try:
+        seconds = float(text)
+    except (TypeError, ValueError):
+        return None
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
 def make_prompts(tokenizer, split: str, n: int, length: int, seed: int, chat: bool) -> list[list[int]]:
@@ -545,13 +619,10 @@ def _continue(model, tokenizer, prompts, new_tokens: int, generate_batch: int, p
 
 
 def _save_rows(path: Path, rows: list, key: str, seconds: float) -> None:
-    from safetensors.torch import save_file
     flat = torch.tensor([t for r in rows for t in r], dtype=torch.int64)
     lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({"flat": flat, "lengths": lengths}, str(tmp),
-              metadata={"settings": key, "seconds": f"{seconds:.3f}"})
-    os.replace(tmp, path)
+    tensor_files.save(path, {"flat": flat, "lengths": lengths},
+                      {"settings": key, "seconds": f"{seconds:.3f}"})
 
 
 def _partial_rows(path: Path, key: str) -> tuple[list, float]:
@@ -559,7 +630,6 @@ def _partial_rows(path: Path, key: str) -> tuple[list, float]:
     seconds it spent, or ([], 0.0)."""
     if not path.is_file():
         return [], 0.0
-    from safetensors import safe_open
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
@@ -676,7 +746,6 @@ def heads_forward(h: Tensor, w, b: Tensor, embed: Optional[Tensor], path: Option
 def _train(data: dict, lm_head: Tensor, embed: Optional[Tensor], num_heads: int, epochs: int,
            lr: float, batch: int, seed: int, work: Path, settings: dict, progress: bool,
            loss_kind: str = "tokens", init: Optional[heads_file.Heads] = None, blocks: int = 1):
-    from safetensors.torch import load_file
     device = lm_head.device
     hidden_size = lm_head.shape[1]
     pairs = _samples(data, num_heads)
@@ -717,26 +786,26 @@ def _train(data: dict, lm_head: Tensor, embed: Optional[Tensor], num_heads: int,
                       **({"blocks": blocks} if blocks > 1 else {})},
                      sort_keys=True)  # samples 2: rows end at their text's end
     step, seconds, resumed_loss = 0, 0.0, float("nan")
-    if ckpt.is_file():
-        from safetensors import safe_open
-        with safe_open(str(ckpt), framework="pt") as g:
-            meta = g.metadata() or {}
-        if meta.get("settings") == key:
-            state = load_file(str(ckpt))
-            with torch.no_grad():
-                for i, p in enumerate(params):
-                    p.copy_(state[f"p{i}"])
-            opt_state = opt.state_dict()
-            opt_state["state"] = {i: {"step": state[f"step{i}"], "exp_avg": state[f"m{i}"].to(device),
-                                      "exp_avg_sq": state[f"v{i}"].to(device)}
-                                  for i in range(len(params))}
-            opt.load_state_dict(opt_state)
-            step, seconds = int(meta["step"]), float(meta["seconds"])
-            resumed_loss = float(meta.get("loss", "nan"))
-            with warnings.catch_warnings():  # replaying the schedule, not skipping a step
-                warnings.simplefilter("ignore")
-                for _ in range(step):
-                    sched.step()
+    saved = tensor_files.load(ckpt, "the training checkpoint", lambda m: m.get("settings") == key)
+    why = _checkpoint_problem(*saved, params, total) if saved is not None else None
+    if why is not None:  # from this run's settings, but not whole: train from the start
+        tensor_files.discard(ckpt, "the training checkpoint", why)
+    elif saved is not None:
+        state, meta = saved
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                p.copy_(state[f"p{i}"])
+        opt_state = opt.state_dict()
+        opt_state["state"] = {i: {"step": state[f"step{i}"], "exp_avg": state[f"m{i}"].to(device),
+                                  "exp_avg_sq": state[f"v{i}"].to(device)}
+                              for i in range(len(params))}
+        opt.load_state_dict(opt_state)
+        step, seconds = int(meta["step"]), float(meta["seconds"])
+        resumed_loss = float(meta.get("loss", "nan"))
+        with warnings.catch_warnings():  # replaying the schedule, not skipping a step
+            warnings.simplefilter("ignore")
+            for _ in range(step):
+                sched.step()
     weight = torch.tensor([DECAY ** k for k in range(num_heads)], device=device)
     head = lm_head.to(torch.bfloat16) if device.type == "cpu" else lm_head
     bar = _bar(progress, total, "train heads", "step")
@@ -796,19 +865,35 @@ def _step(opt, sched, loss: Tensor) -> None:
     sched.step()
 
 
+def _checkpoint_problem(state: dict, meta: dict, params: list, total: int) -> Optional[str]:
+    """Why a checkpoint of this run's settings cannot be resumed from (``_checkpoint``'s
+    tensors, finite and shaped as ``params``; a step in ``[0, total]``), or None."""
+    for i, p in enumerate(params):
+        got = [state.get(f"{name}{i}") for name in ("p", "m", "v")]
+        if any(t is None or t.shape != p.shape or not t.is_floating_point()
+               or not bool(torch.isfinite(t).all()) for t in got):
+            return f"holding no finite {list(p.shape)} weights and moments p{i}, m{i}, v{i}"
+        if state.get(f"step{i}") is None or state[f"step{i}"].numel() != 1:
+            return f"holding no step count step{i}"
+    try:
+        step, seconds, _ = int(meta["step"]), float(meta["seconds"]), float(meta.get("loss", "nan"))
+    except (KeyError, ValueError):
+        return "without its step, seconds or loss"
+    if not 0 <= step <= total or not math.isfinite(seconds) or seconds < 0:
+        return f"at step {step} of {total} after {seconds} s"
+    return None
+
+
 def _checkpoint(path: Path, params: list, opt, step: int, seconds: float, key: str,
                 loss: float) -> None:
-    from safetensors.torch import save_file
     s = opt.state_dict()["state"]
     tensors = {f"p{i}": p.detach().cpu() for i, p in enumerate(params)}
     for i in range(len(params)):
         tensors[f"m{i}"] = s[i]["exp_avg"].cpu()
         tensors[f"v{i}"] = s[i]["exp_avg_sq"].cpu()
         tensors[f"step{i}"] = torch.as_tensor(s[i]["step"]).float().reshape(())
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"step": str(step), "seconds": f"{seconds:.3f}",
-                                           "settings": key, "loss": repr(loss)})
-    os.replace(tmp, path)
+    tensor_files.save(path, tensors, {"step": str(step), "seconds": f"{seconds:.3f}",
+                                      "settings": key, "loss": repr(loss)})
 
 
 def produced(data: dict, vocab: int) -> Tensor:
