@@ -63,6 +63,7 @@ from typing import Optional
 import torch
 
 from rewriter import heads as heads_file
+from rewriter.calibrate import ShortContext
 from rewriter.decoding import MAX_EXPAND, MAX_LOOKUP, Strategy, check_record, check_undecided
 from rewriter.errors import PassError
 from rewriter.ir.core import IR
@@ -151,7 +152,10 @@ class MedusaHeads(Pass):
         else:
             insert(ir, head, self._weights(weight), self._vocab(weight), self.name)
         self._vocab_size = None if self.draft_vocab is None else min(self.draft_vocab, weight.shape[0])
-        tree, batch_trees, costs = self._tree(ir)
+        try:
+            tree, batch_trees, costs = self._tree(ir)
+        except ShortContext as e:  # timing the tree's rounds
+            raise PassError(f"{e}: give the heads a smaller max_nodes, or tree=[...]") from None
         strategy = self._strategy(tree, batch_trees, costs)
         why = check_record(strategy.record())
         if why:

@@ -65,12 +65,16 @@ class PromptLookup(Pass):
     def _costs(self, ir: IR) -> tuple:
         """``((batch, 0.0, (round of 1, 2, .. tokens)), ..)`` in plain steps."""
         from rewriter import round_cost
-        from rewriter.calibrate import verify_cost  # times the runtime's programs
+        from rewriter.calibrate import ShortContext, verify_cost  # times the runtime's programs
         most = min(self.tokens + 1, MAX_NODES)
-        programs = {b: verify_cost(ir, most, runs=5, batch=b)[1:] for b in BATCHES}
-        rough = tuple((b, 0.0, tuple(min(max(c, 1e-3), 1e3) for c in programs[b])) for b in BATCHES)
         try:
+            programs = {b: verify_cost(ir, most, runs=5, batch=b)[1:] for b in BATCHES}
+            rough = tuple((b, 0.0, tuple(min(max(c, 1e-3), 1e3) for c in programs[b]))
+                          for b in BATCHES)
             times = round_cost.measure(ir, Strategy("lookup", lookup=self.tokens, costs=rough), BATCHES)
+        except ShortContext as e:
+            raise PassError(f"{e}: give PromptLookup fewer tokens (tokens={self.tokens} now), or "
+                            f"adapt=False (nothing is timed)") from None
         except RuntimeError as e:  # no timed round verified a whole chain on the made-up text
             raise PassError(f"{self!r}: could not time a round of {self.tokens} copied tokens on "
                             f"this model ({e}); give adapt=False (every chain verified whole)") from None

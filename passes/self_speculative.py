@@ -95,8 +95,12 @@ class SelfSpeculative(Pass):
         layers, attention, mlp, max_draft = (self.skip_layers, self.skip_attention, self.skip_mlp,
                                              self.max_draft)
         if self.calibrate is not None:
-            from rewriter.calibrate import search  # measures with the runtime's programs
-            self.report = search(ir, self.calibrate, self.max_draft, self.budget)
+            from rewriter.calibrate import ShortContext, search  # times the runtime's programs
+            try:
+                self.report = search(ir, self.calibrate, self.max_draft, self.budget)
+            except ShortContext as e:
+                raise PassError(f"{e}: give SelfSpeculative a smaller max_draft (max_draft="
+                                f"{self.max_draft} now), or skip sets instead of calibrate") from None
             attention, mlp = self.report["skip_attention"], self.report["skip_mlp"]
             max_draft = self.report["max_draft"]
             if not attention and not mlp:

@@ -26,9 +26,15 @@ from typing import Optional
 
 import torch
 
+from rewriter.errors import PassError
 from rewriter.ir.core import IR
 from rewriter.ir.skip import residual_adds, skipped
 from rewriter.values import context_length
+
+
+class ShortContext(PassError):
+    """A timing needs more positions than the model's context: the pass that asked for it
+    adds which of its own parameters to lower."""
 
 
 def search(ir: IR, prompts: list[list[int]], max_draft: int, budget: int | None = None) -> dict:
@@ -153,11 +159,10 @@ def _replayed(run, inputs: tuple):
 def prompt_length(ir: IR, tokens: int) -> int:
     """Cache positions before a timed step of ``tokens``: 64, or fewer where the model's
     context is shorter (learned position tables have no row past it)."""
-    from rewriter.errors import PassError
     context = context_length(ir.info.get("config", {}))
     if context - tokens < 1:
-        raise PassError(f"timing a step of {tokens} tokens needs a context of more than "
-                        f"{tokens} tokens; the model has {context}")
+        raise ShortContext(f"timing a step of {tokens} tokens needs a context of more than "
+                           f"{tokens} tokens; the model has {context}")
     return min(64, context - tokens)
 
 

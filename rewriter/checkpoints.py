@@ -8,13 +8,13 @@ safetensors weights are read, and they must match the config exactly: every bad 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import warnings
 from pathlib import Path
 from typing import Sequence, Union
 
 from rewriter.errors import CheckpointError
+from rewriter.values import parse_json, path_argument
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "default_model"
 
@@ -72,6 +72,7 @@ def load_tokenizer(path: PathLike):
 
 
 PICKLED = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+ACTIVATION_FIELDS = ("hidden_act", "activation_function")  # Llama-likes, NeoX, Phi; GPT-2, OPT
 
 
 @contextlib.contextmanager
@@ -101,8 +102,8 @@ def quiet():
 def _json_object(f: Path) -> dict:
     """The JSON object in ``f``, or a ``CheckpointError`` naming it."""
     try:
-        data = json.loads(f.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        data = parse_json(f.read_bytes())
+    except ValueError as e:  # not UTF-8 JSON, or nested past any config
         raise CheckpointError(f"{f}: not valid JSON ({e})") from e
     if not isinstance(data, dict):
         raise CheckpointError(f"{f}: must hold a JSON object, got {type(data).__name__}")
@@ -124,6 +125,18 @@ def _check_config(d: Path) -> None:
     except (OSError, ValueError, KeyError, TypeError, AttributeError, StrictDataclassError) as e:
         # AttributeError: a "dtype" that names no torch dtype is looked up with getattr
         raise CheckpointError(f"{f}: not a valid {kind} config ({' '.join(str(e).split())})") from e
+    _check_activation(f, raw)
+
+
+def _check_activation(f: Path, raw: dict) -> None:
+    """The MLP's activation is one ``transformers`` builds: it would fail building the
+    model with a ``KeyError`` that names only the value."""
+    from transformers.activations import ACT2FN
+    for key in ACTIVATION_FIELDS:
+        value = raw.get(key)
+        if key in raw and not (isinstance(value, str) and value in ACT2FN):
+            raise CheckpointError(f"{f}: {key} {value!r} is not an activation transformers "
+                                  f"builds; supported: {', '.join(sorted(ACT2FN))}")
 
 
 def _check_safetensors(d: Path) -> None:
@@ -186,6 +199,7 @@ def from_pretrained(path: PathLike, passes: Sequence = (), dtype=None, **optimiz
     weights' dtype (GGUF files are dequantized to it; float32 by default)."""
     from . import gguf
     from .optimized import optimize
+    path_argument("the checkpoint path", path)
     dtype = gguf.check_dtype(dtype)  # before any file is read
     if gguf.is_gguf(path):
         tokenizer = gguf.load_gguf_tokenizer(path)

@@ -15,12 +15,15 @@ line and status 2. A traceback means a bug in rewriter.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
+
+from rewriter.values import utf8_text
 
 
 NAMED_MODELS = ("default", "smollm2")
@@ -221,33 +224,32 @@ def parser() -> argparse.ArgumentParser:
 
 # ---------------------------------------------------------------------------- commands
 def cmd_train_heads(args) -> int:
-    import torch
-    from .checkpoints import load_model
-    from .train_heads import train_heads
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, tokenizer = load_model(args.model, args.dtype)
-    report = train_heads(model.to(device), tokenizer, args.out, num_heads=args.num_heads,
-                         prompts=args.prompts, new_tokens=args.new_tokens, epochs=args.epochs,
-                         lr=args.lr, batch=args.batch, seed=args.seed, progress=_bars(), arch=args.arch,
-                         loss=args.loss, work_dir=args.work_dir, data=args.data, rows=args.rows,
-                         questions=args.questions, init=args.init, blocks=args.blocks,
-                         generate_batch=args.generate_batch)
+    from .train_heads import check_paths, train_heads
+    device = _training_device(args.device)  # what is checked here fails before the model loads
+    check_paths(args.out, args.work_dir)
+    model, tokenizer = _training_model(args.model, args.dtype)
+    with _one_line_warnings():
+        report = train_heads(model.to(device), tokenizer, args.out, num_heads=args.num_heads,
+                             prompts=args.prompts, new_tokens=args.new_tokens, epochs=args.epochs,
+                             lr=args.lr, batch=args.batch, seed=args.seed, progress=_bars(),
+                             arch=args.arch, loss=args.loss, work_dir=args.work_dir, data=args.data,
+                             rows=args.rows, questions=args.questions, init=args.init,
+                             blocks=args.blocks, generate_batch=args.generate_batch)
     print(json.dumps(report, indent=1))
     return 0
 
 
-
 def cmd_train_gates(args) -> int:
-    from .checkpoints import load_model
     from .optimized import optimize
-    from .train_gates import train_gates
-    import torch
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, tokenizer = load_model(args.model, args.dtype)
-    record = train_gates(optimize(model.to(device), tokenizer=tokenizer), tokenizer, args.out,
-                         sinks=args.sinks, window=args.window, steps=args.steps,
-                         lengths=tuple(args.lengths), lr=args.lr, reg=args.reg, seed=args.seed,
-                         positions=args.positions, progress=_bars())
+    from .train_gates import check_out, train_gates
+    device = _training_device(args.device)  # what is checked here fails before the model loads
+    check_out(args.out)
+    model, tokenizer = _training_model(args.model, args.dtype)
+    with _one_line_warnings():
+        record = train_gates(optimize(model.to(device), tokenizer=tokenizer), tokenizer, args.out,
+                             sinks=args.sinks, window=args.window, steps=args.steps,
+                             lengths=tuple(args.lengths), lr=args.lr, reg=args.reg,
+                             seed=args.seed, positions=args.positions, progress=_bars())
     print(json.dumps(record, indent=1))
     print(f"saved: {args.out}")
     return 0
@@ -281,11 +283,11 @@ def cmd_run(args) -> int:
     echo = args.chat is None  # a chat prints the answer only, not the templated prompt
     if args.chat is not None:
         from .runtime.chat import chat_prompt
-        ids = chat_prompt(tok, engine.text, _utf8("--chat", args.chat))
+        ids = chat_prompt(tok, engine.text, utf8_text("--chat", args.chat))
     elif ids is None:
         if tok is None:
             raise ValueError(f"{args.model} has no tokenizer; give --ids instead of --prompt")
-        ids = tok.encode(_utf8("--prompt", args.prompt)).ids
+        ids = tok.encode(utf8_text("--prompt", args.prompt)).ids
     if args.no_stream:
         out = engine.generate([ids], progress=_bars(), **kw)[0, len(ids):].tolist()
         print((_text(tok, ids) if echo else "") + _text(tok, out))
@@ -338,7 +340,9 @@ def _passes_help() -> str:
     """Every pass by CLI name, with its parameters and the first line of its docstring."""
     import inspect
     from .passes import PASSES
-    lines = ["passes (--pass NAME or NAME:KEY=VALUE,...; values are JSON, e.g. layers=[2,3]):"]
+    lines = ["passes (--pass NAME or NAME:KEY=VALUE,...; values are JSON, e.g. layers=[2,3], "
+             "or text; text with a comma, quote or bracket is a JSON string, e.g. "
+             'weights="/data/a,b.safetensors" with \\" for a quote):']
     for name, cls in sorted(PASSES.items()):
         params = [f"{p.name}={p.default!r}" if p.default is not inspect.Parameter.empty else p.name
                   for p in list(inspect.signature(cls.__init__).parameters.values())[1:]]
@@ -362,6 +366,53 @@ def _engine(path: str, trust_code: bool, backend: Optional[str], dtype: Optional
     return from_pretrained(path, progress=_bars(), backend=backend or "torch", dtype=dtype)
 
 
+def _training_device(name: Optional[str]) -> str:
+    """``--device`` of the training commands, if this machine has it (default: cuda when
+    present): cpu, cuda or cuda:N."""
+    import torch
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(f"--device {name!r} is not a device: give cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name!r}: training runs on cpu or cuda (cuda:N)")
+    count = torch.cuda.device_count() if device.type == "cuda" and torch.cuda.is_available() else 0
+    if device.type == "cuda" and (device.index or 0) >= count:
+        have = f"cuda:0 to cuda:{count - 1}" if count else "none"
+        raise ValueError(f"--device {name!r}: no such CUDA device on this machine ({have})")
+    return str(device)
+
+
+def _training_model(path: str, dtype: Optional[str]):
+    """(model, tokenizer) of a checkpoint the training commands can use: not an artifact
+    (its passes changed the model; train the checkpoint it came from), with a tokenizer
+    (the training prompts are text)."""
+    from .checkpoints import load_model
+    from .runtime.artifact import is_artifact
+    if is_artifact(path):
+        raise ValueError(f"{path} is an artifact; training needs the checkpoint it was "
+                         f"optimized from (a model directory, a .gguf file, or a named model)")
+    model, tokenizer = load_model(path, dtype)
+    if tokenizer is None:
+        raise ValueError(f"{path}: the checkpoint has no tokenizer (tokenizer.json); "
+                         f"training writes its prompts as text and needs one")
+    return model, tokenizer
+
+
+@contextlib.contextmanager
+def _one_line_warnings():
+    """Warnings (a torn data cache made again) as one line each: ``rewriter: warning: ...``."""
+    import warnings
+
+    def show(message, *rest, **kwargs):
+        print(f"rewriter: warning: {' '.join(str(message).split())}", file=sys.stderr)
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
+
+
 def _bars() -> bool:
     """Progress bars only on a terminal: in a log or a pipe they are noise around the one
     line an error is."""
@@ -378,15 +429,6 @@ def _parse_ids(text: str) -> list[int]:
         bad = next(i for i in ids if not 0 <= i < 2 ** 63)
         raise ValueError(f"--ids: token id {bad} is not a non-negative 64-bit integer")
     return ids
-
-
-def _utf8(flag: str, text: str) -> str:
-    """``text`` if it is valid UTF-8 (argv bytes that are not arrive as lone surrogates)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"{flag} is not valid UTF-8 text (at character {e.start})") from None
-    return text
 
 
 def _check_writable(flag: str, path: str) -> None:

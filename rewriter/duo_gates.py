@@ -16,12 +16,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Union
 
+from . import safe_files
 from .ops import MAX_INT
+from .values import parse_json
 
 FORMAT, VERSION = "rewriter-duo-gates", 1
 MAX_BYTES = 4 << 20  # a 1000-layer, 64-head model's gates are ~1 MB of JSON
@@ -68,9 +69,9 @@ def load(gates: Union[str, os.PathLike]) -> Gates:
     if len(raw) > MAX_BYTES:
         raise GatesFileError(f"{path}: larger than {MAX_BYTES} bytes, the most a gates file holds")
     try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise GatesFileError(f"{path}: not JSON ({str(e)[:200]})") from None
+        data = parse_json(raw)
+    except ValueError as e:  # not JSON, or nested past any gates file
+        raise GatesFileError(f"{path}: not JSON ({e})") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT \
             or type(data.get("version")) is not int or data["version"] != VERSION:
         raise GatesFileError(f"{path}: not a {FORMAT} file of version {VERSION}")
@@ -90,16 +91,9 @@ def save(gates: Gates, path: Union[str, os.PathLike]) -> None:
     why = check_gates(gates.gates)
     if why:
         raise ValueError(f"gates: {why}")
-    path = Path(path)
-    # a fresh temporary file beside it (O_EXCL: never one planted there), then renamed over
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(gates.to_json())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    # a fresh temporary file beside it (O_EXCL: never one planted there), then renamed over;
+    # an error (a full disk) names the path and leaves the old file
+    safe_files.replace_path(path, gates.to_json().encode())
 
 
 def check_gates(gates) -> str | None:

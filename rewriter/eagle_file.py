@@ -22,7 +22,8 @@ import torch
 from torch import Tensor
 
 from rewriter import eagle
-from rewriter.heads import PROBE, draft_vocab, probe_of, unfit  # noqa: F401  (draft_vocab: one rule for both)
+from rewriter.heads import (PROBE, counts_problem, draft_vocab, dtype_problem,  # noqa: F401
+                            metadata_json, probe_of, unfit)  # (draft_vocab: one rule for both)
 
 FORMAT = "rewriter-eagle-draft"
 VERSION = "1"
@@ -109,21 +110,18 @@ def load(weights: Union[str, os.PathLike]) -> Draft:
                                      f"{sorted(keys - set(NAMES) - {'counts'})}")
             params = {n: f.get_tensor(n) for n in NAMES}
             counts = f.get_tensor("counts") if "counts" in keys else None
-        shape = eagle.Shape(**json.loads(meta["shape"]))
+        shape = eagle.Shape(**metadata_json(meta, "shape"))
         if not re.fullmatch(r"[1-9][0-9]{0,9}", meta.get("vocab", "")):
             raise DraftFileError(f"{path}: vocab must be a positive integer, got "
                                  f"{meta.get('vocab')!r}")
-        vocab, probe = int(meta["vocab"]), json.loads(meta["probe"])
-        accuracy = json.loads(meta.get("accuracy", "[]"))
-        trained = json.loads(meta.get("trained", "{}"))
+        vocab, probe = int(meta["vocab"]), metadata_json(meta, "probe")
+        accuracy = metadata_json(meta, "accuracy", "[]")
+        trained = metadata_json(meta, "trained", "{}")
     except DraftFileError:
         raise
     except (OSError, KeyError, TypeError, ValueError, RuntimeError, SafetensorError) as e:  # torn or odd
         raise DraftFileError(f"{path}: unreadable draft file ({type(e).__name__}: {e})") from None
-    why = _check(params, shape, vocab, probe, accuracy, trained)
-    if why is None and counts is not None and (
-            counts.shape != (vocab,) or counts.dtype != torch.int64 or bool((counts < 0).any())):
-        why = f"counts must be [{vocab}] non-negative int64, got {counts.dtype} {list(counts.shape)}"
+    why = _check(params, shape, vocab, probe, accuracy, trained) or counts_problem(counts, vocab)
     if why:
         raise DraftFileError(f"{path}: {why}")
     params = {n: t.float() for n, t in params.items()}
@@ -153,8 +151,9 @@ def _finite(x) -> bool:
 def _check(params, shape, vocab, probe, accuracy, trained) -> str | None:
     for name, size in sizes(shape).items():
         t = params[name]
-        if tuple(t.shape) != size or t.dtype not in STORED:
-            return f"{name} must be float32 or bfloat16 {list(size)}, got {t.dtype} {list(t.shape)}"
+        why = dtype_problem(name, t, STORED)
+        if why or tuple(t.shape) != size:
+            return why or f"{name} must be float32 or bfloat16 {list(size)}, got {list(t.shape)}"
         if not bool(torch.isfinite(t).all()):
             return f"{name} holds NaN or infinite values"
     if type(vocab) is not int or vocab < 1:

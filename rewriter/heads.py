@@ -42,6 +42,8 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
+from rewriter.values import parse_json
+
 FORMAT = "rewriter-medusa-heads"
 VERSION = "1"
 PROBE = (4, 8)  # the LM head's first rows and columns, to recognise the model
@@ -51,6 +53,7 @@ DEEP = ("deep_w", "deep_b")  # the blocks after each head's first
 ASSETS = Path(__file__).resolve().parent / "assets" / "heads"
 SHIPPED = ("default", "smollm2")  # assets/heads/{name}-{arch}.safetensors
 ARCHS = ("medusa", "hydra")
+FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # a file's weights
 
 
 class HeadsFileError(ValueError):
@@ -83,12 +86,10 @@ class Heads:
         return self.b.shape[1]
 
     def save(self, path: Union[str, os.PathLike]) -> None:
-        from safetensors.torch import save_file
+        from rewriter import tensor_files
         meta = {"format": FORMAT, "version": VERSION, "arch": self.arch, "vocab": str(self.vocab),
                 "probe": json.dumps(self.probe), "accuracy": json.dumps(self.accuracy),
                 "trained": json.dumps(self.trained)}
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
         tensors = {"b": self.b.contiguous()}
         if self.arch == "hydra":
             tensors.update({f"w{k}": w.contiguous() for k, w in enumerate(self.w)})
@@ -98,8 +99,7 @@ class Heads:
             tensors.update({n: t.contiguous() for n, t in zip(DEEP, self.deep)})
         if self.counts is not None:
             tensors["counts"] = self.counts.to(torch.int64).contiguous()
-        save_file(tensors, str(tmp), metadata=meta)
-        os.replace(tmp, path)  # a reader never sees half a file
+        tensor_files.save(path, tensors, meta)  # a reader never sees half a file
 
     def fits(self, lm_head: Tensor, where: str) -> None:
         """Raise ``HeadsFileError`` unless these heads were trained for this LM head."""
@@ -149,7 +149,7 @@ def load(weights: Union[str, os.PathLike], want: Optional[str] = None) -> Heads:
         raise HeadsFileError(f"{path}: not a safetensors heads file ({e})") from None
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise HeadsFileError(f"{path}: not a {FORMAT} file of version {VERSION}")
-    why = _check_shapes(arch, w, b) or _check_deep(deep, b)
+    why = _check_dtypes(arch, w, b, deep) or _check_shapes(arch, w, b) or _check_deep(deep, b)
     if why:
         raise HeadsFileError(f"{path}: {why}")
     if not all(torch.isfinite(t).all() for t in
@@ -157,16 +157,16 @@ def load(weights: Union[str, os.PathLike], want: Optional[str] = None) -> Heads:
         raise HeadsFileError(f"{path}: the weights hold NaN or infinite values")
     try:
         vocab = int(meta["vocab"])
-        probe = json.loads(meta["probe"])
-        accuracy = json.loads(meta.get("accuracy", "[]"))
-        trained = json.loads(meta.get("trained", "{}"))
+        probe = metadata_json(meta, "probe")
+        accuracy = metadata_json(meta, "accuracy", "[]")
+        trained = metadata_json(meta, "trained", "{}")
     except (KeyError, ValueError) as e:
         raise HeadsFileError(f"{path}: bad metadata ({e})") from None
     if vocab < 1 or not _matrix(probe, *PROBE) or not isinstance(trained, dict):
         raise HeadsFileError(f"{path}: bad metadata (vocab, probe or trained)")
-    if counts is not None and (counts.shape != (vocab,) or counts.dtype != torch.int64
-                               or bool((counts < 0).any())):
-        raise HeadsFileError(f"{path}: counts must be [{vocab}] non-negative int64")
+    why = counts_problem(counts, vocab)
+    if why:
+        raise HeadsFileError(f"{path}: {why}")
     if accuracy and not (len(accuracy) == b.shape[0] and all(
             isinstance(a, list) and a and all(_prob(p) for p in a) and sum(a) <= 1 + 1e-6
             for a in accuracy)):
@@ -189,19 +189,71 @@ def _weight_names(arch: str, keys: set) -> Optional[list]:
     return names if rest and set(names) == rest else None
 
 
+def metadata_json(meta: dict, key: str, default: Optional[str] = None):
+    """The JSON value of a safetensors metadata field (``default``'s where it is absent),
+    nested at most ``values.MAX_JSON_DEPTH`` deep; a ``ValueError`` names the field."""
+    text = meta.get(key, default)
+    if text is None:
+        raise ValueError(f"no {key!r} field")
+    try:
+        return parse_json(text)
+    except ValueError as e:
+        raise ValueError(f"{key!r} is not JSON ({e})") from None
+
+
+def dtype_problem(name: str, t: Tensor, expected) -> Optional[str]:
+    """Why tensor ``name`` is not of a dtype in ``expected``, naming what it is: checked
+    before its shape, so a tensor of the right shape and the wrong dtype is called that."""
+    if t.dtype in expected:
+        return None
+    names = [_dtype_name(d) for d in expected]
+    wanted = " or ".join(names) if len(names) < 3 else f"one of {', '.join(names)}"
+    return f"{name} must be {wanted}, got {_dtype_name(t.dtype)}"
+
+
+def counts_problem(counts: Optional[Tensor], vocab: int) -> Optional[str]:
+    """Why ``counts`` (a draft file's token counts, or None) is not ``[vocab]`` non-negative
+    int64, or None."""
+    if counts is None:
+        return None
+    want = f"counts must be [{vocab}] non-negative int64"
+    if counts.dtype != torch.int64:  # the dtype first: shape and sign then mean something
+        return f"{want}, got {_dtype_name(counts.dtype)}"
+    if counts.shape != (vocab,):
+        return f"{want}, got {list(counts.shape)}"
+    if bool((counts < 0).any()):
+        return f"{want}, got {int(counts.min())}"
+    return None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_dtypes(arch: str, w, b: Tensor, deep: Optional[tuple]) -> Optional[str]:
+    """b a float dtype, every other weight b's."""
+    if b.dtype not in FLOATS:
+        return dtype_problem("b", b, FLOATS)
+    others = [(f"w{k}", t) for k, t in enumerate(w)] if arch == "hydra" else [("w", w)]
+    for name, t in others + list(zip(DEEP, deep or ())):
+        if t.dtype != b.dtype:
+            return f"{name} must be {_dtype_name(b.dtype)} (b's dtype), got {_dtype_name(t.dtype)}"
+    return None
+
+
 def _check_shapes(arch: str, w, b: Tensor) -> Optional[str]:
-    if b.dim() != 2 or not 1 <= b.shape[0] <= MAX_HEADS or not b.is_floating_point():
-        return f"b must be [K, H] floats, K in [1, {MAX_HEADS}]; got {list(b.shape)}"
+    if b.dim() != 2 or not 1 <= b.shape[0] <= MAX_HEADS:
+        return f"b must be [K, H], K in [1, {MAX_HEADS}]; got {list(b.shape)}"
     k, hidden = b.shape
     if arch == "medusa":
-        if w.shape != (k, hidden, hidden) or w.dtype != b.dtype:
-            return f"w must be [K, H, H] = {[k, hidden, hidden]} of b's dtype; got {list(w.shape)}"
+        if w.shape != (k, hidden, hidden):
+            return f"w must be [K, H, H] = {[k, hidden, hidden]}; got {list(w.shape)}"
         return None
     if len(w) != k:
         return f"{len(w)} weights w0.. for {k} heads"
     for i, t in enumerate(w):
-        if t.shape != (hidden, hidden * (i + 2)) or t.dtype != b.dtype:
-            return (f"w{i} must be [H, H * {i + 2}] = {[hidden, hidden * (i + 2)]} of b's dtype; "
+        if t.shape != (hidden, hidden * (i + 2)):
+            return (f"w{i} must be [H, H * {i + 2}] = {[hidden, hidden * (i + 2)]}; "
                     f"got {list(t.shape)}")
     return None
 
@@ -210,13 +262,11 @@ def _check_deep(deep: Optional[tuple], b: Tensor) -> Optional[str]:
     if deep is None:
         return None
     (k, hidden), (w, c) = b.shape, deep
-    if w.dim() != 4 or not 1 <= w.shape[0] < MAX_BLOCKS or w.shape[1:] != (k, hidden, hidden) \
-            or w.dtype != b.dtype:
-        return (f"deep_w must be [B - 1, K, H, H] = [B - 1, {k}, {hidden}, {hidden}] of b's "
-                f"dtype ({b.dtype}), B in [2, {MAX_BLOCKS}]; got {list(w.shape)} {w.dtype}")
-    if c.shape != (w.shape[0], k, hidden) or c.dtype != b.dtype:
-        return (f"deep_b must be [B - 1, K, H] = {[w.shape[0], k, hidden]} of b's dtype "
-                f"({b.dtype}); got {list(c.shape)} {c.dtype}")
+    if w.dim() != 4 or not 1 <= w.shape[0] < MAX_BLOCKS or w.shape[1:] != (k, hidden, hidden):
+        return (f"deep_w must be [B - 1, K, H, H] = [B - 1, {k}, {hidden}, {hidden}], "
+                f"B in [2, {MAX_BLOCKS}]; got {list(w.shape)}")
+    if c.shape != (w.shape[0], k, hidden):
+        return f"deep_b must be [B - 1, K, H] = {[w.shape[0], k, hidden]}; got {list(c.shape)}"
     return None
 
 

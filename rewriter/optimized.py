@@ -15,10 +15,9 @@ from .ir.dump import Dumper
 from .ir.verify import verify
 from .pass_manager import Pass, run_pipeline
 from .runtime.chat import split_tokenizer
-from .runtime.engine import Engine, check_token_ids  # noqa: F401 (re-exported)
+from .runtime.engine import BACKENDS, Engine, check_token_ids  # noqa: F401 (re-exported)
 from .runtime.kv_cache import cache_table, describe
-
-BACKENDS = ("torch", "triton")
+from .values import check_flag, path_argument
 
 
 class OptimizedModel(Engine):
@@ -37,7 +36,7 @@ class OptimizedModel(Engine):
         """Write the IR after every pass (text, DOT, op diff) into ``directory``, the step
         programs the runtime runs (``programs/<name>.py``), and with the Triton backend
         ``kernels/``: every generated kernel's source and the templates."""
-        dumper = Dumper(directory)
+        dumper = Dumper(path_argument("directory", directory))
         for name, ir in self._snapshots:
             dumper.write(name, ir)
         if self.ir.is_causal_lm and self._programs is not None:  # the code that runs
@@ -65,6 +64,7 @@ def optimize(model: nn.Module, passes: Sequence[Pass] = (), backend: str = "torc
     ``tokenizer`` (a fast Hugging Face tokenizer or a ``tokenizers.Tokenizer``) is kept with
     the result, its chat template too, and saved with it.
     """
+    _check_arguments(model, passes, check, dump, progress)
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
     if backend == "triton":
@@ -95,6 +95,22 @@ def optimize(model: nn.Module, passes: Sequence[Pass] = (), backend: str = "torc
     if dump:
         opt.dump(dump)
     return opt
+
+
+def _check_arguments(model, passes, check, dump, progress) -> None:
+    """``optimize``'s arguments, by name, before anything is traced: objects of the wrong
+    kind are a TypeError, as a tokenizer or a pass of the wrong kind is."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (a Hugging Face causal LM), got "
+                        f"{type(model).__name__}; rewriter.from_pretrained reads a checkpoint")
+    if isinstance(passes, (str, bytes)) or not isinstance(passes, Sequence):
+        raise TypeError(f"passes must be a list of passes, got {type(passes).__name__} (a "
+                        f"spec string such as 'layer_skip:speedup=2' is read by "
+                        f"rewriter.passes.from_spec)")
+    check_flag("check", check)
+    check_flag("progress", progress)
+    if dump is not None and dump != "":  # "": none, as $REWRITER_DUMP unset is
+        path_argument("dump", dump)
 
 
 def _snapshot(ir: IR) -> IR:

@@ -38,7 +38,7 @@ from typing import Optional
 
 import torch
 
-from rewriter.calibrate import sync
+from rewriter.calibrate import ShortContext, sync
 from rewriter.decoding import Strategy
 from rewriter.ir.core import IR
 from rewriter.runtime.tree_adapt import AdaptiveTree
@@ -62,7 +62,6 @@ def measure(ir: IR, strategy: Strategy, batches, vocab: Optional[torch.Tensor] =
     are lowered, and as it was after. ``static``: time the loops on fixed buffers, their
     programs as whole replays (``runtime.replay``; the default on CUDA, where they are the
     engine's loops and replay CUDA graphs)."""
-    from rewriter.errors import PassError
     from rewriter.runtime.programs import build_programs
     if type(new) is not int or new < 2:
         raise ValueError(f"round_cost.measure: new must be an int >= 2, got {new!r}")
@@ -72,10 +71,9 @@ def measure(ir: IR, strategy: Strategy, batches, vocab: Optional[torch.Tensor] =
     tokens = new + size  # the last ``size`` tokens' rounds are cut short
     context = context_length(ir.info.get("config", {}))
     prompt = min(PROMPT, context - tokens - strategy.cache_slack())
-    if prompt < 1:
-        raise PassError(f"timing a round of a {size}-node tree needs a context of more than "
-                        f"{tokens + strategy.cache_slack()} tokens; the model has {context} "
-                        f"(give the heads a smaller max_nodes, or tree=[...])")
+    if prompt < 1:  # the pass that asked names its parameters to lower
+        raise ShortContext(f"timing a round of {size} tokens needs a context of more than "
+                           f"{tokens + strategy.cache_slack()} tokens; the model has {context}")
     had, saved = "decoding" in ir.info, ir.info.get("decoding")
     ir.info["decoding"] = strategy.record()
     try:

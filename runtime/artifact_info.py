@@ -13,6 +13,7 @@ import math
 
 from rewriter.decoding import check_record
 from rewriter.ops import MAX_INT
+from rewriter.values import depth
 
 REQUIRED = ("family", "causal_lm", "config", "inputs", "lift_report", "layers", "passes")
 OPTIONAL = ("fusions", "skipped_layers", "unlifted_attention", "unlifted_embeddings", "int4",
@@ -84,24 +85,15 @@ def _span(s) -> bool:
 
 def _pass_spec(p) -> bool:
     return (isinstance(p, dict) and set(p) == {"name", "params"} and isinstance(p["name"], str)
-            and isinstance(p["params"], dict) and depth(p["params"]) <= MAX_CONFIG_DEPTH)
+            and isinstance(p["params"], dict) and _shallow(p["params"]))
 
 
 def _config(c) -> bool:
-    return isinstance(c, dict) and depth(c) <= MAX_CONFIG_DEPTH
+    return isinstance(c, dict) and _shallow(c)
 
 
-def depth(value) -> int:
-    """How deep lists and objects nest in ``value`` (iterative: no RecursionError)."""
-    deepest, stack = 0, [(value, 0)]
-    while stack:
-        v, d = stack.pop()
-        deepest = max(deepest, d)
-        if d > MAX_CONFIG_DEPTH:
-            break
-        children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else ()
-        stack.extend((c, d + 1) for c in children)
-    return deepest
+def _shallow(value) -> bool:
+    return depth(value, MAX_CONFIG_DEPTH) <= MAX_CONFIG_DEPTH
 
 
 def _why(check, what: str):

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 from rewriter.errors import RewriterError
+from rewriter.values import utf8_text
 
 Messages = Union[str, Sequence[dict]]
 SPECIAL = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -71,12 +72,19 @@ def chat_prompt(tokenizer, text: TextConfig, messages: Messages,
                 add_generation_prompt: bool = True) -> list[int]:
     """The token ids of ``messages`` laid out by the chat template (a string is one user
     message), encoded as Hugging Face's ``apply_chat_template`` encodes them."""
+    messages = _messages(messages)  # the argument first, whatever the model
     if tokenizer is None:
-        raise RewriterError("this model has no tokenizer, so it cannot chat")
+        raise RewriterError("this model has no tokenizer (none was given to optimize, or its "
+                            "artifact was saved without one), so it cannot chat: give token "
+                            "ids to generate (--ids), or optimize it with its tokenizer")
     if text.chat_template is None:
         raise RewriterError("this model's tokenizer has no chat template; give it a plain "
                             "prompt instead")
-    rendered = render(text, _messages(messages), add_generation_prompt)
+    rendered = render(text, messages, add_generation_prompt)
+    try:  # the template and special tokens are JSON text, where "\\ud800" is a lone surrogate
+        utf8_text("the rendered chat template", rendered)
+    except ValueError as e:
+        raise RewriterError(f"{e}: the template or its special tokens hold it") from None
     return tokenizer.encode(rendered, add_special_tokens=False).ids
 
 
@@ -139,15 +147,20 @@ def _size(x) -> int:
 
 
 def _messages(messages: Messages) -> list[dict]:
+    """``messages`` as ``{"role", "content"}`` dicts of text the tokenizer takes, every
+    part checked by name (a lone surrogate would reach the tokenizer as a TypeError). The
+    roles are the template's to define (``tool``, ``ipython``): any string."""
     if isinstance(messages, str):
-        return [{"role": "user", "content": messages}]
-    out = []
+        return [{"role": "user", "content": utf8_text("messages", messages)}]
+    if isinstance(messages, (bytes, bytearray, dict)) or not isinstance(messages, Sequence):
+        raise ValueError(f"messages must be a string or a list of {{'role', 'content'}} dicts, "
+                         f"got {type(messages).__name__}")
+    if not messages:
+        raise ValueError("messages is empty")
     for i, m in enumerate(messages):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str)):
+        if not isinstance(m, dict):
             raise ValueError(f"messages[{i}] must be a dict with string 'role' and 'content', "
                              f"got {m!r:.80}")
-        out.append({"role": m["role"], "content": m["content"]})
-    if not out:
-        raise ValueError("messages is empty")
-    return out
+        for key in ("role", "content"):
+            utf8_text(f"messages[{i}][{key!r}]", m.get(key))
+    return [{"role": m["role"], "content": m["content"]} for m in messages]

@@ -26,7 +26,7 @@ from .chat import Messages, TextConfig, chat_prompt, split_tokenizer
 from rewriter.decoding import strategy_of
 from rewriter.errors import ArtifactError, RewriterError, UncacheableError
 from rewriter.ops import OPS
-from rewriter.values import context_length
+from rewriter.values import check_flag, context_length, path_argument
 
 from .generate import Batch, decode_loop, prepare, score_loop
 from .kv_cache import KVCache, bounded, cache_table, read_bytes
@@ -38,6 +38,7 @@ from .speed_guard import PLAIN, ROUNDS, SpeedGuard
 from .tree_decoding import tree_loop
 
 Prompts = Union[Tensor, Sequence[Sequence[int]]]
+BACKENDS = ("torch", "triton")
 
 
 class Engine:
@@ -96,9 +97,7 @@ class Engine:
 
     @fallback.setter
     def fallback(self, value: bool) -> None:
-        if not isinstance(value, bool):
-            raise ValueError(f"fallback must be True or False, got {value!r}")
-        self._fallback = value
+        self._fallback = check_flag("fallback", value)
 
     @property
     def config(self) -> dict:
@@ -118,7 +117,10 @@ class Engine:
         """KV-cache bytes per token of one sequence of ``tokens`` tokens (default: the
         context length), all caches, K and V: what is allocated, so a sink + window ring
         counts its slots, not the sequence's length."""
-        dtype, tokens = self._dtype(), tokens or self.max_len
+        tokens = self.max_len if tokens is None else tokens
+        if not is_int(tokens) or tokens < 1:
+            raise ValueError(f"kv_bytes_per_token: tokens must be an integer >= 1, got {tokens!r}")
+        dtype, tokens = self._dtype(), int(tokens)
         return sum(s.bytes_for(tokens, dtype) for s in cache_table(self.ir.gm).values()) // tokens
 
     def kv_read_bytes(self, tokens: Optional[int] = None) -> int:
@@ -147,6 +149,7 @@ class Engine:
         """
         settings = GenerationSettings(max_new_tokens, do_sample, temperature, top_k, top_p,
                                       seed, eos_token_id, pad_token_id, prefill_chunk)
+        check_flag("progress", progress)
         batch, steps = self._start(input_ids, attention_mask, settings)
         if progress:
             from tqdm import tqdm
@@ -296,7 +299,7 @@ class Engine:
     # ------------------------------------------------------------------ artifacts
     def save(self, directory: Union[str, os.PathLike], progress: bool = False) -> None:
         """Write an artifact directory that ``rewriter.load`` reads (atomically)."""
-        artifact.save(self, directory, progress=progress)
+        artifact.save(self, path_argument("directory", directory), progress=progress)
 
     # ------------------------------------------------------------------ internals
     def _check(self, ids: Tensor, max_new_tokens: int) -> int:
@@ -394,16 +397,31 @@ def load(directory, trust_code: bool = False, backend: Optional[str] = None) -> 
     every file first). Stored kernel sources run only with ``trust_code=True``; ``backend``
     overrides the one it was saved with. The step programs are built here, so an IR they
     cannot be built from is an ``ArtifactError`` now, not at the first ``generate``."""
-    stored = artifact.read(directory, backend)
+    check_flag("trust_code", trust_code)  # "no" is truthy: it must not run stored code
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)} or None (the "
+                         f"artifact's own), got {backend!r}")
+    stored = artifact.read(path_argument("directory", directory), backend)
     engine = Engine(stored.ir, stored.tokenizer, stored.passes, stored.backend, stored.text)
     if trust_code:
         engine.trusted_kernels = stored.kernels
     try:
         engine.lower()
     except RewriterError as e:
-        raise ArtifactError(f"{stored.directory / artifact.IR_FILE}: the step programs cannot "
-                            f"be built: {e}") from e
+        raise _lowering_error(stored, trust_code, e) from e
     return engine
+
+
+def _lowering_error(stored: artifact.Stored, trust_code: bool, e: RewriterError) -> ArtifactError:
+    """A stored kernel that does not import (run only with ``trust_code``) is named by its
+    file in the artifact; anything else is the IR's."""
+    if trust_code and stored.backend == "triton":
+        from rewriter.codegen.pointwise import KernelSourceError  # triton is here: it lowered
+        if isinstance(e, KernelSourceError) and e.kernel in stored.kernels:
+            return ArtifactError(f"{stored.directory / artifact.KERNELS_DIR / e.kernel}.py: "
+                                 f"{e.problem} (a stored kernel, run as trust_code=True asked)")
+    return ArtifactError(f"{stored.directory / artifact.IR_FILE}: the step programs cannot "
+                         f"be built: {e}")
 
 
 def check_token_ids(ids: Tensor, vocab: Optional[int]) -> None:
