@@ -371,6 +371,9 @@ def select_tokens(q: Tensor, k: Tensor, layer: int, num_heads: int, num_kv_heads
     layer's (rotated); ``layer`` names its cache, which the runtime reads at decode (a
     prompt is attended densely and selects nothing)."""
     b, s, _ = q.shape
+    # never wider than the sequence (the runtime caps at its cache): the same positions, and
+    # an artifact that raises its own context cannot size this by top_k
+    top_k, recent = min(top_k, s), min(recent, s)
     qh = q.view(b, s, num_heads, head_dim).transpose(1, 2)  # [B, Hq, S, D]
     kh = k.view(b, s, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, S, D]
     i = torch.arange(s, device=q.device)
@@ -397,9 +400,13 @@ def select_pages(q: Tensor, k: Tensor, layer: int, num_heads: int, num_kv_heads:
     Hkv*D]`` are the layer's own (rotated); the runtime keeps the bounds beside the cache
     and selects at decode only (a prompt is attended densely)."""
     b, s, _ = q.shape
+    # one page of S tokens holds the same keys as any longer page, and no width exceeds what
+    # S tokens can fill: nothing here is sized by page, budget or recent beyond the sequence
+    page, recent = min(page, s), min(recent, s)
     qh = q.view(b, s, num_heads, head_dim).transpose(1, 2).float()  # [B, Hq, S, D]
     kh = k.view(b, s, num_kv_heads, head_dim).transpose(1, 2).float()  # [B, Hkv, S, D]
     pages = -(-s // page)
+    budget = min(budget, pages * page)
     pad = pages * page - s
     blocks = F.pad(kh, (0, 0, 0, pad)).view(b, num_kv_heads, pages, page, head_dim)
     high, low = blocks.cummax(3).values, blocks.cummin(3).values  # prefix bounds in each page

@@ -27,6 +27,7 @@ def refresh_bounds(step, cache_id: int, page: int, k_cache: Tensor) -> None:
     pages, and what it selects, do not depend on the rows batched with it."""
     b, h, length, d = k_cache.shape
     device = k_cache.device
+    page = min(page, length)  # a page past the cache is one page of it: the same bounds
     pages = -(-length // page)
     if cache_id not in step.cache.bounds:
         shape = (b, h, pages, d)
@@ -83,6 +84,7 @@ def select_pages(step, q: Tensor, k: Tensor, cache_id: int, num_heads: int, num_
     b = q.shape[0]
     device = q.device
     recent = min(recent, step.end)  # never wider than the positions the step can see
+    page = min(page, step.cache.max_len)  # a page past the cache is one page of it (as its bounds)
     if cache_id not in step.cache.bounds:  # nothing written before: the token sees itself
         return torch.full((b, num_kv_heads, 1, 1 + recent), -1, dtype=torch.int64, device=device)
     high, low = step.cache.bounds[cache_id]  # written by this layer's earlier steps

@@ -33,7 +33,7 @@ from rewriter.checkpoints import DEFAULT_MODEL_DIR
 from rewriter.cli import main
 from rewriter.errors import CheckpointError, PassError, RewriterError
 from rewriter.passes import (DuoAttention, EagleDraft, HydraHeads, MedusaHeads, PromptLookup,
-                             SelfSpeculative, from_spec)
+                             SelfSpeculative, from_spec, to_spec)
 from test_checkpoints import tiny_llama
 
 H, K, VOCAB = 8, 2, 10
@@ -326,10 +326,9 @@ def test_a_quoted_path_with_any_characters_reads_and_round_trips(tmp_path, name)
     path = str(write_heads(d / name))
     p = from_spec(f"medusa_heads:weights={json.dumps(path)},tree=[[0]]")
     assert p.params()["weights"] == path
-    from rewriter.passes import to_spec
-    again = from_spec(to_spec(p))
-    assert again.params() == p.params()
-    assert to_spec({"name": "MedusaHeads", "params": p.params()}) == to_spec(p)
+    spec = to_spec(p)
+    assert json.dumps(path) in spec, spec  # written as a JSON string, whatever it holds
+    assert from_spec(spec).params() == p.params()
 
 
 @pytest.mark.parametrize("spec,match", [
@@ -358,7 +357,6 @@ def test_a_gates_path_with_a_comma_goes_through_the_cli_into_the_artifact(tmp_pa
     assert code == 0, err
     stored = rewriter.load(tmp_path / "a").pass_specs
     assert stored[0]["params"]["gates"] == str(gates)
-    from rewriter.passes import to_spec
     assert from_spec(to_spec(stored[0])).params() == stored[0]["params"]
 
 

@@ -134,6 +134,12 @@ CASES = {
     # and the ring still allocates by its slots, not its sinks
     "artifact raised context": _loaded("raised"),
     "artifact plain": _loaded("plain"),
+    # the same for the selections, whose whole-sequence ops (engine(ids)) were sized by
+    # top_k and by Quest's page and budget: a model of 50,000 tokens, so the size bound
+    # (16x its largest weight at one token) lets 10**7-wide selections through
+    "artifact raised tidal": _loaded("raised tidal"),
+    "artifact raised quest": _loaded("raised quest"),
+    "artifact wide plain": _loaded("wide plain"),
     # within the bounds: as before
     "streaming at the bound": lambda _: _optimized(StreamingAttention(sinks=4, window=124)),
     "quest at the bound": lambda _: _optimized(Quest(page=4, budget=120, recent=8, dense_layers=1)),
@@ -144,7 +150,7 @@ BASELINE = [lambda _: _optimized(StreamingAttention(sinks=2, window=4)),
             lambda _: _optimized(Quest(page=2, budget=4, dense_layers=1)),
             lambda _: _optimized(TidalDecode(top_k=4)),
             lambda _: _optimized(DuoAttention(GATES, sinks=2, window=4)),
-            _loaded("plain"), lambda s: _cli_run(s["artifacts"]["plain"])]
+            _loaded("plain"), _loaded("wide plain"), lambda s: _cli_run(s["artifacts"]["plain"])]
 
 
 def _peak() -> int:
@@ -244,7 +250,23 @@ def files(tmp_path_factory):
             "raised": _artifact(root, "raised", ring,
                                 lambda d: (_raise_context(d), _set("rw.attention", sinks=2**30)(d)),
                                 _raise_context),
+            **_raised_selections(root),
         }}
+
+
+def _raised_selections(root: Path) -> dict:
+    """Artifacts of a tiny Llama with a 50,000-token vocabulary whose context is raised to
+    2**31 - 1 with a TidalDecode top_k or a Quest page and budget of 10**7."""
+    wide = rewriter.optimize(tiny_checkpoint(tie=True, vocab_size=50_000))
+    tidal = with_passes(wide, [TidalDecode(selection_layers=[0], top_k=4)])
+    quest = with_passes(wide, [Quest(page=2, budget=4, dense_layers=1)])
+    raise_with = lambda target, **kw: lambda d: (_raise_context(d), _set(target, **kw)(d))
+    return {"wide plain": _artifact(root, "wide_plain", wide),
+            "raised tidal": _artifact(root, "raised_tidal", tidal,
+                                      raise_with("rw.select_tokens", top_k=10**7), _raise_context),
+            "raised quest": _artifact(root, "raised_quest", quest,
+                                      raise_with("rw.select_pages", page=10**7, budget=10**7),
+                                      _raise_context)}
 
 
 @pytest.fixture(scope="module")
@@ -337,6 +359,14 @@ def test_a_raised_context_cannot_make_the_ring_allocate_by_its_sinks(results):
     # sink layout is sized by its slots, not by the sinks
     tokens = check(results, "artifact raised context", "ok", "")
     assert tokens == check(results, "artifact plain", "ok", "")
+
+
+def test_a_raised_context_cannot_make_a_selection_allocate_by_its_width(results):
+    # selections wider than these rows keep every earlier key: dense attention, the plain
+    # model's tokens, with nothing sized by the width
+    plain = check(results, "artifact wide plain", "ok", "")
+    for name in ("artifact raised tidal", "artifact raised quest"):
+        assert check(results, name, "ok", "") == plain, name
 
 
 def test_no_input_allocates_past_the_bound(results):
