@@ -23,7 +23,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from rewriter.values import utf8_text
+from rewriter import safe_files
+from rewriter.values import path_problem, utf8_text
 
 
 NAMED_MODELS = ("default", "smollm2")
@@ -241,15 +242,16 @@ def cmd_train_heads(args) -> int:
 
 def cmd_train_gates(args) -> int:
     from .optimized import optimize
-    from .train_gates import check_out, train_gates
+    from .train_gates import check_out, check_settings, train_gates
     device = _training_device(args.device)  # what is checked here fails before the model loads
     check_out(args.out)
+    settings = dict(sinks=args.sinks, window=args.window, steps=args.steps,
+                    lengths=tuple(args.lengths), lr=args.lr, reg=args.reg, positions=args.positions)
+    check_settings(**settings)
     model, tokenizer = _training_model(args.model, args.dtype)
     with _one_line_warnings():
         record = train_gates(optimize(model.to(device), tokenizer=tokenizer), tokenizer, args.out,
-                             sinks=args.sinks, window=args.window, steps=args.steps,
-                             lengths=tuple(args.lengths), lr=args.lr, reg=args.reg,
-                             seed=args.seed, positions=args.positions, progress=_bars())
+                             seed=args.seed, progress=_bars(), **settings)
     print(json.dumps(record, indent=1))
     print(f"saved: {args.out}")
     return 0
@@ -434,18 +436,12 @@ def _parse_ids(text: str) -> list[int]:
 def _check_writable(flag: str, path: str) -> None:
     """Fail now, before tracing, if ``path`` cannot be created: its nearest existing
     ancestor must be a directory we may write in, and ``path`` itself no regular file."""
-    if not path.strip():
+    if path_problem(path) is not None:
         raise ValueError(f"{flag} must name a directory, got {path!r}")
     target = Path(path).absolute()
     if target.is_file() or target.is_symlink() and not target.exists():
         raise ValueError(f"{flag} {path}: exists and is not a directory")
-    parent = target.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise ValueError(f"{flag} {path}: {parent} is a file, not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {path}: cannot write in {parent} (permission denied)")
+    safe_files.check_parent(flag, path, make_parents=True)
 
 
 def _text(tok, ids: list[int]) -> str:

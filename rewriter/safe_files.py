@@ -14,7 +14,8 @@ it are resolved without following symbolic links:
 
 For files named by a path (the training commands' outputs, caches and checkpoints):
 ``replace_path`` is ``replace_file`` in the path's directory, its errors naming the path;
-``check_new_file`` refuses an output path before any work is done; ``new_dirs`` creates a
+``check_new_file`` refuses an output path before any work is done (``check_parent``: one
+whose directory cannot be written in or made); ``new_dirs`` creates a
 directory and removes it again if what runs inside fails before writing anything there.
 """
 from __future__ import annotations
@@ -27,6 +28,8 @@ import shutil
 import stat
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator, Optional, Union
+
+from rewriter.values import path_problem
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
@@ -164,7 +167,7 @@ def check_new_file(path, who: str, kind: str, ours: Callable[[Path], bool],
     name, a directory, a link, a special file (``/dev/null``: a rename would replace the
     device), a file ``ours`` does not recognise (it would be lost), a parent directory
     that is missing (unless ``make_parents``), a file, or closed to us."""
-    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path).strip():
+    if path_problem(path) is not None:
         raise ValueError(f"{who} must name a {kind}, got {path!r}")
     target = Path(path).absolute()
     try:
@@ -181,14 +184,22 @@ def check_new_file(path, who: str, kind: str, ours: Callable[[Path], bool],
     if found == "file" and not ours(target):
         raise ValueError(f"{who} {path} exists and is not a {kind}: it would be overwritten "
                          f"(remove it or name another path)")
-    parent = target.parent
+    check_parent(who, path, make_parents)
+    return Path(path)
+
+
+def check_parent(who: str, path: Union[str, os.PathLike], make_parents: bool = False) -> None:
+    """A ``ValueError`` naming ``who`` and ``path`` unless something can be made at
+    ``path``: its parent (with ``make_parents``, its nearest existing ancestor, below which
+    the rest is made) is a directory we may write in."""
+    parent = Path(path).absolute().parent
     while make_parents and not parent.exists() and parent != parent.parent:
         parent = parent.parent
     if not parent.is_dir():
-        raise ValueError(f"{who} {path}: {parent} is not an existing directory")
+        what = "a file, not a directory" if parent.exists() else "not an existing directory"
+        raise ValueError(f"{who} {path}: {parent} is {what}")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ValueError(f"{who} {path}: cannot write in {parent} (permission denied)")
-    return Path(path)
 
 
 @contextlib.contextmanager

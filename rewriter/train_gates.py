@@ -21,6 +21,7 @@ import math
 import os
 import random
 import time
+from collections import abc
 from pathlib import Path
 from typing import Sequence, Union
 
@@ -40,22 +41,11 @@ def train_gates(opt, tokenizer, out: Union[str, os.PathLike], sinks: int = 16, w
                 progress: bool = True) -> dict:
     """Calibrate gates for ``opt`` (an ``OptimizedModel`` of a causal LM, no passes needed)
     and write them to ``out`` (``rewriter.duo_gates``); returns the calibration record."""
-    for name, v, low in (("sinks", sinks, 0), ("window", window, 1), ("steps", steps, 1)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
-            raise ValueError(f"train_gates: {name} must be an integer >= {low}, got {v!r}")
-    for name, v in (("lr", lr), ("reg", reg)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-            raise ValueError(f"train_gates: {name} must be a finite number >= 0, got {v!r}")
+    check_settings(sinks, window, steps, lengths, lr, reg, positions)
     context = opt.max_len
-    if not lengths or not all(isinstance(n, int) and 64 <= n <= context for n in lengths):
+    if max(lengths) > context:
         raise ValueError(f"train_gates: lengths must be token counts in [64, {context}] (the "
                          f"model's context), got {lengths!r}")
-    if sinks + window >= min(lengths):
-        raise ValueError(f"train_gates: sinks + window = {sinks + window} must be below the "
-                         f"shortest length {min(lengths)}, or streaming heads see everything "
-                         f"and every gate falls to 0")
-    if positions not in ("cache", "original"):
-        raise ValueError(f"train_gates: positions must be 'cache' or 'original', got {positions!r}")
     if tokenizer is None:
         raise ValueError("train_gates: the model has no tokenizer; the pass-key prompts "
                          "calibration runs on are text")
@@ -64,6 +54,29 @@ def train_gates(opt, tokenizer, out: Union[str, os.PathLike], sinks: int = 16, w
     with safe_files.new_dirs(work):  # removed again if nothing is done
         return _calibrate(opt, tokenizer, out, work, layers, kv_heads, sinks, window, steps,
                           lengths, lr, reg, seed, positions, progress)
+
+
+def check_settings(sinks: int, window: int, steps: int, lengths: Sequence[int], lr: float,
+                   reg: float, positions: str) -> None:
+    """A ``ValueError`` naming the first of ``train_gates``' settings that no model could
+    calibrate with; checked before the model is loaded and traced (the lengths against
+    its context are checked with it)."""
+    for name, v, low in (("sinks", sinks, 0), ("window", window, 1), ("steps", steps, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"train_gates: {name} must be an integer >= {low}, got {v!r}")
+    for name, v in (("lr", lr), ("reg", reg)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"train_gates: {name} must be a finite number >= 0, got {v!r}")
+    if not isinstance(lengths, abc.Sequence) or not lengths or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 64 for n in lengths):
+        raise ValueError(f"train_gates: lengths must be token counts of at least 64 (and at "
+                         f"most the model's context), got {lengths!r:.200}")
+    if sinks + window >= min(lengths):
+        raise ValueError(f"train_gates: sinks + window = {sinks + window} must be below the "
+                         f"shortest length {min(lengths)}, or streaming heads see everything "
+                         f"and every gate falls to 0")
+    if positions not in ("cache", "original"):
+        raise ValueError(f"train_gates: positions must be 'cache' or 'original', got {positions!r}")
 
 
 def check_out(out) -> tuple[Path, Path]:

@@ -59,6 +59,7 @@ from rewriter import heads as heads_file
 from rewriter import safe_files, tensor_files
 from rewriter.corpus import load_corpus
 from rewriter.malloc import reuse_freed_memory
+from rewriter.values import path_problem
 
 RANKS = 10  # rank accuracies stored per head
 CHECKPOINT_EVERY = 200  # steps
@@ -84,6 +85,53 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
     architecture and model to start from, so heads trained on earlier data learn from more:
     its weights are the start and its token counts are added to this data's; ``blocks``:
     residual blocks per head, at least the start's: the blocks it lacks start at zero)."""
+    _check_arguments(model, tokenizer, num_heads=num_heads, prompts=prompts,
+                     heldout_prompts=heldout_prompts, prompt_tokens=prompt_tokens,
+                     new_tokens=new_tokens, epochs=epochs, lr=lr, batch=batch, seed=seed,
+                     generate_batch=generate_batch, arch=arch, loss=loss, data=data, rows=rows,
+                     questions=questions, init=init, blocks=blocks)
+    rows = prompts if rows is None else rows
+    out, work = check_paths(out, work_dir)
+    start = _initial(init, arch, num_heads, model, blocks) if init is not None else None
+    settings = _data_settings(model, data, rows, questions, prompts=prompts,
+                              heldout_prompts=heldout_prompts, seed=seed,
+                              prompt_tokens=prompt_tokens, new_tokens=new_tokens, chat=chat)
+    if start is not None and start[0].trained.get("settings") == _shown(settings):
+        raise ValueError(f"train_heads: init {init} was trained on this very data (the same "
+                         f"settings and seed; its token counts would be added twice, also "
+                         f"when deepening it): give another seed or more data")
+    # the training's own key (not the data's: a run from other heads reuses the data)
+    train_settings = {**settings, **({"init": start[1]} if start is not None else {})}
+    lm_head = model.get_output_embeddings().weight.detach()
+    embed = model.get_input_embeddings().weight.detach() if arch == "hydra" else None
+    # out's missing directories, made before hours of work (not found missing after them);
+    # removed again, while still empty, if the run fails
+    with safe_files.new_dirs(out.parent):
+        sets, data_seconds, counts = _make_data(model, tokenizer, work, settings, data, rows,
+                                                questions, generate_batch, progress)
+        if start is not None and start[0].counts is not None:  # the data the start was trained on
+            counts += start[0].counts
+        with reuse_freed_memory():  # each step's large blocks reused, not faulted in again
+            w, b, deep, trained = _train(sets["train"], lm_head, embed, num_heads, epochs, lr,
+                                         batch, seed, work, train_settings, progress, loss,
+                                         start[0] if start is not None else None, blocks)
+        accuracy = rank_accuracy(sets["heldout"], lm_head, w, b, embed, deep=deep)
+        report = {**trained, "seconds_data": data_seconds and round(data_seconds, 1),
+                  "settings": _shown(settings),
+                  "train_tokens": int((sets["train"]["end"] - sets["train"]["start"]).sum()),
+                  "heldout_top1": [round(a[0], 4) for a in accuracy],
+                  "heldout_top5": [round(sum(a[:5]), 4) for a in accuracy],
+                  "device": str(lm_head.device), "arch": arch, "loss": loss, "data": data,
+                  "blocks": blocks, **_init_report(init, arch, start)}
+        _save(out, w, b, deep, lm_head, accuracy, report, counts, arch)
+    return report
+
+
+def _check_arguments(model, tokenizer, *, num_heads, prompts, heldout_prompts, prompt_tokens,
+                     new_tokens, epochs, lr, batch, seed, generate_batch, arch, loss, data,
+                     rows, questions, init, blocks) -> None:
+    """``train_heads``' arguments (``rows`` as given: None is ``prompts``), checked against
+    each other and the model before any path is checked or any data made."""
     if arch not in heads_file.ARCHS:
         raise ValueError(f"train_heads: arch must be one of {heads_file.ARCHS}, got {arch!r}")
     if data not in DATA:
@@ -122,15 +170,15 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
         raise ValueError("train_heads: the model has no tokenizer; the training prompts are text")
     if questions:  # checked (an int by now) before hours of other data are made
         question_prefix(model, tokenizer)
-    if init is not None and (not isinstance(init, (str, os.PathLike)) or not os.fspath(init)):
+    if init is not None and path_problem(init) is not None:
         raise ValueError(f"train_heads: init must be a heads file's path or a shipped name "
                          f"({', '.join(heads_file.SHIPPED)}), got {init!r}")
-    out, work = check_paths(out, work_dir)
-    start = _initial(init, arch, num_heads, model, blocks) if init is not None else None
-    settings = {"prompts": prompts, "heldout_prompts": heldout_prompts, "seed": seed,
-                "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "chat": chat}
-    lm_head = model.get_output_embeddings().weight.detach()
-    embed = model.get_input_embeddings().weight.detach() if arch == "hydra" else None
+
+
+def _data_settings(model, data: str, rows: int, questions: int, **counts) -> dict:
+    """The key the data is cached under: ``counts`` (prompts, held-out prompts, seed, token
+    counts, chat), the model, and what a mode other than "generated" adds."""
+    settings = dict(counts)
     # caches and checkpoints belong to one model: a work dir reused for another is not read
     settings["model"] = fingerprint(model)
     if data != "generated":  # caches made before the corpus mode keep their key
@@ -139,51 +187,56 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
         settings["rows"] = rows
         if questions:  # mixed runs from before questions keep their key
             settings["questions"] = questions
-    if start is not None and start[0].trained.get("settings") == \
-            {k: v for k, v in settings.items() if k != "model"}:
-        raise ValueError(f"train_heads: init {init} was trained on this very data (the same "
-                         f"settings and seed; its token counts would be added twice, also "
-                         f"when deepening it): give another seed or more data")
-    # the training's own key (not the data's: a run from other heads reuses the data)
-    train_settings = {**settings, **({"init": start[1]} if start is not None else {})}
-    sets, data_seconds, counts = {}, 0.0, torch.zeros(lm_head.shape[0], dtype=torch.int64)
+    return settings
+
+
+def _shown(settings: dict) -> dict:
+    """The data's settings as a report shows them (and a start's report is compared with):
+    without the model's fingerprint."""
+    return {k: v for k, v in settings.items() if k != "model"}
+
+
+def _make_data(model, tokenizer, work: Path, settings: dict, data: str, rows: int,
+               questions: int, generate_batch: int, progress: bool) -> tuple:
+    """``(sets, seconds, counts)``: the "train" and "heldout" sets, each made (or read from
+    ``work``'s caches) part by part as ``_parts`` lists them, with every row's end; the
+    seconds making them took (None when a cache does not say); ``[V]`` how often the model
+    produced each token in the train set. ``settings``: ``_data_settings``' key."""
+    vocab = model.get_output_embeddings().weight.shape[0]
+    sets, data_seconds, counts = {}, 0.0, torch.zeros(vocab, dtype=torch.int64)
     with _one_engine(model), safe_files.new_dirs(work):  # no empty work dir left if it fails
         safe_files.remove_temp_files(work)  # what a run killed while writing left
-        for split, n in (("train", prompts), ("heldout", heldout_prompts)):
+        for split, n in (("train", settings["prompts"]), ("heldout", settings["heldout_prompts"])):
             parts = []
             for kind, count in _parts(data if split == "train" else "generated", n, rows, questions):
                 part, seconds = _dataset(model, tokenizer, work, split, count,
                                          _part_settings(settings, kind, count), generate_batch,
                                          progress)
-                part["end"] = _ends(part, new_tokens, _eos_ids(model, tokenizer))
+                part["end"] = _ends(part, settings["new_tokens"], _eos_ids(model, tokenizer))
                 if split == "train":
-                    counts += produced(part, lm_head.shape[0])
+                    counts += produced(part, vocab)
                 parts.append(part)
                 data_seconds = None if seconds is None or data_seconds is None else data_seconds + seconds
             sets[split] = parts[0] if len(parts) == 1 else _merge(parts)
-    if start is not None and start[0].counts is not None:  # the data the start was trained on
-        counts += start[0].counts
-    with reuse_freed_memory():  # each step's large blocks reused, not faulted in again
-        w, b, deep, trained = _train(sets["train"], lm_head, embed, num_heads, epochs, lr, batch,
-                                     seed, work, train_settings, progress, loss,
-                                     start[0] if start is not None else None, blocks)
-    accuracy = rank_accuracy(sets["heldout"], lm_head, w, b, embed, deep=deep)
-    report = {**trained, "seconds_data": data_seconds and round(data_seconds, 1),
-              "settings": {k: v for k, v in settings.items() if k != "model"},
-              "train_tokens": int((sets["train"]["end"] - sets["train"]["start"]).sum()),
-              "heldout_top1": [round(a[0], 4) for a in accuracy],
-              "heldout_top5": [round(sum(a[:5]), 4) for a in accuracy],
-              "device": str(lm_head.device), "arch": arch, "loss": loss, "data": data,
-              "blocks": blocks,
-              **({"init": {"file": heads_file.resolve(init, arch).name, "sha256": start[1],
-                           # not its whole report: a chain of starts would nest every one
-                           **{k: start[0].trained.get(k) for k in ("positions", "settings")}}}
-                 if start is not None else {})}
+    return sets, data_seconds, counts
+
+
+def _init_report(init, arch: str, start) -> dict:
+    """What the report says of the heads a run started from (nothing without ``init``)."""
+    if start is None:
+        return {}
+    # not its whole report: a chain of starts would nest every one
+    return {"init": {"file": heads_file.resolve(init, arch).name, "sha256": start[1],
+                     **{k: start[0].trained.get(k) for k in ("positions", "settings")}}}
+
+
+def _save(out: Path, w, b: Tensor, deep, lm_head: Tensor, accuracy: list, report: dict,
+          counts: Tensor, arch: str) -> None:
+    """The trained heads, in bfloat16, with their accuracies, report and token counts."""
     w = [t.to(torch.bfloat16) for t in w] if arch == "hydra" else w.to(torch.bfloat16)
     deep = tuple(t.to(torch.bfloat16) for t in deep) if deep is not None else None
     heads_file.Heads(w, b.to(torch.bfloat16), lm_head.shape[0], heads_file.probe_of(lm_head),
                      accuracy, report, counts, arch, deep).save(out)
-    return report
 
 
 def check_paths(out, work_dir) -> tuple[Path, Path]:
@@ -193,8 +246,7 @@ def check_paths(out, work_dir) -> tuple[Path, Path]:
     or nothing yet. Checked before the model makes any data."""
     out = safe_files.check_new_file(out, "train_heads: out", "heads file", is_heads_file,
                                     make_parents=True)
-    if work_dir is not None and (not isinstance(work_dir, (str, os.PathLike))
-                                 or not os.fspath(work_dir).strip()):
+    if work_dir is not None and path_problem(work_dir) is not None:
         raise ValueError(f"train_heads: work_dir must name a directory, got {work_dir!r}")
     work = Path(work_dir) if work_dir is not None else out.with_name(out.name + ".work")
     if (work.exists() or work.is_symlink()) and not work.is_dir():

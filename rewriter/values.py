@@ -99,9 +99,22 @@ def path_argument(name: str, value) -> str | os.PathLike:
     """``value`` if it is a non-empty path (a ``str`` or an ``os.PathLike``), else a
     ``ValueError`` naming ``name`` (``Path(None)`` would raise a TypeError that names
     nothing, and ``""`` means the current directory)."""
-    if not isinstance(value, (str, os.PathLike)) or isinstance(os.fspath(value), bytes):
-        raise ValueError(f"{name} must be a str or os.PathLike, got {type(value).__name__}")
-    if not os.fspath(value).strip():
-        raise ValueError(f"{name} is empty ({os.fspath(value)!r} would mean the current "
-                         f"directory)")
+    problem = path_problem(value)
+    if problem is not None:
+        raise ValueError(f"{name} {problem}")
     return value
+
+
+def path_problem(value) -> str | None:
+    """Why ``value`` names no file or directory (the end of a sentence that starts with the
+    parameter's name), or None: a path is a ``str``, or an ``os.PathLike`` of one (bytes,
+    or an object, would reach ``Path()`` and its raw TypeError), and not blank."""
+    try:
+        text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+    except TypeError:  # __fspath__ returned neither str nor bytes
+        text = None
+    if not isinstance(text, str):
+        return f"must be a str or os.PathLike, got {type(value).__name__}"
+    if not text.strip():
+        return f"is empty ({text!r} would mean the current directory)"
+    return None

@@ -1,6 +1,7 @@
 """The training commands (``train-heads``, ``train-gates``) fail as the rest of the CLI
-does: one ``rewriter: error:`` line, status 2, nothing written. A device, an output path
-or a work directory that cannot be used is refused before the model loads; a model
+does: one ``rewriter: error:`` line, status 2, nothing written. A device, an output path,
+a work directory or a gates setting that cannot be used is refused before the model loads
+(``--out``'s missing directories are made, and removed again if the run fails); a model
 without a tokenizer before any data is made; a full disk names the file and leaves the
 old one. The files they keep (data caches, checkpoints, the heads and gates files) are
 written under a temporary name and renamed, and a torn cache or checkpoint (what a kill
@@ -139,7 +140,7 @@ def _dir(tmp):
 #  makes the paths; every row fails before the model loads)
 EARLY = [
     *[(cmd, f"--out {{tmp}}/o --device {dev}", frag) for cmd in ("heads", "gates")
-      for dev, frag in (("cuda:7", "'cuda:7': no such CUDA device"),
+      for dev, frag in (("cuda:4096", "'cuda:4096': no such CUDA device"),
                         ("mps", "'mps': training runs on cpu or cuda"),
                         ("foo", "'foo' is not a device"), ("cuda:-1", "'cuda:-1' is not a device"),
                         ("''", "'' is not a device"))],
@@ -153,7 +154,7 @@ EARLY = [
     ("gates", "--out /dev/null", "/dev/null is not a regular file"),
     ("heads", "--out {tmp}/notes.txt", "notes.txt exists and is not a heads file"),
     ("gates", "--out {tmp}/notes.txt", "notes.txt exists and is not a gates file"),
-    ("heads", "--out {tmp}/notes.txt/h.safetensors", "notes.txt is not an existing directory"),
+    ("heads", "--out {tmp}/notes.txt/h.safetensors", "notes.txt is a file, not a directory"),
     ("gates", "--out {tmp}/missing/g.json", "missing is not an existing directory"),
     ("heads", "--out {tmp}/h.safetensors --work-dir {tmp}/notes.txt",
      "work directory {tmp}/notes.txt exists and is not a directory"),
@@ -161,6 +162,18 @@ EARLY = [
     ("heads", "--out {tmp}/h.safetensors --work-dir {tmp}/h.safetensors",
      "work_dir and out both name {tmp}/h.safetensors"),
     ("gates", "--out {tmp}/g.json", "g.json.work (the checkpoint directory) is not a directory"),
+    # settings that need no model: refused before it loads and is traced
+    ("gates", "--out {tmp}/o --lengths 10", "lengths must be token counts of at least 64"),
+    ("gates", "--out {tmp}/o --lengths 96 63", "lengths must be token counts of at least 64"),
+    ("gates", "--out {tmp}/o --steps 0", "steps must be an integer >= 1, got 0"),
+    ("gates", "--out {tmp}/o --sinks -1", "sinks must be an integer >= 0, got -1"),
+    ("gates", "--out {tmp}/o --window 0", "window must be an integer >= 1, got 0"),
+    ("gates", "--out {tmp}/o --lr nan", "lr must be a finite number >= 0, got nan"),
+    ("gates", "--out {tmp}/o --reg=-inf", "reg must be a finite number >= 0, got -inf"),
+    ("gates", "--out {tmp}/o --sinks 2147483647",
+     "sinks + window = 2147483655 must be below the shortest length 96"),
+    ("gates", "--out {tmp}/o --lengths 512 128 --sinks 64 --window 64",
+     "sinks + window = 128 must be below the shortest length 128"),
 ]
 
 
@@ -213,6 +226,7 @@ LOADED = [
     ("heads", "default --out {tmp}/h.safetensors --new-tokens 2000",
      "prompt_tokens + new_tokens = 2064 exceeds the model's context of 1024 tokens"),
     ("heads", "default --out {tmp}/h.safetensors --init ''", "init must be a heads file's path"),
+    ("heads", "default --out {tmp}/h.safetensors --init ' '", "init must be a heads file's path"),
     ("heads", "default --out {tmp}/h.safetensors --epochs 0", "epochs must be an int >= 1"),
 ]
 
@@ -225,6 +239,28 @@ def test_refused_before_any_data_is_made(command, argv, fragment, inputs, tmp_pa
     base = (HEADS if command == "heads" else GATES)[:1] + (HEADS if command == "heads" else GATES)[2:]
     assert main(base + shlex.split(argv.format(tmp=tmp_path, **inputs))) == 2
     one_error_line(capsys, fragment)
+    assert listing(tmp_path) == {}
+
+
+class BytesPath(os.PathLike):
+    """A path object whose path is bytes: ``Path()`` of it raises a raw TypeError."""
+
+    def __fspath__(self):
+        return b"/tmp/h.safetensors"
+
+
+@pytest.mark.parametrize("where", ["heads out", "heads work_dir", "heads init", "gates out"])
+def test_a_path_that_is_not_text_is_a_value_error(where, tmp_path, engine):
+    """The API's paths: a ``str`` or ``os.PathLike`` of one, else a ``ValueError`` naming
+    the parameter (each is checked once, before any work)."""
+    from rewriter.train_gates import train_gates
+    model, tokenizer = rewriter.default_model()
+    out, name = str(tmp_path / "h.safetensors"), where.split()[1]
+    with pytest.raises(ValueError, match=f"(train_heads|train_gates): {name} must "):
+        if where == "gates out":
+            train_gates(engine, tokenizer, BytesPath())
+        else:
+            th.train_heads(model, tokenizer, **{"out": out, name: BytesPath()}, num_heads=1)
     assert listing(tmp_path) == {}
 
 
@@ -314,6 +350,29 @@ def test_a_full_disk_at_the_heads_file_names_it_and_writes_nothing(trained, tmp_
                                                                    monkeypatch):
     work = _copy(trained, tmp_path)
     out = tmp_path / "h.safetensors"
+    fill_disk(monkeypatch, {"h.safetensors"})
+    before = listing(tmp_path)
+    assert main(HEADS + ["--out", str(out), "--work-dir", str(work)]) == 2
+    one_error_line(capsys, f"rewriter: error: {out}: {NO_SPACE}")
+    assert listing(tmp_path) == before
+
+
+def test_missing_parents_of_out_are_made_with_a_work_directory_elsewhere(trained, tmp_path,
+                                                                          capsys):
+    """``--out`` in directories that do not exist yet, the work directory elsewhere (which
+    used to make them): made, as ``optimize --out`` makes them."""
+    work = _copy(trained, tmp_path)
+    out = tmp_path / "new" / "sub" / "h.safetensors"
+    assert main(HEADS + ["--out", str(out), "--work-dir", str(work)]) == 0
+    assert capsys.readouterr().err == ""
+    assert heads_file.load(out).num_heads == 1
+
+
+def test_a_failed_run_removes_the_parents_of_out_it_made(trained, tmp_path, capsys, monkeypatch):
+    """The run fails at the heads file (a full disk): the directories it made for ``--out``
+    are empty and removed again; the work directory, with its data, stays."""
+    work = _copy(trained, tmp_path)
+    out = tmp_path / "new" / "sub" / "h.safetensors"
     fill_disk(monkeypatch, {"h.safetensors"})
     before = listing(tmp_path)
     assert main(HEADS + ["--out", str(out), "--work-dir", str(work)]) == 2
