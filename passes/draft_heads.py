@@ -28,7 +28,7 @@ residual blocks on ``r_k`` before the projection, the same ops again::
     r_k = r_k + silu(linear(r_k, {medusa,hydra}.block{l}.w{k}, ...b{k}))   l = 1 .. B - 1
 
 and the runtime lowers one program per head with ``h`` and the path as inputs, run level
-by level over the tree's nodes (``runtime.tree_decoding``).
+by level over the tree's nodes (``runtime.decoding.tree.rounds``).
 
 ``P`` is the model's own LM head weight (shared: no copy), or with ``draft_vocab=N`` its
 rows for the ``N`` tokens the model produced most often on the training text
@@ -42,14 +42,14 @@ cost of a round measured here, its programs and its own work against a whole pla
 round verifies at 2, 4 and 8 rows, where verifying many tokens costs more: none at all,
 plain decoding, when nothing pays; with ``adapt=True``, the default, the record keeps the
 accuracies and costs, and the runtime re-chooses the sub-tree from what the heads guess
-right on the text it decodes: ``runtime.tree_adapt``). The output is the model's: greedy tokens
+right on the text it decodes: ``runtime.decoding.tree.adapt``). The output is the model's: greedy tokens
 equal plain greedy decoding's, sampling follows its distribution; ``acceptance="typical"``
 (Medusa's typical acceptance) is the explicit lossy option. With ``dynamic=e`` the round
 verifies as many nodes as the tree, but in a shape re-grown every round from the heads'
 own probabilities, expanding the ``e`` likeliest nodes of each level (EAGLE-2's dynamic
-tree: ``runtime.tree_dynamic``). With ``lookup=L`` every round also verifies a chain of up
+tree: ``runtime.decoding.tree.dynamic``). With ``lookup=L`` every round also verifies a chain of up
 to ``L`` tokens copied from the row's own text, where its last tokens occurred before
-(prompt lookup: code and answers repeat their context; ``runtime.tree_lookup``); with the
+(prompt lookup: code and answers repeat their context; ``runtime.decoding.tree.lookup``); with the
 adaptive tree's costs the rounds verify as many of them as pay on the text being decoded
 (maybe none), and where no tree pays at a batch size, rounds may verify a chain alone.
 The default: ``lookup=4`` with ``tree="auto"`` and ``adapt=True`` (trained heads), else 0.
@@ -64,7 +64,7 @@ import torch
 
 from rewriter import heads as heads_file
 from rewriter.calibrate import ShortContext
-from rewriter.decoding import MAX_EXPAND, MAX_LOOKUP, Strategy, check_record, check_undecided
+from rewriter.decoding import MAX_EXPAND, MAX_LOOKUP, TreeDecoding, check_record, check_undecided
 from rewriter.errors import PassError
 from rewriter.ir.core import IR
 from rewriter.pass_manager import Pass
@@ -165,8 +165,8 @@ class MedusaHeads(Pass):
                              "trained": self.heads.trained if self.heads else None}
         return ir
 
-    def _strategy(self, tree, batch_trees=(), costs=()) -> Strategy:
-        return Strategy("medusa", arch=self.ARCH, num_heads=self.num_heads, tree=tree.paths,
+    def _strategy(self, tree, batch_trees=(), costs=()) -> TreeDecoding:
+        return TreeDecoding(self.ARCH, depth=self.num_heads, tree=tree.paths,
                         draft_vocab=self._vocab_size, acceptance=self.acceptance,
                         posterior_threshold=self.posterior_threshold,
                         posterior_alpha=self.posterior_alpha, batch_trees=batch_trees,
@@ -198,8 +198,8 @@ class MedusaHeads(Pass):
 
     def _tree(self, ir: IR) -> tuple:
         """The tree and, when chosen here, the sub-trees a round verifies at larger batches
-        (``Strategy.batch_trees``: there verifying many tokens is dearer) and, with
-        ``adapt``, the measured costs (``Strategy.costs``).
+        (``TreeDecoding.batch_trees``: there verifying many tokens is dearer) and, with
+        ``adapt``, the measured costs (``TreeDecoding.costs``).
 
         The costs are the programs' (``calibrate``) plus what a round spends outside them,
         against a whole plain step, timed through the runtime (``round_cost``)."""

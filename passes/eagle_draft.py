@@ -25,11 +25,11 @@ every node a level expands.
 So the IR prints it, dumps show it and artifacts store its weights (``eagle.*``), and the
 graph returns ``(logits, draft)``: at position ``t`` the draft's guess of the token two
 after it. Decoding does not run that op: the runtime reads its weights and drafts with the
-layer's own cache (``runtime.eagle_rows``), caught up each round over the positions the
+layer's own cache (``runtime.decoding.tree.eagle_rows``), caught up each round over the positions the
 round accepted, and grows each round's tree from the draft's own probabilities (EAGLE-2's
-dynamic tree, ``runtime.tree_dynamic``): ``depth`` levels, ``expand`` nodes expanded a
+dynamic tree, ``runtime.decoding.tree.dynamic``): ``depth`` levels, ``expand`` nodes expanded a
 level, ``nodes`` tokens verified (the root included). Verification, acceptance (greedy,
-sampled or typical) and the K/V compaction are the draft heads' (``runtime.tree_decoding``):
+sampled or typical) and the K/V compaction are the draft heads' (``runtime.decoding.tree.rounds``):
 the output is the model's.
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ import torch
 
 from rewriter import eagle_file
 from rewriter.heads import MAX_HEADS
-from rewriter.decoding import MAX_EXPAND, MAX_LOOKUP, Strategy, check_record, check_undecided
+from rewriter.decoding import MAX_EXPAND, MAX_LOOKUP, TreeDecoding, check_record, check_undecided
 from rewriter.errors import PassError
 from rewriter.ir.core import IR
 from rewriter.ops import EAGLE_WEIGHTS
@@ -49,7 +49,7 @@ from rewriter.passes.draft_heads import _mark, checked_acceptance, embedding_wei
 from rewriter.passes.fusion import call
 from rewriter.tree import MAX_NODES, MAX_RANK, make_tree
 
-MAX_DEPTH = MAX_HEADS  # draft levels a round may grow (the record's num_heads)
+MAX_DEPTH = MAX_HEADS  # draft levels a round may grow (the record's depth)
 
 
 class EagleDraft(Pass):
@@ -62,7 +62,7 @@ class EagleDraft(Pass):
         if weights is None:
             raise ValueError(f"{name}: give weights='smollm2' (the shipped SmolLM2 draft) or "
                              f"PATH, a trained draft file (rewriter.eagle_file; "
-                             f"benchmarks/eagle_gpu.py or eagle_draft.py --save)")
+                             f"made by `rewriter train-eagle`)")
         if not isinstance(weights, str):
             weights = str(weights)  # a Path
         try:
@@ -118,10 +118,10 @@ class EagleDraft(Pass):
                              "trained": self.draft.trained}
         return ir
 
-    def strategy(self) -> Strategy:
+    def strategy(self) -> TreeDecoding:
         """Dynamic rounds (``dynamic=expand``) of ``nodes`` tokens, ``depth`` levels deep.
         The record's tree only sizes them: each round grows its own."""
-        return Strategy("medusa", arch=self.ARCH, num_heads=self.depth,
+        return TreeDecoding(self.ARCH, depth=self.depth,
                         tree=budget_tree(self.nodes, self.depth).paths,
                         draft_vocab=getattr(self, "_vocab_size", None),
                         acceptance=self.acceptance, posterior_threshold=self.posterior_threshold,
@@ -181,10 +181,3 @@ def insert_eagle(ir: IR, head, embed, draft, lm: torch.Tensor, pass_name: str,
         draft_out = m(call(ir, torch.ops.aten.unsqueeze.default, (logits, -2), "eagle_draft"))
     out.args = ((head, draft_out),)
 
-
-def eagle_node(ir: IR) -> Optional[torch.fx.Node]:
-    """The graph's one ``rw.eagle_layer`` node (None: none; ``PassError``: more than one)."""
-    found = list(ir.graph.find_nodes(op="call_function", target=torch.ops.rw.eagle_layer.default))
-    if len(found) > 1:
-        raise PassError(f"the graph has {len(found)} EAGLE draft layers; a model drafts with one")
-    return found[0] if found else None

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from rewriter.decoding import TreeDecoding, strategy_of
 from rewriter.errors import PassError
 from rewriter.int4 import GROUP_SIZES, dequantize, quantize
 from rewriter.ir.core import IR
@@ -36,9 +37,8 @@ class Int4Weights(Pass):
         self.lm_head = lm_head
 
     def run(self, ir: IR) -> IR:
-        strategy = (ir.info.get("decoding") or {}).get("strategy")
-        if self.lm_head and strategy in ("medusa", "lookup"):
-            raise PassError(f"{self!r}: the {strategy} strategy's rounds read the LM head as a "
+        if self.lm_head and isinstance(strategy_of(ir.info), TreeDecoding):
+            raise PassError(f"{self!r}: the tree strategy's rounds read the LM head as a "
                             f"dense linear (MedusaHeads/HydraHeads share it; PromptLookup's "
                             f"rounds return its input too); keep lm_head=False after them")
         head = _lm_head(ir)

@@ -6,7 +6,7 @@
 A model's continuation often repeats its context (code re-uses names and signatures; an
 answer quotes its question or a retrieved passage). Each round, every row copies the tokens
 that followed the latest earlier occurrence of its text's last 1-3 tokens
-(``runtime.tree_lookup``), and the model verifies them in one step: the output is the
+(``runtime.decoding.tree.lookup``), and the model verifies them in one step: the output is the
 model's own (greedy tokens, or its sampling distribution). No draft model and no heads: it
 needs nothing trained and works on any model whose logits come from a linear LM head (the
 rounds are the draft heads', which return the head's input too; not with
@@ -20,14 +20,14 @@ accepting), timed through the runtime on a made-up prompt that repeats
 (``rewriter.round_cost``). The rounds then verify as many copies as pay for their cost on
 the text being decoded, by how long a match found them (a chain after a 3-token match is
 right far more often than one after a single token): none where the text never repeats
-(``tree_lookup.ChainLength``), and then the engine decodes plainly for a few generations
+(``lookup.ChainLength``), and then the engine decodes plainly for a few generations
 before it tries again.
 ``MedusaHeads`` and ``HydraHeads`` copy the same chains beside their trees (their
 ``lookup``).
 """
 from __future__ import annotations
 
-from rewriter.decoding import MAX_LOOKUP, Strategy, check_record, check_undecided
+from rewriter.decoding import MAX_LOOKUP, TreeDecoding, check_record, check_undecided
 from rewriter.errors import PassError
 from rewriter.ir.core import IR
 from rewriter.pass_manager import Pass
@@ -55,7 +55,7 @@ class PromptLookup(Pass):
             raise PassError(f"{self!r}: its rounds (the draft heads' loop) need the logits to come "
                             f"from a plain linear LM head (not Int4Weights(lm_head=True))") from None
         costs = self._costs(ir) if self.adapt else ()
-        record = Strategy("lookup", lookup=self.tokens, costs=costs).record()
+        record = TreeDecoding("none", lookup=self.tokens, costs=costs).record()
         why = check_record(record)
         if why:
             raise PassError(f"{self!r}: the decoding record needs {why}")
@@ -71,7 +71,7 @@ class PromptLookup(Pass):
             programs = {b: verify_cost(ir, most, runs=5, batch=b)[1:] for b in BATCHES}
             rough = tuple((b, 0.0, tuple(min(max(c, 1e-3), 1e3) for c in programs[b]))
                           for b in BATCHES)
-            times = round_cost.measure(ir, Strategy("lookup", lookup=self.tokens, costs=rough), BATCHES)
+            times = round_cost.measure(ir, TreeDecoding("none", lookup=self.tokens, costs=rough), BATCHES)
         except ShortContext as e:
             raise PassError(f"{e}: give PromptLookup fewer tokens (tokens={self.tokens} now), or "
                             f"adapt=False (nothing is timed)") from None

@@ -8,7 +8,7 @@
 
 The graph is left as it is (the full model verifies); the pass records the strategy in
 ``ir.info["decoding"]`` (``rewriter.decoding``), the runtime lowers the ``draft`` program
-from it (``rewriter.ir.skip``) and decodes with ``runtime.speculative``. Attention and MLP
+from it (``rewriter.ir.skip``) and decodes with ``runtime.decoding.speculative``. Attention and MLP
 sub-layers are skippable separately. The output is exactly the model's: plain greedy
 decoding's tokens, or its sampling distribution.
 
@@ -25,7 +25,8 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
-from rewriter.decoding import DRAFT_WEIGHTS, MAX_DRAFT, Strategy, check_record, check_undecided
+from rewriter.decoding import (DRAFT_WEIGHTS, MAX_DRAFT, SelfSpeculativeDecoding, check_record,
+                               check_undecided)
 from rewriter.errors import PassError
 from rewriter.ir.core import IR
 from rewriter.ir.skip import check_skip_set
@@ -115,8 +116,8 @@ class SelfSpeculative(Pass):
                                 f"a larger speedup skips some")
         int4 = self.draft_weights != "dense"
         check_skip_set(ir, layers, attention, mlp, empty_ok=int4)
-        strategy = Strategy("self_speculative", tuple(layers), tuple(attention), tuple(mlp),
-                            max_draft, self.threshold, draft_weights=self.draft_weights)
+        strategy = SelfSpeculativeDecoding(tuple(layers), tuple(attention), tuple(mlp), max_draft,
+                                           self.threshold, draft_weights=self.draft_weights)
         why = check_record(strategy.record())  # what the artifact loader will check
         if why:
             raise PassError(f"{self!r}: the decoding record needs {why}")

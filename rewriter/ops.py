@@ -576,7 +576,7 @@ def eagle_layer(feature: Tensor, embedded: Tensor, fc_weight: Tensor, fc_bias: T
     ``[B, S, H]`` (the embedding of the token after ``t``), causal over the row, the draft's
     output feature ``[B, S, H]``: the LM head turns it into its guess of the token two after
     ``t``. In decoding the runtime runs the same layer with a cache of its own
-    (``runtime.eagle_rows``)."""
+    (``runtime.decoding.tree.eagle_rows``)."""
     from rewriter import eagle
     weights = (fc_weight, fc_bias, input_norm, q_proj, k_proj, v_proj, o_proj, post_norm,
                gate_proj, up_proj, down_proj, norm)

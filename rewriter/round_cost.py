@@ -39,9 +39,9 @@ from typing import Optional
 import torch
 
 from rewriter.calibrate import ShortContext, sync
-from rewriter.decoding import Strategy
+from rewriter.decoding import TreeDecoding
 from rewriter.ir.core import IR
-from rewriter.runtime.tree_adapt import AdaptiveTree
+from rewriter.runtime.decoding.tree.adapt import AdaptiveTree
 from rewriter.tree import Tree, make_tree
 from rewriter.values import context_length
 
@@ -51,38 +51,30 @@ GENERATIONS = 4  # at most: heads that guess right on the prompt make few rounds
 LIMIT = 1e3  # the record's bound on a cost (``decoding.check_record``)
 
 
-def measure(ir: IR, strategy: Strategy, batches, vocab: Optional[torch.Tensor] = None,
+def measure(ir: IR, strategy: TreeDecoding, batches, vocab: Optional[torch.Tensor] = None,
             new: int = NEW, static: Optional[bool] = None) -> dict[int, dict]:
     """``{batch: {"decode": D, "plain": P, "round": R, "fixed": F, "rounds": n}}`` in
     seconds: the decode program, a plain step, a tree round verifying the whole of
     ``strategy.tree`` (``batch_trees`` are ignored; rounds cut short near the end are not
     counted), the round's work outside its programs, and the rounds timed (``new``, or
     fewer after ``GENERATIONS`` generations). Greedy: sampling's acceptance walks the tree in
-    Python and costs more. ``ir.info["decoding"]`` is ``strategy`` while the programs
-    are lowered, and as it was after. ``static``: time the loops on fixed buffers, their
+    Python and costs more. The programs are ``strategy``'s, whatever ``ir.info``
+    records (it is left as it is). ``static``: time the loops on fixed buffers, their
     programs as whole replays (``runtime.replay``; the default on CUDA, where they are the
     engine's loops and replay CUDA graphs)."""
-    from rewriter.runtime.programs import build_programs
+    from rewriter.runtime.decoding.tuning import programs_for
     if type(new) is not int or new < 2:
         raise ValueError(f"round_cost.measure: new must be an int >= 2, got {new!r}")
     strategy = replace(strategy, batch_trees=())  # the whole tree at every batch size
     # prompt lookup (no tree): rounds of a whole copied chain, from a prompt that repeats
-    size = len(strategy.tree) + 1 + (strategy.lookup if strategy.name == "lookup" else 0)
+    size = len(strategy.tree) + 1 + (0 if strategy.drafts else strategy.lookup)
     tokens = new + size  # the last ``size`` tokens' rounds are cut short
     context = context_length(ir.info.get("config", {}))
     prompt = min(PROMPT, context - tokens - strategy.cache_slack())
     if prompt < 1:  # the pass that asked names its parameters to lower
         raise ShortContext(f"timing a round of {size} tokens needs a context of more than "
                            f"{tokens + strategy.cache_slack()} tokens; the model has {context}")
-    had, saved = "decoding" in ir.info, ir.info.get("decoding")
-    ir.info["decoding"] = strategy.record()
-    try:
-        programs = build_programs(ir, "torch", {})
-    finally:
-        if had:
-            ir.info["decoding"] = saved
-        else:
-            del ir.info["decoding"]
+    programs = programs_for(ir, strategy, "torch")
     return {b: _measure_batch(ir, programs, strategy, vocab, b, prompt, tokens, new, static)
             for b in batches}
 
@@ -96,21 +88,21 @@ def adjust(heads: float, verify, times: dict) -> tuple[float, list[float]]:
     return min(heads * d / p, LIMIT), [clamp((c * d + f) / p) for c in verify]
 
 
-def _measure_batch(ir: IR, programs: dict, strategy: Strategy, vocab, batch: int, prompt: int,
+def _measure_batch(ir: IR, programs: dict, strategy: TreeDecoding, vocab, batch: int, prompt: int,
                    new: int, want: int, static: Optional[bool]) -> dict:
     """One batch size's times (``measure``): ``new`` tokens a generation, until ``want``
     whole-tree rounds are timed."""
     from rewriter.runtime.generate import decode_loop, prepare
     from rewriter.runtime.kv_cache import KVCache, cache_table
     from rewriter.runtime.settings import GenerationSettings
-    from rewriter.runtime.tree_decoding import _TreeRounds
+    from rewriter.runtime.decoding.tuning import tree_rounds
     weight = max((t for t in ir.weights().values() if t.is_floating_point()), key=torch.Tensor.numel)
     device = weight.device
     vocab_size = int(ir.info.get("config", {}).get("vocab_size") or 2)
     # arbitrary tokens, different per row, the same every run (no random state touched);
     # for prompt lookup a period of 8 of them, so that every round has a chain to copy
     at = torch.arange(batch * prompt, device=device).view(batch, prompt)  # [B, prompt]
-    if strategy.name == "lookup":
+    if not strategy.drafts:
         at = at // prompt * prompt + at % prompt % 8
     ids = (at * 7919 + 13) % vocab_size
     settings = GenerationSettings(max_new_tokens=new, eos_token_id=(), pad_token_id=0)
@@ -135,13 +127,12 @@ def _measure_batch(ir: IR, programs: dict, strategy: Strategy, vocab, batch: int
     if strategy.costs_at(batch) is not None:  # the adaptive tree counts every round: keep
         trees[(batch, strategy)] = _Pinned(strategy, batch)  # its work, never its choices
     # tokens a round drafts with the whole tree (prompt lookup: the whole chain)
-    whole = batch * (len(strategy.tree) + (strategy.lookup if strategy.name == "lookup" else 0))
+    whole = batch * (len(strategy.tree) + (0 if strategy.drafts else strategy.lookup))
     rounds = []
     for _ in range(GENERATIONS):  # a generation's rounds verify the whole tree until its end
-        looping = _TreeRounds(plain, cache, prepare(ids, None, 0, device), settings, None,
-                              stats, strategy, vocab, trees, static=static, cuda_graph=graph)
-        looping.clock = timed.get("replays")  # on a GPU: each captured program's replays
-        loop = looping.run()
+        loop = tree_rounds(plain, cache, prepare(ids, None, 0, device), settings, stats, strategy,
+                           vocab, trees, static=static, cuda_graph=graph,
+                           clock=timed.get("replays"))  # on a GPU: each captured program's replays
         rounds += _iterations(loop, timed, device, lambda: (stats["rounds"], stats["drafted"]),
                               lambda before, after: after[0] > before[0]
                               and after[1] - before[1] == whole)
@@ -181,8 +172,8 @@ class _Pinned(AdaptiveTree):
     """Counts and chooses as the adaptive tree does (its work is a round's), and always
     verifies the whole tree."""
 
-    def __init__(self, strategy: Strategy, batch: int):
-        super().__init__(make_tree(strategy.tree, strategy.num_heads) if strategy.tree else Tree(()),
+    def __init__(self, strategy: TreeDecoding, batch: int):
+        super().__init__(make_tree(strategy.tree, strategy.depth) if strategy.tree else Tree(()),
                          strategy, batch)
 
     def next(self, current, accuracy=None):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from rewriter.decoding import TreeDecoding, strategy_of
 from rewriter.errors import ArtifactError
 from rewriter.ir.core import IR
 from rewriter.ops import OPS, op_arguments
@@ -127,10 +128,12 @@ def _check_vocabulary(ir: IR, where) -> None:
     (out,) = ir.graph.find_nodes(op="output")
     value = out.args[0]
     if isinstance(value, (tuple, list)):  # (logits, draft): only draft heads add an output
-        if len(value) != 2 or (ir.info.get("decoding") or {}).get("strategy") != "medusa":
+        strategy = strategy_of(ir.info)
+        drafted = isinstance(strategy, TreeDecoding) and strategy.drafts
+        if len(value) != 2 or not drafted:
             raise ArtifactError(f"{where.ir}: the graph returns {len(value)} values; only a "
-                                f"model with draft heads (a medusa decoding record) returns "
-                                f"two, (logits, draft)")
+                                f"model with draft heads (a tree decoding record with a "
+                                f"drafter) returns two, (logits, draft)")
         value = value[0]
     logits = value.meta.get("val") if isinstance(value, fx.Node) else None
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.shape[-1] != vocab:

@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 
+from rewriter.decoding import current
 from rewriter.errors import ArtifactError, VerificationError
 from rewriter.ir.core import IR
 from rewriter.ir.layers import layer_spans
@@ -62,6 +63,8 @@ def _ir_from_data(ir_data, weights: dict, manifest: dict, where: Paths) -> IR:
         check_info(info)
     except ValueError as e:
         raise ArtifactError(f"{where.ir}: info: {e}") from None
+    if info.get("decoding") is not None:  # an older version's record, read as this version's
+        info = {**info, "decoding": current(info["decoding"])}
     by_name = _weights_by_name(ir_data["weights"], weights, where)
     try:
         gm = graph_from_data(ir_data["graph"], by_name)

@@ -23,19 +23,18 @@ from rewriter.ir.core import IR
 
 from . import artifact
 from .chat import Messages, TextConfig, chat_prompt, split_tokenizer
-from rewriter.decoding import strategy_of
 from rewriter.errors import ArtifactError, RewriterError, UncacheableError
 from rewriter.ops import OPS
 from rewriter.values import check_flag, context_length, path_argument
 
-from .generate import Batch, decode_loop, prepare, score_loop
+from .decoding import Generation, strategy_for
+from .decoding.plain import plain_tokens
+from .generate import Batch, prepare, score_loop
 from .kv_cache import KVCache, bounded, cache_table, read_bytes
 from .programs import build_programs
 from .replay import Replays
 from .settings import PREFILL_CHUNK, GenerationSettings, is_int, token_ids
-from .speculative import speculative_loop
 from .speed_guard import PLAIN, ROUNDS, SpeedGuard
-from .tree_decoding import tree_loop
 
 Prompts = Union[Tensor, Sequence[Sequence[int]]]
 BACKENDS = ("torch", "triton")
@@ -59,7 +58,7 @@ class Engine:
         # (see ``decode_loop``); reset with ``stats.clear()``.
         self.stats: Counter = Counter()
         # The draft-head tree each (batch size, decoding strategy) verifies, learnt from the
-        # text decoded so far (``runtime.tree_adapt``); clear it to start from the pass's.
+        # text decoded so far (``runtime.decoding.tree.adapt``); clear it to start from the pass's.
         self.trees: dict = {}
         # Whether a speculative strategy's generations fall back to plain decode steps at a
         # batch size where those run faster on this machine, timed (``runtime.speed_guard``);
@@ -208,46 +207,22 @@ class Engine:
         batch = prepare(input_ids, attention_mask, settings.pad_token_id, device)
         need = self._check(batch.ids, settings.max_new_tokens)
         programs = self._lowered()  # before the cache: an IR it refuses gets none
-        strategy = strategy_of(self.ir.info)
+        strategy = strategy_for(self.ir)  # (runtime.decoding)
         cache = self._cache_for(batch.ids.shape[0], need + strategy.cache_slack())
-        cache.busy = True  # held from now (a stream not yet started too) until its loop ends
-        generator = settings.generator(device)
         cuda = device.type == "cuda"
         static = self.static_decode if self.static_decode is not None else cuda
-        replay = dict(static=static, cuda_graph=static and cuda, replays=self.replays)
-        def plain() -> Iterator[Tensor]:
-            return decode_loop(programs["prefill"], programs["decode"], cache, batch, settings,
-                               generator, self.stats, **replay)
-        if strategy.name == "plain":
-            return batch, plain()
-        b = batch.ids.shape[0]
-        guard = self.guards.setdefault((b, strategy), SpeedGuard())
+        g = Generation(programs, cache, batch, settings, settings.generator(device), self.stats,
+                       static=static, cuda_graph=static and cuda, replays=self.replays)
+        if not strategy.speculative:
+            return batch, g.leased(strategy.tokens(g, self.trees))
+        guard = self.guards.setdefault((batch.ids.shape[0], strategy.record), SpeedGuard())
         arm = guard.choose(settings.max_new_tokens) if self.fallback else ROUNDS
-        steps = self._rounds(programs, cache, batch, settings, generator, strategy, replay) \
-            if arm == ROUNDS else None
+        steps = strategy.tokens(g, self.trees) if arm == ROUNDS else None
         if steps is None:  # the guard's choice, or the strategy's own (no rounds pay here)
             arm = PLAIN
             self.stats.update(plain_generations=1)
-            steps = plain()
-        return batch, guard.timed(steps, arm, device)
-
-    def _rounds(self, programs, cache, batch, settings, generator, strategy,
-                replay: dict) -> Optional[Iterator[Tensor]]:
-        """The strategy's rounds, or None where it decodes plainly at this batch size."""
-        if strategy.name == "self_speculative":
-            return speculative_loop(programs, cache, batch, settings, generator, self.stats,
-                                    strategy, **replay)
-        b = batch.ids.shape[0]  # rounds of a copied chain alone need the costs to choose it
-        learnt = self.trees.get((b, strategy))  # runtime.tree_adapt: counts of earlier generations
-        chains_only = not strategy.tree_at(b)
-        if chains_only and learnt is not None and learnt.chain is not None and learnt.chain.rests():
-            return None  # the chain chose no copies at this batch size: plain steps are cheaper
-        if strategy.name == "lookup" or strategy.name == "medusa" and (not chains_only or (
-                strategy.lookup and strategy.costs_at(b) is not None)):
-            vocab = self.ir.weight("medusa.vocab") if strategy.draft_vocab is not None else None
-            return tree_loop(programs, cache, batch, settings, generator, self.stats,
-                             strategy, vocab, self.trees, **replay)
-        return None
+            steps = plain_tokens(g)
+        return batch, guard.timed(g.leased(steps), arm, device)
 
     def __call__(self, input_ids: Tensor, positions: Optional[Tensor] = None) -> Tensor:
         """Logits ``[B, S, vocab]`` of the whole IR, no cache (the reference semantics)."""

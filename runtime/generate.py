@@ -138,37 +138,33 @@ def decode_loop(prefill: fx.GraphModule, decode: fx.GraphModule, cache: KVCache,
     max_new_tokens, eos, pad_token_id = (settings.max_new_tokens, settings.eos_token_id,
                                          settings.pad_token_id)
     layers = len(cache.table)
-    cache.busy = True  # until this generator ends or is dropped: no other call may reuse it
-    try:  # (the engine marks it busy already when it hands the cache out)
-        b, s = batch.ids.shape
-        eos_t = torch.tensor(list(eos), dtype=torch.int64, device=batch.ids.device)
-        finished = torch.zeros(b, dtype=torch.bool, device=batch.ids.device)
-        positions = batch.positions[:, -1:]  # [B, 1]
-        decoder = static_decoder(decode, cache, batch.pad, cuda_graph, replays) if static else None
-        logits, calls = run_prompt(prefill, cache, batch.ids, batch.positions, batch.pad,
-                                   settings.prefill_chunk)
-        stats.update(forward_passes=calls, layer_evals=calls * layers)
-        for i in range(max_new_tokens):
-            chosen = next_token(logits[:, -1], settings, generator)  # [B]
-            token = chosen
-            if len(eos):
-                token = chosen.masked_fill(finished, pad_token_id)
-                finished |= torch.isin(token, eos_t)
-            stats["tokens"] += 1
-            yield token
-            if i + 1 == max_new_tokens or (len(eos) and bool(finished.all())):
-                return
-            positions = positions + 1
-            # Ended rows go on computing (their output is discarded) on the chosen token, not
-            # the pad id, which need not be a valid token.
-            if decoder is not None:
-                logits = decoder(chosen[:, None], positions,
-                                 torch.full((1,), s + i, dtype=torch.int64, device=eos_t.device))
-            else:
-                logits = _run(decode, Step(cache, s + i, 1, batch.pad), chosen[:, None], positions)
-            stats.update(forward_passes=1, layer_evals=layers)
-    finally:
-        cache.busy = False
+    b, s = batch.ids.shape
+    eos_t = torch.tensor(list(eos), dtype=torch.int64, device=batch.ids.device)
+    finished = torch.zeros(b, dtype=torch.bool, device=batch.ids.device)
+    positions = batch.positions[:, -1:]  # [B, 1]
+    decoder = static_decoder(decode, cache, batch.pad, cuda_graph, replays) if static else None
+    logits, calls = run_prompt(prefill, cache, batch.ids, batch.positions, batch.pad,
+                               settings.prefill_chunk)
+    stats.update(forward_passes=calls, layer_evals=calls * layers)
+    for i in range(max_new_tokens):
+        chosen = next_token(logits[:, -1], settings, generator)  # [B]
+        token = chosen
+        if len(eos):
+            token = chosen.masked_fill(finished, pad_token_id)
+            finished |= torch.isin(token, eos_t)
+        stats["tokens"] += 1
+        yield token
+        if i + 1 == max_new_tokens or (len(eos) and bool(finished.all())):
+            return
+        positions = positions + 1
+        # Ended rows go on computing (their output is discarded) on the chosen token, not
+        # the pad id, which need not be a valid token.
+        if decoder is not None:
+            logits = decoder(chosen[:, None], positions,
+                             torch.full((1,), s + i, dtype=torch.int64, device=eos_t.device))
+        else:
+            logits = _run(decode, Step(cache, s + i, 1, batch.pad), chosen[:, None], positions)
+        stats.update(forward_passes=1, layer_evals=layers)
 
 
 def run_prompt(program: Callable, cache: KVCache, ids: Tensor, positions: Tensor,

@@ -276,7 +276,7 @@ def _transpose_linear_weights(ir: IR, graph: fx.Graph, transposed: dict) -> None
     def weight(target: str) -> torch.Tensor:
         return transposed[target] if target in transposed else ir.weight(target)
 
-    # bfloat16 streams faster untransposed (measured: docs/benchmarks.md)
+    # bfloat16 streams faster untransposed (measured: docs/history/benchmarks-notebook.md)
     setting = _transposed_setting()
     nodes = [n for n in graph.find_nodes(op="call_function", target=KERNELS["linear"])
              if n.args[1].op == "get_attr" and _transposable(weight(n.args[1].target))]

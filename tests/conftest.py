@@ -146,9 +146,9 @@ def oracle_drafts(monkeypatch, continuations, vocab: int) -> dict:
     at every depth, K/V rows move, EOS falls inside accepted paths. Returns a record of the
     accepted drafts (``accepted``: per round, per row, the drafted tokens kept)."""
     import torch
-    from rewriter.runtime import tree_decoding as td
+    from rewriter.runtime.decoding.tree import rounds as td
     seen = {"accepted": []}
-    real_accept = td._TreeRounds.accept
+    real_accept = td.TreeRounds.accept
 
     def accept(self, logits, tokens, lay):
         paths, bonus = real_accept(self, logits, tokens, lay)
@@ -181,8 +181,8 @@ def oracle_drafts(monkeypatch, continuations, vocab: int) -> dict:
                                                            for k in range(1, max(self.ranks))])
             self.drafted = drafted.to(root.device)
 
-    monkeypatch.setattr(td._TreeRounds, "accept", accept)
-    monkeypatch.setattr(td._TreeRounds, "draft_from", draft_from)
+    monkeypatch.setattr(td.TreeRounds, "accept", accept)
+    monkeypatch.setattr(td.TreeRounds, "draft_from", draft_from)
     return seen
 
 

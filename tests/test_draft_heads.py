@@ -113,10 +113,10 @@ def test_verifying_a_tree_gives_each_nodes_logits_as_if_its_path_ran_alone(confi
 
 def test_greedy_acceptance_on_hand_made_logits():
     from rewriter.runtime.settings import GenerationSettings
-    from rewriter.runtime.tree_decoding import _TreeRounds
-    r = _TreeRounds.__new__(_TreeRounds)
+    from rewriter.runtime.decoding.tree.rounds import TreeRounds
+    r = TreeRounds.__new__(TreeRounds)
     r.s, r.device = GenerationSettings(), torch.device("cpu")
-    r.strategy = rewriter.decoding.Strategy("medusa", num_heads=2, tree=((0,), (1,), (1, 0)))
+    r.strategy = rewriter.decoding.TreeDecoding("medusa", depth=2, tree=((0,), (1,), (1, 0)))
     r.tree, r.layouts = make_tree([[0], [1], [1, 0]], 2), {}
     r.verified, r.to_head, r.chain, r.adapt = r.tree, None, None, None
     lay = r.layout(4)
@@ -134,11 +134,11 @@ def test_greedy_acceptance_on_hand_made_logits():
 
 
 def test_compaction_moves_the_accepted_rows_only():
-    from rewriter.runtime.tree_decoding import _TreeRounds
+    from rewriter.runtime.decoding.tree.rounds import TreeRounds
     cache = KVCache({0: cache_table_entry()}, 2, 16, torch.float32, torch.device("cpu"))
     for t in (cache.k[0], cache.v[0]):
         t.copy_(torch.arange(16.0)[None, None, :, None].expand_as(t))  # slot j holds j
-    r = _TreeRounds.__new__(_TreeRounds)
+    r = TreeRounds.__new__(TreeRounds)
     r.cache, r.device, r.stats = cache, torch.device("cpu"), __import__("collections").Counter()
     r.compact([4, 2], [[2, 5], [1]])  # row 0: nodes 2, 5 -> slots 5, 6; row 1: in place
     assert cache.k[0][0, 0, :, 0].tolist()[:10] == [0, 1, 2, 3, 4, 6, 9, 7, 8, 9]
@@ -151,7 +151,7 @@ def test_compaction_moves_every_cache_of_every_shape_and_nothing_else():
     (more KV heads here) moves too; K and V alike, and no other slot or row changes."""
     from dataclasses import replace
 
-    from rewriter.runtime.tree_decoding import _TreeRounds
+    from rewriter.runtime.decoding.tree.rounds import TreeRounds
     spec = cache_table_entry()
     table = {0: spec, 1: replace(spec, id=1), 2: replace(spec, id=2, num_heads=4, num_kv_heads=2)}
     cache = KVCache(table, 2, 12, torch.float32, torch.device("cpu"))
@@ -159,7 +159,7 @@ def test_compaction_moves_every_cache_of_every_shape_and_nothing_else():
     for key, t in [*cache.k.items(), *cache.v.items()]:
         t.copy_(torch.randn(t.shape))
     before = {k: (cache.k[k].clone(), cache.v[k].clone()) for k in table}
-    r = _TreeRounds.__new__(_TreeRounds)
+    r = TreeRounds.__new__(TreeRounds)
     r.cache, r.device, r.stats = cache, torch.device("cpu"), __import__("collections").Counter()
     r.compact([3, 5], [[1, 4], [2]])  # row 0: node 4 -> slot 5; row 1: node 2 -> slot 6
     for key in table:
@@ -243,13 +243,13 @@ def test_tree_sampling_rule_alone_is_unbiased():
     """The walk on synthetic logits: whatever the (fixed) candidates, each emitted token is
     distributed as the model's p."""
     from rewriter.runtime.settings import GenerationSettings
-    from rewriter.runtime.tree_decoding import _TreeRounds
+    from rewriter.runtime.decoding.tree.rounds import TreeRounds
     torch.manual_seed(0)
     v, b = 5, 6000
-    r = _TreeRounds.__new__(_TreeRounds)
+    r = TreeRounds.__new__(TreeRounds)
     r.s = GenerationSettings(do_sample=True, top_k=0)
     r.generator, r.device = torch.Generator().manual_seed(0), torch.device("cpu")
-    r.strategy = rewriter.decoding.Strategy("medusa", num_heads=1, tree=((0,), (1,)))
+    r.strategy = rewriter.decoding.TreeDecoding("medusa", depth=1, tree=((0,), (1,)))
     lay = make_tree([[0], [1]], 1).layout()
     p_logits = torch.randn(v)
     logits = p_logits.expand(b, 3, v).clone()
@@ -265,10 +265,10 @@ def test_typical_acceptance_on_hand_made_logits_accepts_what_greedy_would_not():
     """p = [.5, .3, .15, .05]: entropy 1.14 nats, so the bar is min(0.09, 0.3 e^-1.14) =
     0.09: token 2 (p .15, not the argmax) passes, token 3 (p .05) does not."""
     from rewriter.runtime.settings import GenerationSettings
-    from rewriter.runtime.tree_decoding import _TreeRounds
-    r = _TreeRounds.__new__(_TreeRounds)
+    from rewriter.runtime.decoding.tree.rounds import TreeRounds
+    r = TreeRounds.__new__(TreeRounds)
     r.s, r.generator, r.device = GenerationSettings(), None, torch.device("cpu")
-    r.strategy = rewriter.decoding.Strategy("medusa", num_heads=1, tree=((0,), (1,)),
+    r.strategy = rewriter.decoding.TreeDecoding("medusa", depth=1, tree=((0,), (1,)),
                                             acceptance="typical")
     r.tree, r.layouts = make_tree([[0], [1]], 1), {}
     r.verified, r.to_head, r.chain, r.adapt = r.tree, None, None, None
@@ -279,7 +279,7 @@ def test_typical_acceptance_on_hand_made_logits_accepts_what_greedy_would_not():
     for children, path, bonus in (([3, 2], [2], 3), ([3, 1], [2], 3), ([3, 3], [], 0)):
         tokens = torch.tensor([[0, *children]])
         assert r.accept(logits, tokens, lay) == ([path], [bonus]), children
-    greedy = rewriter.decoding.Strategy("medusa", num_heads=1, tree=((0,), (1,)))
+    greedy = rewriter.decoding.TreeDecoding("medusa", depth=1, tree=((0,), (1,)))
     r.strategy = greedy
     assert r.accept(logits, torch.tensor([[0, 3, 2]]), lay) == ([[]], [0])  # greedy: neither
 
@@ -587,8 +587,8 @@ def test_hydra_batch_trees_draft_only_their_levels(tmp_path):
 @pytest.mark.parametrize("bad", [[[0, [[0]]]], [[4, [[5]]]], [[4, [[0]]], [2, []]], [[2, [[0, 0]]]],
                                  [[2, [[1], [0]]]], [[2]], "x", [[True, []]], [[2, "x"]]])
 def test_bad_batch_trees_are_refused(bad):
-    from rewriter.decoding import Strategy
-    record = Strategy("medusa", num_heads=3, tree=tuple(map(tuple, WIDE))).record()
+    from rewriter.decoding import TreeDecoding
+    record = TreeDecoding("medusa", depth=3, tree=tuple(map(tuple, WIDE))).record()
     assert check_record({**record, "batch_trees": [[2, [[0], [0, 0]]], [4, []]]}) is None
     assert "batch_trees" in check_record({**record, "batch_trees": bad})
 

@@ -21,14 +21,14 @@ TAUGHT = [list(range(3 + 7 * i, 20 + 7 * i)) for i in range(12)]  # the trained 
 
 def kept_rows(monkeypatch) -> list:
     """Every ``EagleRows`` the runtime makes from now on, in order (to read its caches)."""
-    from rewriter.runtime import eagle_rows
+    from rewriter.runtime.decoding.tree import eagle_rows
     made = []
 
     class Kept(eagle_rows.EagleRows):
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)
             made.append(self)
-    monkeypatch.setattr("rewriter.runtime.tree_decoding.EagleRows", Kept)
+    monkeypatch.setattr("rewriter.runtime.decoding.tree.rounds.EagleRows", Kept)
     return made
 
 
@@ -79,7 +79,7 @@ def test_the_op_in_the_ir_is_the_layer_teacher_forced(tmp_path):
     g, _ = eagle.step(d.params, d.shape, f, model.model.embed_tokens.weight[nxt],
                       eagle.empty_cache(d.shape, 2))
     torch.testing.assert_close(draft[:, :, 0], g @ model.lm_head.weight.t(), rtol=1e-4, atol=1e-4)
-    assert opt.ir.info["decoding"]["arch"] == "eagle"
+    assert opt.ir.info["decoding"]["drafter"] == "eagle"
 
 
 def test_the_runtimes_first_guesses_are_the_ops(taught, monkeypatch):
@@ -89,7 +89,7 @@ def test_the_runtimes_first_guesses_are_the_ops(taught, monkeypatch):
     model, path = taught
     opt = rewriter.optimize(model, passes=[EagleDraft(weights=path)])
     opt.fallback = False
-    from rewriter.runtime.eagle_rows import EagleRows
+    from rewriter.runtime.decoding.tree.eagle_rows import EagleRows
     seen, call = [], EagleRows.call
 
     def spy(self, d, chains, ranks):
@@ -283,13 +283,13 @@ def test_hostile_records_and_graphs_are_refused(tmp_path):
     opt = rewriter.optimize(model, passes=[EagleDraft(weights=str(random_draft(model, tmp_path / "d.safetensors")))])
     r = dict(opt.ir.info["decoding"])
     assert check_record(r) is None
-    assert "arch 'eagle'" in check_record({k: v for k, v in r.items() if k != "dynamic"})
-    assert "arch 'eagle'" in check_record({**r, "batch_trees": [[2, [[0]]]]})
+    assert "drafter 'eagle'" in check_record({k: v for k, v in r.items() if k != "dynamic"})
+    assert "drafter 'eagle'" in check_record({**r, "batch_trees": [[2, [[0]]]]})
     # a record that asks for the layer on a graph without one
     from rewriter.runtime.programs import build_programs
     for k, match in ((2, "draft logits are"), (1, "no rw.eagle_layer")):  # one head: the op's shape
         hy = rewriter.optimize(model, passes=[HydraHeads(num_heads=k, tree=[[0], [1]])])
-        hy.ir.info["decoding"] = {**hy.ir.info["decoding"], "arch": "eagle", "dynamic": 2}
+        hy.ir.info["decoding"] = {**hy.ir.info["decoding"], "drafter": "eagle", "dynamic": 2}
         with pytest.raises(RewriterError, match=match):
             build_programs(hy.ir, "torch", {})
     # a layer whose weight does not fit is refused by shape propagation, by name
@@ -307,8 +307,8 @@ def test_each_drafted_node_is_the_layer_run_along_its_path():
     """``EagleRows``: every node of a grown tree gets the feature that ``eagle.step`` gives
     run token by token along the node's path after the row's cache, on its own feature
     each time; rows of a batch keep their own caches."""
-    from rewriter.runtime.eagle_rows import EagleProgram, EagleRows
-    from rewriter.runtime.tree_dynamic import grow
+    from rewriter.runtime.decoding.tree.eagle_rows import EagleProgram, EagleRows
+    from rewriter.runtime.decoding.tree.dynamic import grow
     shape = eagle.Shape(32, 4, 2, 48, 500.0)
     g = torch.Generator().manual_seed(3)
     p = {k: v * 20 if v.dim() == 2 else v for k, v in eagle.init(shape, g).items()}
@@ -337,9 +337,9 @@ def test_each_drafted_node_is_the_layer_run_along_its_path():
 def test_a_level_reads_the_text_in_steps_of_256_positions(monkeypatch):
     """A level's text grows in steps (bfloat16 products on a CPU build a kernel for every
     new shape); what it reads past a row's length is masked (the test above fills it)."""
-    from rewriter.runtime import eagle_rows
-    from rewriter.runtime.eagle_rows import EagleProgram, EagleRows
-    from rewriter.runtime.tree_dynamic import grow
+    from rewriter.runtime.decoding.tree import eagle_rows
+    from rewriter.runtime.decoding.tree.eagle_rows import EagleProgram, EagleRows
+    from rewriter.runtime.decoding.tree.dynamic import grow
     shape = eagle.Shape(32, 4, 2, 48, 500.0)
     g = torch.Generator().manual_seed(3)
     embed, lm = torch.randn(40, 32, generator=g), torch.randn(40, 32, generator=g)
@@ -360,7 +360,7 @@ def test_a_level_reads_the_text_in_steps_of_256_positions(monkeypatch):
 def test_the_rows_cache_grows_past_its_capacity_in_chunks():
     """``EagleRows`` from a 2-position buffer, prompts caught up 3 positions at a time and
     then a round's 2: each row's cache is ``eagle.step``'s over its whole text."""
-    from rewriter.runtime.eagle_rows import EagleProgram, EagleRows
+    from rewriter.runtime.decoding.tree.eagle_rows import EagleProgram, EagleRows
     shape = eagle.Shape(32, 4, 2, 48, 500.0)
     g = torch.Generator().manual_seed(4)
     p = {k: v * 5 if v.dim() == 2 else v for k, v in eagle.init(shape, g).items()}
@@ -383,8 +383,8 @@ def test_the_rows_cache_grows_past_its_capacity_in_chunks():
 def test_a_row_that_is_done_drafts_nothing_and_changes_no_other_row():
     """A batch with its middle row done: that row's guesses are zeros (no say in the tree),
     and every other row's are those it gets in a batch of its own."""
-    from rewriter.runtime.eagle_rows import EagleProgram, EagleRows
-    from rewriter.runtime.tree_dynamic import grow
+    from rewriter.runtime.decoding.tree.eagle_rows import EagleProgram, EagleRows
+    from rewriter.runtime.decoding.tree.dynamic import grow
     shape = eagle.Shape(32, 4, 2, 48, 500.0)
     g = torch.Generator().manual_seed(6)
     p = {k: v * 20 if v.dim() == 2 else v for k, v in eagle.init(shape, g).items()}

@@ -111,16 +111,16 @@ def test_drafting_level_by_level_fills_each_node_from_its_parents_path(tmp_path)
     model, path = model_and_file(tmp_path, scale=0.5)
     hy = rewriter.optimize(model, passes=[HydraHeads(weights=str(path), tree=WIDE)])
     heads = heads_file.load(path, "hydra")
-    from rewriter.runtime.tree_decoding import _TreeRounds
-    r = _TreeRounds.__new__(_TreeRounds)
+    from rewriter.runtime.decoding.tree.rounds import TreeRounds
+    r = TreeRounds.__new__(TreeRounds)
     r.programs, r.device, r.vocab = hy._lowered(), torch.device("cpu"), None
     r.static = False  # programs called eagerly (static rounds: tests/test_static_rounds.py)
     r.strategy = rewriter.decoding.strategy_of(hy.ir.info)
     from rewriter.tree import make_tree
-    from rewriter.runtime.tree_decoding import _levels
+    from rewriter.runtime.decoding.tree.layout import level_plan
     from collections import Counter
     r.tree, r.stats = make_tree(WIDE, 3), Counter()
-    r.levels = _levels(r.tree.layout(), r.tree.depth)
+    r.levels = level_plan(r.tree.layout(), r.tree.depth)
     r.ranks = [1] * r.tree.depth  # the levels' own ranks suffice here
     g = torch.Generator().manual_seed(0)
     h = torch.randn(2, 1, model.config.hidden_size, generator=g)
@@ -178,7 +178,7 @@ def test_draft_vocabulary_artifact_round_trip_and_auto_tree(tmp_path):
     plain = rewriter.optimize(model)
     p = HydraHeads(weights=str(path), draft_vocab=32, max_nodes=6)
     hy = rewriter.optimize(model, passes=[p])
-    assert hy.ir.info["decoding"]["arch"] == "hydra" and 1 <= len(hy.ir.info["decoding"]["tree"]) <= 6
+    assert hy.ir.info["decoding"]["drafter"] == "hydra" and 1 <= len(hy.ir.info["decoding"]["tree"]) <= 6
     assert torch.equal(hy.generate(RAGGED, **KW), plain.generate(RAGGED, **KW))
     hy.save(tmp_path / "a")
     loaded = rewriter.load(tmp_path / "a")

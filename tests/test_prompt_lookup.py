@@ -24,7 +24,7 @@ def pair(config="llama-gqa-3l", **kw):
 @pytest.mark.parametrize("adapt", [False, True])
 def test_greedy_tokens_equal_plain_greedy_and_copies_are_accepted(config, adapt):
     plain, pl = pair(config, adapt=adapt)
-    assert pl.ir.info["decoding"]["strategy"] == "lookup"
+    assert pl.ir.info["decoding"]["drafter"] == "none"
     assert ("costs" in pl.ir.info["decoding"]) == adapt
     ids = repeating(plain, RAGGED)  # random models loop: their text repeats
     together = pl.generate(ids, **KW)
@@ -201,14 +201,14 @@ def test_a_row_whose_text_ended_copies_no_chain_without_adapt(monkeypatch):
     """With ``adapt=False`` too, a row whose accepted text holds its end of sequence is
     marked ended in that round, so it proposes no copied chain from the next round on
     (it had proposed one more)."""
-    from rewriter.runtime import tree_decoding
+    from rewriter.runtime.decoding.tree import rounds as tree_decoding
     plain, pl, ids, width, free, later, eos = one_row_ends()
-    seen, real = [], tree_decoding._TreeRounds._chain
+    seen, real = [], tree_decoding.TreeRounds._chain
 
     def spy(self):
         real(self)
         seen.append((self.ended[0], self.proposed[0] if self.proposed else None))
-    monkeypatch.setattr(tree_decoding._TreeRounds, "_chain", spy)
+    monkeypatch.setattr(tree_decoding.TreeRounds, "_chain", spy)
     kw = dict(max_new_tokens=40, eos_token_id=[eos])
     assert torch.equal(pl.generate(ids, **kw), plain.generate(ids, **kw))
     after = [proposed for ended, proposed in seen if ended]

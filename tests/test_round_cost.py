@@ -43,7 +43,7 @@ def test_both_loops_are_timed_and_the_record_is_left_as_it_was(cls, tmp_path):
     assert round_cost.measure(med.ir, sub, (4,), new=4)[4]["rounds"] >= 4
     med.ir.info["decoding"] = {"strategy": "plain"}
     with pytest.raises(RewriterError, match="heads"):  # a record the graph does not fit
-        round_cost.measure(med.ir, replace(s, num_heads=s.num_heads + 1), (1,), new=4)
+        round_cost.measure(med.ir, replace(s, depth=s.depth + 1), (1,), new=4)
     assert med.ir.info["decoding"] == {"strategy": "plain"}
     with pytest.raises(ValueError, match="new must be"):
         round_cost.measure(med.ir, s, (1,), new=1)

@@ -119,7 +119,7 @@ def test_sampling_follows_the_models_distribution():
 def test_acceptance_rule_alone_is_unbiased(n_draft):
     """The rule on synthetic p and q, the same at every position: each emitted token (the
     accepted drafts, then the residual or bonus sample) is distributed as p."""
-    from rewriter.runtime.speculative import _Rounds
+    from rewriter.runtime.decoding.speculative import Rounds
     from rewriter.runtime.settings import GenerationSettings
     torch.manual_seed(0)
     b, v = 40000, 6
@@ -127,7 +127,7 @@ def test_acceptance_rule_alone_is_unbiased(n_draft):
     q = torch.softmax(torch.randn(v) * 1.5, -1)
     logits = p_logits.expand(b, n_draft + 1, v).clone()  # [B, n + 1, V]
     drafts = torch.multinomial(q.expand(b, v), n_draft, replacement=True)  # [B, n]
-    rounds = _Rounds.__new__(_Rounds)
+    rounds = Rounds.__new__(Rounds)
     rounds.s = GenerationSettings(do_sample=True, top_k=0)
     rounds.generator, rounds.device = torch.Generator().manual_seed(0), torch.device("cpu")
     n, bonus = rounds.accept(logits, drafts, [q.expand(b, v)] * n_draft)
@@ -259,10 +259,10 @@ def test_drafting_stops_when_no_running_row_is_confident():
     from collections import Counter
     from types import SimpleNamespace
 
-    from rewriter.runtime.speculative import _Rounds
+    from rewriter.runtime.decoding.speculative import Rounds
     confident = torch.tensor([20.0, 0.0, 0.0, 0.0])  # row 0: one token, probability ~1
     unsure = torch.zeros(4)  # row 1: 4 tokens alike, 0.25 each
-    rounds = object.__new__(_Rounds)
+    rounds = object.__new__(Rounds)
     rounds.strategy = SimpleNamespace(threshold=0.5)
     rounds.s = SimpleNamespace(do_sample=False)
     rounds.stats, rounds.draft_layers, rounds.device = Counter(), 1, torch.device("cpu")
@@ -351,7 +351,7 @@ def test_a_4_bit_draft_of_weights_it_cannot_name_is_a_clear_error():
     registered on the tensor itself: refused with the strategy named, not AttributeError."""
     from rewriter.errors import RewriterError
     from rewriter.ir.skip import skipped
-    from rewriter.runtime.programs import int4_draft
+    from rewriter.runtime.decoding.self_spec import int4_draft
     ir = rewriter.optimize(make_model("llama-gqa-3l")).ir
     node = next(n for n in ir.graph.find_nodes(op="get_attr") if n.target.endswith("q_proj.weight"))
     ir.add_weight("flatw", ir.weight(node.target))

@@ -210,7 +210,8 @@ def test_a_strategy_resting_is_timed_as_plain_steps_and_each_batch_size_has_its_
     pl.generate([[5, 9, 2] * 4, [7, 3] * 6], **kw)
     assert set(pl.guards) == {(1, strategy), (2, strategy)}
     assert pl.guards[(2, strategy)].recorded == {ROUNDS: 1, PLAIN: 0}
-    monkeypatch.setattr(pl, "_rounds", lambda *a, **k: None)  # e.g. a chain that rests
+    from rewriter.runtime.decoding import TreeStrategy  # e.g. a chain that rests:
+    monkeypatch.setattr(TreeStrategy, "tokens", lambda *a, **k: None)  # no rounds
     pl.generate([[5, 9, 2] * 4], **kw)
     assert pl.guards[(1, strategy)].recorded == {ROUNDS: 1, PLAIN: 1}
     assert pl.stats["plain_generations"] == 1

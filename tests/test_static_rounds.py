@@ -8,7 +8,7 @@ import torch
 
 import rewriter
 from rewriter.passes import HydraHeads, MedusaHeads, SelfSpeculative
-from rewriter.runtime import speculative
+from rewriter.runtime.decoding import speculative
 from rewriter.runtime.replay import Replay
 
 from conftest import make_model, varied_init
@@ -121,13 +121,13 @@ def test_the_engine_keeps_only_the_most_recently_used_replays(tmp_path, monkeypa
     eager, _ = run(spec, False, RAGGED)
     spec.replays.limit = 2  # a draft step and one verification
     kept = []
-    real = speculative._Rounds.replay
+    real = speculative.Rounds.replay
 
     def watching(self, key, *args):
         out = real(self, key, *args)
         kept.append((key, self.store().keys()))
         return out
-    monkeypatch.setattr(speculative._Rounds, "replay", watching)
+    monkeypatch.setattr(speculative.Rounds, "replay", watching)
     static, _ = run(spec, True, RAGGED)
     assert torch.equal(static, eager)
     for (key, held), (_, before) in zip(kept[1:], kept):

@@ -1,4 +1,4 @@
-"""The adaptive tree (``runtime.tree_adapt``): counts on constructed rounds, the choices
+"""The adaptive tree (``runtime.decoding.tree.adapt``): counts on constructed rounds, the choices
 they lead to, plain rounds and their probes, and whole generations that re-choose their
 tree and keep plain greedy's tokens; the record's ``adapt`` entry and hostile values."""
 from collections import Counter
@@ -7,10 +7,11 @@ import pytest
 import torch
 
 import rewriter
-from rewriter.decoding import Strategy, check_record, strategy_of
+from rewriter.decoding import TreeDecoding, check_record, strategy_of
 from rewriter.passes import HydraHeads, MedusaHeads
-from rewriter.runtime.tree_adapt import AdaptiveTree
-from rewriter.runtime.tree_decoding import _TreeRounds, _levels
+from rewriter.runtime.decoding.tree.adapt import AdaptiveTree
+from rewriter.runtime.decoding.tree.layout import level_plan
+from rewriter.runtime.decoding.tree.rounds import TreeRounds
 from rewriter.tree import MAX_RANK, Tree, best_subtree, make_tree
 
 from conftest import make_model, varied_init
@@ -21,7 +22,7 @@ CHEAP = [1.0] * 9  # verifying up to 9 tokens costs one step
 
 
 def strategy(costs=((1, 0.0, tuple(CHEAP)),), prior=PRIOR):
-    return Strategy("medusa", num_heads=3, tree=tuple(map(tuple, WIDE)),
+    return TreeDecoding("medusa", depth=3, tree=tuple(map(tuple, WIDE)),
                     accuracy=tuple(map(tuple, prior)), costs=costs)
 
 
@@ -76,7 +77,7 @@ def test_costs_come_from_the_largest_measured_batch_not_above():
     s = strategy(costs=costs)
     assert s.costs_at(1) == s.costs_at(3) == (0.1, tuple(CHEAP))
     assert s.costs_at(4) == s.costs_at(64) == (0.3, tuple([2.0] * 9))
-    assert Strategy("medusa", num_heads=3, tree=((0,),)).costs_at(1) is None
+    assert TreeDecoding("medusa", depth=3, tree=((0,),)).costs_at(1) is None
     assert AdaptiveTree(make_tree(WIDE, 3), s, batch=5).heads_cost == 0.3
 
 
@@ -113,7 +114,7 @@ def test_rounds_rechoose_every_few_and_plain_rounds_probe_the_whole_tree():
 
 
 def rounds_by_hand(tree, hydra=False, batch=3, costs=None):
-    r = _TreeRounds.__new__(_TreeRounds)
+    r = TreeRounds.__new__(TreeRounds)
     r.hydra, r.tree, r.budget, r.verified, r.to_head = hydra, tree, tree, tree, None
     r.ranks = [1 + max(p[-1] for p in tree.paths if len(p) == d + 1) for d in range(tree.depth)]
     r.adapt = AdaptiveTree(tree, strategy() if costs is None else strategy(costs), batch=1)
@@ -144,7 +145,7 @@ def test_medusa_rounds_count_every_head_down_the_accepted_path():
 def test_hydra_rounds_count_a_head_only_where_it_ran_on_the_path():
     tree = make_tree(WIDE, 3)
     r = rounds_by_hand(tree, hydra=True)
-    levels = _levels(tree.layout(), tree.depth)
+    levels = level_plan(tree.layout(), tree.depth)
     parents = [lv[0] for lv in levels]
     assert [p.tolist() for p in parents] == [[0], [1, 2], [5]]
     ids = [torch.tensor([[[10, 11, 12, 13]]]),  # [B, P, ranks]
@@ -159,7 +160,7 @@ def test_hydra_rounds_count_a_head_only_where_it_ran_on_the_path():
     sub = make_tree([[0], [1], [0, 0]], 3)
     r = rounds_by_hand(make_tree(WIDE, 3), hydra=True)
     r.tree = sub
-    levels = _levels(sub.layout(), sub.depth)
+    levels = level_plan(sub.layout(), sub.depth)
     assert [lv[0].tolist() for lv in levels] == [[0], [1]]
     r.drafted = list(zip([lv[0].tolist() for lv in levels],
                          [torch.tensor([[[10, 11, 12, 13]]] * 2).view(2, 1, 4),
@@ -337,13 +338,13 @@ def test_hydra_rounds_do_not_count_past_a_copied_chains_node_or_an_unkept_path()
 def test_hydras_plan_made_on_the_host_numbers_nodes_as_the_layout_does():
     """Hydra's level plan is made from the tree's paths alone (no read back mid-generation):
     the same parents, depths and ranks as the device layout."""
-    from rewriter.runtime.tree_decoding import _host_layout
+    from rewriter.runtime.decoding.tree.layout import host_layout
     for paths in (WIDE, [[0], [1], [0, 0]], [[0], [0, 0], [0, 0, 0], [1], [1, 0], [2]]):
         tree = make_tree(paths, 3)
         lay = tree.layout()
-        host = _host_layout(tree)
+        host = host_layout(tree)
         for key in ("parent", "depth", "rank"):
             assert host[key] == lay[key].tolist(), key
-        for a, b in zip(_levels(host, tree.depth, torch.device("cpu")), _levels(lay, tree.depth)):
+        for a, b in zip(level_plan(host, tree.depth, torch.device("cpu")), level_plan(lay, tree.depth)):
             assert all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
                        for x, y in zip(a, b))

@@ -1,4 +1,4 @@
-"""Trees re-grown every round (runtime.tree_dynamic): the grown tree against a brute-force
+"""Trees re-grown every round (runtime.decoding.tree.dynamic): the grown tree against a brute-force
 search on hand-made heads, one shape for a batch, ties, small budgets, and decoding with
 it (lossless, ragged batches, sampling, artifacts, the record's checks)."""
 import itertools
@@ -10,7 +10,7 @@ import torch
 import rewriter
 from rewriter.decoding import check_record
 from rewriter.passes import HydraHeads, MedusaHeads, from_spec
-from rewriter.runtime.tree_dynamic import grow
+from rewriter.runtime.decoding.tree.dynamic import grow
 
 from conftest import assert_same_distribution, make_model
 from test_draft_heads import random_heads

@@ -1,4 +1,4 @@
-"""Drafts copied from the row's own text (runtime.tree_lookup): the n-gram index against a
+"""Drafts copied from the row's own text (runtime.decoding.tree.lookup): the n-gram index against a
 brute-force search, the chain merged into a tree, and decoding with it (lossless, ragged
 batches, EOS, the cache's end, sampling, static rounds, artifacts, refusals)."""
 import random
@@ -9,7 +9,7 @@ import torch
 
 import rewriter
 from rewriter.passes import HydraHeads, MedusaHeads
-from rewriter.runtime.tree_lookup import LOOKUP, NGRAM, ChainLength, Context, with_chain
+from rewriter.runtime.decoding.tree.lookup import LOOKUP, NGRAM, ChainLength, Context, with_chain
 from rewriter.tree import Tree, make_tree, monotone
 
 from conftest import assert_same_distribution, fixed_round_work, make_model, varied_init
@@ -159,17 +159,17 @@ def test_with_the_adaptive_tree_the_tokens_stay_greedys_and_the_heads_are_counte
 def test_a_round_verifies_at_most_64_tokens(monkeypatch):
     """A 63-node tree leaves no room for a chain (the Triton tree kernels take 64 tokens)."""
     import itertools
-    from rewriter.runtime.tree_decoding import _TreeRounds
+    from rewriter.runtime.decoding.tree.rounds import TreeRounds
     model = make_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)
     plain = rewriter.optimize(model)
     paths = [list(p) for d in (1, 2) for p in itertools.product(range(8), repeat=d)][:63]
     hy = rewriter.optimize(model, passes=[MedusaHeads(num_heads=2, tree=paths, lookup=4)])
-    sizes, chained = [], _TreeRounds._chain
+    sizes, chained = [], TreeRounds._chain
 
     def chain(self):
         chained(self)
         sizes.append(self.verified.size)
-    monkeypatch.setattr(_TreeRounds, "_chain", chain)
+    monkeypatch.setattr(TreeRounds, "_chain", chain)
     ids = repeating(plain, [[5, 9, 2, 5, 9, 2]], 8)
     assert torch.equal(hy.generate(ids, **KW), plain.generate(ids, **KW))
     assert sizes and max(sizes) == 64
@@ -308,10 +308,10 @@ def test_greedy_rounds_tell_the_heads_trees_own_depth_where_a_chain_wins():
     """The chain's credit is what it adds to the heads' tree: a round whose chain is
     accepted deeper than the tree still reports how deep the tree's own path went."""
     from rewriter.runtime.settings import GenerationSettings
-    from rewriter.runtime.tree_decoding import _TreeRounds
-    r = _TreeRounds.__new__(_TreeRounds)
+    from rewriter.runtime.decoding.tree.rounds import TreeRounds
+    r = TreeRounds.__new__(TreeRounds)
     r.s, r.device, r.chain, r.adapt = GenerationSettings(), torch.device("cpu"), ChainLength(3), None
-    r.strategy = rewriter.decoding.Strategy("medusa", num_heads=2, tree=((0,), (0, 0)))
+    r.strategy = rewriter.decoding.TreeDecoding("medusa", depth=2, tree=((0,), (0, 0)))
     tree = make_tree([[0], [0, 0]], 2)
     r.verified, tokens = with_chain(tree, torch.tensor([[5, 1, 2]] * 3), [[1, 7, 8]] * 3,
                                     torch.tensor([5] * 3))
@@ -333,7 +333,7 @@ def test_beside_no_tree_a_chain_must_beat_a_plain_step():
     """A plain round costs a plain step; a round that verifies copies also does the round's
     own work (here 0.3 of a step): copies that add 0.2 tokens a round do not pay for it,
     copies that add 0.6 do (only the first copy is ever right: one is verified)."""
-    from rewriter.runtime.tree_adapt import AdaptiveTree
+    from rewriter.runtime.decoding.tree.adapt import AdaptiveTree
     from test_tree_adapt import strategy
     costs = ((1, 0.0, tuple(1.3 + 0.01 * s for s in range(12))),)
     for right, want in ((1, 0), (3, 1)):  # of 5 rounds: the first copy the text's own
@@ -348,7 +348,7 @@ def test_beside_no_tree_a_chain_must_beat_a_plain_step():
 def test_costs_recorded_only_as_far_as_the_tree_go_on_at_their_slope():
     """Artifacts from before the chain's costs were measured: every copy is right, and
     the chain is still chosen whole beside the whole tree."""
-    from rewriter.runtime.tree_adapt import AdaptiveTree
+    from rewriter.runtime.decoding.tree.adapt import AdaptiveTree
     from test_tree_adapt import strategy
     whole = make_tree(WIDE, 3)
     costs = ((1, 0.0, tuple(1.0 + 0.01 * s for s in range(whole.size))),)
@@ -369,8 +369,8 @@ def test_costs_recorded_only_as_far_as_the_tree_go_on_at_their_slope():
 def test_a_rows_chain_is_scored_against_the_text_after_its_root():
     """The chain proposed after the root (the text's last token, not yet in the cache) is
     scored once the text has grown past it, against the tokens that followed the root."""
-    from rewriter.runtime.tree_decoding import _TreeRounds
-    r = _TreeRounds.__new__(_TreeRounds)
+    from rewriter.runtime.decoding.tree.rounds import TreeRounds
+    r = TreeRounds.__new__(TreeRounds)
     r.chain, r.contexts = ChainLength(3), [Context([1, 2, 3, 1, 2])]  # root: the last 2
     r.proposed = [(5, *r.contexts[0].match(3)[::-1])]
     r.order = max((p[2] for p in r.proposed if p[1]), default=0)  # _chain's
@@ -389,8 +389,8 @@ def test_a_rows_chain_is_scored_against_the_text_after_its_root():
 def test_a_rows_gain_counts_under_its_rounds_highest_order():
     """A round of two rows whose longest match is 3 tokens verifies that order's copies for
     both rows: the single-token match's right copies count as order 3's gain."""
-    from rewriter.runtime.tree_decoding import _TreeRounds
-    r = _TreeRounds.__new__(_TreeRounds)
+    from rewriter.runtime.decoding.tree.rounds import TreeRounds
+    r = TreeRounds.__new__(TreeRounds)
     r.chain = ChainLength(3)
     r.contexts = [Context([1, 2, 3, 9, 1, 2, 3]), Context([8, 7, 1, 8])]  # orders 3 and 1
     r.proposed = [(len(c.tokens), *c.match(3)[::-1]) for c in r.contexts]
@@ -407,8 +407,8 @@ def test_a_rows_gain_counts_under_its_rounds_highest_order():
 def test_in_a_batch_only_the_lagging_rows_chain_is_scored():
     """A batch takes as many rounds as its slowest row: a chain that speeds up a row ahead
     is not counted; the row behind's (wrong) chain is."""
-    from rewriter.runtime.tree_decoding import _TreeRounds
-    r = _TreeRounds.__new__(_TreeRounds)
+    from rewriter.runtime.decoding.tree.rounds import TreeRounds
+    r = TreeRounds.__new__(TreeRounds)
     r.chain = ChainLength(3)
     r.contexts = [Context([1, 2, 3, 9, 1, 2, 3]), Context([8, 7, 1, 8])]
     r.proposed = [(len(c.tokens), *c.match(3)[::-1]) for c in r.contexts]
@@ -450,8 +450,8 @@ def test_a_round_verifies_as_many_copies_as_its_longest_match_was_given_for_ever
     """Copies by order (0, 0, 0, 3): a round where one row matched 3 tokens verifies 3
     copies, and a row of a single-token match fills them from its own chain (paid for
     already); a round of single-token matches alone verifies none."""
-    from rewriter.runtime.tree_decoding import _TreeRounds
-    r = _TreeRounds.__new__(_TreeRounds)
+    from rewriter.runtime.decoding.tree.rounds import TreeRounds
+    r = TreeRounds.__new__(TreeRounds)
     r.lookup, r.tree, r.chains_only, r.chain = 4, Tree(()), True, ChainLength(4)
     r.done, r.ended, r.copy = None, [False, False], (0, 0, 0, 3)
     r.contexts = [Context([1, 2, 3, 9, 1, 2, 3]), Context([8, 7, 1, 8])]  # orders 3 and 1

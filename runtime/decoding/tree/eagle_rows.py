@@ -12,7 +12,7 @@ parent's output feature and its own token, at position ``n' + depth - 1``, atten
 row's cache and its own ancestors' keys (``eagle.tree_level``), kept by level for its
 children. Drafted nodes never enter the cache, so nothing is rolled back.
 
-Every row of a batch drafts the same tree shape (``runtime.tree_dynamic``) with its own
+Every row of a batch drafts the same tree shape (``runtime.decoding.tree.dynamic``) with its own
 tokens, so a level runs for every row at once: the rows' caches are one padded tensor,
 each row its own length (positions past it masked). Catching up stays a row at a time
 (each row accepted its own number of tokens). The layer runs in torch in both backends:
@@ -26,10 +26,11 @@ import torch
 from torch import Tensor
 
 from rewriter import eagle
+from rewriter.eagle_graph import eagle_node
 from rewriter.errors import RewriterError
 from rewriter.ops import EAGLE_WEIGHTS, op_arguments
 
-from . import packed_linear
+from ... import packed_linear
 
 
 TEXT_STEP = 256  # positions a level's text grows by (``EagleRows._level``)
@@ -64,7 +65,6 @@ class EagleProgram:
 
     @classmethod
     def of(cls, ir) -> "EagleProgram":
-        from rewriter.passes.eagle_draft import eagle_node
         node = eagle_node(ir)
         if node is None:
             raise RewriterError("the decoding record asks for an EAGLE draft, but the graph has "
@@ -102,7 +102,7 @@ class EagleProgram:
     @property
     def code(self) -> str:
         s = self.shape
-        return (f"# EAGLE draft layer (rewriter.eagle, runtime.eagle_rows): hidden {s.hidden}, "
+        return (f"# EAGLE draft layer (rewriter.eagle, runtime.decoding.tree.eagle_rows): hidden {s.hidden}, "
                 f"{s.heads} heads, {s.kv_heads} KV heads, MLP {s.intermediate}, RoPE base "
                 f"{s.rope_theta}, eps {s.eps}\n"
                 f"# catch-up: eagle.step(params, shape, features [1, n, H], embed[next ids] "
@@ -170,11 +170,11 @@ class EagleRows:
         self.k, self.v = torch.nn.functional.pad(self.k, pad), torch.nn.functional.pad(self.v, pad)
 
     def call(self, d: int, chains: Tensor, ranks: int) -> tuple[Tensor, Tensor]:
-        """``tree_dynamic``'s call: level ``d``'s guesses below the expanded paths ``chains``
+        """``dynamic``'s call: level ``d``'s guesses below the expanded paths ``chains``
         ``[B, P, d + 1]`` (the root first): log-probabilities and indices ``[B, P, ranks]``
         into the draft's rows (with a trimmed vocabulary the caller maps them to token ids).
         Every row runs at once; rows that are done get zeros (no say in the tree's shape:
-        ``tree_dynamic``'s weight 0)."""
+        ``dynamic``'s weight 0)."""
         b, n = chains.shape[:2]
         g = self._level(d, chains).reshape(b * n, -1)  # [B*P, H]
         lm = self.p["lm_head"]  # [V, H], or packed

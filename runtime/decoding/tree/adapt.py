@@ -28,7 +28,7 @@ Where the pass found that nothing pays at a batch size even by the held-out accu
 (an empty ``batch_trees`` entry), the heads' tree is never verified there: the counts on
 other text are rarely better, and the plain decode loop is the faster one (on a GPU it
 replays a CUDA graph). With ``lookup`` the rounds may still verify a chain copied from the
-text (``runtime.tree_lookup``); once the chain chooses no copies, the engine decodes the
+text (``runtime.decoding.tree.lookup``); once the chain chooses no copies, the engine decodes the
 next ``ChainLength.RETRY - 1`` generations of such a batch plainly, then tries again.
 
 Greedy and sampled acceptance are exact whatever the tree: the tokens (or their
@@ -39,10 +39,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from rewriter.decoding import Strategy
+from rewriter.decoding import TreeDecoding
 from rewriter.tree import MAX_RANK, Tree, best_subtree, expected_tokens, monotone
 
-from .tree_lookup import ChainLength
+from .lookup import ChainLength
 
 
 class AdaptiveTree:
@@ -52,9 +52,9 @@ class AdaptiveTree:
     MAX_PROBE = 256
     HALVE = 512  # a head's observations at which its counts are halved: a few generations
 
-    def __init__(self, whole: Tree, strategy: Strategy, batch: int):
+    def __init__(self, whole: Tree, strategy: TreeDecoding, batch: int):
         self.whole = whole  # the pass's tree: every choice is a sub-tree of it
-        self.hydra = strategy.arch == "hydra"
+        self.hydra = strategy.drafter == "hydra"
         self.heads_cost, verify = strategy.costs_at(batch)
         self.cost = [0.0, *verify]  # cost[s]: a round verifying s tokens, in plain steps
         self.prior = [[a[r] if r < len(a) else 0.0 for r in range(MAX_RANK)]
@@ -66,7 +66,7 @@ class AdaptiveTree:
         self.wait = self.PROBE  # rounds between probes
         self.probing: Optional[Tree] = None  # during a probe: the tree verified before it
         self.current: Optional[Tree] = None  # the last choice (the engine's next start)
-        # with ``lookup``: how many copied tokens pay, counted beside the heads (tree_lookup)
+        # with ``lookup``: how many copied tokens pay, counted beside the heads (lookup)
         self.chain = ChainLength(strategy.lookup) if strategy.lookup else None
 
     def observe(self, head: int, rank: Optional[int]) -> None:
@@ -109,7 +109,7 @@ class AdaptiveTree:
             slope = (verify[-1] - verify[1]) / max(len(verify) - 2, 1)
             verify = verify + [verify[-1] + slope * (i + 1) for i in range(short)]
         heads = self.heads_cost * (tree.depth if self.hydra else 1) if n > 1 else 0.0
-        # a plain round is a plain step (no mask, no acceptance: ``_TreeRounds.round``); a
+        # a plain round is a plain step (no mask, no acceptance: ``rounds.TreeRounds.round``); a
         # round with copies costs what verifying as many tokens does, the round's own work in
         chained = [verify[n] + heads if n > 1 else 1.0] + \
             [verify[s] + heads for s in range(n + 1, n + self.chain.lookup + 1)]

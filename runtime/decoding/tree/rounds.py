@@ -1,5 +1,5 @@
 """Draft heads verified as a token tree (Medusa, Hydra), lossless; and chains copied from
-the text (``lookup``, ``runtime.tree_lookup``), beside the tree or alone (``PromptLookup``).
+the text (``lookup``, ``runtime.decoding.tree.lookup``), beside the tree or alone (``PromptLookup``).
 
 A round, for every row at once (each row at its own cache length ``length[b]``):
 
@@ -25,66 +25,63 @@ A round, for every row at once (each row at its own cache length ``length[b]``):
    overwritten). The heads then run on the hidden state of the path's last node.
 
 The loop around it (columns, EOS, rows that are done, the cache bound) is
-``runtime.speculative``'s. With the pass's measured costs in the record, the sub-tree a
+``runtime.decoding.speculative``'s. With the pass's measured costs in the record, the sub-tree a
 round verifies is re-chosen every few rounds from the accuracies the heads show on this
-text (``runtime.tree_adapt``).
+text (``runtime.decoding.tree.adapt``).
 """
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 from torch import Tensor
 
-from rewriter.decoding import Strategy
+from rewriter.decoding import TreeDecoding
 from rewriter.errors import RewriterError
 from rewriter.tree import MAX_NODES, MAX_RANK, Tree, make_tree
 
+from ...generate import Batch, run_prompt
+from ...kv_cache import KVCache
+from ...sampling import greedy, next_token
+from ...settings import GenerationSettings
+from ..speculative import Rounds
+from .acceptance import walk
 from .eagle_rows import EagleRows
-from .generate import Batch, run_prompt
-from .kv_cache import KVCache
-from .sampling import draw, greedy, next_token, warp
-from .settings import GenerationSettings
-from .speculative import _Rounds
-from .tree_adapt import AdaptiveTree
-from .tree_dynamic import grow
-from .tree_lookup import NGRAM, Context, with_chain
-
-LAYOUTS = 512  # laid-out trees kept across generations (re-shaped trees repeat: code, chat)
-
+from .adapt import AdaptiveTree
+from .dynamic import grow
+from .layout import host_layout, kept, level_plan
+from .lookup import NGRAM, Context, with_chain
 
 def tree_loop(programs: dict, cache: KVCache, batch: Batch, settings: GenerationSettings,
-              generator: Optional[torch.Generator], stats: Counter, strategy: Strategy,
+              generator: Optional[torch.Generator], stats: Counter, strategy: TreeDecoding,
               vocab: Optional[Tensor], trees: Optional[dict] = None, static: bool = False,
               cuda_graph: bool = False, replays=None) -> Iterator[Tensor]:
     """Yield the next token of every row, ``[B]``, like ``generate.decode_loop``. ``trees``:
     the adaptive trees learnt so far, by (batch size, strategy), kept across calls;
     ``static``, ``cuda_graph`` and ``replays``: the verification and the heads on fixed
-    buffers (``speculative._Rounds.step``), replayed from CUDA graphs kept across calls."""
-    cache.busy = True
-    try:
-        yield from _TreeRounds(programs, cache, batch, settings, generator, stats, strategy,
-                               vocab, trees if trees is not None else {}, static,
-                               cuda_graph, replays).run()
-    finally:
-        cache.busy = False
+    buffers (``speculative.Rounds.step``), replayed from CUDA graphs kept across calls."""
+    yield from TreeRounds(programs, cache, batch, settings, generator, stats, strategy, vocab,
+                          trees if trees is not None else {}, static, cuda_graph, replays).run()
 
 
-class _TreeRounds(_Rounds):
+class TreeRounds(Rounds):
+    def _draft_size(self, strategy) -> tuple[float, int]:
+        return self.full, 0  # no layer skipped; the tree's size is set with the tree (``use``)
+
     def __init__(self, programs, cache, batch, settings, generator, stats, strategy, vocab,
                  trees: dict, static: bool = False, cuda_graph: bool = False, replays=None):
         super().__init__(programs, cache, batch, settings, generator, stats, strategy, static,
                          cuda_graph, replays)
         b = batch.ids.shape[0]
         # the heads' tree (none under prompt lookup: rounds of copied chains alone)
-        self.whole = make_tree(strategy.tree, strategy.num_heads) if strategy.tree else Tree(())
+        self.whole = make_tree(strategy.tree, strategy.depth) if strategy.tree else Tree(())
         # EAGLE drafts level by level as Hydra does, with a layer of its own (eagle_rows)
-        self.hydra = strategy.arch in ("hydra", "eagle")
+        self.hydra = strategy.level_by_level
         self.eagle = EagleRows(programs["eagle"], b, self.device) \
-            if strategy.arch == "eagle" else None
-        self.dynamic = strategy.dynamic  # > 0: the shape is re-grown every round (tree_dynamic)
-        self.lookup = strategy.lookup  # > 0: a chain copied from each row's text (tree_lookup)
+            if strategy.drafter == "eagle" else None
+        self.dynamic = strategy.dynamic  # > 0: the shape is re-grown every round (dynamic)
+        self.lookup = strategy.lookup  # > 0: a chain copied from each row's text (lookup)
         self.contexts: list = []
         self.done: Optional[list] = None  # the last round's rows that are done
         # ranks drafted at each depth: the whole tree's, so the counts cover every sub-tree
@@ -100,7 +97,7 @@ class _TreeRounds(_Rounds):
         # where the pass found no tree that pays at this batch size, rounds verify only a
         # copied chain (when one pays), and the heads' tree is never probed
         self.chains_only = not strategy.tree_at(b)
-        self.chain = self.adapt.chain if self.adapt is not None else None  # tree_lookup.ChainLength
+        self.chain = self.adapt.chain if self.adapt is not None else None  # lookup.ChainLength
         # copied tokens a round verifies, by its rows' highest match order (ChainLength):
         # the chain's last choice at this batch size
         self.copy = (0,) + (strategy.lookup,) * NGRAM if self.chain is None \
@@ -116,15 +113,15 @@ class _TreeRounds(_Rounds):
         # with the round's result for the adaptive tree's counts (``observe``), else None
         self.guessed: Optional[list] = None
         self.rounds = 0
-        k = strategy.num_heads  # each row's counts in this generation (tree_adapt.row_accuracy)
+        k = strategy.depth  # each row's counts in this generation (adapt.row_accuracy)
         self.row_hits = [[[0] * MAX_RANK for _ in range(k)] for _ in range(b)]
         self.row_trials = [[0] * k for _ in range(b)]
         # verifying many tokens costs more in a larger batch: from some batch on the
         # strategy may verify a sub-tree (where it is empty: chains alone, or plain steps)
         paths = strategy.tree_at(b)  # none: rounds of a copied chain alone (chains_only)
-        start = make_tree(paths, strategy.num_heads) if paths else Tree(())
+        start = make_tree(paths, strategy.depth) if paths else Tree(())
         self.use(self.adapt.current if self.adapt is not None and self.adapt.current else start)
-        deepest = max(strategy.num_heads if self.dynamic else self.whole.depth, strategy.lookup)
+        deepest = max(strategy.depth if self.dynamic else self.whole.depth, strategy.lookup)
         for s in cache.table.values():
             if s.window is not None and s.window <= deepest:
                 raise RewriterError(f"a tree of depth {deepest} needs attention "
@@ -137,14 +134,14 @@ class _TreeRounds(_Rounds):
         self.budget = self.tree = self.verified = tree
         self.max_draft = tree.size - 1
         self.to_head = None  # a verified node's index in the drafted tree (None: the same)
-        self.levels = _kept(("levels", tree.paths), self.device,
-                            lambda: _levels(_host_layout(tree), tree.depth, self.device)) \
+        self.levels = kept(("levels", tree.paths), self.device,
+                           lambda: level_plan(host_layout(tree), tree.depth, self.device)) \
             if self.hydra and tree.size > 1 and not self.dynamic else None
 
     def layout(self, m: int, tree=None) -> dict:
         """The layout of the first ``m`` nodes of ``tree`` (default: the one verified)."""
         key = (tree or self.verified).paths[:m - 1]
-        return _kept(("layout", key), self.device, lambda: Tree(key).layout(self.device))
+        return kept(("layout", key), self.device, lambda: Tree(key).layout(self.device))
 
     def first(self) -> Tensor:
         batch = self.batch
@@ -199,7 +196,7 @@ class _TreeRounds(_Rounds):
 
     def _chain(self) -> None:
         """The tree a round verifies: the drafted one, and with ``lookup`` a chain copied
-        from each running row's text below the root (``tree_lookup``); a row whose text has
+        from each running row's text below the root (``lookup``); a row whose text has
         ended copies none."""
         self.verified, self.to_head, self.proposed = self.tree, None, None
         if self.lookup and (self.tree.size > 1 or self.chains_only or self.chain is not None):
@@ -225,7 +222,7 @@ class _TreeRounds(_Rounds):
         b, n = root.shape[0], self.tree.size
         nodes = torch.zeros(b, n, dtype=torch.int64, device=self.device)
         nodes[:, 0] = root
-        k = self.strategy.num_heads
+        k = self.strategy.depth
         self.drafted = []  # per level: (the parents' node indices, their ranked tokens)
         for d, (parents, chains, children, slot, rank, top, on_host) in enumerate(self.levels):
             path = torch.zeros(b, len(parents), k, dtype=torch.int64, device=self.device)
@@ -238,8 +235,8 @@ class _TreeRounds(_Rounds):
         self.nodes = nodes
 
     def _grow(self, h: Tensor, root: Tensor) -> None:
-        """A tree of the budget's size grown from the heads' probabilities (``tree_dynamic``)."""
-        b, k = root.shape[0], self.strategy.num_heads
+        """A tree of the budget's size grown from the heads' probabilities (``dynamic``)."""
+        b, k = root.shape[0], self.strategy.depth
         ranks = min(MAX_RANK, self.budget.size - 1)  # the candidates a node gets
         # the ranks counted (observe): the whole tree's, as the fixed trees count, so a small
         # budget does not count a guess the whole tree would have verified as a miss
@@ -386,7 +383,7 @@ class _TreeRounds(_Rounds):
     def _score(self, paths: list[list[int]], done: list[bool], length: list[int]) -> None:
         """Queue the lagging rows' chains proposed for this round (``length``: each row's
         cache length before it) with the heads' tree's accepted depth, and score those
-        whose text is now known (``tree_lookup.ChainLength``)."""
+        whose text is now known (``lookup.ChainLength``)."""
         if self.proposed is not None:
             depth = self.tree_depth
             if depth is None:  # a sampled walk tries the chain after the tree: via it, none
@@ -413,7 +410,7 @@ class _TreeRounds(_Rounds):
     def observe(self, rows: Optional[list], paths: list[list[int]], bonus: list[int],
                 done: list[bool]) -> None:
         """Count, for every head that drafted after a row's accepted path, the rank of the
-        model's token among its guesses there (``runtime.tree_adapt``). ``rows``: the
+        model's token among its guesses there (``runtime.decoding.tree.adapt``). ``rows``: the
         tokens verified, on the host ``[B][m]`` (None when only the root was)."""
         # [B][every guess, flat]: read back with the round's acceptance where it was greedy
         guesses_read = self.guessed if self.guessed is not None \
@@ -489,53 +486,7 @@ class _TreeRounds(_Rounds):
 
     def _walk(self, logits, tokens, lay):
         """Sampling (exact or typical) and greedy typical: node by node from the root."""
-        children = lay["children"]
-        typical = self.strategy.acceptance == "typical"
-        paths, bonus = [], []
-        for r in range(tokens.shape[0]):
-            node, path = 0, []
-            while True:
-                row = logits[r, node][None]  # [1, V]
-                p = warp(row, self.s).softmax(-1)[0] if self.s.do_sample else row.float().softmax(-1)[0]
-                chosen = None
-                for c in children[node] if node < len(children) else []:
-                    t = int(tokens[r, c])
-                    if typical:
-                        if self._typical(row, t):
-                            chosen = c
-                            break
-                        continue
-                    u = torch.rand((), generator=self.generator, device=p.device)
-                    if u < p[t]:
-                        chosen = c
-                        break
-                    rest = p.clone()
-                    rest[t] = 0  # rejected: the rest of the distribution, renormalised
-                    total = rest.sum()
-                    if total <= 0:  # rounding left no mass: p was all on t (then u < p[t])
-                        break
-                    p = rest / total
-                if chosen is None:
-                    if self.s.do_sample:
-                        extra = int(draw(p[None], self.generator)[0])
-                    else:
-                        extra = int(row.argmax())
-                    bonus.append(extra)
-                    paths.append(path)
-                    break
-                path.append(chosen)
-                node = chosen
-        return paths, bonus
-
-    def _typical(self, row: Tensor, token: int) -> bool:
-        """Medusa's typical acceptance on the model's own (temperature-scaled) distribution."""
-        logits = row.float() / (self.s.temperature if self.s.do_sample else 1.0)
-        p = logits.softmax(-1)[0]
-        entropy = -(p * p.clamp_min(1e-30).log()).sum()
-        limit = torch.minimum(torch.tensor(self.strategy.posterior_threshold),
-                              self.strategy.posterior_alpha * torch.exp(-entropy))
-        return bool(p[token] > limit)
-
+        return walk(logits, tokens, lay["children"], self.s, self.strategy, self.generator)
 
     # -------------------------------------------------------------- cache
     def compact(self, length: list[int], paths: list[list[int]]) -> None:
@@ -547,53 +498,3 @@ class _TreeRounds(_Rounds):
         rows, src, dst = torch.tensor(moves, device=self.device).unbind(1)  # one copy: [n, 3]
         self.cache.move(rows, src, dst)  # gathered first: sources lie past targets
         self.stats.update(kv_moves=len(moves))
-
-
-_KEPT: dict = {}  # (what, paths, device) -> a tree's layout or Hydra's plan (``_kept``)
-
-
-def _kept(key: tuple, device: torch.device, make: Callable[[], Any]):
-    """``make()``, kept across generations and engines by ``key`` and device (the most
-    recent ``LAYOUTS``): a layout is a few tensors copied from the host, and each copy
-    waits for a GPU's queued work. What is kept is only read, never written."""
-    key = (*key, str(device))
-    value = _KEPT.pop(key, None)
-    if value is None:
-        value = make()
-        while len(_KEPT) >= LAYOUTS:
-            del _KEPT[next(iter(_KEPT))]  # the least recently used
-    _KEPT[key] = value
-    return value
-
-
-def _host_layout(tree: Tree) -> dict:
-    """``tree.layout()``'s ``parent``, ``depth`` and ``rank`` as host lists: the same
-    numbering, made without a device (a plan made mid-generation reads nothing back)."""
-    index = {p: i + 1 for i, p in enumerate(tree.paths)}
-    return {"parent": [-1] + [index.get(p[:-1], 0) for p in tree.paths],
-            "depth": [0] + [len(p) for p in tree.paths], "rank": [-1] + [p[-1] for p in tree.paths]}
-
-
-def _levels(lay: dict, depth: int, device: Optional[torch.device] = None) -> list[tuple]:
-    """Hydra's drafting plan, one entry per tree level ``d``: the depth-``d`` nodes with
-    children (``parents``), their paths from the root (``chains`` ``[P, d + 1]``), the
-    depth-``d + 1`` nodes (``children``), each child's parent slot in ``parents`` and
-    rank, and how many ranks the level needs."""
-    host = lambda v: v.tolist() if isinstance(v, Tensor) else list(v)  # noqa: E731
-    parent, depth_of, rank = host(lay["parent"]), host(lay["depth"]), host(lay["rank"])
-    device = device if device is not None else lay["parent"].device
-    t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
-    out = []
-    for d in range(depth):
-        children = [i for i, x in enumerate(depth_of) if x == d + 1]
-        parents = sorted({parent[c] for c in children})
-        chains = []
-        for p in parents:
-            chain = [p]
-            while chain[-1] > 0:
-                chain.append(parent[chain[-1]])
-            chains.append(chain[::-1])  # [d + 1]: root .. p
-        slot = [parents.index(parent[c]) for c in children]
-        out.append((t(parents), t(chains), t(children), t(slot), t([rank[c] for c in children]),
-                    max(rank[c] for c in children) + 1, parents))
-    return out

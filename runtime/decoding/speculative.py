@@ -31,31 +31,27 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor
 
-from rewriter.decoding import Strategy
+from rewriter.decoding import SelfSpeculativeDecoding
 
-from .attention import Step
-from .generate import Batch, _run, run_prompt
-from .kv_cache import KVCache
-from .replay import Replay, Replays
-from .sampling import draw, greedy, next_token, warp
-from .settings import GenerationSettings
+from ..attention import Step
+from ..generate import Batch, _run, run_prompt
+from ..kv_cache import KVCache
+from ..replay import Replay, Replays
+from ..sampling import draw, greedy, next_token, warp
+from ..settings import GenerationSettings
 
 
 def speculative_loop(programs: dict, cache: KVCache, batch: Batch, settings: GenerationSettings,
-                     generator: Optional[torch.Generator], stats: Counter, strategy: Strategy,
+                     generator: Optional[torch.Generator], stats: Counter, strategy: SelfSpeculativeDecoding,
                      static: bool = False, cuda_graph: bool = False,
                      replays: Optional[Replays] = None) -> Iterator[Tensor]:
     """Yield the next token of every row, ``[B]``, like ``generate.decode_loop``; ``static``,
-    ``cuda_graph`` and ``replays`` as there, for every step of a round (``_Rounds.step``)."""
-    cache.busy = True
-    try:
-        yield from _Rounds(programs, cache, batch, settings, generator, stats, strategy,
-                           static, cuda_graph, replays).run()
-    finally:
-        cache.busy = False
+    ``cuda_graph`` and ``replays`` as there, for every step of a round (``Rounds.step``)."""
+    yield from Rounds(programs, cache, batch, settings, generator, stats, strategy, static,
+                       cuda_graph, replays).run()  # (made at the first token, as a stream's)
 
 
-class _Rounds:
+class Rounds:
     def __init__(self, programs, cache, batch, settings, generator, stats, strategy,
                  static: bool = False, cuda_graph: bool = False,
                  replays: Optional[Replays] = None):
@@ -67,14 +63,17 @@ class _Rounds:
         self.clock = None  # clock(replay, *inputs) calls and times each (round_cost)
         self.s, self.generator, self.stats, self.strategy = settings, generator, stats, strategy
         self.full = len(cache.table)
-        skipped = len(strategy.skip_layers) + (len(strategy.skip_attention) + len(strategy.skip_mlp)) / 2
-        self.draft_layers = self.full - skipped
-        self.max_draft = strategy.max_draft  # drafted tokens a round verifies, at most
+        # the draft's layers (a skipped sub-layer counts half); drafted tokens a round verifies
+        self.draft_layers, self.max_draft = self._draft_size(strategy)
         b = batch.ids.shape[0]
         self.device = batch.ids.device
         self.pad0 = batch.pad if batch.pad is not None else torch.zeros(b, dtype=torch.int64,
                                                                         device=self.device)
         self._on_device = {}  # the round's lengths and done rows as device tensors (``on_device``)
+
+    def _draft_size(self, strategy) -> tuple[float, int]:
+        skipped = len(strategy.skip_layers) + (len(strategy.skip_attention) + len(strategy.skip_mlp)) / 2
+        return self.full - skipped, strategy.max_draft
 
     def run(self) -> Iterator[Tensor]:
         s, batch = self.s, self.batch

@@ -4,7 +4,7 @@ A fixed tree spends its nodes where the heads are right *on average*; in any one
 the heads know better: after ``def`` their first guess is near-certain, after a comma
 four guesses share the mass. So each round the tree is grown from the heads'
 probabilities and the round verifies its ``n`` likeliest nodes, the same number a fixed
-tree would (the pass's, or the adaptive tree's choice: ``runtime.tree_adapt``).
+tree would (the pass's, or the adaptive tree's choice: ``runtime.decoding.tree.adapt``).
 
 A node is a path of ranks, as in ``rewriter.tree``; its *score* is the probability the
 heads give its whole path, the product of each step's probability (Hydra's head ``d``
@@ -42,7 +42,7 @@ def grow(call: HeadCall, root: Tensor, nodes: int, depth: int, expand: int,
     """The tree of ``nodes`` tokens (the root included) grown from ``call``'s guesses after
     ``root`` ``[B]``: ``(tree, tokens [B, nodes] in the tree's order, levels)``, ``levels``
     holding, per level that ran, the expanded paths and their ranked token ids
-    ``[B, P, R]`` (for counting what the heads got right: ``tree_decoding.observe``).
+    ``[B, P, R]`` (for counting what the heads got right: ``rounds.observe``).
     ``weight`` ``[B]``: each row's say in the shape (0: a row that is done); ``ranks``: a
     node's candidates, its first ``ranks`` guesses (default: all ``call`` gives; ``levels``
     keeps all of them)."""

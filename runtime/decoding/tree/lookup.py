@@ -90,7 +90,7 @@ class ChainLength:
     ``h``, over all scored row-rounds; ``share_h``: the share of rounds whose highest order
     was ``h`` (``h = 0``: no row had a chain, ``l[0] = 0``). In a batch only the row that
     lags is scored each round (the running rows with the fewest tokens; a row past its end
-    of sequence is done, ``speculative._Rounds.run``): the batch takes as many rounds as
+    of sequence is done, ``speculative.Rounds.run``): the batch takes as many rounds as
     its slowest row, so copies that speed up only the rows ahead buy nothing until one of
     them falls behind. A longer match is never given
     fewer copies than a shorter one: it is the surer guess, and the rule keeps sparse

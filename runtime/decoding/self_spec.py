@@ -1,0 +1,47 @@
+"""Self-speculative decoding: the model drafts with some of its layers skipped (or its
+weights in 4 bits), then verifies the drafts in one step (``runtime.decoding.speculative``)."""
+from __future__ import annotations
+
+from typing import Iterator
+
+from torch import Tensor
+
+from rewriter.errors import PassError, RewriterError
+from rewriter.ir.core import IR
+from rewriter.ir.skip import check_skip_set, skipped
+
+from .speculative import speculative_loop
+from .base import Generation, Strategy
+from .checks import check_no_ring
+
+
+class SelfSpeculativeStrategy(Strategy):
+    def programs(self, ir: IR, lowering) -> dict:
+        """``draft``: the IR with the skip set bypassed (``rewriter.ir.skip``), its linears
+        4-bit with ``draft_weights="int4"``, last-position logits."""
+        s = self.record
+        check_no_ring(ir, s.KIND)
+        check_skip_set(ir, s.skip_layers, s.skip_attention, s.skip_mlp,
+                       empty_ok=s.draft_weights != "dense")
+        draft = skipped(ir, s.skip_layers, s.skip_attention, s.skip_mlp)
+        if s.draft_weights == "int4":
+            draft = int4_draft(draft)
+        return {"draft": lowering.step(draft, True)}
+
+    def tokens(self, g: Generation, learnt: dict) -> Iterator[Tensor]:
+        return speculative_loop(g.programs, g.cache, g.batch, g.settings, g.generator, g.stats,
+                                self.record, **g.replay)
+
+
+def int4_draft(draft: IR) -> IR:
+    """``draft`` (a copy: ``skipped`` makes one) with its linears' weights in 4 bits, as
+    ``Int4Weights`` stores them; the LM head stays dense, as there."""
+    from rewriter.passes.int4_weights import Int4Weights  # (the pass's rewrite: still in passes/)
+    try:
+        return Int4Weights().run(draft)
+    except PassError as e:  # e.g. the model's linears are 4-bit already
+        raise RewriterError(f"the self_speculative draft_weights='int4' draft has nothing to "
+                            f"quantize: {e}") from None
+    except (AttributeError, RuntimeError, TypeError, ValueError) as e:  # an artifact's odd names
+        raise RewriterError(f"the self_speculative draft_weights='int4' draft cannot be made "
+                            f"from these weights: {e}") from None
