@@ -220,7 +220,33 @@ def parser() -> argparse.ArgumentParser:
                    help="the frozen model's dtype while calibrating")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     g.set_defaults(func=cmd_train_gates)
+    _add_train_eagle(sub)
     return p
+
+
+def _add_train_eagle(sub) -> None:
+    """``train-eagle``: every setting of ``EagleSettings`` as a flag, its default and help."""
+    from dataclasses import fields
+    from .train_eagle_settings import DTYPES as EAGLE_DTYPES, HELP, EagleSettings
+    e = sub.add_parser("train-eagle", help="train an EAGLE draft layer on a frozen model",
+                       description="In one timed run: the model asks itself chat questions and "
+                                   "answers them, then an EAGLE draft layer is trained on its "
+                                   "answers; writes OUT/eagle.safetensors for "
+                                   "EagleDraft(weights=PATH) and OUT/train_eagle.json.")
+    e.add_argument("model", help=MODEL_HELP)
+    e.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    for f in fields(EagleSettings):
+        if f.name == "steps_done":
+            continue  # what the run did, not a setting
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "out":
+            e.add_argument(flag, required=True, help=HELP[f.name])
+        elif f.name in ("dtype", "save_dtype"):
+            e.add_argument(flag, choices=EAGLE_DTYPES, default=f.default, help=HELP[f.name])
+        else:
+            kind = str if f.default is None else type(f.default)
+            e.add_argument(flag, type=kind, default=f.default, help=HELP[f.name])
+    e.set_defaults(func=cmd_train_eagle)
 
 
 # ---------------------------------------------------------------------------- commands
@@ -254,6 +280,21 @@ def cmd_train_gates(args) -> int:
                              seed=args.seed, progress=_bars(), **settings)
     print(json.dumps(record, indent=1))
     print(f"saved: {args.out}")
+    return 0
+
+
+def cmd_train_eagle(args) -> int:
+    from .train_eagle import train_eagle
+    from .train_eagle_settings import DRAFT, EagleSettings, check_paths, check_settings
+    device = _training_device(args.device)  # what is checked here fails before the model loads
+    settings = EagleSettings(**{k: v for k, v in vars(args).items()
+                                if k in EagleSettings.__dataclass_fields__})
+    check_settings(settings)
+    check_paths(settings)
+    model, tokenizer = _training_model(args.model, args.dtype)
+    with _one_line_warnings():
+        train_eagle(model, tokenizer, settings, device)
+    print(f"saved: {Path(args.out) / DRAFT}")
     return 0
 
 

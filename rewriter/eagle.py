@@ -143,7 +143,7 @@ def _rotate(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def _linear(x: Tensor, w: Tensor) -> Tensor:
     """``x @ w.T``; ``w`` ``[out, in]``, or packed for oneDNN (``runtime.packed_linear``:
-    decoding's bfloat16 weights, ``runtime.eagle_rows``), which gives the same values."""
+    decoding's bfloat16 weights, ``runtime.decoding.tree.eagle_rows``), which gives the same values."""
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
     return x @ w.t()
@@ -158,7 +158,7 @@ def fused(p: dict) -> dict:
     """``p`` with the query, key and value projections stacked into one matrix, and the
     MLP's gate and up projections into another (``qkv.weight``, ``gate_up.weight``, in
     place of the five): a draft step then makes two products fewer. For decoding
-    (``runtime.eagle_rows``); the products' values are the separate ones' (the same dot
+    (``runtime.decoding.tree.eagle_rows``); the products' values are the separate ones' (the same dot
     products, made in one call: bitwise equal on the project's Xeon, checked by hand; a test
     holds them to float32 precision)."""
     stacked = {"qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
@@ -300,7 +300,7 @@ def _tree_attention(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor, ow
     repeated per head: on a CPU, bfloat16 ``scaled_dot_product_attention`` over such
     copies cost 0.38 ms a level against 0.07 for this. (bfloat16 products on a CPU go to
     oneDNN, which builds a kernel for every new shape: the runtime passes ``T`` in steps of
-    256, ``runtime.eagle_rows``, so a growing text does not make a new one every round.)"""
+    256, ``runtime.decoding.tree.eagle_rows``, so a growing text does not make a new one every round.)"""
     b, n, _, d = q.shape
     kv = shape.kv_heads
     g = shape.heads // kv

@@ -48,16 +48,16 @@ class Draft:
     counts: Optional[Tensor] = None  # [vocab] int64: tokens the model produced (VocabTrim)
 
     def save(self, path: Union[str, os.PathLike], dtype: torch.dtype = torch.float32) -> None:
-        """Write the file (atomically); ``dtype``: the parameters' on disk, float32 or
-        bfloat16."""
-        from safetensors.torch import save_file
+        """Write the file (``tensor_files.save``: a temporary name, then renamed: a reader
+        never sees half a file, and a link at ``path`` is replaced, not followed);
+        ``dtype``: the parameters' on disk, float32 or bfloat16."""
+        from rewriter import tensor_files
         if dtype not in STORED:
             raise ValueError(f"eagle_file: a draft is stored in float32 or bfloat16, got {dtype}")
         meta = {"format": FORMAT, "version": VERSION, "shape": json.dumps(asdict(self.shape)),
                 "vocab": str(self.vocab), "probe": json.dumps(self.probe),
                 "accuracy": json.dumps(self.accuracy), "trained": json.dumps(self.trained)}
         path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
         tensors = {n: self.params[n].detach().cpu().to(dtype).contiguous() for n in NAMES}
         if self.counts is not None:
             tensors["counts"] = self.counts.cpu().to(torch.int64).contiguous()
@@ -66,8 +66,7 @@ class Draft:
         why = _check(tensors, self.shape, self.vocab, self.probe, self.accuracy, self.trained)
         if why:
             raise DraftFileError(f"{path}: not saved: {why}")
-        save_file(tensors, str(tmp), metadata=meta)
-        os.replace(tmp, path)  # a reader never sees half a file
+        tensor_files.save(path, tensors, meta)
 
     def fits(self, lm_head: Tensor, where: str) -> None:
         """Raise ``DraftFileError`` unless this draft was trained for this LM head."""

@@ -162,7 +162,7 @@ def load(weights: Union[str, os.PathLike], want: Optional[str] = None) -> Heads:
         trained = metadata_json(meta, "trained", "{}")
     except (KeyError, ValueError) as e:
         raise HeadsFileError(f"{path}: bad metadata ({e})") from None
-    if vocab < 1 or not _matrix(probe, *PROBE) or not isinstance(trained, dict):
+    if vocab < 1 or not is_matrix(probe, *PROBE) or not isinstance(trained, dict):
         raise HeadsFileError(f"{path}: bad metadata (vocab, probe or trained)")
     why = counts_problem(counts, vocab)
     if why:
@@ -326,7 +326,8 @@ def deepen(r: Tensor, deep: Optional[tuple]) -> Tensor:
     return r
 
 
-def _matrix(v, rows: int, cols: int) -> bool:
+def is_matrix(v, rows: int, cols: int) -> bool:
+    """``v`` is a ``rows`` x ``cols`` list of lists of finite numbers (a probe as JSON gives it)."""
     return (isinstance(v, list) and len(v) == rows and all(
         isinstance(r, list) and len(r) == cols and all(
             isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in r)

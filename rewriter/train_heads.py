@@ -204,7 +204,7 @@ def _make_data(model, tokenizer, work: Path, settings: dict, data: str, rows: in
     produced each token in the train set. ``settings``: ``_data_settings``' key."""
     vocab = model.get_output_embeddings().weight.shape[0]
     sets, data_seconds, counts = {}, 0.0, torch.zeros(vocab, dtype=torch.int64)
-    with _one_engine(model), safe_files.new_dirs(work):  # no empty work dir left if it fails
+    with one_engine(model), safe_files.new_dirs(work):  # no empty work dir left if it fails
         safe_files.remove_temp_files(work)  # what a run killed while writing left
         for split, n in (("train", settings["prompts"]), ("heldout", settings["heldout_prompts"])):
             parts = []
@@ -212,12 +212,12 @@ def _make_data(model, tokenizer, work: Path, settings: dict, data: str, rows: in
                 part, seconds = _dataset(model, tokenizer, work, split, count,
                                          _part_settings(settings, kind, count), generate_batch,
                                          progress)
-                part["end"] = _ends(part, settings["new_tokens"], _eos_ids(model, tokenizer))
+                part["end"] = row_ends(part, settings["new_tokens"], eos_ids(model, tokenizer))
                 if split == "train":
                     counts += produced(part, vocab)
                 parts.append(part)
                 data_seconds = None if seconds is None or data_seconds is None else data_seconds + seconds
-            sets[split] = parts[0] if len(parts) == 1 else _merge(parts)
+            sets[split] = parts[0] if len(parts) == 1 else merge_parts(parts)
     return sets, data_seconds, counts
 
 
@@ -310,11 +310,11 @@ def _part_settings(settings: dict, kind: str, count: int) -> dict:
     return s
 
 
-def _merge(parts: list) -> dict:
+def merge_parts(parts: list) -> dict:
     """One training set of several, each with its ``end`` already: rows right-padded to one
     width (``[N, L]``, hidden ``[N, L, H]``), every row's targets read from ``next`` (a
     generated row's greedy token after position ``t`` is its own text at ``t + 1``). Every
-    row has ``next``, so ``_ends`` and ``produced`` must be applied to the parts, not to
+    row has ``next``, so ``row_ends`` and ``produced`` must be applied to the parts, not to
     the merged set. The hidden states are copied part by part into one tensor."""
     width = max(p["tokens"].shape[1] for p in parts)
     n = sum(len(p["tokens"]) for p in parts)
@@ -338,7 +338,9 @@ def _merge(parts: list) -> dict:
     return out
 
 
-def _eos_ids(model, tokenizer) -> set:
+def eos_ids(model, tokenizer) -> set:
+    """The model's end-of-sequence token ids: its generation config's and its config's
+    (either may hold one id, a list or none)."""
     ids = set()
     for source in (getattr(model, "generation_config", None), model.config):
         v = getattr(source, "eos_token_id", None) if source is not None else None
@@ -346,7 +348,7 @@ def _eos_ids(model, tokenizer) -> set:
     return ids
 
 
-def _ends(data: dict, new_tokens: int, eos: set) -> Tensor:
+def row_ends(data: dict, new_tokens: int, eos: set) -> Tensor:
     """``[N]`` where each row's text ends: after its ``new_tokens`` generated tokens (the
     rest is right padding), or after the first end-of-sequence token among them (decoding
     stops there: what follows is never drafted for)."""
@@ -363,11 +365,11 @@ def _ends(data: dict, new_tokens: int, eos: set) -> Tensor:
     return end
 
 
-_SHARED: dict = {}  # id(model) -> its engine (None: not made yet), inside _one_engine
+_SHARED: dict = {}  # id(model) -> its engine (None: not made yet), inside one_engine
 
 
 @contextlib.contextmanager
-def _one_engine(model):
+def one_engine(model):
     """One optimized engine of ``model`` for every prompt set a ``train_heads`` call asks or
     continues: tracing the model (``torch.export``) takes seconds, and a call may make
     three sets. The model is frozen throughout, so the engine stays its own."""
@@ -379,13 +381,14 @@ def _one_engine(model):
 
 
 def _engine(model):
-    """``rewriter.optimize(model)``, made once inside ``_one_engine``."""
+    """``rewriter.optimize(model)``, made once inside ``one_engine``."""
     import rewriter
     if id(model) not in _SHARED:
         return rewriter.optimize(model)
     if _SHARED[id(model)] is None:
         _SHARED[id(model)] = rewriter.optimize(model)
     return _SHARED[id(model)]
+
 
 def _dataset(model, tokenizer, work: Path, split: str, n: int, settings: dict,
              generate_batch: int, progress: bool) -> dict:
@@ -421,10 +424,10 @@ def _dataset(model, tokenizer, work: Path, split: str, n: int, settings: dict,
         else:
             prompts = make_prompts(tokenizer, split, n, settings["prompt_tokens"],
                                    settings["seed"], settings["chat"])
-        tokens, start, before = _continue(model, tokenizer, prompts, settings["new_tokens"],
-                                          generate_batch, progress, split,
-                                          work / f"{split}{own}.partial.safetensors", key)
-    hidden, nxt = _hidden_states(model, tokens, progress, split, argmax=corpus)
+        tokens, start, before = continue_prompts(model, tokenizer, prompts, settings["new_tokens"],
+                                                 generate_batch, progress, split,
+                                                 work / f"{split}{own}.partial.safetensors", key)
+    hidden, nxt = hidden_states(model, tokens, progress, split, argmax=corpus)
     data = {"tokens": tokens, "start": start, "hidden": hidden}
     if corpus:
         data["next"] = nxt  # [N, L] the model's greedy token after each position
@@ -521,7 +524,7 @@ def question_prefix(model, tokenizer) -> list[int]:
     if not prefix:
         raise ValueError("train_heads: the chat template has no text before the user's "
                          "message: nothing to ask the model with")
-    if not _eos_ids(model, tokenizer):
+    if not eos_ids(model, tokenizer):
         raise ValueError("train_heads: self-asked questions need an end-of-sequence token "
                          "(where a question ends); the model's config names none")
     return prefix
@@ -554,7 +557,7 @@ def self_asked(model, tokenizer, n: int, seed: int, progress: bool = False,
     from rewriter.runtime.chat import chat_prompt, split_tokenizer
     tok, text = split_tokenizer(tokenizer)
     prefix = question_prefix(model, tokenizer)
-    eos = _eos_ids(model, tokenizer)
+    eos = eos_ids(model, tokenizer)
     engine = _engine(model)
     seen, out, tries = set(), [], 0
     bar = _bar(progress, n, "self-asked questions", "question")
@@ -627,9 +630,9 @@ def _questions(rel: str, source: str) -> list[str]:
     return out
 
 
-def _continue(model, tokenizer, prompts, new_tokens: int, generate_batch: int, progress: bool,
-              split: str, partial: Optional[Path] = None, key: str = "",
-              deadline: Optional[float] = None) -> tuple[Tensor, Tensor, float]:
+def continue_prompts(model, tokenizer, prompts, new_tokens: int, generate_batch: int,
+                     progress: bool, split: str, partial: Optional[Path] = None, key: str = "",
+                     deadline: Optional[float] = None) -> tuple[Tensor, Tensor, float]:
     """Prompts continued greedily by the model (through the runtime): ``[N, L]`` right-padded
     rows, where each row's continuation starts, and the seconds earlier runs spent on them.
     The rows made so far are saved to ``partial`` after every batch with the time they
@@ -698,8 +701,8 @@ def _partial_rows(path: Path, key: str) -> tuple[list, float]:
     return [r.tolist() for r in torch.split(flat, lengths.tolist())], seconds
 
 
-def _hidden_states(model, tokens: Tensor, progress: bool, split: str, chunk: int = 8,
-                   argmax: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+def hidden_states(model, tokens: Tensor, progress: bool, split: str, chunk: int = 8,
+                  argmax: bool = False) -> tuple[Tensor, Optional[Tensor]]:
     """The model's last hidden state (the LM head's input) at every position, ``[N, L, H]``
     in bfloat16 (what the heads read; right padding only follows the real tokens), and with
     ``argmax`` the model's greedy next token at every position ``[N, L]`` (from the hidden
@@ -747,7 +750,7 @@ def _samples(data: dict, num_heads: int) -> Tensor:
     return torch.tensor(pairs, dtype=torch.int64).view(-1, 2)
 
 
-def _targets(data: dict, pairs: Tensor, num_heads: int) -> Tensor:
+def head_targets(data: dict, pairs: Tensor, num_heads: int) -> Tensor:
     """``[P, K]`` the token at ``t + k + 2`` for every head, -100 past a row's end (corpus
     rows: the model's greedy token after position ``t + k + 1``, where the text has its own)."""
     tokens = data["tokens"]
@@ -762,7 +765,7 @@ def _targets(data: dict, pairs: Tensor, num_heads: int) -> Tensor:
     return torch.where(ok, got, torch.full_like(got, -100))
 
 
-def _path(data: dict, pairs: Tensor, num_heads: int) -> Tensor:
+def path_tokens(data: dict, pairs: Tensor, num_heads: int) -> Tensor:
     """``[P, K]`` the tokens at ``t + 1 .. t + K`` (Hydra's path; clamped at a row's end,
     where the targets are -100 anyway)."""
     tokens = data["tokens"]
@@ -801,8 +804,8 @@ def _train(data: dict, lm_head: Tensor, embed: Optional[Tensor], num_heads: int,
     device = lm_head.device
     hidden_size = lm_head.shape[1]
     pairs = _samples(data, num_heads)
-    targets = _targets(data, pairs, num_heads)
-    path = _path(data, pairs, num_heads) if embed is not None else None
+    targets = head_targets(data, pairs, num_heads)
+    path = path_tokens(data, pairs, num_heads) if embed is not None else None
     teacher_at = _teacher_positions(pairs, num_heads) if loss_kind == "teacher" else None
     if embed is None:
         w = torch.zeros(num_heads, hidden_size, hidden_size, device=device, requires_grad=True)
@@ -888,7 +891,7 @@ def _train(data: dict, lm_head: Tensor, embed: Optional[Tensor], num_heads: int,
             ce = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), probs.flatten(0, 1),
                                                    reduction="none").view_as(y)
         loss = heads_loss(ce, valid, weight)
-        _step(opt, sched, loss)
+        optimizer_step(opt, sched, loss)
         step += 1
         last_loss = float(loss.detach())
         bar.update(1)
@@ -910,7 +913,9 @@ def heads_loss(ce: Tensor, valid: Tensor, weight: Tensor) -> Tensor:
     return ((ce * valid).sum(0) / valid.sum(0).clamp_min(1) * weight).sum()
 
 
-def _step(opt, sched, loss: Tensor) -> None:
+def optimizer_step(opt, sched, loss: Tensor) -> None:
+    """One optimizer step on ``loss``: gradients cleared, back-propagated, applied, and the
+    learning rate's schedule advanced."""
     opt.zero_grad()
     loss.backward()
     opt.step()
@@ -966,8 +971,8 @@ def rank_accuracy(data: dict, lm_head: Tensor, w, b: Tensor, embed: Optional[Ten
     given the right path before it)."""
     k = b.shape[0]
     pairs = _samples(data, k)
-    targets = _targets(data, pairs, k)
-    path = _path(data, pairs, k) if embed is not None else None
+    targets = head_targets(data, pairs, k)
+    path = path_tokens(data, pairs, k) if embed is not None else None
     w = [t.float() for t in w] if embed is not None else w.float()
     deep = tuple(t.float() for t in deep) if deep is not None else None
     hits = torch.zeros(k, RANKS)

@@ -1,4 +1,4 @@
-"""``eagle_gpu.py --train-vocab N``: the EAGLE draft trained and measured on the trimmed
+"""``rewriter train-eagle --train-vocab N``: the EAGLE draft trained and measured on the trimmed
 draft vocabulary ``EagleDraft(draft_vocab=N)`` drafts from. The same tokens on both sides,
 a target outside them no training target and always a miss, and a trimmed run that
 learns."""
@@ -11,10 +11,10 @@ import torch
 
 import rewriter
 from rewriter import eagle_file
+from rewriter.draft_loop import generated_pairs, top1
+from rewriter.eagle_layer import DraftLayer
 from rewriter.passes import EagleDraft
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from eagle_draft import Draft  # noqa: E402
+from rewriter.train_heads import head_targets
 
 PROMPTS = [list(range(3 + 7 * i, 20 + 7 * i)) for i in range(6)]
 
@@ -65,7 +65,7 @@ def test_the_pass_drafts_from_the_same_tokens(tmp_path, monkeypatch):
     model, _ = rewriter.default_model()
     lm = model.lm_head.weight.detach()
     counts = torch.randint(0, 1000, (lm.shape[0],), generator=torch.Generator().manual_seed(3))
-    d = Draft(model, "random", 2)
+    d = DraftLayer(model, "random", 2)
     path = tmp_path / "d.safetensors"
     eagle_file.made({n: t.detach() for n, t in d.p.items()}, d.shape, lm, counts=counts).save(path)
     seen = []
@@ -80,9 +80,9 @@ def test_the_pass_drafts_from_the_same_tokens(tmp_path, monkeypatch):
 def test_trimming_to_every_token_changes_nothing(rows):
     model, data = rows
     torch.manual_seed(0)
-    full = Draft(model, "random", 2)
+    full = DraftLayer(model, "random", 2)
     torch.manual_seed(0)
-    trimmed = Draft(model, "random", 2)
+    trimmed = DraftLayer(model, "random", 2)
     trimmed.trim(torch.arange(model.lm_head.weight.shape[0]))
     assert full.accuracy(data) == trimmed.accuracy(data)
     assert full.train(data, _args(steps=3)) == pytest.approx(trimmed.train(data, _args(steps=3)), rel=1e-5)
@@ -93,7 +93,7 @@ def test_a_target_outside_the_vocabulary_is_a_miss_and_no_target(rows):
     used = torch.unique(data["tokens"])
     others = torch.ones(model.lm_head.weight.shape[0], dtype=torch.bool)
     others[used] = False
-    d = Draft(model, "random", 2)
+    d = DraftLayer(model, "random", 2)
     d.trim(others.nonzero().flatten())  # not one of the text's tokens
     assert d.accuracy(data) == [0.0, 0.0]
     remap = d.targets(missing=-100)
@@ -110,7 +110,7 @@ def test_a_trimmed_run_learns_its_text(rows):
     model, data = rows
     counts = torch.bincount(data["tokens"].flatten(), minlength=model.lm_head.weight.shape[0])
     torch.manual_seed(0)
-    d = Draft(model, "random", 2)
+    d = DraftLayer(model, "random", 2)
     d.trim(eagle_file.draft_vocab(counts + 1, 300))  # the text's tokens, then 0, 1, 2 ...
     before = d.accuracy(data)
     d.train(data, _args(steps=60))
@@ -122,13 +122,14 @@ def test_a_trimmed_run_learns_its_text(rows):
                                  torch.tensor([-1, 4]), torch.tensor([0, 10 ** 9])])
 def test_bad_vocabularies_are_refused(rows, ids):
     with pytest.raises(ValueError, match="sorted distinct token ids"):
-        Draft(rows[0], "random", 2).trim(ids)
+        DraftLayer(rows[0], "random", 2).trim(ids)
 
 
 def test_the_replay_drafts_from_the_same_tokens():
     """``draft_rounds.py --draft-vocab N`` guesses among ``draft_vocab(counts, N)`` alone,
     normalised over them, as the runtime's trimmed projection does."""
-    import draft_rounds
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import draft_rounds  # a benchmark's script (benchmarks/ is not a package)
     g = torch.Generator().manual_seed(0)
     lm, feature = torch.randn(40, 8, generator=g), torch.randn(3, 8, generator=g)
     counts = torch.randint(0, 100, (40,), generator=g)
@@ -154,19 +155,18 @@ def test_the_replay_drafts_from_the_same_tokens():
 def test_top1_counts_a_target_outside_the_vocabulary_as_a_miss():
     """Logits that always pick the target where it is in the vocabulary: top-1 is the share
     of targets inside it, every valid target counted, none dropped."""
-    from hydra_prefix import _pairs, _targets, top1
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 20, (3, 12), generator=g)
     data = {"tokens": tokens, "start": torch.tensor([4, 5, 6]), "end": torch.tensor([12, 11, 12])}
     vocab = torch.tensor([1, 4, 7, 8, 11, 15, 19])
     d = types.SimpleNamespace(vocab=vocab)
-    remap = Draft.targets(d, missing=-1)
+    remap = DraftLayer.targets(d, missing=-1)
 
     def logits_of(rows, pairs):  # [P, 2, 7]: column of the target, or column 0
-        y = remap(_targets(data, pairs, 2)).clamp_min(0)
+        y = remap(head_targets(data, pairs, 2)).clamp_min(0)
         return torch.nn.functional.one_hot(y, len(vocab)).float()
     got = top1(data, 2, logits_of, rows=2, targets=remap)
-    y = _targets(data, _pairs(data, torch.arange(3)), 2)
+    y = head_targets(data, generated_pairs(data, torch.arange(3)), 2)
     ok = y != -100
     inside = torch.isin(y, vocab) & ok  # a target outside: column 0 picked, never -1
     want = [round(float(inside[:, k].sum() / ok[:, k].sum()), 4) for k in range(2)]
@@ -174,16 +174,16 @@ def test_top1_counts_a_target_outside_the_vocabulary_as_a_miss():
 
 
 def test_the_map_to_the_vocabulary():
-    remap = Draft.targets(types.SimpleNamespace(vocab=torch.tensor([2, 5])), missing=-100)
+    remap = DraftLayer.targets(types.SimpleNamespace(vocab=torch.tensor([2, 5])), missing=-100)
     assert remap(torch.tensor([7, -100, 5, 0, 2])).tolist() == [-100, -100, 1, -100, 0]
-    miss = Draft.targets(types.SimpleNamespace(vocab=torch.tensor([2, 5])), missing=-1)
+    miss = DraftLayer.targets(types.SimpleNamespace(vocab=torch.tensor([2, 5])), missing=-1)
     assert miss(torch.tensor([7, -100, 5, 0, 2])).tolist() == [-1, -100, 1, -1, 0]
 
 
 def test_a_vocabulary_is_chosen_once(rows):
-    d = Draft(rows[0], "random", 2)
+    d = DraftLayer(rows[0], "random", 2)
     d.trim(torch.tensor([1, 2, 3]))
     with pytest.raises(ValueError, match="chosen once"):
         d.trim(torch.tensor([1, 2]))
     with pytest.raises(ValueError, match="sorted distinct token ids"):
-        Draft(rows[0], "random", 2).trim(torch.tensor([1.0, 2.0]))
+        DraftLayer(rows[0], "random", 2).trim(torch.tensor([1.0, 2.0]))

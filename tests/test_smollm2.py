@@ -85,7 +85,7 @@ def test_int4_weights_are_the_q4_1_files_own(opt, hf):
     # bfloat16, for the CPU int4 kernel: the codes are still the file's own, but the kernel
     # reads scales and zeros in bfloat16, which moves every weight a little (up to 0.03):
     # lossy, so its cost is measured against dense bfloat16 rather than one greedy answer,
-    # which flips on some CPUs and not on others (docs/benchmarks.md)
+    # which flips on some CPUs and not on others (docs/history/benchmarks-notebook.md)
     # one bfloat16 load, as from_pretrained(dtype="bfloat16") makes it, optimized twice
     # (Int4Weights adds weights to its own IR and leaves the model's alone)
     m16 = rg.load_gguf_model("smollm2", rg.check_dtype("bfloat16"))
@@ -135,7 +135,7 @@ def test_shipped_hydra_heads_answer_as_plain_greedy_and_accept(opt):
 
 
 def test_the_shipped_eagle_draft_answers_as_plain_greedy_and_drafts_well(opt):
-    """The draft trained on a GPU (``benchmarks/eagle_gpu.py``) fits the model, answers
+    """The draft trained on a GPU (``rewriter train-eagle``) fits the model, answers
     every question as plain greedy decoding does, and accepts far more than its first
     guess alone: over 1.8 tokens a round over both answers (``stats`` add up across calls;
     3.45 measured; a broken catch-up or position accepts about 1)."""

@@ -1,16 +1,13 @@
-"""The draft trainers' loop (``benchmarks/hydra_prefix.train_rows``, which
-``eagle_draft.py`` and ``eagle_gpu.py`` train with): a step count, or a time budget that
+"""The draft trainers' loop (``rewriter.draft_loop.train_rows``, which
+``rewriter train-eagle`` trains with): a step count, or a time budget that
 ends training and runs the learning rate's cosine down to it."""
-import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import hydra_prefix  # noqa: E402
-from conftest import Clock  # noqa: E402
+from rewriter import draft_loop
+from conftest import Clock
 
 VOCAB, DEPTH = 11, 2
 
@@ -29,21 +26,21 @@ def _run(monkeypatch, steps: int, seconds=None, tick: float = 1.0, every: int = 
     def logits_of(data, rows, pairs):  # [P, DEPTH, V]: one learnt bias
         lrs.append(opt.param_groups[0]["lr"])
         return bias.expand(len(pairs), DEPTH, VOCAB)
-    monkeypatch.setattr(hydra_prefix, "time", types.SimpleNamespace(perf_counter=Clock(tick)))
+    monkeypatch.setattr(draft_loop, "time", types.SimpleNamespace(perf_counter=Clock(tick)))
     args = types.SimpleNamespace(steps=steps, rows=2, positions=8, seed=0)
-    loss = hydra_prefix.train_rows(opt, _data(), args, logits_of, DEPTH, warmup=2, every=every,
+    loss = draft_loop.train_rows(opt, _data(), args, logits_of, DEPTH, warmup=2, every=every,
                                    seconds=seconds, checkpoint=saved.append if every else None)
     return args.steps_done, lrs, saved, loss, bias
 
 
 def test_without_a_budget_it_takes_every_step_at_warmup_cosines_rates(monkeypatch):
-    """The callers from before the budget (hydra_prefix, eagle_draft) train as they did:
+    """Without a budget the loop trains as it did before budgets existed:
     the same steps at ``warmup_cosine``'s rates, to the last bit."""
     done, lrs, _, loss, bias = _run(monkeypatch, steps=30)
     assert done == 30 and len(lrs) == 30 and loss == loss  # a number, not NaN
     assert bias.abs().sum() > 0  # it trained
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-    sched, want = hydra_prefix.warmup_cosine(opt, 30, 2), []
+    sched, want = draft_loop.warmup_cosine(opt, 30, 2), []
     for _ in range(30):
         want.append(opt.param_groups[0]["lr"])
         opt.step()
@@ -79,6 +76,6 @@ def test_a_budget_of_no_seconds_or_a_checkpoint_never_called_is_refused(monkeypa
     bias = torch.zeros(VOCAB, requires_grad=True)
     args = types.SimpleNamespace(steps=5, rows=2, positions=8, seed=0)
     with pytest.raises(ValueError, match="give every >= 1"):
-        hydra_prefix.train_rows(torch.optim.AdamW([bias]), _data(), args,
+        draft_loop.train_rows(torch.optim.AdamW([bias]), _data(), args,
                                 lambda d, r, p: bias.expand(len(p), DEPTH, VOCAB), DEPTH,
                                 warmup=2, checkpoint=lambda step: None)

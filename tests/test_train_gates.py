@@ -19,14 +19,20 @@ def default():
     return rewriter.optimize(model, tokenizer=tok), tok
 
 
+@pytest.fixture(scope="module")
+def gqa():
+    """A small GQA model with large weights (its gates matter) and its engine, traced once."""
+    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    return model, rewriter.optimize(model)
+
+
 def _hidden(opt, ids):
     """The whole-sequence graph's LM-head input for ``ids``."""
     return gated_program(opt.ir)(*_inputs(opt.ir, ids))
 
 
-def test_binary_gates_give_the_model_duo_attention_makes():
-    model = make_model("llama-gqa-3l", initializer_range=0.2)
-    opt = rewriter.optimize(model)
+def test_binary_gates_give_the_model_duo_attention_makes(gqa):
+    model, opt = gqa
     ids = torch.randint(1, 128, (1, 20), generator=torch.Generator().manual_seed(0))
     gates = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]])
     gated = gated_program(opt.ir, sinks=2, window=4, gates=gates)
@@ -42,9 +48,8 @@ def test_a_bfloat16_model_calibrates(default, tmp_path):
     assert record["steps"] == 1 and duo_gates.load(tmp_path / "g.json").model["layers"] == 8
 
 
-def test_gates_at_one_give_the_full_model_and_at_zero_the_streaming_one():
-    model = make_model("llama-gqa-3l", initializer_range=0.2)
-    opt = rewriter.optimize(model)
+def test_gates_at_one_give_the_full_model_and_at_zero_the_streaming_one(gqa):
+    model, opt = gqa
     ids = torch.randint(1, 128, (1, 20), generator=torch.Generator().manual_seed(0))
     inputs = _inputs(opt.ir, ids)
     gated = gated_program(opt.ir, sinks=2, window=4, gates=torch.ones(3, 2))
@@ -96,7 +101,9 @@ def test_the_output_must_be_a_file_in_a_directory(default, tmp_path):
         train_gates(opt, tok, tmp_path / "no" / "g.json", steps=1, progress=False)
 
 
-def test_the_cli_calibrates(tmp_path, capsys):
+def test_the_cli_calibrates(default, tmp_path, capsys, monkeypatch):
+    """The command calibrates the default model (traced once for the file, not again)."""
+    monkeypatch.setattr(rewriter.optimized, "optimize", lambda model, **kw: default[0])
     out = tmp_path / "g.json"
     assert main(["train-gates", "default", "--out", str(out), "--steps", "1", "--lengths", "96",
                  "--sinks", "4", "--window", "8"]) == 0

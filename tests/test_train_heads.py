@@ -1,5 +1,8 @@
 """Training draft heads: seeded, resumable after an interruption, a loadable file with
-rank accuracies and token counts, and the CLI."""
+rank accuracies and token counts, and the CLI.
+
+Fast: every run and every question asked generates with one engine of the default model,
+traced once for the file (a trace and its first steps cost more than a tiny run)."""
 import json
 import shutil
 import types
@@ -7,6 +10,7 @@ import types
 import pytest
 import torch
 
+import rewriter
 from rewriter import heads as heads_file
 from rewriter import train_heads as th
 from rewriter.checkpoints import default_model
@@ -15,6 +19,19 @@ from conftest import Clock
 
 SMALL = dict(num_heads=2, prompts=6, heldout_prompts=3, prompt_tokens=16, new_tokens=8,
              epochs=2, batch=16, progress=False)
+OWN_ENGINE = th._engine  # a trace per run (or per call outside one): what the file's runs skip
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """The default model traced once: every model this file generates with is the default
+    model, loaded again (the same weights, so the same tokens)."""
+    return rewriter.optimize(default_model()[0])
+
+
+@pytest.fixture(autouse=True)
+def one_trace(engine, monkeypatch):
+    monkeypatch.setattr(th, "_engine", lambda model: engine)
 
 
 def test_training_is_seeded_and_resumes_after_an_interruption(tmp_path, monkeypatch):
@@ -161,10 +178,10 @@ def test_corpus_rows_are_teacher_forced_with_the_models_own_tokens(tmp_path):
         want = model(d["tokens"]).logits.argmax(-1)  # [6, L]
     assert torch.equal(d["next"], want)
     assert heads_file.load(tmp_path / "c.safetensors").counts.sum() == 6 * length
-    d["end"] = th._ends(d, SMALL["new_tokens"], {0, 1, 2})  # no end of sequence in text rows
+    d["end"] = th.row_ends(d, SMALL["new_tokens"], {0, 1, 2})  # no end of sequence in text rows
     assert (d["end"] == length).all()
     pairs = th._samples(d, 2)
-    y, path = th._targets(d, pairs, 2), th._path(d, pairs, 2)
+    y, path = th.head_targets(d, pairs, 2), th.path_tokens(d, pairs, 2)
     r, t = pairs[:, 0], pairs[:, 1]
     assert t.min() == 0 and torch.equal(y[:, 0], want[r, t + 1])
     assert torch.equal(path[:, 0], d["tokens"][r, t + 1])  # the path is the text
@@ -205,12 +222,12 @@ def test_mixed_data_is_the_generated_rows_and_the_corpus_rows_each_mode_made(tmp
     m = heads_file.load(tmp_path / "m.safetensors")
     assert m.counts.sum() == 6 * 8 + 4 * 24  # generated tokens + every corpus position
     # the merged set's targets and paths are each part's own
-    eos = th._eos_ids(model, tok)
+    eos = th.eos_ids(model, tok)
     parts = []
     for d in (gen, cor):
-        d["end"] = th._ends(d, SMALL["new_tokens"], eos)
+        d["end"] = th.row_ends(d, SMALL["new_tokens"], eos)
         parts.append(d)
-    merged = th._merge(parts)
+    merged = th.merge_parts(parts)
     assert merged["tokens"].shape[0] == 10 and merged["hidden"].shape[:2] == merged["tokens"].shape
     pm, pg, pc = (th._samples(d, 2) for d in (merged, gen, cor))
     assert len(pm) == len(pg) + len(pc) == report["positions"]
@@ -218,8 +235,8 @@ def test_mixed_data_is_the_generated_rows_and_the_corpus_rows_each_mode_made(tmp
         mine = torch.isin(pm[:, 0], torch.arange(offset, offset + len(part["start"])))
         shifted = pm[mine] - torch.tensor([offset, 0])
         assert torch.equal(shifted, pp)
-        assert torch.equal(th._targets(merged, pm[mine], 2), th._targets(part, pp, 2))
-        assert torch.equal(th._path(merged, pm[mine], 2), th._path(part, pp, 2))
+        assert torch.equal(th.head_targets(merged, pm[mine], 2), th.head_targets(part, pp, 2))
+        assert torch.equal(th.path_tokens(merged, pm[mine], 2), th.path_tokens(part, pp, 2))
         h = merged["hidden"][pm[mine][:, 0], pm[mine][:, 1]]
         assert torch.equal(h, part["hidden"][pp[:, 0], pp[:, 1]])
     # its own checkpoint, under its own key
@@ -247,7 +264,7 @@ def _turns_end_at_full_stops(monkeypatch, tok):
     question's length: a full stop ends its turns here."""
     stop = _Templated(tok).backend_tokenizer.token_to_id(".")
     assert stop is not None
-    monkeypatch.setattr(th, "_eos_ids", lambda model, tokenizer: {stop})
+    monkeypatch.setattr(th, "eos_ids", lambda model, tokenizer: {stop})
 
 
 def test_self_asked_takes_a_batch_and_stops_at_its_deadline(monkeypatch):
@@ -271,24 +288,24 @@ def test_self_asked_takes_a_batch_and_stops_at_its_deadline(monkeypatch):
 
 
 def test_continuing_stops_after_the_batch_that_passes_the_deadline(monkeypatch):
-    """``_continue(deadline=...)``: the first prompts' rows only, each as an undeadlined run
+    """``continue_prompts(deadline=...)``: the first prompts' rows only, each as an undeadlined run
     makes it, with their own starts; a deadline already passed makes none."""
     model, tok = default_model()
     prompts = [[1, 5, 9], [2, 7], [3, 8, 4, 6], [5, 5], [9, 1, 1]]
-    whole, start, _ = th._continue(model, tok, prompts, 6, 2, False, "train")
+    whole, start, _ = th.continue_prompts(model, tok, prompts, 6, 2, False, "train")
     clock = Clock(1.0)
     monkeypatch.setattr(th, "time", types.SimpleNamespace(perf_counter=clock))
-    cut, cut_start, _ = th._continue(model, tok, prompts, 6, 2, False, "train",
+    cut, cut_start, _ = th.continue_prompts(model, tok, prompts, 6, 2, False, "train",
                                      deadline=clock.now + 2.5)
     assert 1 <= len(cut) < len(prompts) and len(cut) % 2 == 0  # whole batches of 2
     assert torch.equal(cut, whole[:len(cut)]) and torch.equal(cut_start, start[:len(cut)])
-    none, none_start, _ = th._continue(model, tok, prompts, 6, 2, False, "train",
+    none, none_start, _ = th.continue_prompts(model, tok, prompts, 6, 2, False, "train",
                                        deadline=clock.now - 1)
     assert none.shape == (0, whole.shape[1]) and len(none_start) == 0
 
 
 def test_merging_rows_of_unequal_widths_keeps_each_rows_targets_paths_and_states():
-    """``_merge`` pads rows to the widest: every sample reads what its own part gives it."""
+    """``merge_parts`` pads rows to the widest: every sample reads what its own part gives it."""
     g = torch.Generator().manual_seed(0)
     gen = {"tokens": torch.randint(3, 50, (3, 13), generator=g), "start": torch.tensor([4, 6, 5]),
            "hidden": torch.randn(3, 13, 5, generator=g).to(torch.bfloat16)}
@@ -302,17 +319,17 @@ def test_merging_rows_of_unequal_widths_keeps_each_rows_targets_paths_and_states
     other["tokens"], other["hidden"] = other["tokens"][:, :10], other["hidden"][:, :10]
     other["end"] = torch.tensor([10, 9, 10])
     parts = [gen, cor, other]
-    merged = th._merge(parts)
+    merged = th.merge_parts(parts)
     assert merged["tokens"].shape == (8, 30) and merged["hidden"].shape == (8, 30, 5)
     pm, offset = th._samples(merged, 3), 0
     for part in parts:
         pp = th._samples(part, 3)
         mine = (pm[:, 0] >= offset) & (pm[:, 0] < offset + len(part["start"]))
         assert torch.equal(pm[mine] - torch.tensor([offset, 0]), pp)
-        y = th._targets(part, pp, 3)
-        assert torch.equal(th._targets(merged, pm[mine], 3), y)
+        y = th.head_targets(part, pp, 3)
+        assert torch.equal(th.head_targets(merged, pm[mine], 3), y)
         used = y != -100  # where a head learns, the path before it is text (elsewhere clamped)
-        assert torch.equal(th._path(merged, pm[mine], 3)[used], th._path(part, pp, 3)[used])
+        assert torch.equal(th.path_tokens(merged, pm[mine], 3)[used], th.path_tokens(part, pp, 3)[used])
         assert torch.equal(merged["hidden"][pm[mine][:, 0], pm[mine][:, 1]],
                            part["hidden"][pp[:, 0], pp[:, 1]])
         offset += len(part["start"])
@@ -350,7 +367,7 @@ def test_self_asked_questions_are_the_models_own_chat_prompts(tmp_path, monkeypa
     monkeypatch.setattr(th, "QUESTION_TOKENS", 1)  # no room to end a question: none kept
     with pytest.raises(ValueError, match="asked 0 distinct questions .* in 32 tries"):
         th.self_asked(model, chat, 2, seed=0)
-    monkeypatch.setattr(th, "_eos_ids", lambda model, tokenizer: set())
+    monkeypatch.setattr(th, "eos_ids", lambda model, tokenizer: set())
     with pytest.raises(ValueError, match="need an end-of-sequence token"):
         th.self_asked(model, chat, 2, seed=0)
 
@@ -369,13 +386,13 @@ def test_mixed_data_with_self_asked_questions(tmp_path, monkeypatch):
     assert len(magpie["tokens"]) == 3 and "next" not in magpie
     for row, start, p in zip(magpie["tokens"], magpie["start"], th.self_asked(model, chat, 3, 0)):
         assert row[:start].tolist() == p  # the self-asked questions, answered
-    magpie["end"] = th._ends(magpie, SMALL["new_tokens"], th._eos_ids(model, tok))
+    magpie["end"] = th.row_ends(magpie, SMALL["new_tokens"], th.eos_ids(model, tok))
     answers = int((magpie["end"] - magpie["start"]).sum())
     assert 3 <= answers <= 3 * SMALL["new_tokens"]
     gen = load_file(tmp_path / "w" / "train.safetensors")
     assert len(gen["tokens"]) == 6 and bool((gen["start"] > 0).all())
     assert report["positions"] == sum(len(th._samples(d, 2)) for d in (
-        {**gen, "end": th._ends(gen, SMALL["new_tokens"], th._eos_ids(model, tok))},
+        {**gen, "end": th.row_ends(gen, SMALL["new_tokens"], th.eos_ids(model, tok))},
         {**load_file(tmp_path / "w" / "train-corpus.safetensors"), "end": torch.tensor([24, 24])},
         magpie))
     with safe_open(str(tmp_path / "w" / "train-magpie.safetensors"), framework="pt") as f:
@@ -485,11 +502,11 @@ def test_samples_stop_at_each_rows_end_not_at_the_padding():
     tokens = torch.tensor([[5, 6, 7, 8, 9, 10, 0, 0],    # prompt 2, 4 generated, 2 padding
                            [1, 2, 3, 4, 11, 2, 13, 14]])  # prompt 4, EOS (2) after one token
     data = {"tokens": tokens, "start": torch.tensor([2, 4])}
-    data["end"] = th._ends(data, 4, {2})
+    data["end"] = th.row_ends(data, 4, {2})
     assert data["end"].tolist() == [6, 6]
     pairs = th._samples(data, 2)
     assert pairs.tolist() == [[0, 1], [0, 2], [0, 3], [1, 3]]
-    targets = th._targets(data, pairs, 2)
+    targets = th.head_targets(data, pairs, 2)
     assert targets.tolist() == [[8, 9], [9, 10], [10, -100], [2, -100]]
     assert th.produced(data, 16).sum() == 4 + 2 and th.produced(data, 16)[0] == 0
 
@@ -544,9 +561,9 @@ def test_the_teacher_is_the_models_distribution_at_each_heads_target(tmp_path):
     assert not torch.equal(a.w, b.w)  # the checkpoint of the other loss was not resumed
     from safetensors.torch import load_file
     data = load_file(str(tmp_path / "work" / "train.safetensors"))
-    data["end"] = th._ends(data, SMALL["new_tokens"], th._eos_ids(model, tok))
+    data["end"] = th.row_ends(data, SMALL["new_tokens"], th.eos_ids(model, tok))
     pairs = th._samples(data, 3)
-    targets = th._targets(data, pairs, 3)
+    targets = th.head_targets(data, pairs, 3)
     head = model.get_output_embeddings().weight.detach()
     probs = th._teacher(data["hidden"], pairs[:, :1], th._teacher_positions(pairs, 3), head, "cpu")
     assert probs.shape == (len(pairs), 3, head.shape[0])
@@ -598,7 +615,7 @@ def test_hidden_states_are_the_lm_heads_input(family):
     from conftest import make_model
     model = make_model(family).eval()
     tokens = torch.randint(0, model.config.vocab_size, (3, 11), generator=torch.Generator().manual_seed(0))
-    h, nxt = th._hidden_states(model, tokens, progress=False, split="train", chunk=3, argmax=True)
+    h, nxt = th.hidden_states(model, tokens, progress=False, split="train", chunk=3, argmax=True)
     with torch.inference_mode():
         full = model(tokens, output_hidden_states=True)
     assert h.dtype == torch.bfloat16 and h.shape == full.hidden_states[-1].shape
@@ -621,15 +638,16 @@ def test_greedy_tokens_from_a_reused_logits_buffer_with_and_without_bias():
             assert torch.equal(th._greedy(lm, row, buf), lm(row).argmax(-1))
 
 
-def test_a_run_traces_the_model_once(tmp_path, monkeypatch):
+def test_a_run_traces_the_model_once(tmp_path, monkeypatch, engine):
     """Every prompt set a run makes (training and held-out rows) is continued by one
-    optimized engine: tracing the model takes seconds. Outside a run each call makes its own."""
-    import rewriter
+    optimized engine: tracing the model takes seconds. Outside a run each call makes its own.
+    (Each trace counted is the file's one engine, not traced again.)"""
+    monkeypatch.setattr(th, "_engine", OWN_ENGINE)  # what this test counts
     model, tok = default_model()
-    made, real = [], rewriter.optimize
-    monkeypatch.setattr(rewriter, "optimize", lambda *a, **k: made.append(1) or real(*a, **k))
+    made = []
+    monkeypatch.setattr(rewriter, "optimize", lambda *a, **k: made.append(1) or engine)
     th.train_heads(model, tok, tmp_path / "a.safetensors", **SMALL)
     assert len(made) == 1 and not th._SHARED
-    th._continue(model, tok, [[1, 2, 3]], 2, 1, False, "train")
-    th._continue(model, tok, [[1, 2, 3]], 2, 1, False, "train")
+    th.continue_prompts(model, tok, [[1, 2, 3]], 2, 1, False, "train")
+    th.continue_prompts(model, tok, [[1, 2, 3]], 2, 1, False, "train")
     assert len(made) == 3

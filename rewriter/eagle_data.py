@@ -1,6 +1,6 @@
-"""The rows an ``eagle_gpu.py`` run wrote, kept in a folder (``--data DIR``) so that later
-runs train on them too: a CPU makes a GPU call's data in under an hour, so a draft grows
-over several sessions, each adding new questions.
+"""The rows a ``rewriter train-eagle`` run wrote, kept in a folder (``--data DIR``) so that
+later runs train on them too: a CPU makes a GPU call's data in under an hour, so a draft
+grows over several runs, each adding new questions.
 
 One file a run, ``DIR/rows-<seed>.safetensors`` (a run's questions follow from its seed,
 its ``--question-batch`` and the machine that sampled them):
@@ -18,7 +18,6 @@ safetensors).
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 
 from rewriter import heads as heads_file
+from rewriter import tensor_files
 
 NAME = re.compile(r"rows-(0|-?[1-9]\d*)\.safetensors")  # the seed as str() writes it
 HELD, CHAT, CODE, EARLIER_CHAT = 0, 1, 2, 3  # kinds; EARLIER_CHAT only after ``merged``
@@ -50,21 +50,16 @@ def path(folder: Path, seed: int) -> Path:
 
 
 def save(folder: Path, rows: Rows, lm_head: torch.Tensor) -> Path:
-    """Write ``rows`` made by the model of ``lm_head`` ``[V, H]`` (atomically: a run killed
-    while writing leaves no torn file)."""
-    from safetensors.torch import save_file
+    """Write ``rows`` made by the model of ``lm_head`` ``[V, H]`` (``tensor_files.save``:
+    under a temporary name, then renamed: a run killed while writing leaves no torn file)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     target = path(folder, rows.seed)
-    tmp = target.with_name(target.name + ".tmp")
-    save_file({"tokens": rows.tokens.to(torch.int64).contiguous(),
-               "start": rows.start.to(torch.int64).contiguous(),
-               "kind": rows.kind.to(torch.int64).contiguous()}, str(tmp),
-              metadata={"seed": str(rows.seed), "new_tokens": str(rows.new_tokens),
-                        "chat_heldout": str(rows.chat_heldout), "vocab": str(lm_head.shape[0]),
-                        "probe": json.dumps(heads_file.probe_of(lm_head)),
-                        "dtype": str(lm_head.dtype)})
-    os.replace(tmp, target)
+    tensor_files.save(target, {"tokens": rows.tokens.to(torch.int64), "start": rows.start.to(torch.int64),
+                               "kind": rows.kind.to(torch.int64)},
+                      {"seed": str(rows.seed), "new_tokens": str(rows.new_tokens),
+                       "chat_heldout": str(rows.chat_heldout), "vocab": str(lm_head.shape[0]),
+                       "probe": json.dumps(heads_file.probe_of(lm_head)), "dtype": str(lm_head.dtype)})
     return target
 
 
@@ -80,12 +75,12 @@ def load(file: Path, lm_head: torch.Tensor) -> Rows:
                                                                     "chat_heldout", "vocab"))
         probe = json.loads(meta["probe"])
     except Exception as e:  # a torn or foreign file
-        raise RowsError(f"{file}: not a rows file of eagle_gpu.py ({type(e).__name__}: {e})") from None
+        raise RowsError(f"{file}: not a rows file of train-eagle ({type(e).__name__}: {e})") from None
     match = NAME.fullmatch(Path(file).name)
     if match is None or match.group(1) != str(seed):
         raise RowsError(f"{file}: its name is not rows-{seed}.safetensors (its seed)")
     corner = heads_file.probe_of(lm_head)
-    if not heads_file._matrix(probe, len(corner), len(corner[0])):
+    if not heads_file.is_matrix(probe, len(corner), len(corner[0])):
         raise RowsError(f"{file}: its model's probe is not a {len(corner)} x {len(corner[0])} "
                         f"matrix of finite numbers")
     why = heads_file.unfit(lm_head, made_for, lm_head.shape[1], probe) if made_for == vocab \
