@@ -29,6 +29,8 @@ from functools import lru_cache
 
 import torch
 
+from .values import check_flag
+
 CHAT_PROMPTS = (
     "What is the capital of France?",
     "Write a Python function that returns the square of a number.",
@@ -201,29 +203,67 @@ def cost(engine, prompt, new_tokens: int, runs: int = 3) -> dict:
 # ---------------------------------------------------------------------------- all together
 
 def evaluate(pipelines: dict, tokenizer, settings: EvalSettings = EvalSettings(),
-             reference: str | None = None) -> list[dict]:
+             reference: str | None = None, progress: bool = False) -> list[dict]:
     """One row per pipeline (name -> engine); ``reference`` (default: the first) is the
-    unoptimized model every ratio and agreement is measured against."""
+    unoptimized model every ratio and agreement is measured against. ``progress`` shows a
+    bar (a step per pipeline and measurement) and the seconds each pipeline took."""
+    check_flag("progress", progress)
     reference = reference or next(iter(pipelines))
     ref = pipelines[reference]
+    bar = _Progress(progress, 1 + len(pipelines) * 4)
+    bar.stage(reference, "reference")
     chunks = {c: heldout_chunks(tokenizer, settings.ppl_chunks, settings.ppl_length, c)
               for c in settings.corpora}
     prompts = greedy_prompts(ref, tokenizer, settings)
     ref_tokens = greedy_continuations(ref, prompts, settings.new_tokens)
     ref_ppl = {c: perplexity(ref, ids) for c, ids in chunks.items()}
     rows = []
-    for name, engine in pipelines.items():
-        ppl = ref_ppl if name == reference else {c: perplexity(engine, ids) for c, ids in chunks.items()}
-        tokens = greedy_continuations(engine, prompts, settings.new_tokens)
-        rows.append({"pipeline": name, "layers": len(engine.ir.layers),
-                     "params": engine.ir.num_params(), "perplexity": ppl,
-                     "ppl_ratio": {c: ppl[c] / ref_ppl[c] for c in ppl},
-                     **agreement(tokens, ref_tokens),
-                     "passkey": passkey_accuracy(engine, tokenizer, settings.passkey_lengths,
-                                                 settings.passkey_depths, settings.passkey_trials,
-                                                 settings.seed),
-                     **cost(engine, prompts, settings.timing_tokens, settings.timing_runs)})
+    try:
+        for name, engine in pipelines.items():
+            start = time.perf_counter()
+            bar.stage(name, "perplexity")
+            ppl = ref_ppl if name == reference else {c: perplexity(engine, ids) for c, ids in chunks.items()}
+            bar.stage(name, "greedy agreement")
+            tokens = greedy_continuations(engine, prompts, settings.new_tokens)
+            bar.stage(name, "pass-key")
+            passkey = passkey_accuracy(engine, tokenizer, settings.passkey_lengths,
+                                       settings.passkey_depths, settings.passkey_trials,
+                                       settings.seed)
+            bar.stage(name, "cost")
+            rows.append({"pipeline": name, "layers": len(engine.ir.layers),
+                         "params": engine.ir.num_params(), "perplexity": ppl,
+                         "ppl_ratio": {c: ppl[c] / ref_ppl[c] for c in ppl},
+                         **agreement(tokens, ref_tokens), "passkey": passkey,
+                         **cost(engine, prompts, settings.timing_tokens, settings.timing_runs)})
+            bar.done(f"{name}: evaluated in {time.perf_counter() - start:.1f} s")
+    finally:
+        bar.close()
     return rows
+
+
+class _Progress:
+    """``evaluate``'s bar: the pipeline and measurement under way, one step each (the
+    measurement before it done), and a line per pipeline with its time; silent unless
+    asked for."""
+
+    def __init__(self, enabled: bool, total: int):
+        from tqdm import tqdm
+        self.bar = tqdm(total=total, unit="step", disable=not enabled, leave=False)
+        self.started = False
+
+    def stage(self, name: str, what: str) -> None:
+        if self.started:
+            self.bar.update()
+        self.started = True
+        self.bar.set_description(f"evaluate {name}: {what}")
+
+    def done(self, line: str) -> None:
+        if not self.bar.disable:
+            self.bar.write(line)
+
+    def close(self) -> None:
+        self.bar.update()
+        self.bar.close()
 
 
 def greedy_prompts(engine, tokenizer, settings: EvalSettings):
@@ -274,6 +314,17 @@ def format_table(rows: list[dict], legend: bool = True) -> str:
                      f"{r['ms_per_token']:.1f} [{r['ms_per_token_min']:.1f}-{r['ms_per_token_max']:.1f}]"])
     table = tabulate(body, headers=head)
     return table + ("\n\n" + LEGEND if legend else "")
+
+
+def format_settings(settings: EvalSettings) -> str:
+    """What the table's figures were measured on, in words, for the lines under its legend."""
+    ppl = (f"{settings.ppl_chunks} chunks of {settings.ppl_length} tokens per corpus "
+           f"({', '.join(settings.corpora)}), the second half of each scored")
+    lengths = ", ".join(map(str, settings.passkey_lengths))
+    return (f"measured on: perplexity, {ppl}; greedy agreement, {settings.prompts} prompts "
+            f"x {settings.new_tokens} new tokens; pass-key, {len(settings.passkey_depths)} "
+            f"depths x {settings.passkey_trials} trials at {lengths} tokens; ms/tok, "
+            f"{settings.timing_runs} runs of {settings.timing_tokens} tokens after a warm-up")
 
 
 def settings_dict(settings: EvalSettings) -> dict:

@@ -17,6 +17,7 @@ from .pass_manager import Pass, run_pipeline
 from .runtime.chat import split_tokenizer
 from .runtime.engine import BACKENDS, Engine, check_token_ids  # noqa: F401 (re-exported)
 from .runtime.kv_cache import cache_table, describe
+from .traced import TracedModel, check_model
 from .values import check_flag, path_argument
 
 
@@ -52,11 +53,15 @@ class OptimizedModel(Engine):
         return f"OptimizedModel({self.ir.summary()}, passes={self.passes}, backend={self.backend!r})"
 
 
-def optimize(model: nn.Module, passes: Sequence[Pass] = (), backend: str = "torch",
+def optimize(model: nn.Module | TracedModel, passes: Sequence[Pass] = (), backend: str = "torch",
              check: bool = True, dump: str | os.PathLike | None = None,
              example_inputs: tuple | None = None, progress: bool = False,
              tokenizer=None) -> OptimizedModel:
     """Trace ``model``, lift it into the canonical IR, and run ``passes`` in order.
+
+    ``model`` may be one ``rewriter.trace`` returned: the passes then run on a copy of its
+    IR (no trace; the traced model stays as it was for the next pipeline), and its
+    tokenizer is kept unless ``tokenizer`` names another.
 
     ``check`` verifies the IR after every pass; ``dump`` (or ``$REWRITER_DUMP``) writes the
     IR after every pass into a directory. ``example_inputs`` is needed only for modules that
@@ -69,14 +74,13 @@ def optimize(model: nn.Module, passes: Sequence[Pass] = (), backend: str = "torc
         raise ValueError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
     if backend == "triton":
         from .runtime.triton_backend import available
-        device = next(iter(model.parameters()), torch.empty(0)).device
-        reason = available(device)
+        reason = available(_device(model))
         if reason is not None:
             raise ValueError(reason)
     passes = list(passes)
-    split_tokenizer(tokenizer)  # a tokenizer of the wrong kind fails now, before the trace
+    tokenizer = _tokenizer(model, example_inputs, tokenizer)
     bar = _progress(progress, 1 + len(passes))
-    ir = build_ir(model, example_inputs)
+    ir = model.ir if isinstance(model, TracedModel) else build_ir(model, example_inputs)
     if check:
         verify(ir)
     snapshots = [("lift", _snapshot(ir))]
@@ -100,9 +104,8 @@ def optimize(model: nn.Module, passes: Sequence[Pass] = (), backend: str = "torc
 def _check_arguments(model, passes, check, dump, progress) -> None:
     """``optimize``'s arguments, by name, before anything is traced: objects of the wrong
     kind are a TypeError, as a tokenizer or a pass of the wrong kind is."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module (a Hugging Face causal LM), got "
-                        f"{type(model).__name__}; rewriter.from_pretrained reads a checkpoint")
+    if not isinstance(model, TracedModel):
+        check_model(model)
     if isinstance(passes, (str, bytes)) or not isinstance(passes, Sequence):
         raise TypeError(f"passes must be a list of passes, got {type(passes).__name__} (a "
                         f"spec string such as 'layer_skip:speedup=2' is read by "
@@ -111,6 +114,24 @@ def _check_arguments(model, passes, check, dump, progress) -> None:
     check_flag("progress", progress)
     if dump is not None and dump != "":  # "": none, as $REWRITER_DUMP unset is
         path_argument("dump", dump)
+
+
+def _tokenizer(model, example_inputs, tokenizer):
+    """The tokenizer to keep (a traced model's own unless another is given), checked now:
+    one of the wrong kind fails before the trace."""
+    if isinstance(model, TracedModel):
+        if example_inputs is not None:
+            raise ValueError("example_inputs: the model is traced already (rewriter.trace "
+                             "takes them)")
+        tokenizer = model.tokenizer if tokenizer is None else tokenizer
+    split_tokenizer(tokenizer)
+    return tokenizer
+
+
+def _device(model: nn.Module | TracedModel) -> torch.device:
+    if isinstance(model, TracedModel):
+        return model.device
+    return next(iter(model.parameters()), torch.empty(0)).device
 
 
 def _snapshot(ir: IR) -> IR:
