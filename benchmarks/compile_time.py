@@ -8,11 +8,8 @@ for 32 layers on a 2-core CPU. Each figure is the median of ``--repeat`` runs.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from tabulate import tabulate
@@ -28,6 +25,8 @@ from rewriter.ir.shapes import lm_input_specs, propagate_shapes
 from rewriter.ir.verify import verify
 from rewriter.pass_manager import run_pipeline
 from rewriter.passes import LayerSkip
+
+from common import describe, write_json
 
 
 def llama(layers: int) -> LlamaForCausalLM:
@@ -75,13 +74,11 @@ def main():
         ok = "yes" if med["after_trace_s"] < 1.0 else "NO"
         rows.append([n, f"{med['trace_s']:.2f}", f"{med['lift_s']:.3f}", f"{med['passes_s']:.3f}",
                      f"{med['after_trace_s']:.3f}", ok, f"{med['optimize_s']:.2f}"])
+    meta = {**describe(), "rewriter": rewriter.__version__}
+    print(f"{meta['machine']}, {meta['threads']} threads, {meta['date']}\n")
     print(tabulate(rows, headers=["layers", "trace s", "lift s", "LayerSkip(1.5) s",
                                   "after trace s", "< 1 s", "optimize() s"]))
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": platform.processor() or platform.machine(), "cpus": torch.get_num_threads(),
-            "torch": torch.__version__, "rewriter": rewriter.__version__}
-    out.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    write_json(args.json, {"meta": meta, "results": results})
 
 
 if __name__ == "__main__":

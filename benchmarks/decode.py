@@ -3,6 +3,7 @@
     python benchmarks/decode.py [--model default|smollm2|PATH] [--dtype float32 bfloat16]
                                 [--prompt 128] [--new 128] [--batch 1 8] [--compiled]
                                 [--passes fuse_qkv ... int4_weights]
+                                [--llama-cpp-python VENV/bin/python]
                                 [--json benchmarks/results/decode.json]
     python benchmarks/decode.py --device cuda --model llama-1b --batch 1   # issue 4's GPU run
 
@@ -15,8 +16,10 @@ Both generate greedily, the same number of tokens (no early stop), from the same
 prompts, in the same process. Each figure is the median of ``--repeat`` timed runs after a
 warm-up, with the min and max. On the CPU also: Hugging Face with a static cache whose
 decode step ``torch.compile`` compiles (``--compiled``: about a minute of compiling per
-configuration), llama.cpp on the GGUF file's own quantized weights when the
-``llama-cpp-python`` package is installed (skipped otherwise), and the floor: the model's
+configuration), llama.cpp on the GGUF file's own quantized weights at batch 1
+(``--llama-cpp-python``: the Python of the venv ``benchmarks/llama_cpp_env.sh`` makes, which
+runs ``llama_cpp_decode.py`` on the same prompt, new tokens and threads; the project's
+figures are also given as ratios of medians to it), and the floor: the model's
 own weight-streaming matrix products alone at batch 1, timed on its shapes in this run
 (``floor_ms``). Targets (issue 11, SmolLM2, batch 1): at least 2x Hugging Face
 ``generate`` and at least 60% of the floor, greedy tokens unchanged. Also: time to
@@ -26,8 +29,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -37,6 +40,8 @@ from tabulate import tabulate
 
 import rewriter
 from rewriter.checkpoints import llama_1b, load_hf_model, load_tokenizer
+
+from common import describe, median_of as timed, timed_all, write_json
 
 
 def load(name: str, dtype: torch.dtype, device: str):
@@ -65,25 +70,6 @@ def prompts(tok, batch: int, length: int) -> torch.Tensor:
     return torch.tensor([ids[b * stride:b * stride + length] for b in range(batch)])
 
 
-def timed(fn, repeat: int) -> tuple[float, torch.Tensor]:
-    out, times = timed_all(fn, repeat)
-    return statistics.median(times), out
-
-
-def timed_all(fn, repeat: int) -> tuple[torch.Tensor, list[float]]:
-    """Every timed run's seconds after one warm-up (allocates the cache, fills allocator
-    pools, compiles)."""
-    out = fn()
-    times = []
-    for _ in range(repeat):
-        sync()
-        t = time.perf_counter()
-        out = fn()
-        sync()
-        times.append(time.perf_counter() - t)
-    return out, times
-
-
 def floor_ms(model, repeat: int = 10) -> float:
     """Milliseconds of one batch-1 token's weight-streaming matrix products alone: every
     linear layer of the model (the LM head included), in order, on its own weights, as one
@@ -100,30 +86,26 @@ def floor_ms(model, repeat: int = 10) -> float:
     return 1e3 * best
 
 
-def llama_cpp_tok_s(path: str, ids: torch.Tensor, new: int, repeat: int):
-    """llama.cpp's greedy decode speed on the GGUF file's own weights, or None when the
-    ``llama-cpp-python`` package is not installed."""
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        return None
-    llm = Llama(model_path=path, n_ctx=ids.shape[1] + new + 8, n_threads=torch.get_num_threads(),
-                verbose=False)
-    tokens = ids[0].tolist()
-
-    def run():
-        llm.reset()
-        llm.eval(tokens)
-        for _ in range(new):
-            token = llm.sample(temp=0.0)
-            llm.eval([token])
-    _, times = timed_all(run, repeat)
-    return new / statistics.median(times)
+def llama_cpp_run(python: str, path: str, ids: torch.Tensor, new: int, repeat: int) -> dict:
+    """llama.cpp's greedy decode of ``ids[0]`` on the GGUF file, timed by
+    ``llama_cpp_decode.py`` under ``python`` (the llama.cpp benchmark venv's): tokens/s as
+    median and [min, max] of ``repeat`` runs, its version and its tokens."""
+    request = {"model": path, "tokens": ids[0].tolist(), "new": new,
+               "threads": torch.get_num_threads(), "repeat": repeat}
+    script = Path(__file__).resolve().parent / "llama_cpp_decode.py"
+    done = subprocess.run([python, str(script)], input=json.dumps(request), capture_output=True,
+                          text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"llama.cpp's run under {python} failed:\n{done.stderr.strip()}")
+    answer = json.loads(done.stdout)
+    return {"tok_s": rates(answer["seconds"], 1, new), "version": answer["version"],
+            "tokens": answer["tokens"]}
 
 
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+def rates(times: list[float], batch: int, new: int) -> dict:
+    """Tokens/s of the timed runs: the median run's, and the slowest and fastest."""
+    return {"median": batch * new / statistics.median(times), "min": batch * new / max(times),
+            "max": batch * new / min(times)}
 
 
 def gpu_rows(model, ids, args) -> list[dict]:
@@ -193,8 +175,7 @@ def measure(model, opt, ids, args, floor, gguf_path, piped=None, pipe_floor=None
     """One configuration: ours, Hugging Face (dynamic cache; static + compiled), llama.cpp,
     the floor; tokens/s as median and [min, max] of the timed runs."""
     b, new = ids.shape[0], args.new
-    rate = lambda times: {"median": b * new / statistics.median(times),  # noqa: E731
-                          "min": b * new / max(times), "max": b * new / min(times)}
+    rate = lambda times: rates(times, b, new)  # noqa: E731
     ours, t = timed_all(lambda: opt.generate(ids, max_new_tokens=new, eos_token_id=[]), args.repeat)
     run = {"rewriter_tok_s": rate(t)}
     hf_kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
@@ -222,8 +203,14 @@ def measure(model, opt, ids, args, floor, gguf_path, piped=None, pipe_floor=None
                 ids, **hf_kw, cache_implementation="static", compile_config=config), args.repeat)
         run.update(hf_compiled_tok_s=rate(t), hf_compiled_same_tokens=bool(torch.equal(ours, compiled)),
                    hf_compile_and_runs_s=time.perf_counter() - start)
-    if gguf_path is not None:
-        run["llama_cpp_tok_s"] = llama_cpp_tok_s(gguf_path, ids, new, args.repeat)
+    if gguf_path is not None and args.llama_cpp_python:
+        llama = llama_cpp_run(args.llama_cpp_python, gguf_path, ids, new, args.repeat)
+        run.update(llama_cpp_tok_s=llama["tok_s"], llama_cpp_version=llama["version"],
+                   llama_cpp_first_divergence=first_divergence(
+                       torch.tensor([llama["tokens"]]), ours[:1, ids.shape[1]:]))
+        for key in ("rewriter", "passes"):
+            if f"{key}_tok_s" in run:
+                run[f"{key}_vs_llama_cpp"] = run[f"{key}_tok_s"]["median"] / llama["tok_s"]["median"]
     if floor is not None:
         run.update(floor_ms=floor, floor_tok_s=1e3 / floor,
                    of_floor=run["rewriter_tok_s"]["median"] / (1e3 / floor))
@@ -232,19 +219,26 @@ def measure(model, opt, ids, args, floor, gguf_path, piped=None, pipe_floor=None
     return run
 
 
+def spread(r: dict | None) -> str:
+    """Tokens/s as "median [min-max]", "-" when not measured."""
+    return f"{r['median']:.1f} [{r['min']:.1f}-{r['max']:.1f}]" if r else "-"
+
+
+def ratio(run: dict, key: str) -> str:
+    return f"{run[key]:.2f}x" if run.get(key) else "-"
+
+
 def table_row(run: dict) -> list:
-    fmt = lambda r: f"{r['median']:.1f} [{r['min']:.1f}-{r['max']:.1f}]" if r else "-"  # noqa: E731
-    return [run["dtype"], run["batch"], fmt(run["hf_tok_s"]), fmt(run.get("hf_compiled_tok_s")),
-            f"{run['llama_cpp_tok_s']:.1f}" if run.get("llama_cpp_tok_s") else "-",
-            fmt(run["rewriter_tok_s"]), f"{run['speedup']:.2f}x",
+    return [run["dtype"], run["batch"], spread(run["hf_tok_s"]), spread(run.get("hf_compiled_tok_s")),
+            spread(run.get("llama_cpp_tok_s")), spread(run["rewriter_tok_s"]), ratio(run, "speedup"),
+            ratio(run, "rewriter_vs_llama_cpp"),
             f"{run['floor_tok_s']:.1f}" if run.get("floor_tok_s") else "-",
             f"{100 * run['of_floor']:.0f}%" if run.get("of_floor") else "-", run["same_tokens"]]
 
 
 def passes_row(run: dict) -> list:
-    r = run["passes_tok_s"]
-    return [run["dtype"], run["batch"], f"{r['median']:.1f} [{r['min']:.1f}-{r['max']:.1f}]",
-            f"{run['passes_speedup']:.2f}x",
+    return [run["dtype"], run["batch"], spread(run["passes_tok_s"]), ratio(run, "passes_speedup"),
+            ratio(run, "passes_vs_llama_cpp"),
             f"{1e3 / run['passes_floor_ms']:.1f}" if run.get("passes_floor_ms") else "-",
             f"{100 * run['passes_of_floor']:.0f}%" if run.get("passes_of_floor") else "-",
             run["passes_same_tokens"], f"{run['passes_first_divergence']:.0f}"]
@@ -264,17 +258,21 @@ def main():
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--passes", nargs="*", default=None,
                     help="also time rewriter with these passes (specs: fuse_qkv int4_weights ...)")
+    ap.add_argument("--llama-cpp-python", default=None, metavar="PYTHON",
+                    help="also time llama.cpp at batch 1 (GGUF models): the Python of the venv "
+                         "benchmarks/llama_cpp_env.sh makes")
     ap.add_argument("--json", default="benchmarks/results/decode.json")
     args = ap.parse_args()
+    if args.llama_cpp_python and not Path(args.llama_cpp_python).is_file():
+        ap.error(f"--llama-cpp-python: no such file {args.llama_cpp_python!r} "
+                 "(make the venv with benchmarks/llama_cpp_env.sh)")
     from rewriter.passes import from_spec
     pipeline = [from_spec(s) for s in args.passes] if args.passes is not None else None
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    results = {"machine": platform.processor() or platform.machine(),
-               "threads": torch.get_num_threads(), "torch": torch.__version__,
-               "model": args.model, "prompt": args.prompt, "new_tokens": args.new,
-               "date": time.strftime("%Y-%m-%d"), "passes": args.passes, "runs": []}
+    results = {**describe(args.device), "model": args.model, "prompt": args.prompt,
+               "new_tokens": args.new, "passes": args.passes, "runs": []}
     rows, piped_rows = [], []
     for dtype_name in args.dtype:
         dtype = getattr(torch, dtype_name)
@@ -298,19 +296,7 @@ def main():
             rows.append(table_row(run))
             if piped is not None:
                 piped_rows.append(passes_row(run))
-    print(f"model {args.model}: {results['parameters'] / 1e6:.2f}M params, prompt {args.prompt}, "
-          f"{args.new} new tokens, {torch.get_num_threads()} threads, {results['machine']}\n")
-    print(tabulate(rows, headers=["dtype", "batch", "HF generate tok/s", "HF static+compile tok/s",
-                                  "llama.cpp tok/s", "rewriter tok/s", "vs HF", "floor tok/s",
-                                  "% of floor", "same greedy tokens"]))
-    if piped_rows:
-        print(f"\nrewriter with passes {' '.join(args.passes)} (the same Hugging Face runs as above):\n")
-        print(tabulate(piped_rows, headers=["dtype", "batch", "rewriter+passes tok/s", "vs HF",
-                                            "its floor tok/s", "% of its floor",
-                                            "same greedy tokens as HF", "first divergence"]))
-    for run in results["runs"]:
-        for row in run.get("gpu", []):
-            print(f"batch {run['batch']}: {row['name']}: {row['tok_s']:.0f} tok/s")
+    print_tables(results, rows, piped_rows, args)
 
     t = time.perf_counter()
     fresh = rewriter.optimize(model)
@@ -322,12 +308,28 @@ def main():
         load_s = time.perf_counter() - t
     results.update(optimize_s=optimize_s, load_s=load_s)
 
-    if args.device == "cuda":
-        results["device"] = torch.cuda.get_device_name()
     print(f"\nrewriter.load of the artifact: {load_s:.2f} s; optimize from the checkpoint: "
           f"{optimize_s:.2f} s ({optimize_s / load_s:.1f}x longer)")
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(results, indent=1))
+    write_json(args.json, results)
+
+
+def print_tables(results: dict, rows: list, piped_rows: list, args) -> None:
+    llama = next((r["llama_cpp_version"] for r in results["runs"] if r.get("llama_cpp_version")), None)
+    print(f"model {args.model}: {results['parameters'] / 1e6:.2f}M params, prompt {args.prompt}, "
+          f"{args.new} new tokens, {results['threads']} threads, {results['machine']}, "
+          f"{results['date']}" + (f", llama-cpp-python {llama}" if llama else "") + "\n")
+    print(tabulate(rows, headers=["dtype", "batch", "HF generate tok/s", "HF static+compile tok/s",
+                                  "llama.cpp tok/s", "rewriter tok/s", "vs HF", "vs llama.cpp",
+                                  "floor tok/s", "% of floor", "same greedy tokens"]))
+    if piped_rows:
+        print(f"\nrewriter with passes {' '.join(args.passes)} (the same Hugging Face and "
+              "llama.cpp runs as above):\n")
+        print(tabulate(piped_rows, headers=["dtype", "batch", "rewriter+passes tok/s", "vs HF",
+                                            "vs llama.cpp", "its floor tok/s", "% of its floor",
+                                            "same greedy tokens as HF", "first divergence"]))
+    for run in results["runs"]:
+        for row in run.get("gpu", []):
+            print(f"batch {run['batch']}: {row['name']}: {row['tok_s']:.0f} tok/s")
 
 
 if __name__ == "__main__":

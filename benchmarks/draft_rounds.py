@@ -7,9 +7,9 @@ runtime.
 
 The model answers the chat questions (``speculative.py --chat wide``) greedily with plain
 decoding; that text is what a lossless round must reproduce. Then, for each draft and
-tree budget, rounds are replayed over it as ``runtime.tree_decoding`` runs them: the
+tree budget, rounds are replayed over it as ``runtime.decoding.tree.rounds`` runs them: the
 draft grows a tree of ``--nodes`` tokens from its own probabilities
-(``runtime.tree_dynamic.grow``, EAGLE-2's dynamic tree, expanding ``--expand`` nodes a
+(``runtime.decoding.tree.dynamic.grow``, EAGLE-2's dynamic tree, expanding ``--expand`` nodes a
 level), the round accepts the longest path of the tree that the text follows, and the
 next round starts after it and the model's own next token. The model's features are its
 last hidden states over the whole text in one forward (what verification gives, without
@@ -38,7 +38,7 @@ from tabulate import tabulate
 from rewriter import eagle, eagle_file
 from rewriter import heads as heads_file
 from rewriter.checkpoints import cast
-from rewriter.runtime.tree_dynamic import grow
+from rewriter.runtime.decoding.tree.dynamic import grow
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from speculative import CHAT_PROMPTS, WIDE_CHAT, load  # noqa: E402

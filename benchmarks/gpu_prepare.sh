@@ -14,7 +14,7 @@
 #   run(carry=[".gpu/w", ".gpu/p/part_ab"], command="bash benchmarks/gpu_suite.sh smollm2")
 #   run(carry=[".gpu/w"], command="bash benchmarks/gpu_suite.sh sparse")
 #   bash benchmarks/gpu_slim.sh off
-#   run(carry=[".gpu/w"], command="bash benchmarks/gpu_suite.sh gpu-tests; bash benchmarks/gpu_suite.sh capture")
+#   run(carry=[".gpu/w"], command="bash benchmarks/gpu_suite.sh gpu-tests")
 # Heads trained on the GPU (the SmolLM2 heads lack data; a CPU session makes ~0.5M positions)
 # go after the two "stash"-style calls, while the parts are held:
 #   run(carry=[".gpu/w"], command="INIT=smollm2 bash benchmarks/gpu_suite.sh heads")

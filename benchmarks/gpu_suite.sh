@@ -3,8 +3,7 @@
 #
 #   bash benchmarks/gpu_suite.sh stash      # only keep the GGUF parts this call carried
 #   bash benchmarks/gpu_suite.sh tests      # GPU tests + the kernel tests on the GPU      (~3 min)
-#   bash benchmarks/gpu_suite.sh capture    # the Triton step's CUDA-graph capture, probed  (~1 min)
-#   bash benchmarks/gpu_suite.sh kernels    # benchmarks/kernels.py timing                  (~3 min)
+#   bash benchmarks/gpu_suite.sh kernels    # benchmarks/triton_kernels.py timing          (~3 min)
 #   bash benchmarks/gpu_suite.sh decode     # benchmarks/decode.py --device cuda, 1B        (~6 min)
 #   [STRATEGIES="medusa hydra"] [SLOT=280] [EAGLE_NODES="48 8 16"] \
 #   bash benchmarks/gpu_suite.sh smollm2 [F] # speculative.py on SmolLM2's GGUF F, per strategy
@@ -12,10 +11,9 @@
 #                                            # eagle: the shipped draft alone at each tree size,
 #                                            # 8 nodes expanded a level (the CPU record's)
 #   bash benchmarks/gpu_suite.sh sparse [F]  # sparse.py decode speed at 8k on F, both backends (~8 min)
-#   bash benchmarks/gpu_suite.sh eagle-probe # eagle's GPU paths on a random model        (~1 min)
 #   [SLOT=520] [BUDGET=470] [EAGLE_INIT=smollm2 [EAGLE_SEED=12] EAGLE_LR=2e-4] [EAGLE_VOCAB=4096] \
 #   bash benchmarks/gpu_suite.sh eagle [F]   # chat data + an EAGLE draft layer trained on it
-#                                            # (eagle_gpu.py; EAGLE_INIT: going on from a draft
+#                                            # (rewriter train-eagle; EAGLE_INIT: going on from a draft
 #                                            # file on new questions), the file back in two
 #                                            # halves: cat eagle_part_a? > f; sha256sum f
 #                                            # EAGLE_VOCAB=N: trained on draft_vocab=N's tokens
@@ -31,7 +29,7 @@
 # packages the image lacks (gguf, pydot, ...) come as wheels in .gpu/w when present
 # (benchmarks/gpu_prepare.sh builds .gpu; name it in the run's carry).
 set -uo pipefail
-stage=${1:?usage: gpu_suite.sh stash|tests|gpu-tests|capture|kernels|decode|smollm2 [GGUF]|sparse [GGUF]|heads [GGUF]|eagle-probe|eagle [GGUF]}
+stage=${1:?usage: gpu_suite.sh stash|tests|gpu-tests|kernels|decode|smollm2 [GGUF]|sparse [GGUF]|heads [GGUF]|eagle [GGUF]}
 out=${OUT:-benchmarks/results/gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -72,10 +70,8 @@ smollm2() {  # the GGUF file: the argument, or the parts held in /tmp/gpu_parts
       python3 -m pytest -q -p no:warnings -p no:logging --tb=short tests/test_codegen_kernels.py ;;
     gpu-tests)
       python3 -m pytest -q -p no:warnings -p no:logging --tb=short -m gpu tests ;;
-    capture)
-      python3 benchmarks/capture_probe.py --json "$out/capture.json" ;;
     kernels)
-      python3 benchmarks/kernels.py --json "$out/kernels.json" ;;
+      python3 benchmarks/triton_kernels.py --json "$out/kernels.json" ;;
     decode)
       python3 benchmarks/decode.py --device cuda --model llama-1b --batch 1 --prompt 128 \
         --new 128 --repeat 3 --json "$out/decode.json" ;;
@@ -94,7 +90,7 @@ smollm2() {  # the GGUF file: the argument, or the parts held in /tmp/gpu_parts
       done ;;
     sparse)
       gguf=$(smollm2 "${2:-}") || exit 1
-      for backend in torch triton; do  # the CPU record's settings (docs/benchmarks.md)
+      for backend in torch triton; do  # the CPU record's settings (docs/benchmarks.md, sparse caches)
         timeout 250 python3 benchmarks/sparse.py --model "$gguf" --device cuda --dtype bfloat16 \
           --backend $backend --lengths --ppl-chunks 0 --kv-length 8192 --batch 1 8 --new 32 \
           --windows 252 --sinks 4 --top-k 512 --selection-layers 2 8 14 20 --recent 128 256 \
@@ -103,7 +99,7 @@ smollm2() {  # the GGUF file: the argument, or the parts held in /tmp/gpu_parts
       done ;;
     heads)
       gguf=$(smollm2 "${2:-}") || exit 1
-      # the heads are data-starved (docs/benchmarks.md); on the GPU the data is minutes. Seed 3:
+      # the heads are data-starved (docs/history/benchmarks-notebook.md); on the GPU the data is minutes. Seed 3:
       # other self-asked questions than the shipped heads' (seeds 0, 1 and 2); the corpus's
       # prompts and rows are reshuffled subsets of the same sets. 4 blocks a head (Hydra++'s
       # depth; --init needs at least the start file's blocks)
@@ -114,17 +110,15 @@ smollm2() {  # the GGUF file: the argument, or the parts held in /tmp/gpu_parts
       rc=$?
       ls -la /tmp/heads_work
       exit $rc ;;
-    eagle-probe)  # seconds: the GPU paths of the stage below, on a random model
-      python3 benchmarks/eagle_gpu_probe.py cuda ;;
     eagle)
       gguf=$(smollm2 "${2:-}") || exit 1
-      # chat data and the EAGLE layer in one call (benchmarks/eagle_gpu.py); the draft file
+      # chat data and the EAGLE layer in one call (rewriter train-eagle); the draft file
       # (bfloat16, 9 MB; 17 in float32) comes back in two halves with its SHA-256: $OUT
       # takes files up to 16 MiB
-      [ "${EAGLE_VOCAB:-}" = 0 ] && EAGLE_VOCAB=  # 0: the whole vocabulary, as eagle_gpu.py's
+      [ "${EAGLE_VOCAB:-}" = 0 ] && EAGLE_VOCAB=  # 0: the whole vocabulary, as train-eagle's
       seed=${EAGLE_SEED:-11}  # going on from a draft: new questions (the shipped one's was 11)
       [ -n "${EAGLE_INIT:-}" ] && [ -z "${EAGLE_SEED:-}" ] && seed=12
-      timeout ${SLOT:-520} python3 benchmarks/eagle_gpu.py --model "$gguf" --device cuda \
+      timeout ${SLOT:-520} python3 -m rewriter train-eagle "$gguf" --device cuda \
         --seconds ${BUDGET:-470} --out /tmp/eagle_gpu --save-dtype bfloat16 \
         ${EAGLE_INIT:+--init "$EAGLE_INIT"} --seed $seed --lr ${EAGLE_LR:-5e-4} --data /tmp/eagle_rows \
         ${EAGLE_VOCAB:+--train-vocab "$EAGLE_VOCAB" --positions 4096}
@@ -133,14 +127,14 @@ smollm2() {  # the GGUF file: the argument, or the parts held in /tmp/gpu_parts
         split -n 2 /tmp/eagle_gpu/eagle.safetensors "$out/eagle_part_"
         sha256sum /tmp/eagle_gpu/eagle.safetensors | awk '{print $1}' > "$out/eagle.sha256"
       fi
-      # the run's rows (eagle_rows: a CPU's later runs train on them too), in 15 MB pieces:
+      # the run's rows (rewriter.eagle_data: a CPU's later runs train on them too), in 15 MB pieces:
       # cat rows_part_* > rows-SEED.safetensors; sha256sum it against rows.sha256
       for f in /tmp/eagle_rows/rows-*.safetensors; do
         [ -f "$f" ] || continue
         split -b 15M "$f" "$out/rows_part_"
         sha256sum "$f" | awk -v n="$(basename "$f")" '{print $1, n}' > "$out/rows.sha256"
       done
-      cp /tmp/eagle_gpu/eagle_gpu.json "$out/" 2>/dev/null
+      cp /tmp/eagle_gpu/train_eagle.json "$out/" 2>/dev/null
       exit $rc ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

@@ -12,10 +12,7 @@ token, and CPU milliseconds per token at batch 1. See ``rewriter.eval``.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import time
-from pathlib import Path
 
 import torch
 
@@ -24,6 +21,8 @@ from rewriter.checkpoints import cast
 from rewriter.eval import EvalSettings, evaluate, format_table, settings_dict
 from rewriter.passes import (FuseAddRMSNorm, FuseQKV, FuseRoPE, FuseSwiGLU, Int4Weights, LayerSkip,
                              SelfSpeculative)
+
+from common import describe, load, write_json
 
 PIPELINES = {
     "unoptimized": [],
@@ -49,10 +48,6 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer samples (a smoke run)")
     ap.add_argument("--json", default="benchmarks/results/quality.json")
     args = ap.parse_args()
-
-    import sys
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-    from quickstart import load
     model, tok = load(args.model)
     model = cast(model, getattr(torch, args.dtype))
     long_context = args.model != "default"  # SmolLM2: 8192 tokens; the default model: 1024
@@ -67,14 +62,12 @@ def main():
                for name in args.pipelines}
     start = time.perf_counter()
     rows = evaluate(engines, tok, settings)
-    print(f"model {args.model}, {args.dtype}, {torch.get_num_threads()} CPU threads, "
-          f"{time.perf_counter() - start:.0f} s\n")
+    header = describe()
+    print(f"model {args.model}, {args.dtype}, {header['machine']}, {header['threads']} threads, "
+          f"{header['date']}, {time.perf_counter() - start:.0f} s\n")
     print(format_table(rows))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({
-        "model": args.model, "dtype": args.dtype, "machine": platform.processor() or platform.machine(),
-        "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
-        "settings": settings_dict(settings), "rows": rows}, indent=1, default=str))
+    write_json(args.json, {**header, "model": args.model, "dtype": args.dtype,
+                           "settings": settings_dict(settings), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -22,10 +22,8 @@ top-k's mass). Nothing is timed: the figures do not depend on the machine.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
-from pathlib import Path
 
 import torch
 from tabulate import tabulate
@@ -34,6 +32,8 @@ import rewriter
 from rewriter.attention_recall import attention_rows, best_selection_layers, kept_mass
 from rewriter.corpus import passkey_sample
 from rewriter.eval import _backend, _code_lines, heldout_chunks
+
+from common import describe, write_json
 
 
 def passkey_texts(tokenizer, rows: int, length: int) -> list:
@@ -106,10 +106,9 @@ def main():
                    headers=["budget", "select_own", "selection layers", "fewer KV bytes", "mean kept"]))
     out = {"model": args.model, "text": args.text, "length": args.length, "rows": args.rows,
            "queries": args.queries, "top_k": args.top_k, "recent": args.recent,
-           "date": time.strftime("%Y-%m-%d"), "seconds": seconds,
+           **describe(), "seconds": seconds,
            "kept": [[float(x) for x in row] for row in kept], "choices": choices}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=1))
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":

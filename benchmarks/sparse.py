@@ -31,12 +31,8 @@ ratio to dense.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 from tabulate import tabulate
@@ -46,12 +42,7 @@ from rewriter.checkpoints import cast
 from rewriter.eval import heldout_chunks, passkey_accuracy, perplexity
 from rewriter.passes import DuoAttention, Quest, StreamingAttention, TidalDecode
 
-
-def load(name: str):
-    """(model, tokenizer) as the quickstart loads them."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-    from quickstart import load as load_model
-    return load_model(name)
+from common import describe, load, write_json
 
 
 def decode_rate(engine, batch: int, length: int, new: int, warmup: int = 2) -> float:
@@ -169,11 +160,7 @@ def main():
         ap.error(f"a {longest}-token cache leaves no prompt before {args.new + 1} new tokens "
                  f"(--kv-length, --new)")
     chunks = heldout_chunks(tok, args.ppl_chunks, args.ppl_length) if args.ppl_chunks else None
-    machine = (torch.cuda.get_device_name() if args.device == "cuda"
-               else platform.processor() or platform.machine())
-    results = {"model": args.model, "machine": machine,
-               "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
-               "args": vars(args), "rows": []}
+    results = {**describe(args.device), "model": args.model, "args": vars(args), "rows": []}
     for name, passes in pipelines.items():
         engine = rewriter.optimize(model, passes=passes, tokenizer=tok, backend=args.backend)
         started = time.perf_counter()
@@ -192,8 +179,7 @@ def main():
             name = row["pipeline"] = name + f" -> {passes[0].selection_layers}"
         results["rows"].append(row)
         print(f"{name}: {row['seconds']:.0f} s", flush=True)
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(results, indent=1, default=str))  # so far
+        write_json(args.json, results)  # so far
     dense = results["rows"][0]
     table = []
     for r in results["rows"]:
@@ -206,17 +192,16 @@ def main():
                       f"{dense['kv_read_bytes'] / r['kv_read_bytes']:.2f}x",
                       *(f"{r['tok_s'][b]:.0f} ({r['tok_s'][b] / dense['tok_s'][b]:.2f}x)"
                         for b in args.batch)])
-    print(f"\n{args.model} on {machine} ({args.device}, {args.backend} backend, {args.dtype}), "
+    print(f"\n{args.model} on {results['machine']} ({args.device}, {args.backend} backend, {args.dtype}), "
           f"{args.trials} trials per depth, perplexity over "
           f"{args.ppl_chunks} x {args.ppl_length} tokens, KV figures for one sequence of "
-          f"{longest} tokens, {torch.get_num_threads()} threads\n")
+          f"{longest} tokens, {results['threads']} threads, {results['date']}\n")
     print(tabulate(table, headers=["pipeline", *(f"key@{n}" for n in args.lengths),
                                    *(f"key@depth {d}" for d in args.depths if args.lengths),
                                    "ppl", "ppl ratio",
                                    "KV KiB", "less KV", "KV read KiB/step", "less read",
                                    *(f"tok/s b={b} @{longest}" for b in args.batch)]))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

@@ -23,10 +23,10 @@ greedy decoding's, with the full vocabulary projection and with the trimmed one.
 the auto tree's N nodes, or the n of its sub-tree at that batch (``batch_trees``; none:
 plain decoding), verified as they are, then adaptively ("adaptive: x": the mean nodes a
 round verified when the runtime re-chooses the sub-tree from the heads' accuracies on
-these prompts, ``runtime.tree_adapt``), and with ``--dynamic E`` re-grown every round
-from the heads' probabilities ("dynamic: E", ``runtime.tree_dynamic``), and with ``--lookup L``
+these prompts, ``runtime.decoding.tree.adapt``), and with ``--dynamic E`` re-grown every round
+from the heads' probabilities ("dynamic: E", ``runtime.decoding.tree.dynamic``), and with ``--lookup L``
 with a chain of up to L tokens copied from the row's own text ("lookup: L",
-``runtime.tree_lookup``), in the same run.
+``runtime.decoding.tree.lookup``), in the same run.
 
 Prompt lookup (``--strategies lookup``: ``PromptLookup(tokens=L)``, L from ``--lookup`` or 4):
 drafts copied from the row's own text and nothing else, with the rounds choosing how many
@@ -52,11 +52,9 @@ import argparse
 import contextlib
 import functools
 import json
-import platform
 import statistics
 import time
 from collections import Counter
-from pathlib import Path
 
 import torch
 from tabulate import tabulate
@@ -74,6 +72,8 @@ from rewriter.runtime import packed_linear
 from rewriter.runtime.chat import chat_prompt
 from rewriter.sdpa import kernel_only, path_taken
 from rewriter.tree import MAX_NODES, Tree, choose_tree, expected_tokens
+
+from common import describe, load, sync, write_json
 
 # ``--chat wide``: the eval's 8 questions, then 24 more of the kinds people ask a small
 # assistant (explain, list, compare, write), whose answers run longer than one fact.
@@ -240,15 +240,6 @@ class Guarded:
             e.guards, e.trees, e.fallback = *saved, False
 
 
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def device_name(device: str) -> str:
-    return torch.cuda.get_device_name() if device == "cuda" else "cpu"
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
@@ -271,7 +262,7 @@ def main():
     ap.add_argument("--draft-weights", default="dense", choices=["dense", "int4"],
                     help="self: int4 times SelfSpeculative(draft_weights='int4') with no skip "
                          "set instead of the spread and calibrated skip sets (its prediction: "
-                         "benchmarks/quantized_draft.py)")
+                         "docs/benchmarks.md, quantized_draft.py)")
     ap.add_argument("--heads", default=None, help="heads file (default: the model's shipped heads; "
                                                    "with one of medusa, hydra; with eagle, 'none' "
                                                    "times the EAGLE draft alone)")
@@ -321,10 +312,8 @@ def run(args, ap):
                  f"got {args.eagle_depth}")
     if args.tree_nodes is not None and not 1 <= args.tree_nodes < MAX_NODES:
         ap.error(f"--tree-nodes must be in [1, {MAX_NODES - 1}], got {args.tree_nodes}")
-    results = {"model": args.model, "device": device_name(args.device), "backend": args.backend,
-               "machine": platform.processor() or platform.machine(),
-               "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
-               "new_tokens": args.new, "max_draft": args.max_draft, "chat": args.chat,
+    results = {**describe(args.device), "model": args.model, "device": args.device,
+               "backend": args.backend, "new_tokens": args.new, "max_draft": args.max_draft, "chat": args.chat,
                "attention_kernel": args.attention_kernel,
                "sdpa_path_bfloat16": path_taken(torch.bfloat16),  # one-query calls: rewriter.sdpa
                # bfloat16 CPU linears on packed weights (runtime.packed_linear)
@@ -408,7 +397,8 @@ def run(args, ap):
     print("\nverify cost: the decode program over S tokens / over 1, batch 1, after 64 tokens\n")
     print(tabulate(curves, headers=["dtype", *(f"S={s}" for s in range(1, 10))]))
     print(f"\n{args.model}, {args.new} new tokens, max_draft {args.max_draft}, "
-          f"{device_name(args.device)}, {args.backend} backend, {torch.get_num_threads()} threads\n")
+          f"{results['machine']}, {args.backend} backend, {results['threads']} threads, "
+          f"{results['date']}\n")
     if head_rows:
         print_heads(args, results, head_rows)
     if eagle_table:
@@ -429,8 +419,7 @@ def run(args, ap):
                                       "agreement (teacher-forced)", "predicted", "same tokens",
                                       "guarded"]))
     results["verify_cost"] = curves
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+    write_json(args.json, results)
 
 
 def self_int4_rows(model, tok, plain, args, dtype, results, rows) -> None:
@@ -493,7 +482,7 @@ def heads_rows(model, tok, plain, args, dtype, results, rows, arch):
             for kind, prompts in prompt_sets(plain, tok, b, args.samples, args.chat).items():
                 # plain decode; the pass's tree (or its sub-tree at b rows) as it is; and
                 # re-chosen as the heads' accuracies on these prompts come in
-                # (runtime.tree_adapt): runs interleaved
+                # (runtime.decoding.tree.adapt): runs interleaved
                 modes = [(False, 0, 0)] + ([(True, 0, 0)] if adapt else []) + \
                     ([(False, args.dynamic, 0)] if args.dynamic else []) + \
                     ([(False, 0, args.lookup)] if args.lookup else []) + \
@@ -650,27 +639,18 @@ def print_heads(args, results, rows) -> None:
     print()
 
 
-def load(name: str):
-    """(model, tokenizer) as the quickstart loads them."""
-    import sys
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-    from quickstart import load as load_model
-    return load_model(name)
-
-
 def keep_row(results: dict, run: dict, path: str):
     """Keeps a finished row: in the results, as a line of the log and in the JSON file, so a
     run stopped at its time limit (a GPU lease) keeps the rows it finished."""
     results["runs"].append(run)
     print(json.dumps(run, default=str), flush=True)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(results, indent=1, default=str))
+    write_json(path, results)
 
 
 def prompt_sets(plain, tok, batch: int, samples: int, chat: str = "eval") -> dict:
     """Per kind, ``samples`` batches of ``batch`` prompts: code chunks of distinct files
-    while there are files enough (docs/benchmarks.md's figures before its section "Mixed
-    data, self-asked questions, and code prompts from every held-out file" used
+    while there are files enough (docs/history/benchmarks-notebook.md's figures before its
+    section "Mixed data, self-asked questions, and code prompts from many held-out files" used
     consecutive chunks of the first files, ``code_prompts``); chat
     questions (``chat``: "eval", the eval's 8, or "wide", ``WIDE_CHAT``), as many distinct
     batches as there are questions for."""

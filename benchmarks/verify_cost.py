@@ -9,15 +9,12 @@ passes, the torch backend): the decode program over S tokens a row at batch 1 af
 64-token prompt, over its time on one token (medians of ``--runs`` interleaved calls). The
 whole curve is measured ``--repeats`` times; the table prints each size's median and
 range. A tree of S nodes verifies S tokens (the root included); its drafting, acceptance
-and K/V moves come on top (``round_phases.py``).
+and K/V moves come on top (``docs/benchmarks.md``, "Verify cost").
 """
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import time
-from pathlib import Path
 
 import torch
 from tabulate import tabulate
@@ -26,7 +23,8 @@ import rewriter
 from rewriter.calibrate import verify_cost
 from rewriter.checkpoints import cast, load_model
 from rewriter.values import context_length
-from step_time import machine
+
+from common import describe, write_json
 
 
 def main() -> None:
@@ -56,12 +54,9 @@ def main() -> None:
         rows.append({"tokens": s, "median": statistics.median(seen), "low": min(seen), "high": max(seen)})
     print(tabulate([[r["tokens"], f"{r['median']:.3f}", f"{r['low']:.3f}-{r['high']:.3f}"] for r in rows],
                    headers=["tokens verified", "decode steps", "range"]))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"args": vars(args), "cpu": machine(),
-                                           "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
-                                           "torch": torch.__version__,
-                                           "threads": torch.get_num_threads(),
-                                           "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=1))
+    header = describe(args.device)
+    print(f"\n{args.model}, {args.dtype}, {header['machine']}, {header['threads']} threads, {header['date']}")
+    write_json(args.json, {**header, "args": vars(args), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ Reference: ``decode_attention_reference`` below (dense mask + softmax). Bytes: e
 visible K and V row once, ``2 * n * D * itemsize`` per KV head; query heads of a GQA
 group share those reads (one program serves the whole group, padded to 16 rows, a tensor-core
 tile, so the scores and the weighted sum are ``tl.dot``s: a broadcast product ``[G, N, D]`` spilled
-registers on sm_90 at G=8, D=64, see ``benchmarks/kernels.py --aot``). Stage 1 gives each
+registers on sm_90 at G=8, D=64, see ``benchmarks/triton_kernels.py --aot``). Stage 1 gives each
 (row, KV head, split) a partial softmax (output and log-sum-exp); stage 2 combines them.
 """
 from __future__ import annotations

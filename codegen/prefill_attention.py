@@ -130,7 +130,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     cos2, sin2, half = rope_operands(cos, sin, b, s, dim, q, "prefill_attention")  # [B*S, R]
     block_d = max(16, triton.next_power_of_2(dim))
     # A 64x128 fp32 accumulator on 4 warps is 64 registers a thread before the tiles: sm_80
-    # hit its 255-register ceiling there (benchmarks/kernels.py --aot 80), so 8 warps.
+    # hit its 255-register ceiling there (benchmarks/triton_kernels.py --aot 80), so 8 warps.
     warps = 8 if block >= 64 and block_d >= 128 else 4
     prefill_attention_kernel[grid](
         q, k_cache, v_cache, start, out, cos2, sin2, tree if tree is not None else start,

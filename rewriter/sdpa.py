@@ -19,8 +19,9 @@ inputs and rounds once, at the end: its output is float32 attention rounded (the
 also rounds its softmax weights to bfloat16 before the weighted sum, so its error is
 larger, never smaller; ``tests/test_sdpa.py``). Queries are grouped under their key/value
 head (``enable_gqa``), so the cache is read once per KV head, not once per query head.
-``benchmarks/decode_attention.py`` times both: on the EPYC 1.3-2.1x faster than the kernel
-at 128-256 keys, 4-6x at 1024-4096, batch 1 and 4; on the Xeon 2-3.5x slower.
+``benchmarks/decode_attention.py`` (at commit ef67032) timed both: on the EPYC 1.3-2.1x
+faster than the kernel at 128-256 keys, 4-6x at 1024-4096, batch 1 and 4; on the Xeon
+2-3.5x slower.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Kernel benchmark: each Triton template and a generated pointwise kernel against torch.
 
-    python benchmarks/kernels.py [--json benchmarks/results/kernels.json]
-    python benchmarks/kernels.py --aot 90      # no GPU needed: compile for sm_90 (H100)
+    python benchmarks/triton_kernels.py [--json benchmarks/results/kernels.json]
+    python benchmarks/triton_kernels.py --aot 90      # no GPU needed: compile for sm_90 (H100)
 
 On a CUDA GPU: time (``triton.testing.do_bench``), achieved bandwidth against the device's
 measured copy bandwidth, and time against torch eager and ``torch.compile`` of the same
@@ -18,11 +18,8 @@ and the table shows each kernel's registers, spilled (stack) bytes and shared me
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import time
-from pathlib import Path
 
 import torch
 
@@ -36,6 +33,8 @@ from rewriter.codegen import norm, rope, swiglu  # noqa: E402
 from rewriter.codegen.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
 from rewriter.codegen.prefill_attention import prefill_attention  # noqa: E402
 from rewriter.ops import REFERENCE  # noqa: E402
+
+from common import describe, machine, write_json  # noqa: E402
 
 
 def cases(size: str, dtype, dev):
@@ -117,9 +116,8 @@ def aot(arch: int, json_path: str) -> None:
     for r in reports:
         if not r.ok:
             print(f"\n{r.name} ({r.file}):\n{r.error}")
-    Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-    Path(json_path).write_text(json.dumps({"arch": arch, "dtype": "bfloat16", "machine": platform.processor(),
-                                           "kernels": [vars(r) for r in reports]}, indent=1))
+    write_json(json_path, {**describe(), "arch": arch, "dtype": "bfloat16",
+                           "kernels": [vars(r) for r in reports]})
     if not all(r.ok for r in reports):
         raise SystemExit(1)
 
@@ -140,7 +138,7 @@ def main():
     args.json = args.json or "benchmarks/results/kernels.json"
     dev = "cuda" if CUDA else "cpu"
     dtype = torch.bfloat16 if CUDA else torch.float32
-    results = {"device": torch.cuda.get_device_name() if CUDA else platform.processor() or "cpu",
+    results = {**describe(dev), "device": machine(dev),
                "mode": "timing" if CUDA else "correctness only (TRITON_INTERPRET=1)", "kernels": []}
     peak = copy_bandwidth(dev) if CUDA else None
     rows = []
@@ -163,8 +161,7 @@ def main():
     head = ["kernel", "correct"] + (["triton us", "eager us", "compile us", "of copy BW"] if CUDA else [])
     print(f"{results['device']}: {results['mode']}" + (f", copy bandwidth {peak / 1e9:.0f} GB/s" if CUDA else ""))
     print(tabulate(rows, headers=head))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(results, indent=1))
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":
