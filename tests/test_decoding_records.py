@@ -56,8 +56,14 @@ def test_version_1_chains_and_self_speculation_are_read_as_they_were_meant():
 
 
 @pytest.mark.parametrize("bad, why", [
-    ({**V1_TREE, "arch": "hydra", "drafter": "eagle"}, "version"),  # the two versions mixed
-    ({**V1_TREE, "arch": "hydra", "depth": 2}, "version"),
+    ({**V1_TREE, "arch": "hydra", "drafter": "eagle"}, "not drafter or depth"),  # versions mixed
+    ({**V1_TREE, "arch": "hydra", "depth": 2}, "not drafter or depth"),
+    ({**V1_TREE, "arch": "none", "lookup": 4}, "arch: one of"),  # version 1 refused it
+    ({**V1_TREE, "arch": ["hydra"]}, "arch: one of"),
+    ({"strategy": "lookup", "lookup": 4, "drafter": "none"}, "names no drafter"),
+    ({"strategy": []}, "strategy: one of"),
+    ({"version": 2, "strategy": []}, "strategy: one of"),  # unhashable: named, not a TypeError
+    ({"version": 2, "strategy": {}}, "strategy: one of"),
     ({**TreeDecoding("medusa", **HEADS).record(), "version": 3}, "version"),
     ({**TreeDecoding("medusa", **HEADS).record(), "version": True}, "version"),
     ({**TreeDecoding("medusa", **HEADS).record(), "num_heads": 2}, "exactly the keys"),

@@ -59,7 +59,7 @@ from typing import Union
 
 from .checks import DRAFT_WEIGHTS, DRAFTERS, MAX_DRAFT, MAX_EXPAND, MAX_LOOKUP
 from .records import VERSION, PlainDecoding, SelfSpeculativeDecoding, TreeDecoding
-from .version1 import from_version1
+from .version1 import from_version1, problem
 
 Decoding = Union[PlainDecoding, SelfSpeculativeDecoding, TreeDecoding]
 RECORDS = {c.KIND: c for c in (SelfSpeculativeDecoding, TreeDecoding)}
@@ -77,11 +77,13 @@ def current(r):
 
 def check_record(r) -> str | None:
     """Why ``r`` (this version's record or a version-1 one) is not a decoding record, or None."""
+    if isinstance(r, dict) and "version" not in r and problem(r):
+        return problem(r)
     r = current(r)
     if not isinstance(r, dict) or type(r.get("version")) is not int or r["version"] != VERSION:
         return f"an object with \"version\": {VERSION} (or a version-1 record, with no version)"
     kind = r.get("strategy")
-    if kind not in RECORDS:
+    if not isinstance(kind, str) or kind not in RECORDS:
         return f"strategy: one of {sorted(RECORDS)} (plain decoding is no record at all)"
     return RECORDS[kind].check(r)
 

@@ -11,6 +11,26 @@ from __future__ import annotations
 from .records import VERSION
 
 RENAMED = {"arch": "drafter", "num_heads": "depth"}  # a version-1 tree's keys, renamed
+ARCHS = ("medusa", "hydra", "eagle")  # version 1's tree drafters ("none" was "lookup")
+KINDS = ("self_speculative", "medusa", "lookup")
+
+
+def problem(r: dict) -> str | None:
+    """Why ``r``, a dict with no ``version``, is no version-1 record, or None: checked before
+    converting, since a converted record would accept what version 1 refused."""
+    kind = r.get("strategy")
+    if kind == "tree":
+        return "\"version\": 2 in a tree record (version 1 had none)"
+    if not isinstance(kind, str) or kind not in KINDS:
+        return f"strategy: one of {list(KINDS)} in a version-1 record (no \"version\")"
+    if kind == "medusa" and set(RENAMED.values()) & set(r):
+        return "a version-1 record (no \"version\") names arch and num_heads, not drafter or depth"
+    if kind == "medusa" and not (isinstance(r.get("arch", "medusa"), str)
+                                 and r.get("arch", "medusa") in ARCHS):
+        return f"arch: one of {list(ARCHS)} in a version-1 record (no \"version\")"
+    if kind == "lookup" and "drafter" in r:
+        return "a version-1 lookup record (no \"version\") names no drafter"
+    return None
 
 
 def from_version1(r: dict) -> dict:
