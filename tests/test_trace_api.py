@@ -94,3 +94,12 @@ def test_bad_arguments(model, traced):
         rewriter.optimize(traced, example_inputs=(IDS,))
     with pytest.raises(TypeError, match="passes must be a list"):
         rewriter.optimize(traced, "fuse_qkv")
+
+
+@pytest.mark.parametrize("inputs, shown", [(5, "got int"), (("a",), r"got \[str\]"), ((), r"got \[\]")])
+def test_example_inputs_that_are_no_tensors_are_named(inputs, shown):
+    from rewriter.errors import TraceError
+    with pytest.raises(TraceError, match=f"example_inputs must be a non-empty tuple or list of tensors, {shown}"):
+        rewriter.trace(torch.nn.Linear(4, 4), example_inputs=inputs)
+    with pytest.raises(TraceError, match=r"to rewriter.trace\(\) or optimize\(\)"):
+        rewriter.trace(torch.nn.Linear(4, 4))

@@ -60,8 +60,14 @@ def trace(model: nn.Module, example_inputs: tuple | None = None) -> Traced:
     if example_inputs is None:
         raise TraceError(
             f"cannot trace {type(model).__name__}: it is not a Hugging Face causal LM, so "
-            "pass example_inputs=(tensor, ...) to optimize()"
+            "pass example_inputs=(tensor, ...) to rewriter.trace() or optimize()"
         )
+    if (not isinstance(example_inputs, (tuple, list)) or not example_inputs
+            or not all(isinstance(t, torch.Tensor) for t in example_inputs)):
+        shown = (type(example_inputs).__name__ if not isinstance(example_inputs, (tuple, list))
+                 else "[" + ", ".join(type(t).__name__ for t in example_inputs) + "]")
+        raise TraceError(f"example_inputs must be a non-empty tuple or list of tensors, "
+                         f"got {shown}")
     dynamic = tuple({d: torch.export.Dim.AUTO for d in range(min(t.dim(), 2))}
                     for t in example_inputs)
     gm = _export(model, tuple(example_inputs), dynamic)
