@@ -18,15 +18,9 @@ import torch
 
 def load(name: str):
     """(model, tokenizer) of ``smollm2`` (its GGUF file), ``default`` or a checkpoint path,
-    as the quickstart loads them."""
-    from rewriter import gguf
-    from rewriter.checkpoints import default_model, load_hf_model
-    if name == "default":
-        return default_model()
-    if gguf.is_gguf(name):
-        return gguf.load_gguf_model(name), gguf.load_gguf_tokenizer(name)
-    from transformers import AutoTokenizer
-    return load_hf_model(name), AutoTokenizer.from_pretrained(name, local_files_only=True)
+    in float32, as the quickstart loads them."""
+    from rewriter.checkpoints import load_model
+    return load_model(name)
 
 
 def machine(device: str = "cpu") -> str:

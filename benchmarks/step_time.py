@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -28,21 +27,11 @@ import torch
 from tabulate import tabulate
 
 import rewriter
+from rewriter.machine import machine
 from rewriter.passes import from_spec
 
 DUO = "duo_attention:gates=smollm2,sinks=16,window=240"
 DEFAULT = ["dense=", f"duo threshold={DUO}", f"duo sparsity 0.5={DUO},sparsity=0.5"]
-
-
-def machine() -> str:
-    """The CPU's model name (Linux), else what ``platform`` knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:  # no /proc (macOS, Windows)
-        pass
-    return platform.processor() or platform.machine()
 
 
 def pipeline(text: str) -> tuple[str, list]:

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 import rewriter
 from rewriter import duo_gates, eagle_file
-from rewriter.checkpoints import cast
+from rewriter.checkpoints import cast, load_model
 from rewriter.eval import EvalSettings, evaluate, format_settings, format_table
 from rewriter.heads import SHIPPED
 from rewriter.passes import (DuoAttention, EagleDraft, FuseAddRMSNorm, FuseQKV, FuseRoPE,
@@ -103,18 +103,6 @@ def pipelines(model: str) -> dict:
     return found
 
 
-def load(name: str):
-    """(model, tokenizer) of ``smollm2`` (GGUF), ``default`` or a checkpoint path."""
-    from rewriter import gguf
-    from rewriter.checkpoints import default_model, load_hf_model
-    if name == "default":
-        return default_model()
-    if gguf.is_gguf(name):
-        return gguf.load_gguf_model(name), gguf.load_gguf_tokenizer(name)
-    from transformers import AutoTokenizer
-    return load_hf_model(name), AutoTokenizer.from_pretrained(name, local_files_only=True)
-
-
 def first_layer(ir) -> str:
     """The IR's header and its first decoder layer (the rest repeats it)."""
     text = str(ir)
@@ -166,7 +154,7 @@ def main(argv=None):
 
     torch.manual_seed(0)
     start = time.perf_counter()
-    model, tokenizer = load(args.model)
+    model, tokenizer = load_model(args.model)  # GGUF, checkpoint dir or "default"
     print(f"{args.model}: {type(model).__name__}, {model.config.num_hidden_layers} layers, "
           f"{model.num_parameters() / 1e6:.1f}M parameters, {torch.get_num_threads()} CPU "
           f"threads; loaded in {time.perf_counter() - start:.1f} s\n")
