@@ -19,7 +19,7 @@ import torch
 def load(name: str):
     """(model, tokenizer) of ``smollm2`` (its GGUF file), ``default`` or a checkpoint path,
     in float32, as the quickstart loads them."""
-    from rewriter.checkpoints import load_model
+    from rewriter.models.checkpoints import load_model
     return load_model(name)
 
 
@@ -27,7 +27,7 @@ def machine(device: str = "cpu") -> str:
     """The GPU's name on ``cuda``, else the CPU's model name."""
     if device == "cuda":
         return torch.cuda.get_device_name()
-    from rewriter.machine import machine as cpu_name
+    from rewriter.training.machine import machine as cpu_name
     return cpu_name()
 
 

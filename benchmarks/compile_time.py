@@ -23,7 +23,7 @@ from rewriter.ir.core import IR
 from rewriter.ir.layers import layer_spans
 from rewriter.ir.shapes import lm_input_specs, propagate_shapes
 from rewriter.ir.verify import verify
-from rewriter.pass_manager import run_pipeline
+from rewriter.ir.pass_manager import run_pipeline
 from rewriter.passes import LayerSkip
 
 from common import describe, write_json

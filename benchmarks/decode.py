@@ -39,14 +39,14 @@ import torch
 from tabulate import tabulate
 
 import rewriter
-from rewriter.checkpoints import llama_1b, load_hf_model, load_tokenizer
+from rewriter.models.checkpoints import llama_1b, load_hf_model, load_tokenizer
 
 from common import describe, median_of as timed, timed_all, write_json
 
 
 def load(name: str, dtype: torch.dtype, device: str):
     """(model, tokenizers.Tokenizer or None, GGUF path or None) for a benchmark model."""
-    from rewriter import gguf
+    from rewriter.models import gguf
     if name == "llama-1b":
         return llama_1b(device=device, dtype=dtype), None, None
     if gguf.is_gguf(name):
@@ -60,7 +60,7 @@ def prompts(tok, batch: int, length: int) -> torch.Tensor:
     """``batch`` held-out code chunks of ``length`` tokens (random ids without a tokenizer)."""
     if tok is None:
         return torch.randint(1, 1000, (batch, length), generator=torch.Generator().manual_seed(0))
-    from rewriter.corpus import load_corpus
+    from rewriter.models.corpus import load_corpus
     ids = []
     for _, text in load_corpus("heldout"):
         ids += tok.encode(text, add_special_tokens=False).ids
@@ -141,7 +141,7 @@ def gpu_rows(model, ids, args) -> list[dict]:
 def int4_floor_ms(model, passes, repeat: int = 10) -> float | None:
     """``floor_ms`` for a pipeline with ``Int4Weights``: its int4 products on the CPU
     kernel (the LM head dense unless ``lm_head=True``), as one chain; None without one."""
-    from rewriter.int4 import quantize
+    from rewriter.maths.int4 import quantize
     from rewriter.passes import Int4Weights
     from rewriter.runtime.kernels import int4_cpu_ok, int4_cpu_tables, linear_int4_cpu
     p = next((p for p in passes if isinstance(p, Int4Weights)), None)

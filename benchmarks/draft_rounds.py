@@ -17,8 +17,8 @@ a multi-token round's rounding). Nothing is timed: a round's cost is the runtime
 business (``speculative.py``); this compares what the drafts get right.
 
 - Hydra: head ``d`` reads the feature at the round's last accepted position and the
-  embeddings of the node's path (``rewriter.heads``), as the runtime's head programs do.
-- EAGLE (``rewriter.eagle``): its own cache over the accepted text, caught up each round
+  embeddings of the node's path (``rewriter.drafts.heads``), as the runtime's head programs do.
+- EAGLE (``rewriter.drafts.eagle``): its own cache over the accepted text, caught up each round
   over the positions accepted (their true features); each level of the tree runs
   ``eagle.tree_step`` over the expanded nodes, each below its own path.
 """
@@ -35,9 +35,9 @@ import torch
 import torch.nn.functional as F
 from tabulate import tabulate
 
-from rewriter import eagle, eagle_file
-from rewriter import heads as heads_file
-from rewriter.checkpoints import cast
+from rewriter.drafts import eagle, eagle_file
+from rewriter.drafts import heads as heads_file
+from rewriter.models.checkpoints import cast
 from rewriter.runtime.decoding.tree.dynamic import grow
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -48,7 +48,7 @@ from step_time import machine  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--eagle", default=None, help="an EAGLE draft file (rewriter.eagle_file)")
+    ap.add_argument("--eagle", default=None, help="an EAGLE draft file (rewriter.drafts.eagle_file)")
     ap.add_argument("--heads", default="smollm2", help="a Hydra heads file, or 'smollm2'; "
                                                        "'none' to skip")
     ap.add_argument("--nodes", type=int, nargs="+", default=[8, 16])

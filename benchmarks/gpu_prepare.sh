@@ -28,7 +28,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .gpu/w .gpu/p .git/info
 python3 -m pip download -q --no-deps --disable-pip-version-check -d .gpu/w gguf pydot accelerate tabulate
-gguf=$(python3 -c "from rewriter.gguf import smollm2_file; print(smollm2_file())")
+gguf=$(python3 -c "from rewriter.models.gguf import smollm2_file; print(smollm2_file())")
 rm -f .gpu/p/part_*
 split -n "${PARTS:-2}" "$gguf" .gpu/p/part_
 (cd "$(dirname "$gguf")" && sha256sum "$(basename "$gguf")") | awk '{print $1}' > .gpu/p/SHA256

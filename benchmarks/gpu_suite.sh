@@ -127,7 +127,7 @@ smollm2() {  # the GGUF file: the argument, or the parts held in /tmp/gpu_parts
         split -n 2 /tmp/eagle_gpu/eagle.safetensors "$out/eagle_part_"
         sha256sum /tmp/eagle_gpu/eagle.safetensors | awk '{print $1}' > "$out/eagle.sha256"
       fi
-      # the run's rows (rewriter.eagle_data: a CPU's later runs train on them too), in 15 MB pieces:
+      # the run's rows (rewriter.training.eagle_data: a CPU's later runs train on them too), in 15 MB pieces:
       # cat rows_part_* > rows-SEED.safetensors; sha256sum it against rows.sha256
       for f in /tmp/eagle_rows/rows-*.safetensors; do
         [ -f "$f" ] || continue

@@ -7,7 +7,7 @@
 Rows: pipelines; columns: perplexity (and ratio to the unoptimized model), greedy agreement
 with the unoptimized model and mean first-divergence position, pass-key accuracy per
 context length, forward passes and decoder layers per generated token, KV-cache bytes per
-token, and CPU milliseconds per token at batch 1. See ``rewriter.eval``.
+token, and CPU milliseconds per token at batch 1. See ``rewriter.api.eval``.
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import time
 import torch
 
 import rewriter
-from rewriter.checkpoints import cast
-from rewriter.eval import EvalSettings, evaluate, format_table, settings_dict
+from rewriter.models.checkpoints import cast
+from rewriter.api.eval import EvalSettings, evaluate, format_table, settings_dict
 from rewriter.passes import (FuseAddRMSNorm, FuseQKV, FuseRoPE, FuseSwiGLU, Int4Weights, LayerSkip,
                              SelfSpeculative)
 

@@ -1,5 +1,5 @@
 """How much attention a TidalDecode selection keeps, layer by layer, and the selection
-layers that keep the most within a KV-bytes budget (``rewriter.attention_recall``).
+layers that keep the most within a KV-bytes budget (``rewriter.measure.attention_recall``).
 
     python benchmarks/selection_recall.py [--model default|smollm2|PATH] [--text passkey|code]
                                           [--length 1024] [--rows 8] [--queries 32]
@@ -29,9 +29,9 @@ import torch
 from tabulate import tabulate
 
 import rewriter
-from rewriter.attention_recall import attention_rows, best_selection_layers, kept_mass
-from rewriter.corpus import passkey_sample
-from rewriter.eval import _backend, _code_lines, heldout_chunks
+from rewriter.measure.attention_recall import attention_rows, best_selection_layers, kept_mass
+from rewriter.models.corpus import passkey_sample
+from rewriter.api.eval import _backend, _code_lines, heldout_chunks
 
 from common import describe, write_json
 

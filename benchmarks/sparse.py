@@ -38,8 +38,8 @@ import torch
 from tabulate import tabulate
 
 import rewriter
-from rewriter.checkpoints import cast
-from rewriter.eval import heldout_chunks, passkey_accuracy, perplexity
+from rewriter.models.checkpoints import cast
+from rewriter.api.eval import heldout_chunks, passkey_accuracy, perplexity
 from rewriter.passes import DuoAttention, Quest, StreamingAttention, TidalDecode
 
 from common import describe, load, write_json

@@ -60,18 +60,18 @@ import torch
 from tabulate import tabulate
 
 import rewriter
-from rewriter.checkpoints import cast
+from rewriter.models.checkpoints import cast
 from rewriter.decoding import strategy_of
-from rewriter.calibrate import predicted_speedup, verify_cost
-from rewriter.corpus import load_corpus
-from rewriter.eval import CHAT_PROMPTS
+from rewriter.measure.calibrate import predicted_speedup, verify_cost
+from rewriter.models.corpus import load_corpus
+from rewriter.api.eval import CHAT_PROMPTS
 from rewriter.passes import EagleDraft, HydraHeads, MedusaHeads, PromptLookup, SelfSpeculative
 from rewriter.passes.eagle_draft import MAX_DEPTH
 from rewriter.passes.layer_skip import kept_positions
 from rewriter.runtime import packed_linear
 from rewriter.runtime.chat import chat_prompt
-from rewriter.sdpa import kernel_only, path_taken
-from rewriter.tree import MAX_NODES, Tree, choose_tree, expected_tokens
+from rewriter.maths.sdpa import kernel_only, path_taken
+from rewriter.drafts.tree import MAX_NODES, Tree, choose_tree, expected_tokens
 
 from common import describe, load, sync, write_json
 
@@ -254,7 +254,7 @@ def main():
     ap.add_argument("--strategies", nargs="+", default=["self", "medusa", "hydra"],
                     choices=["self", "medusa", "hydra", "lookup", "eagle"])
     ap.add_argument("--eagle", default=None,
-                    help="an EAGLE draft file (rewriter.eagle_file), for --strategies eagle")
+                    help="an EAGLE draft file (rewriter.drafts.eagle_file), for --strategies eagle")
     ap.add_argument("--eagle-nodes", type=int, nargs="+", default=[8],
                     help="eagle: tokens a round verifies (the root included)")
     ap.add_argument("--eagle-depth", type=int, default=4,
@@ -287,7 +287,7 @@ def main():
     ap.add_argument("--backend", default="torch", choices=["torch", "triton"])
     ap.add_argument("--attention-kernel", action="store_true",
                     help="every one-query attention by ATen's SDPA kernel, as before 2026-11-29 "
-                         "(rewriter.sdpa: slower in bfloat16 on a CPU; reproduces older figures)")
+                         "(rewriter.maths.sdpa: slower in bfloat16 on a CPU; reproduces older figures)")
     ap.add_argument("--json", default="benchmarks/results/speculative.json")
     args = ap.parse_args()
     with kernel_only() if args.attention_kernel else contextlib.nullcontext():
@@ -315,7 +315,7 @@ def run(args, ap):
     results = {**describe(args.device), "model": args.model, "device": args.device,
                "backend": args.backend, "new_tokens": args.new, "max_draft": args.max_draft, "chat": args.chat,
                "attention_kernel": args.attention_kernel,
-               "sdpa_path_bfloat16": path_taken(torch.bfloat16),  # one-query calls: rewriter.sdpa
+               "sdpa_path_bfloat16": path_taken(torch.bfloat16),  # one-query calls: rewriter.maths.sdpa
                # bfloat16 CPU linears on packed weights (runtime.packed_linear)
                "packed_linears_bfloat16": args.device == "cpu" and args.backend == "torch"
                and packed_linear._machine_ok() and packed_linear.pays(),
@@ -454,7 +454,7 @@ def self_int4_rows(model, tok, plain, args, dtype, results, rows) -> None:
 def heads_rows(model, tok, plain, args, dtype, results, rows, arch):
     """Draft heads with the full and the trimmed vocabulary projection, every batch and
     prompt set, against plain decode."""
-    from rewriter import heads as heads_file
+    from rewriter.drafts import heads as heads_file
     weights = args.heads or args.model
     trained = heads_file.load(weights, arch)
     results.setdefault("heads", {})

@@ -88,7 +88,7 @@ def copy_bandwidth(dev) -> float:
 
 def aot(arch: int, json_path: str) -> None:
     """Compile every kernel the GPU runs would launch for ``sm_<arch>``; print resources."""
-    from rewriter.checkpoints import llama_1b
+    from rewriter.models.checkpoints import llama_1b
     from rewriter.codegen.aot import compile_for, record_launches
     from rewriter.passes import FuseAddRMSNorm, FuseQKV, FuseRoPE, FuseSwiGLU
     import rewriter

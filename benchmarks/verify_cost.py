@@ -4,7 +4,7 @@
         [--sizes 1 2 4 8 16 24 32 48 63] [--runs 15] [--repeats 3]
         [--json benchmarks/results/verify_cost.json]
 
-``rewriter.calibrate.verify_cost`` on the model as ``optimize`` gives it (the default
+``rewriter.measure.calibrate.verify_cost`` on the model as ``optimize`` gives it (the default
 passes, the torch backend): the decode program over S tokens a row at batch 1 after a
 64-token prompt, over its time on one token (medians of ``--runs`` interleaved calls). The
 whole curve is measured ``--repeats`` times; the table prints each size's median and
@@ -20,8 +20,8 @@ import torch
 from tabulate import tabulate
 
 import rewriter
-from rewriter.calibrate import verify_cost
-from rewriter.checkpoints import cast, load_model
+from rewriter.measure.calibrate import verify_cost
+from rewriter.models.checkpoints import cast, load_model
 from rewriter.values import context_length
 
 from common import describe, write_json

@@ -23,7 +23,7 @@ import torch
 from sympy.printing.pycode import PythonCodePrinter
 from torch import fx
 
-from rewriter import safe_files
+from rewriter.files import safe_files
 from rewriter.codegen.partition import POINTWISE, REDUCTIONS, is_row_reduction
 from rewriter.errors import RewriterError
 

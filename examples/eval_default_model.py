@@ -28,13 +28,13 @@ PROMPTS = ["import os\n", "def ", "class ", "    def __init__(self", "for i in r
 
 
 def load_corpus_module():
-    """``rewriter.corpus``; loaded by file path if the package cannot be imported."""
+    """``rewriter.models.corpus``; loaded by file path if the package cannot be imported."""
     sys.path.insert(0, str(ROOT))
     try:
-        from rewriter import corpus
+        from rewriter.models import corpus
         return corpus
     except Exception:
-        spec = importlib.util.spec_from_file_location("rewriter_corpus", ROOT / "rewriter/corpus.py")
+        spec = importlib.util.spec_from_file_location("rewriter_corpus", ROOT / "rewriter/models/corpus.py")
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         return mod

@@ -8,11 +8,11 @@ Five pipelines on a short evaluation, meant to take about 3 minutes on an idle 2
 with progress bars and timings as it goes; ``--full`` runs every pipeline there is with the
 full evaluation (much longer).
 
-1. Load the model (``rewriter.gguf``: the GGUF file is dequantized to float32; the 4-bit
+1. Load the model (``rewriter.models.gguf``: the GGUF file is dequantized to float32; the 4-bit
    pipelines run on a bfloat16 copy).
 2. ``rewriter.trace`` it once per dtype, then ``rewriter.optimize(traced, passes)`` for each
    pipeline (each gets its own copy of the traced IR), and print the IR's first layer.
-3. Measure each pipeline against the unoptimized model with ``rewriter.eval``: perplexity
+3. Measure each pipeline against the unoptimized model with ``rewriter.api.eval``: perplexity
    on held-out code and English prose through the KV-cache runtime, greedy agreement on
    chat questions, pass-key retrieval, and the cost (forward passes, layers and KV bytes
    per token, CPU milliseconds per token).
@@ -29,10 +29,10 @@ import torch
 from tqdm import tqdm
 
 import rewriter
-from rewriter import duo_gates, eagle_file
-from rewriter.checkpoints import cast, load_model
-from rewriter.eval import EvalSettings, evaluate, format_settings, format_table
-from rewriter.heads import SHIPPED
+from rewriter.drafts import duo_gates, eagle_file
+from rewriter.models.checkpoints import cast, load_model
+from rewriter.api.eval import EvalSettings, evaluate, format_settings, format_table
+from rewriter.drafts.heads import SHIPPED
 from rewriter.passes import (DuoAttention, EagleDraft, FuseAddRMSNorm, FuseQKV, FuseRoPE,
                              FuseSwiGLU, HydraHeads, Int4Weights, LayerSkip, MedusaHeads,
                              PromptLookup, Quest, SelfSpeculative, StreamingAttention,

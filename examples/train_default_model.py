@@ -1,6 +1,6 @@
 """Train the project's small default model (a Llama-architecture causal LM).
 
-Corpus: the CPython standard library source (``rewriter.corpus``), plus synthetic
+Corpus: the CPython standard library source (``rewriter.models.corpus``), plus synthetic
 pass-key retrieval samples so the model can find a key hidden in 1024 tokens.
 
     nice -n 10 python examples/train_default_model.py            # CPU, 1 thread
@@ -45,13 +45,13 @@ EOT = "<|endoftext|>"
 
 
 def load_corpus_module():
-    """``rewriter.corpus``; loaded by file path if the package cannot be imported."""
+    """``rewriter.models.corpus``; loaded by file path if the package cannot be imported."""
     sys.path.insert(0, str(ROOT))
     try:
-        from rewriter import corpus
+        from rewriter.models import corpus
         return corpus
     except Exception:  # package __init__ mid-edit or missing: load the one file
-        spec = importlib.util.spec_from_file_location("rewriter_corpus", ROOT / "rewriter/corpus.py")
+        spec = importlib.util.spec_from_file_location("rewriter_corpus", ROOT / "rewriter/models/corpus.py")
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         return mod

@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 import json
 
-from rewriter.pass_manager import Pass
+from rewriter.ir.pass_manager import Pass
 from rewriter.values import parse_json
 
 from rewriter.passes.draft_heads import HydraHeads, MedusaHeads

@@ -12,7 +12,7 @@ The pass adds the heads to the graph as ordinary ops on the LM head's input ``h`
     r_k = h + silu(linear(h, medusa.w{k}, medusa.b{k}))        [B, S, H]   k = 0..K-1
     draft = linear(cat([r_0[.., None, :], ..], -2), P)         [B, S, K, V or Vd]
 
-``HydraHeads`` writes Hydra's sequentially dependent heads (``rewriter.heads``): head
+``HydraHeads`` writes Hydra's sequentially dependent heads (``rewriter.drafts.heads``): head
 ``k`` also reads the embeddings of the tokens on its path. In the graph the path is the
 input's own next tokens (teacher forcing: what the heads were trained on)::
 
@@ -36,9 +36,9 @@ rows for the ``N`` tokens the model produced most often on the training text
 VocabTrim; an ``N`` past the vocabulary keeps all of it, so one setting serves models of
 any vocabulary). The graph
 then returns ``(logits, draft)``. The decoding record (``rewriter.decoding``) holds the
-tree (``rewriter.tree``): given, or chosen from the heads' measured accuracies and the
+tree (``rewriter.drafts.tree``): given, or chosen from the heads' measured accuracies and the
 cost of a round measured here, its programs and its own work against a whole plain step
-(``tree="auto"``; ``rewriter.round_cost``; then also the sub-tree of its likeliest nodes a
+(``tree="auto"``; ``rewriter.measure.round_cost``; then also the sub-tree of its likeliest nodes a
 round verifies at 2, 4 and 8 rows, where verifying many tokens costs more: none at all,
 plain decoding, when nothing pays; with ``adapt=True``, the default, the record keeps the
 accuracies and costs, and the runtime re-chooses the sub-tree from what the heads guess
@@ -62,14 +62,14 @@ from typing import Optional
 
 import torch
 
-from rewriter import heads as heads_file
-from rewriter.calibrate import ShortContext
+from rewriter.drafts import heads as heads_file
+from rewriter.measure.calibrate import ShortContext
 from rewriter.decoding import MAX_EXPAND, MAX_LOOKUP, TreeDecoding, check_record, check_undecided
 from rewriter.errors import PassError
 from rewriter.ir.core import IR
-from rewriter.pass_manager import Pass
+from rewriter.ir.pass_manager import Pass
 from rewriter.passes.fusion import call, is_op
-from rewriter.tree import MAX_NODES, MAX_RANK, best_subtree, chain, choose_tree, make_tree
+from rewriter.drafts.tree import MAX_NODES, MAX_RANK, best_subtree, chain, choose_tree, make_tree
 
 ROLE = "draft_head"
 
@@ -208,8 +208,8 @@ class MedusaHeads(Pass):
         accuracy = self.heads.accuracy if self.heads is not None else []
         if not accuracy:  # untrained heads: nothing to choose from
             return chain(self.num_heads), (), ()
-        from rewriter import round_cost
-        from rewriter.calibrate import heads_cost, verify_cost  # times the runtime's programs
+        from rewriter.measure import round_cost
+        from rewriter.measure.calibrate import heads_cost, verify_cost  # times the runtime's programs
         hydra = self.ARCH == "hydra"
         vocab = ir.weight("medusa.vocab") if self.draft_vocab is not None else None
         # rounds of the drafted tree alone: its size is what the costs are indexed by
@@ -393,7 +393,7 @@ def insert_hydra(ir: IR, head, embed, wb, vocab, pass_name: str) -> None:
 
 
 def _add_deep(ir: IR, arch: str, deep) -> None:
-    """The weights of the blocks after each head's first (``rewriter.heads.deepen``)."""
+    """The weights of the blocks after each head's first (``rewriter.drafts.heads.deepen``)."""
     for l, (v, c) in enumerate(zip(*deep) if deep is not None else (), start=1):  # [K, H, H], [K, H]
         for k in range(v.shape[0]):
             ir.add_weight(f"{arch}.block{l}.w{k}", v[k].clone())

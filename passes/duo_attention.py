@@ -2,7 +2,7 @@
 the others.
 
 ``DuoAttention(gates=PATH)`` reads one calibrated gate per layer and KV head
-(``rewriter train-gates`` makes them: ``rewriter.train_gates``). A head whose gate is at
+(``rewriter train-gates`` makes them: ``rewriter.training.train_gates``). A head whose gate is at
 least ``threshold`` keeps a full cache; with ``sparsity=`` instead, that fraction of the
 model's KV heads, those with the lowest gates, become streaming heads. They keep the gates
 file's ``sinks`` and ``window`` (or the ones given here) in a ring, as
@@ -27,11 +27,11 @@ import math
 import os
 from typing import Optional, Union
 
-from rewriter import duo_gates
+from rewriter.drafts import duo_gates
 from rewriter.errors import PassError
 from rewriter.ir.core import IR
 from rewriter.ops import MAX_INT, OPS, op_arguments
-from rewriter.pass_manager import Pass
+from rewriter.ir.pass_manager import Pass
 from rewriter.passes.streaming import ring_attention_nodes, rotary_frequencies
 from rewriter.values import context_length, is_int, within_context
 

@@ -8,7 +8,7 @@
 
 Unlike draft heads, which read only the last hidden state and the path, the draft is one
 decoder layer of its own that attends to the whole text with a KV cache of its own
-(``rewriter.eagle``: EAGLE's ``fc([f; e])``, a Llama layer, a final norm, the model's frozen
+(``rewriter.drafts.eagle``: EAGLE's ``fc([f; e])``, a Llama layer, a final norm, the model's frozen
 LM head). In the graph it is one op over whole rows, teacher-forced as it was trained::
 
     path = next_tokens(input_ids, 1)                         [B, S, 1]
@@ -38,16 +38,16 @@ from typing import Optional
 
 import torch
 
-from rewriter import eagle_file
-from rewriter.heads import MAX_HEADS
+from rewriter.drafts import eagle_file
+from rewriter.drafts.heads import MAX_HEADS
 from rewriter.decoding import MAX_EXPAND, MAX_LOOKUP, TreeDecoding, check_record, check_undecided
 from rewriter.errors import PassError
 from rewriter.ir.core import IR
 from rewriter.ops import EAGLE_WEIGHTS
-from rewriter.pass_manager import Pass
+from rewriter.ir.pass_manager import Pass
 from rewriter.passes.draft_heads import _mark, checked_acceptance, embedding_weight, lm_head
 from rewriter.passes.fusion import call
-from rewriter.tree import MAX_NODES, MAX_RANK, make_tree
+from rewriter.drafts.tree import MAX_NODES, MAX_RANK, make_tree
 
 MAX_DEPTH = MAX_HEADS  # draft levels a round may grow (the record's depth)
 
@@ -61,7 +61,7 @@ class EagleDraft(Pass):
         name = type(self).__name__
         if weights is None:
             raise ValueError(f"{name}: give weights='smollm2' (the shipped SmolLM2 draft) or "
-                             f"PATH, a trained draft file (rewriter.eagle_file; "
+                             f"PATH, a trained draft file (rewriter.drafts.eagle_file; "
                              f"made by `rewriter train-eagle`)")
         if not isinstance(weights, str):
             weights = str(weights)  # a Path

@@ -9,7 +9,7 @@ from torch import fx
 
 from rewriter.ir.core import IR
 from rewriter.ops import OPS
-from rewriter.pass_manager import Pass
+from rewriter.ir.pass_manager import Pass
 
 
 class FusionPass(Pass):

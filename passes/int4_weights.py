@@ -1,4 +1,4 @@
-"""``Int4Weights``: linear weights stored in 4 bits, group-wise (``rewriter.int4``).
+"""``Int4Weights``: linear weights stored in 4 bits, group-wise (``rewriter.maths.int4``).
 
     y = linear(x, W, b)    ->    y = linear_int4(x, codes, scales, mins, b, group_size=g)
 
@@ -20,9 +20,9 @@ import torch
 
 from rewriter.decoding import TreeDecoding, strategy_of
 from rewriter.errors import PassError
-from rewriter.int4 import GROUP_SIZES, dequantize, quantize
+from rewriter.maths.int4 import GROUP_SIZES, dequantize, quantize
 from rewriter.ir.core import IR
-from rewriter.pass_manager import Pass
+from rewriter.ir.pass_manager import Pass
 from rewriter.passes.fusion import call, is_op, linear_parts, mark
 
 

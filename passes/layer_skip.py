@@ -14,7 +14,7 @@ from typing import Sequence
 from rewriter.errors import PassError
 from rewriter.ir.core import IR
 from rewriter.ops import OPS
-from rewriter.pass_manager import Pass
+from rewriter.ir.pass_manager import Pass
 from rewriter.values import is_int
 
 

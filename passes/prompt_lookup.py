@@ -17,7 +17,7 @@ The graph is left as it is; the pass records the strategy (``rewriter.decoding``
 against a plain decode step, at 1, 2, 4 and 8 rows: the programs' cost
 (``calibrate.verify_cost``) and the round's own work (building and scoring chains,
 accepting), timed through the runtime on a made-up prompt that repeats
-(``rewriter.round_cost``). The rounds then verify as many copies as pay for their cost on
+(``rewriter.measure.round_cost``). The rounds then verify as many copies as pay for their cost on
 the text being decoded, by how long a match found them (a chain after a 3-token match is
 right far more often than one after a single token): none where the text never repeats
 (``lookup.ChainLength``), and then the engine decodes plainly for a few generations
@@ -30,8 +30,8 @@ from __future__ import annotations
 from rewriter.decoding import MAX_LOOKUP, TreeDecoding, check_record, check_undecided
 from rewriter.errors import PassError
 from rewriter.ir.core import IR
-from rewriter.pass_manager import Pass
-from rewriter.tree import MAX_NODES
+from rewriter.ir.pass_manager import Pass
+from rewriter.drafts.tree import MAX_NODES
 
 BATCHES = (1, 2, 4, 8)  # batch sizes whose costs are measured (a larger batch: the largest's)
 
@@ -64,8 +64,8 @@ class PromptLookup(Pass):
 
     def _costs(self, ir: IR) -> tuple:
         """``((batch, 0.0, (round of 1, 2, .. tokens)), ..)`` in plain steps."""
-        from rewriter import round_cost
-        from rewriter.calibrate import ShortContext, verify_cost  # times the runtime's programs
+        from rewriter.measure import round_cost
+        from rewriter.measure.calibrate import ShortContext, verify_cost  # times the runtime's programs
         most = min(self.tokens + 1, MAX_NODES)
         try:
             programs = {b: verify_cost(ir, most, runs=5, batch=b)[1:] for b in BATCHES}

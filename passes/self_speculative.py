@@ -3,7 +3,7 @@
     SelfSpeculative(skip_layers=[...], skip_attention=[...], skip_mlp=[...], max_draft=4,
                     threshold=0.5)
     SelfSpeculative(speedup=1.6)   # the draft keeps round(L / 1.6) layers, spread as LayerSkip's
-    SelfSpeculative(calibrate=[[ids...], ...], budget=20)   # searched (rewriter.calibrate)
+    SelfSpeculative(calibrate=[[ids...], ...], budget=20)   # searched (rewriter.measure.calibrate)
     SelfSpeculative(draft_weights="int4")   # the draft reads the same weights in 4 bits
 
 The graph is left as it is (the full model verifies); the pass records the strategy in
@@ -30,7 +30,7 @@ from rewriter.decoding import (DRAFT_WEIGHTS, MAX_DRAFT, SelfSpeculativeDecoding
 from rewriter.errors import PassError
 from rewriter.ir.core import IR
 from rewriter.ir.skip import check_skip_set
-from rewriter.pass_manager import Pass
+from rewriter.ir.pass_manager import Pass
 from rewriter.values import is_int
 from rewriter.passes.layer_skip import kept_positions
 
@@ -96,7 +96,7 @@ class SelfSpeculative(Pass):
         layers, attention, mlp, max_draft = (self.skip_layers, self.skip_attention, self.skip_mlp,
                                              self.max_draft)
         if self.calibrate is not None:
-            from rewriter.calibrate import ShortContext, search  # times the runtime's programs
+            from rewriter.measure.calibrate import ShortContext, search  # times the runtime's programs
             try:
                 self.report = search(ir, self.calibrate, self.max_draft, self.budget)
             except ShortContext as e:

@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 from rewriter.errors import PassError
 from rewriter.ir.core import IR
 from rewriter.ops import MAX_INT, OPS, op_arguments
-from rewriter.pass_manager import Pass
+from rewriter.ir.pass_manager import Pass
 from rewriter.values import context_length, is_int, within_context
 
 

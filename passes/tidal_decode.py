@@ -19,7 +19,7 @@ share of a step's reads, this is what lets more than one layer select.
 ``TidalDecode(calibrate=prompts, max_read=0.25)`` chooses the selection layers instead: the
 ones whose selections keep the most of the later layers' attention on the prompts (token-id
 lists), a decode step reading at most ``max_read`` of dense attention's KV bytes at their
-length (``rewriter.attention_recall``; what it measured is in ``report``).
+length (``rewriter.measure.attention_recall``; what it measured is in ``report``).
 
 The KV-cache runtime keeps the whole cache and selects at decode only: a prompt is
 attended densely (TidalDecode leaves prefill dense), so a decode step of a sparse layer
@@ -36,7 +36,7 @@ from typing import Optional, Sequence
 from rewriter.errors import PassError
 from rewriter.ir.core import IR
 from rewriter.ops import MAX_INT, OPS, op_arguments
-from rewriter.pass_manager import Pass
+from rewriter.ir.pass_manager import Pass
 from rewriter.values import context_length, is_int, within_context
 
 CALIBRATION_QUERIES = 32  # the last positions of each calibration prompt, taken as decode steps
@@ -143,9 +143,9 @@ class TidalDecode(Pass):
     def _choose(self, ir: IR, layers: list) -> list:
         """The selection layers that keep the most of the model's attention on the
         calibration prompts, a decode step reading at most ``max_read`` of dense attention's
-        KV bytes at their length (``rewriter.attention_recall``)."""
-        from rewriter.attention_recall import attention_rows, best_selection_layers, kept_mass
-        from rewriter.calibrate import calibration_batch
+        KV bytes at their length (``rewriter.measure.attention_recall``)."""
+        from rewriter.measure.attention_recall import attention_rows, best_selection_layers, kept_mass
+        from rewriter.measure.calibrate import calibration_batch
         if len(layers) < 2 and not self.select_own:
             raise PassError(f"{self!r}: the IR has {len(layers)} attention layer(s); a selection "
                             f"needs a later layer to read it")

@@ -10,17 +10,18 @@
     traced = rewriter.trace(model, tokenizer=tokenizer)  # traced once, for many pipelines
     fused = rewriter.optimize(traced, passes=[FuseQKV(), FuseSwiGLU()])
 """
-from . import ops  # registers the rw ops before anything traces or loads a graph
-from .checkpoints import default_model, from_pretrained
-from .errors import ArtifactError, PassError, RewriterError, TraceError, VerificationError
-from .ir.core import IR
-from .optimized import OptimizedModel, optimize
-from .pass_manager import Pass
-from .traced import TracedModel, trace
-from .runtime.engine import load
-from .runtime.engine import Engine
+from rewriter import ops  # registers the rw ops before anything traces or loads a graph
+from rewriter.models.checkpoints import default_model
+from rewriter.api.pretrained import from_pretrained
+from rewriter.errors import ArtifactError, PassError, RewriterError, TraceError, VerificationError
+from rewriter.ir.core import IR
+from rewriter.api.optimized import OptimizedModel, optimize
+from rewriter.ir.pass_manager import Pass
+from rewriter.api.traced import TracedModel, trace
+from rewriter.runtime.engine import load
+from rewriter.runtime.engine import Engine
 
-from .version import __version__
+from rewriter.version import __version__
 __all__ = ["trace", "TracedModel", "optimize", "OptimizedModel", "Engine", "load",
            "from_pretrained", "default_model", "IR", "Pass", "ops", "RewriterError",
            "TraceError", "PassError", "VerificationError", "ArtifactError", "__version__"]

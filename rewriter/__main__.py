@@ -1,6 +1,6 @@
 """``python -m rewriter``: the command line."""
 import sys
 
-from .cli import main
+from rewriter.cli import main
 
 sys.exit(main())

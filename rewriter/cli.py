@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from rewriter import safe_files
+from rewriter.files import safe_files
 from rewriter.values import path_problem, utf8_text
 
 
@@ -42,7 +42,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _fail(str(e))
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # our own bars cover loading; one bar at a time
-    from .errors import RewriterError
+    from rewriter.errors import RewriterError
     try:
         status = args.func(args) or 0
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
@@ -227,7 +227,7 @@ def parser() -> argparse.ArgumentParser:
 def _add_train_eagle(sub) -> None:
     """``train-eagle``: every setting of ``EagleSettings`` as a flag, its default and help."""
     from dataclasses import fields
-    from .train_eagle_settings import DTYPES as EAGLE_DTYPES, HELP, EagleSettings
+    from rewriter.training.train_eagle_settings import DTYPES as EAGLE_DTYPES, HELP, EagleSettings
     e = sub.add_parser("train-eagle", help="train an EAGLE draft layer on a frozen model",
                        description="In one timed run: the model asks itself chat questions and "
                                    "answers them, then an EAGLE draft layer is trained on its "
@@ -251,7 +251,7 @@ def _add_train_eagle(sub) -> None:
 
 # ---------------------------------------------------------------------------- commands
 def cmd_train_heads(args) -> int:
-    from .train_heads import check_paths, train_heads
+    from rewriter.training.train_heads import check_paths, train_heads
     device = _training_device(args.device)  # what is checked here fails before the model loads
     check_paths(args.out, args.work_dir)
     model, tokenizer = _training_model(args.model, args.dtype)
@@ -267,8 +267,8 @@ def cmd_train_heads(args) -> int:
 
 
 def cmd_train_gates(args) -> int:
-    from .optimized import optimize
-    from .train_gates import check_out, check_settings, train_gates
+    from rewriter.api.optimized import optimize
+    from rewriter.training.train_gates import check_out, check_settings, train_gates
     device = _training_device(args.device)  # what is checked here fails before the model loads
     check_out(args.out)
     settings = dict(sinks=args.sinks, window=args.window, steps=args.steps,
@@ -284,8 +284,8 @@ def cmd_train_gates(args) -> int:
 
 
 def cmd_train_eagle(args) -> int:
-    from .train_eagle import train_eagle
-    from .train_eagle_settings import DRAFT, EagleSettings, check_paths, check_settings
+    from rewriter.training.train_eagle import train_eagle
+    from rewriter.training.train_eagle_settings import DRAFT, EagleSettings, check_paths, check_settings
     device = _training_device(args.device)  # what is checked here fails before the model loads
     settings = EagleSettings(**{k: v for k, v in vars(args).items()
                                 if k in EagleSettings.__dataclass_fields__})
@@ -299,8 +299,8 @@ def cmd_train_eagle(args) -> int:
 
 
 def cmd_optimize(args) -> int:
-    from .checkpoints import from_pretrained
-    from .passes import from_spec
+    from rewriter.api.pretrained import from_pretrained
+    from rewriter.passes import from_spec
     passes = [from_spec(s) for s in args.passes]  # bad names/parameters fail before tracing
     _check_writable("--out", args.out)
     if args.dump:
@@ -315,7 +315,7 @@ def cmd_optimize(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from .runtime.settings import GenerationSettings
+    from rewriter.runtime.settings import GenerationSettings
     kw = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
               prefill_chunk=args.prefill_chunk)
@@ -325,7 +325,7 @@ def cmd_run(args) -> int:
     tok = engine.tokenizer
     echo = args.chat is None  # a chat prints the answer only, not the templated prompt
     if args.chat is not None:
-        from .runtime.chat import chat_prompt
+        from rewriter.runtime.chat import chat_prompt
         ids = chat_prompt(tok, engine.text, utf8_text("--chat", args.chat))
     elif ids is None:
         if tok is None:
@@ -351,14 +351,14 @@ def cmd_run(args) -> int:
 
 
 def cmd_ir(args) -> int:
-    from .runtime.engine import load
+    from rewriter.runtime.engine import load
     print(load(args.model).ir)
     return 0
 
 
 def cmd_info(args) -> int:
     from tabulate import tabulate
-    from .runtime.artifact import read_manifest
+    from rewriter.runtime.artifact import read_manifest
     m = read_manifest(args.model)
     if args.json:
         print(json.dumps(m, indent=1))
@@ -382,7 +382,7 @@ def cmd_info(args) -> int:
 def _passes_help() -> str:
     """Every pass by CLI name, with its parameters and the first line of its docstring."""
     import inspect
-    from .passes import PASSES
+    from rewriter.passes import PASSES
     lines = ["passes (--pass NAME or NAME:KEY=VALUE,...; values are JSON, e.g. layers=[2,3], "
              "or text; text with a comma, quote or bracket is a JSON string, e.g. "
              'weights="/data/a,b.safetensors" with \\" for a quote):']
@@ -399,9 +399,9 @@ def _passes_help() -> str:
 
 def _engine(path: str, trust_code: bool, backend: Optional[str], dtype: Optional[str] = None):
     """An artifact, or else a checkpoint (or 'default', 'smollm2') optimized with no passes."""
-    from .checkpoints import from_pretrained
-    from .runtime.artifact import is_artifact
-    from .runtime.engine import load
+    from rewriter.api.pretrained import from_pretrained
+    from rewriter.runtime.artifact import is_artifact
+    from rewriter.runtime.engine import load
     if is_artifact(path):
         return load(path, trust_code=trust_code, backend=backend)
     if path not in NAMED_MODELS and not Path(path).exists():
@@ -432,8 +432,8 @@ def _training_model(path: str, dtype: Optional[str]):
     """(model, tokenizer) of a checkpoint the training commands can use: not an artifact
     (its passes changed the model; train the checkpoint it came from), with a tokenizer
     (the training prompts are text)."""
-    from .checkpoints import load_model
-    from .runtime.artifact import is_artifact
+    from rewriter.models.checkpoints import load_model
+    from rewriter.runtime.artifact import is_artifact
     if is_artifact(path):
         raise ValueError(f"{path} is an artifact; training needs the checkpoint it was "
                          f"optimized from (a model directory, a .gguf file, or a named model)")

@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rewriter.heads import MAX_HEADS
-from rewriter.int4 import dequantize
-from rewriter.values import within_context
+from rewriter.drafts.heads import MAX_HEADS
+from rewriter.maths.int4 import dequantize
+from rewriter.values import MAX_INT, within_context
 
 OPS: dict[str, torch._ops.OpOverload] = {}
 # The same ops as plain Python functions: the runtime calls these directly, because a
@@ -139,7 +139,7 @@ def linear_int4(x: Tensor, codes: Tensor, scales: Tensor, mins: Tensor,
 
     ``W[o, i] = code[o, i] * scales[o, i // g] + mins[o, i // g]`` with ``g = group_size``
     and ``code`` in 0..15; ``codes`` ``[out, in / 2]`` holds two per byte, column ``2j``
-    in the low nibble and ``2j + 1`` in the high one (the layout of ``rewriter.int4``).
+    in the low nibble and ``2j + 1`` in the high one (the layout of ``rewriter.maths.int4``).
     """
     weight = dequantize(codes, scales, mins, group_size)  # float32 [out, in], as kernels do
     return F.linear(x, weight.to(x.dtype), bias)
@@ -538,9 +538,9 @@ EAGLE_WEIGHTS = (("fc_weight", "fc.weight"), ("fc_bias", "fc.bias"),
 
 
 def _eagle_shape(x, weights, num_heads, num_kv_heads, rope_theta, eps):
-    """``rewriter.eagle.Shape`` of the op's weights (the MLP's width from ``gate_proj``),
+    """``rewriter.drafts.eagle.Shape`` of the op's weights (the MLP's width from ``gate_proj``),
     each weight checked against it by name."""
-    from rewriter import eagle
+    from rewriter.drafts import eagle
     h = x.shape[-1]
     gate = weights[8]
     _need(gate.dim() == 2, "eagle_layer", f"gate_proj must be [width, {h}], got {_dims(gate)}")
@@ -571,13 +571,13 @@ def eagle_layer(feature: Tensor, embedded: Tensor, fc_weight: Tensor, fc_bias: T
                 o_proj: Tensor, post_norm: Tensor, gate_proj: Tensor, up_proj: Tensor,
                 down_proj: Tensor, norm: Tensor, num_heads: int, num_kv_heads: int,
                 rope_theta: float, eps: float) -> Tensor:
-    """An EAGLE draft layer (``rewriter.eagle``) over whole rows, teacher-forced: at position
+    """An EAGLE draft layer (``rewriter.drafts.eagle``) over whole rows, teacher-forced: at position
     ``t`` of ``feature`` ``[B, S, H]`` (the model's LM-head input) beside ``embedded``
     ``[B, S, H]`` (the embedding of the token after ``t``), causal over the row, the draft's
     output feature ``[B, S, H]``: the LM head turns it into its guess of the token two after
     ``t``. In decoding the runtime runs the same layer with a cache of its own
     (``runtime.decoding.tree.eagle_rows``)."""
-    from rewriter import eagle
+    from rewriter.drafts import eagle
     weights = (fc_weight, fc_bias, input_norm, q_proj, k_proj, v_proj, o_proj, post_norm,
                gate_proj, up_proj, down_proj, norm)
     shape = _eagle_shape(feature, weights, num_heads, num_kv_heads, rope_theta, eps)
@@ -585,9 +585,6 @@ def eagle_layer(feature: Tensor, embedded: Tensor, fc_weight: Tensor, fc_bias: T
     out, _ = eagle.step(p, shape, feature, embedded,
                         eagle.empty_cache(shape, feature.shape[0], feature.dtype, feature.device))
     return out
-
-
-MAX_INT = 2**31 - 1
 
 
 def _int(low: int, high: int = MAX_INT):

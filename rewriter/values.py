@@ -12,6 +12,9 @@ import os
 # (``runtime/artifact_info.py``), so what passes here and is stored with an artifact loads.
 MAX_JSON_DEPTH = 16
 
+# The largest integer an op argument or a stored setting may be (a C int32: kernels index with it).
+MAX_INT = 2**31 - 1
+
 
 def context_length(config: dict) -> int:
     """Tokens one sequence may hold, from a model's ``config.json`` dict: Llama-style

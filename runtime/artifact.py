@@ -15,7 +15,7 @@
 Guarantees of ``save(engine, DIR)``:
 
 - It writes only inside DIR (creating DIR and missing parents), every file created
-  exclusively (``O_EXCL | O_NOFOLLOW``, ``rewriter.safe_files``): no link is followed.
+  exclusively (``O_EXCL | O_NOFOLLOW``, ``rewriter.files.safe_files``): no link is followed.
 - It replaces only an artifact (recognised by the pointer's format marker and version,
   ``artifact_dir.is_artifact``), an empty directory, or the leftovers of interrupted
   saves. Anything else, a symlink at DIR or its pointer, a file in the path, a read-only
@@ -51,7 +51,7 @@ from typing import Callable, Optional
 
 import torch
 
-from rewriter import safe_files
+from rewriter.files import safe_files
 from rewriter.errors import ArtifactError
 from rewriter.version import __version__
 from rewriter.runtime.artifact_dir import (

@@ -26,7 +26,7 @@ import stat
 from pathlib import Path
 from typing import Optional
 
-from rewriter import safe_files
+from rewriter.files import safe_files
 from rewriter.errors import ArtifactError
 
 FORMAT = "rewriter-artifact"

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from rewriter.sdpa import sdpa
+from rewriter.maths.sdpa import sdpa
 
 from .duo_cache import split_attention
 from .kernels import KERNELS
@@ -36,7 +36,7 @@ class Step:
     masked until it is written again, so rejected tokens are never copied or cleared.
 
     ``tree`` (``[S, S]`` bool, True where token i may see token j) replaces the causal
-    order among the step's own tokens: a token tree verified at once (``rewriter.tree``),
+    order among the step's own tokens: a token tree verified at once (``rewriter.drafts.tree``),
     each node seeing the prefix, its ancestors and itself; ``depth`` ``[S]`` gives each
     node's distance from the root, which windows measure.
     """

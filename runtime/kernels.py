@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rewriter.int4 import GROUP_SIZES, unpack
+from rewriter.maths.int4 import GROUP_SIZES, unpack
 from rewriter.ops import REFERENCE
 
 

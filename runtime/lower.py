@@ -21,7 +21,7 @@ from torch import fx
 from rewriter.errors import RewriterError
 from rewriter.ir.cacheable import check_cacheable
 from rewriter.ir.core import IR
-from rewriter.int4 import dequantize
+from rewriter.maths.int4 import dequantize
 from rewriter.ops import OPS, op_arguments
 
 from .attention import cached_attention

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rewriter.ops import REFERENCE
-from rewriter.sdpa import sdpa
+from rewriter.maths.sdpa import sdpa
 
 from .kernels import KERNELS
 

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from rewriter.ops import top_tokens, with_recent
-from rewriter.sdpa import sdpa
+from rewriter.maths.sdpa import sdpa
 
 
 def select_tokens(step, q: Tensor, k: Tensor, cache_id: int, num_heads: int, num_kv_heads: int,

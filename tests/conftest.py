@@ -211,7 +211,7 @@ def fixed_round_work(monkeypatch, fixed: float = 0.0) -> list:
     """Make ``round_cost.measure`` report a round's own work as ``fixed`` decode programs
     and a plain step as one (no timing): for tests of the pass's choices under costs they
     set. Returns the calls made, as (tree, batches)."""
-    from rewriter import round_cost
+    from rewriter.measure import round_cost
     calls = []
 
     def measure(ir, strategy, batches, vocab=None, new=round_cost.NEW):
@@ -236,7 +236,7 @@ class Clock:
 
 def random_draft(model, path, seed=0, scale=1.0):
     """An EAGLE draft file for ``model`` with seeded random weights (``scale`` on its linears)."""
-    from rewriter import eagle, eagle_file
+    from rewriter.drafts import eagle, eagle_file
     h = model.config.hidden_size
     heads = 4 if h % 8 == 0 else 2
     shape = eagle.Shape(h, heads, heads // 2 if (h // heads) % 2 == 0 else heads, 2 * h)

@@ -89,7 +89,7 @@ def test_tied_weights_are_stored_once(tmp_path):
 
 
 def test_tokenizer_travels_with_the_artifact(tmp_path):
-    from rewriter.checkpoints import load_tokenizer
+    from rewriter.models.checkpoints import load_tokenizer
     opt = rewriter.optimize(make_model("llama-gqa-3l"))
     opt.tokenizer = load_tokenizer("default")
     opt.save(tmp_path / "a")

@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 
 import rewriter
 from rewriter import ArtifactError, RewriterError
-from rewriter.checkpoints import DEFAULT_MODEL_DIR
+from rewriter.models.checkpoints import DEFAULT_MODEL_DIR
 from rewriter.cli import main
 from rewriter.passes import EagleDraft, Int4Weights, MedusaHeads
 

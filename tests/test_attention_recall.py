@@ -1,10 +1,10 @@
-"""rewriter.attention_recall: the attention a TidalDecode selection keeps, and the selection
+"""rewriter.measure.attention_recall: the attention a TidalDecode selection keeps, and the selection
 layers chosen within a KV-bytes budget."""
 import pytest
 import torch
 
 import rewriter
-from rewriter.attention_recall import (Recorded, attention_rows, best_selection_layers,
+from rewriter.measure.attention_recall import (Recorded, attention_rows, best_selection_layers,
                                        kept_mass, selections)
 from rewriter.ops import REFERENCE
 from rewriter.passes import FuseQKV, FuseRoPE, TidalDecode

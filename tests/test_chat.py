@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import rewriter
-from rewriter.checkpoints import DEFAULT_MODEL_DIR
+from rewriter.models.checkpoints import DEFAULT_MODEL_DIR
 from rewriter.cli import main
 from rewriter.errors import ArtifactError, RewriterError
 from artifact_tools import reseal, version_dir

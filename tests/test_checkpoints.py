@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import rewriter
-from rewriter.checkpoints import cast, load_hf_model, load_model, load_tokenizer
+from rewriter.models.checkpoints import cast, load_hf_model, load_model, load_tokenizer
 from rewriter.errors import CheckpointError, RewriterError
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -26,7 +26,7 @@ def saved(tmp_path_factory):
     """A good untied checkpoint (with the default model's tokenizer) to copy and break."""
     path = tmp_path_factory.mktemp("ckpt") / "good"
     tiny_llama().save_pretrained(path)
-    shutil.copy(rewriter.checkpoints.DEFAULT_MODEL_DIR / "tokenizer.json", path)
+    shutil.copy(rewriter.models.checkpoints.DEFAULT_MODEL_DIR / "tokenizer.json", path)
     return path
 
 

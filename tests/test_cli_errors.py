@@ -26,7 +26,7 @@ def paths(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli_errors")
     good = root / "ckpt"
     tiny_llama().save_pretrained(good)
-    shutil.copy(rewriter.checkpoints.DEFAULT_MODEL_DIR / "tokenizer.json", good)
+    shutil.copy(rewriter.models.checkpoints.DEFAULT_MODEL_DIR / "tokenizer.json", good)
     p = {"ckpt": good, "file": root / "a_file.txt", "empty_dir": root / "empty"}
     p["file"].write_text("not a model")
     p["empty_dir"].mkdir()

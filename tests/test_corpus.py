@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from rewriter import corpus
+from rewriter.models import corpus
 
 
 class WordTokenizer:

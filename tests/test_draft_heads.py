@@ -6,13 +6,13 @@ import pytest
 import torch
 
 import rewriter
-from rewriter import heads as heads_file
+from rewriter.drafts import heads as heads_file
 from rewriter.errors import PassError
 from rewriter.passes import MedusaHeads, SelfSpeculative, from_spec
 from rewriter.runtime.attention import Step
 from rewriter.runtime.kv_cache import KVCache, cache_table
 from rewriter.decoding import check_record
-from rewriter.tree import Tree, best_subtree, choose_tree, expected_tokens, make_tree
+from rewriter.drafts.tree import Tree, best_subtree, choose_tree, expected_tokens, make_tree
 
 from conftest import CONFIGS, assert_same_distribution, make_model, oracle_drafts, varied_init
 
@@ -596,7 +596,7 @@ def test_bad_batch_trees_are_refused(bad):
 def test_auto_tree_gives_larger_batches_the_sub_trees_their_costs_pay_for(tmp_path, monkeypatch):
     """Wiring: costs measured at each batch choose that batch's sub-tree (here: batch 1 and
     2 verify cheaply, 4 dearly, 8 so dearly that nothing pays)."""
-    from rewriter import calibrate
+    from rewriter.measure import calibrate
     from conftest import fixed_round_work
     model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
     path = random_heads(model, tmp_path / "h.safetensors")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import rewriter
-from rewriter import duo_gates
+from rewriter.drafts import duo_gates
 from rewriter.errors import PassError, RewriterError, VerificationError
 from rewriter.ops import REFERENCE, op_arguments
 from rewriter.passes import (DuoAttention, FuseQKV, FuseRoPE, LayerSkip, SelfSpeculative,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rewriter import eagle
+from rewriter.drafts import eagle
 
 SHAPE = eagle.Shape(hidden=32, heads=4, kv_heads=2, intermediate=48, rope_theta=500.0, eps=1e-6)
 
@@ -236,10 +236,10 @@ def test_a_rope_base_too_large_for_a_float_is_refused():
 
 
 def test_a_one_position_bfloat16_step_takes_the_fast_attention(monkeypatch):
-    # a catch-up of one position over a long cache: rewriter.sdpa's grouped float32 path
+    # a catch-up of one position over a long cache: rewriter.maths.sdpa's grouped float32 path
     # (on a machine where ATen's CPU kernel is slow there: taken as measured so),
     # equal to the float32 step to bfloat16's precision
-    import rewriter.sdpa as sdpa_module
+    import rewriter.maths.sdpa as sdpa_module
     monkeypatch.setattr(sdpa_module, "_PAYS", {torch.bfloat16: True})
     monkeypatch.delenv(sdpa_module.ENV, raising=False)
     p, features, embedded = _setup(batch=2, length=161, seed=2)

@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from rewriter import eagle_data
-from rewriter import heads as heads_file
-from rewriter.train_eagle_checks import rows_of
+from rewriter.training import eagle_data
+from rewriter.drafts import heads as heads_file
+from rewriter.training.train_eagle_checks import rows_of
 
 VOCAB = 50
 LM = torch.randn(VOCAB, 16, generator=torch.Generator().manual_seed(0))  # the model's LM head

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import rewriter
-from rewriter import eagle, eagle_file
+from rewriter.drafts import eagle, eagle_file
 from rewriter.errors import PassError, RewriterError
 from rewriter.passes import EagleDraft, HydraHeads, from_spec
 from rewriter.passes.eagle_draft import budget_tree

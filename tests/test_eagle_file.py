@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from rewriter import eagle, eagle_file
+from rewriter.drafts import eagle, eagle_file
 
 SHAPE = eagle.Shape(hidden=32, heads=4, kv_heads=2, intermediate=48, rope_theta=500.0, eps=1e-6)
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import rewriter
-from rewriter import eagle_file
-from rewriter.draft_loop import generated_pairs, top1
-from rewriter.eagle_layer import DraftLayer
+from rewriter.drafts import eagle_file
+from rewriter.training.draft_loop import generated_pairs, top1
+from rewriter.training.eagle_layer import DraftLayer
 from rewriter.passes import EagleDraft
-from rewriter.train_heads import head_targets
+from rewriter.training.train_heads import head_targets
 
 PROMPTS = [list(range(3 + 7 * i, 20 + 7 * i)) for i in range(6)]
 

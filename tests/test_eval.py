@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import rewriter
-from rewriter.checkpoints import load_hf_model, load_tokenizer
-from rewriter.eval import EvalSettings, agreement, cost, evaluate, format_table
+from rewriter.models.checkpoints import load_hf_model, load_tokenizer
+from rewriter.api.eval import EvalSettings, agreement, cost, evaluate, format_table
 from rewriter.passes import LayerSkip
 
 from conftest import make_model
@@ -88,7 +88,7 @@ def test_agreement_and_first_divergence_by_hand():
 def test_perplexity_through_the_runtime_equals_the_irs_own(default):
     """The runtime scores (prefill + a decode step per token) what the IR's reference
     call computes over the whole chunk, position for position."""
-    from rewriter.eval import heldout_chunks, perplexity
+    from rewriter.api.eval import heldout_chunks, perplexity
     model, tok, base = default
     chunks = heldout_chunks(tok, 2, 64, "prose")
     logp = base(chunks).float().log_softmax(-1)[:, 31:-1].gather(-1, chunks[:, 32:, None])
@@ -96,7 +96,7 @@ def test_perplexity_through_the_runtime_equals_the_irs_own(default):
 
 
 def test_a_chat_tokenizer_gets_chat_prompts():
-    from rewriter.eval import CHAT_PROMPTS, greedy_prompts
+    from rewriter.api.eval import CHAT_PROMPTS, greedy_prompts
     from rewriter.runtime.chat import TextConfig
     model, tok = rewriter.default_model()
     opt = rewriter.optimize(model, tokenizer=tok)

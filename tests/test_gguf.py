@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rewriter import gguf as rg
-from rewriter.checkpoints import DEFAULT_MODEL_DIR
+from rewriter.models import gguf as rg
+from rewriter.models.checkpoints import DEFAULT_MODEL_DIR
 from gguf_tools import write_llama_gguf
 
 TOKENIZER = DEFAULT_MODEL_DIR / "tokenizer.json"

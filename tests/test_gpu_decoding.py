@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import rewriter
-from rewriter.checkpoints import default_model
+from rewriter.models.checkpoints import default_model
 from rewriter.passes import (EagleDraft, FuseAddRMSNorm, FuseQKV, FuseRoPE, FuseSwiGLU, HydraHeads,
                              MedusaHeads, SelfSpeculative)
 

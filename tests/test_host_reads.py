@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import rewriter
-from rewriter.host_reads import counting
+from rewriter.measure.host_reads import counting
 from rewriter.passes import HydraHeads, MedusaHeads, SelfSpeculative
 
 from conftest import make_model, varied_init

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import rewriter
-from rewriter import heads as heads_file
+from rewriter.drafts import heads as heads_file
 from rewriter.errors import PassError
 from rewriter.passes import HydraHeads, MedusaHeads, from_spec
 
@@ -116,7 +116,7 @@ def test_drafting_level_by_level_fills_each_node_from_its_parents_path(tmp_path)
     r.programs, r.device, r.vocab = hy._lowered(), torch.device("cpu"), None
     r.static = False  # programs called eagerly (static rounds: tests/test_static_rounds.py)
     r.strategy = rewriter.decoding.strategy_of(hy.ir.info)
-    from rewriter.tree import make_tree
+    from rewriter.drafts.tree import make_tree
     from rewriter.runtime.decoding.tree.layout import level_plan
     from collections import Counter
     r.tree, r.stats = make_tree(WIDE, 3), Counter()

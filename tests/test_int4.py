@@ -5,7 +5,7 @@ import torch
 
 import rewriter
 from rewriter.errors import ArtifactError, PassError
-from rewriter.int4 import dequantize, quantize, unpack
+from rewriter.maths.int4 import dequantize, quantize, unpack
 from rewriter.passes import FuseQKV, FuseSwiGLU, Int4Weights, LayerSkip, from_spec
 from rewriter.runtime.kernels import int4_cpu_tables, linear_int4_cpu
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import rewriter
-from rewriter.attention_recall import best_selection_layers
+from rewriter.measure.attention_recall import best_selection_layers
 from rewriter.passes import DuoAttention, Quest, StreamingAttention, TidalDecode
 
 from conftest import make_model

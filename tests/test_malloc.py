@@ -30,7 +30,7 @@ glibc = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0
 
 PRELUDE = '''
 import resource, torch
-from rewriter.malloc import reuse_freed_memory
+from rewriter.training.malloc import reuse_freed_memory
 BLOCK = 64 << 20  # bytes: above glibc's largest mmap threshold (32 MB)
 PAGES = BLOCK // resource.getpagesize()
 
@@ -68,7 +68,7 @@ assert faults_of_second_block() > PAGES // 2        # defaults back
 
 
 def test_an_error_inside_still_restores():
-    from rewriter.malloc import reuse_freed_memory
+    from rewriter.training.malloc import reuse_freed_memory
     with pytest.raises(RuntimeError, match="inside"):
         with reuse_freed_memory():
             raise RuntimeError("inside")

@@ -280,7 +280,7 @@ def test_score_takes_a_numpy_prefix(opt, prefix):
 @pytest.mark.parametrize("eos", [np.int64, np.int32, np.uint16])
 def test_chat_takes_a_numpy_eos_id(eos):
     """The issue's: chat generated, then raised TypeError resolving a numpy eos by hand."""
-    from rewriter.checkpoints import DEFAULT_MODEL_DIR
+    from rewriter.models.checkpoints import DEFAULT_MODEL_DIR
     from transformers import PreTrainedTokenizerFast
     tok = PreTrainedTokenizerFast(tokenizer_file=str(DEFAULT_MODEL_DIR / "tokenizer.json"),
                                   chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")

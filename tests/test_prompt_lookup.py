@@ -145,7 +145,7 @@ def test_on_text_that_loops_the_chain_is_kept_and_where_it_cannot_pay_it_rests()
 
 
 def test_the_default_model_and_an_int4_lm_head():
-    from rewriter.checkpoints import default_model
+    from rewriter.models.checkpoints import default_model
     from rewriter.passes import Int4Weights
     model, tok = default_model()
     plain = rewriter.optimize(model)

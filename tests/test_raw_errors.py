@@ -27,9 +27,9 @@ from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
 import rewriter
 from conftest import make_model
-from rewriter import duo_gates, eagle, eagle_file
-from rewriter import heads as heads_file
-from rewriter.checkpoints import DEFAULT_MODEL_DIR
+from rewriter.drafts import duo_gates, eagle, eagle_file
+from rewriter.drafts import heads as heads_file
+from rewriter.models.checkpoints import DEFAULT_MODEL_DIR
 from rewriter.cli import main
 from rewriter.errors import CheckpointError, PassError, RewriterError
 from rewriter.passes import (DuoAttention, EagleDraft, HydraHeads, MedusaHeads, PromptLookup,

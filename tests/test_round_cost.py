@@ -1,4 +1,4 @@
-"""A round's and a plain step's whole cost, timed through the runtime (``rewriter.round_cost``),
+"""A round's and a plain step's whole cost, timed through the runtime (``rewriter.measure.round_cost``),
 and the pass that weighs trees by it."""
 from dataclasses import replace
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import rewriter
-import rewriter.calibrate
-from rewriter import round_cost
+import rewriter.measure.calibrate
+from rewriter.measure import round_cost
 from rewriter.decoding import strategy_of
 from rewriter.errors import RewriterError
 from rewriter.passes import HydraHeads, MedusaHeads
@@ -66,9 +66,9 @@ def test_static_loops_time_their_programs_as_whole_replays(tmp_path, monkeypatch
     assert t["fixed"] < t["round"]  # the programs' replays were timed apart from the round
     # the programs' own costs, timed as the same replays
     names.clear()
-    cost = rewriter.calibrate.verify_cost(med.ir, 4, runs=2, static=True)
+    cost = rewriter.measure.calibrate.verify_cost(med.ir, 4, runs=2, static=True)
     assert len(cost) == 5 and cost[1] == 1 and all(c > 0 for c in cost[1:])
-    assert rewriter.calibrate.heads_cost(med.ir, 3, False, runs=2, static=True) > 0
+    assert rewriter.measure.calibrate.heads_cost(med.ir, 3, False, runs=2, static=True) > 0
     assert names == ["timed call"] * 6  # 4 verify lengths, a decode step and the heads
 
 
@@ -79,13 +79,13 @@ def test_short_contexts_time_shorter_prompts_or_name_the_problem(config, key, tm
     # the programs' own timings, at short contexts, and their errors
     model = make_model(config, initializer_range=varied_init(config), **{key: 40})
     ir = rewriter.optimize(model).ir
-    assert len(rewriter.calibrate.verify_cost(ir, 33, runs=1)) == 34  # positions 7 .. 39
+    assert len(rewriter.measure.calibrate.verify_cost(ir, 33, runs=1)) == 34  # positions 7 .. 39
     with pytest.raises(PassError, match="a step of 40 tokens needs a context of more than 40"):
-        rewriter.calibrate.verify_cost(ir, 40, runs=1)
+        rewriter.measure.calibrate.verify_cost(ir, 40, runs=1)
     # cheap programs: the pass chooses all 6 nodes, whose timed rounds need more than 40
-    monkeypatch.setattr(rewriter.calibrate, "verify_cost",
+    monkeypatch.setattr(rewriter.measure.calibrate, "verify_cost",
                         lambda ir, most, runs=15, batch=1: [0.0] + [1.0] * most)
-    monkeypatch.setattr(rewriter.calibrate, "heads_cost", lambda *a, **k: 0.0)
+    monkeypatch.setattr(rewriter.measure.calibrate, "heads_cost", lambda *a, **k: 0.0)
     path = random_heads(model, tmp_path / "h.safetensors")
     with pytest.raises(PassError, match="needs a context of more than .* the model has 40"):
         rewriter.optimize(model, passes=[MedusaHeads(weights=str(path), max_nodes=6)])
@@ -106,9 +106,9 @@ def test_timings_past_the_records_bounds_are_clamped():
 def _fake_costs(monkeypatch, fixed: float):
     """Programs that cost: verifying s tokens 1 + 0.02 s decode programs, a heads call 0.05;
     a plain step is one decode program; a round spends ``fixed`` more."""
-    monkeypatch.setattr(rewriter.calibrate, "verify_cost",
+    monkeypatch.setattr(rewriter.measure.calibrate, "verify_cost",
                         lambda ir, most, runs=15, batch=1: [0.0] + [1 + 0.02 * s for s in range(most)])
-    monkeypatch.setattr(rewriter.calibrate, "heads_cost", lambda *a, **k: 0.05)
+    monkeypatch.setattr(rewriter.measure.calibrate, "heads_cost", lambda *a, **k: 0.05)
     return fixed_round_work(monkeypatch, fixed)
 
 

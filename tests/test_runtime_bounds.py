@@ -37,8 +37,8 @@ from artifact_tools import artifact_files, reseal
 from conftest import make_model
 from rewriter.cli import main
 from rewriter.ops import OPS, op_arguments
-from rewriter.optimized import OptimizedModel
-from rewriter.pass_manager import run_pipeline
+from rewriter.api.optimized import OptimizedModel
+from rewriter.ir.pass_manager import run_pipeline
 from rewriter.passes import (DuoAttention, HydraHeads, Quest, StreamingAttention, TidalDecode,
                              from_spec)
 from test_artifact_contents import tiny_llama
@@ -390,7 +390,7 @@ def checkpoint(tmp_path_factory):
     with a gates file of huge sinks beside it."""
     path = tmp_path_factory.mktemp("cli")
     tiny_checkpoint().save_pretrained(path / "ckpt")
-    shutil.copy(rewriter.checkpoints.DEFAULT_MODEL_DIR / "tokenizer.json", path / "ckpt")
+    shutil.copy(rewriter.models.checkpoints.DEFAULT_MODEL_DIR / "tokenizer.json", path / "ckpt")
     _gates_file(path / "gates.json", HUGE, 64, [[0.9, 0.1], [0.1, 0.1]])
     return path
 

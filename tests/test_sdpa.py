@@ -1,10 +1,10 @@
-"""``rewriter.sdpa``: the one-query bfloat16/float16 CPU path against ATen's SDPA."""
+"""``rewriter.maths.sdpa``: the one-query bfloat16/float16 CPU path against ATen's SDPA."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-import rewriter.sdpa as sdpa_module
-from rewriter.sdpa import sdpa
+import rewriter.maths.sdpa as sdpa_module
+from rewriter.maths.sdpa import sdpa
 
 
 @pytest.fixture(autouse=True)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import rewriter
-from rewriter import gguf as rg
+from rewriter.models import gguf as rg
 from rewriter.cli import main
-from rewriter.eval import heldout_chunks, perplexity
+from rewriter.api.eval import heldout_chunks, perplexity
 
 try:
     importlib.metadata.distribution(rg.SMOLLM2_PACKAGE)

@@ -181,7 +181,7 @@ CALIBRATION = [[(7 * i + 3 * j) % 97 + 1 for i in range(48)] for j in range(2)] 
 def test_calibration_chooses_the_layers_that_keep_the_most_attention(monkeypatch):
     """The pass builds what best_selection_layers chooses from the measured kept mass, with
     the matrix's positions mapped to the IR's layers."""
-    import rewriter.attention_recall as recall
+    import rewriter.measure.attention_recall as recall
     model = make_model("llama-gqa-3l", initializer_range=0.2)
     kept = torch.tensor([[1.0, 0.1, 0.1], [0.0, 1.0, 0.9], [0.0, 0.0, 1.0]])
     monkeypatch.setattr(recall, "kept_mass", lambda rows, top_k, recent: kept)
@@ -201,7 +201,7 @@ def test_calibration_chooses_the_layers_that_keep_the_most_attention(monkeypatch
 def test_calibration_averages_each_prompts_measure_and_chooses_from_it():
     """The pass's batching and averaging: its matrix is the mean of the prompts' own, and
     its layers are what best_selection_layers makes of that mean."""
-    from rewriter.attention_recall import attention_rows, best_selection_layers, kept_mass
+    from rewriter.measure.attention_recall import attention_rows, best_selection_layers, kept_mass
     model = make_model("llama-gqa-3l", initializer_range=0.2)
     tidal = TidalDecode(calibrate=CALIBRATION, top_k=8, recent=2, max_read=0.9)
     rewriter.optimize(model, passes=[tidal])
@@ -232,7 +232,7 @@ def test_calibration_refusals_name_the_problem():
 
 
 def test_calibration_refuses_what_it_cannot_select_from_before_measuring(monkeypatch):
-    import rewriter.attention_recall as recall
+    import rewriter.measure.attention_recall as recall
 
     def never(*args):
         raise AssertionError("calibration ran")
@@ -251,7 +251,7 @@ def test_calibration_refuses_what_it_cannot_select_from_before_measuring(monkeyp
 def test_calibration_names_the_ir_layers_after_layer_skip(monkeypatch):
     """Matrix positions are the IR's remaining layers: after LayerSkip drops layer 0, the
     first position is cache 1."""
-    import rewriter.attention_recall as recall
+    import rewriter.measure.attention_recall as recall
     from rewriter.passes import LayerSkip
     model = make_model("llama-gqa-3l", initializer_range=0.2)
     monkeypatch.setattr(recall, "kept_mass", lambda rows, top_k, recent: torch.tensor([[1.0, 0.9], [0.0, 1.0]]))
@@ -409,7 +409,7 @@ def test_select_own_calibration_lets_the_last_layer_select_for_itself(monkeypatc
     """With select_own the programme counts a selection layer as every key plus its
     selection's values and its own top-k's kept mass: here the last layer, which keeps
     little of layer 0's choice, selects for itself."""
-    import rewriter.attention_recall as recall
+    import rewriter.measure.attention_recall as recall
     model = make_model("llama-gqa-3l", initializer_range=0.2)
     kept = torch.tensor([[0.8, 0.9, 0.1], [0.0, 0.5, 0.1], [0.0, 0.0, 0.9]])
     monkeypatch.setattr(recall, "kept_mass", lambda rows, top_k, recent: kept)

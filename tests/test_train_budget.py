@@ -1,4 +1,4 @@
-"""The draft trainers' loop (``rewriter.draft_loop.train_rows``, which
+"""The draft trainers' loop (``rewriter.training.draft_loop.train_rows``, which
 ``rewriter train-eagle`` trains with): a step count, or a time budget that
 ends training and runs the learning rate's cosine down to it."""
 import types
@@ -6,7 +6,7 @@ import types
 import pytest
 import torch
 
-from rewriter import draft_loop
+from rewriter.training import draft_loop
 from conftest import Clock
 
 VOCAB, DEPTH = 11, 2

@@ -21,9 +21,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import rewriter
-from rewriter import heads as heads_file
-from rewriter import safe_files, tensor_files
-from rewriter import train_heads as th
+from rewriter.drafts import heads as heads_file
+from rewriter.files import safe_files, tensor_files
+from rewriter.training import train_heads as th
 from rewriter.cli import main
 from test_checkpoints import tiny_llama
 
@@ -187,7 +187,7 @@ def test_refused_before_the_model_loads(command, argv, fragment, tmp_path, capsy
 
     def loaded(*args, **kwargs):
         raise AssertionError("the model was loaded before the arguments were checked")
-    monkeypatch.setattr(rewriter.checkpoints, "load_model", loaded)
+    monkeypatch.setattr(rewriter.models.checkpoints, "load_model", loaded)
     base = HEADS if command == "heads" else GATES
     assert main(base + shlex.split(argv.format(tmp=tmp_path))) == 2
     one_error_line(capsys, fragment.format(tmp=tmp_path))
@@ -253,7 +253,7 @@ class BytesPath(os.PathLike):
 def test_a_path_that_is_not_text_is_a_value_error(where, tmp_path, engine):
     """The API's paths: a ``str`` or ``os.PathLike`` of one, else a ``ValueError`` naming
     the parameter (each is checked once, before any work)."""
-    from rewriter.train_gates import train_gates
+    from rewriter.training.train_gates import train_gates
     model, tokenizer = rewriter.default_model()
     out, name = str(tmp_path / "h.safetensors"), where.split()[1]
     with pytest.raises(ValueError, match=f"(train_heads|train_gates): {name} must "):
@@ -384,7 +384,7 @@ def test_a_full_disk_at_the_gates_file_names_it_and_keeps_the_old_one(tmp_path, 
                                                                       monkeypatch, engine):
     """The disk fills while the gates file is written (its checkpoint had room): the
     earlier gates file stays as it was, and no temporary file is left beside it."""
-    monkeypatch.setattr(rewriter.optimized, "optimize", lambda model, **kw: engine)
+    monkeypatch.setattr(rewriter.api.optimized, "optimize", lambda model, **kw: engine)
     out = tmp_path / "g.json"
     out.write_text(json.dumps({"format": "rewriter-duo-gates", "earlier": True}))
     before = listing(tmp_path)

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 import rewriter
-from rewriter import checkpoints, eagle_file
-from rewriter import train_eagle_data
-from rewriter import train_heads as th
+from rewriter.models import checkpoints
+from rewriter.drafts import eagle_file
+from rewriter.training import train_eagle_data
+from rewriter.training import train_heads as th
 from rewriter.cli import main
 from rewriter.passes import EagleDraft
 from test_train_cli_errors import _dir, _file, _link, listing, one_error_line

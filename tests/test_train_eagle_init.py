@@ -5,9 +5,9 @@ import types
 import pytest
 import torch
 
-from rewriter import eagle, eagle_file
-from rewriter.eagle_layer import DraftLayer
-from rewriter.train_eagle_checks import counts_of, start_of
+from rewriter.drafts import eagle, eagle_file
+from rewriter.training.eagle_layer import DraftLayer
+from rewriter.training.train_eagle_checks import counts_of, start_of
 
 SHAPE = eagle.Shape(hidden=16, heads=4, kv_heads=2, intermediate=24)
 

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 import rewriter
-from rewriter import duo_gates
+from rewriter.drafts import duo_gates
 from rewriter.cli import main
 from rewriter.passes import DuoAttention, StreamingAttention
-from rewriter.train_gates import _inputs, gated_program, train_gates
+from rewriter.training.train_gates import _inputs, gated_program, train_gates
 
 from conftest import make_model
 
@@ -103,7 +103,7 @@ def test_the_output_must_be_a_file_in_a_directory(default, tmp_path):
 
 def test_the_cli_calibrates(default, tmp_path, capsys, monkeypatch):
     """The command calibrates the default model (traced once for the file, not again)."""
-    monkeypatch.setattr(rewriter.optimized, "optimize", lambda model, **kw: default[0])
+    monkeypatch.setattr(rewriter.api.optimized, "optimize", lambda model, **kw: default[0])
     out = tmp_path / "g.json"
     assert main(["train-gates", "default", "--out", str(out), "--steps", "1", "--lengths", "96",
                  "--sinks", "4", "--window", "8"]) == 0

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import rewriter
-from rewriter import heads as heads_file
-from rewriter import train_heads as th
-from rewriter.checkpoints import default_model
+from rewriter.drafts import heads as heads_file
+from rewriter.training import train_heads as th
+from rewriter.models.checkpoints import default_model
 
 from conftest import Clock
 

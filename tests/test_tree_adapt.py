@@ -12,7 +12,7 @@ from rewriter.passes import HydraHeads, MedusaHeads
 from rewriter.runtime.decoding.tree.adapt import AdaptiveTree
 from rewriter.runtime.decoding.tree.layout import level_plan
 from rewriter.runtime.decoding.tree.rounds import TreeRounds
-from rewriter.tree import MAX_RANK, Tree, best_subtree, make_tree
+from rewriter.drafts.tree import MAX_RANK, Tree, best_subtree, make_tree
 
 from conftest import make_model, varied_init
 from test_draft_heads import IDS, WIDE, random_heads

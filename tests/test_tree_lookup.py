@@ -10,7 +10,7 @@ import torch
 import rewriter
 from rewriter.passes import HydraHeads, MedusaHeads
 from rewriter.runtime.decoding.tree.lookup import LOOKUP, NGRAM, ChainLength, Context, with_chain
-from rewriter.tree import Tree, make_tree, monotone
+from rewriter.drafts.tree import Tree, make_tree, monotone
 
 from conftest import assert_same_distribution, fixed_round_work, make_model, varied_init
 from test_draft_heads import random_heads
@@ -249,7 +249,7 @@ def test_chains_of_short_matches_are_dropped_where_they_do_not_pay():
 def chains_pass(tmp_path, monkeypatch, slope: float, lookup: int = 4, **model_kw):
     """A pass whose measured costs (set here) find that no heads' tree pays at any batch
     size (a heads call costs 5 steps), and verifying one more token costs ``slope`` steps."""
-    from rewriter import calibrate
+    from rewriter.measure import calibrate
     model = make_model("llama-gqa-3l", **(model_kw or dict(initializer_range=varied_init("llama-gqa-3l"))))
     path = random_heads(model, tmp_path / "h.safetensors")
     fixed_round_work(monkeypatch)

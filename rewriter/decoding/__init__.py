@@ -20,7 +20,7 @@ the longest path the model agrees with. ``drafter`` says who drafts it::
      "posterior_alpha": 0.3, "batch_trees": [[4, [[0], [1], [0, 0]]], [8, []]]}
 
 - ``depth``: the levels a round drafts (Medusa and Hydra: one head a level; EAGLE: its
-  layer run once a level); ``tree``: paths of ranks (``rewriter.tree``); ``draft_vocab``:
+  layer run once a level); ``tree``: paths of ranks (``rewriter.drafts.tree``); ``draft_vocab``:
   the tokens the draft chooses among (the weight ``medusa.vocab``), None: all of them.
 - ``batch_trees``, optional: from a batch of 4 rows on verify only those nodes of the
   tree, from 8 on none, which decodes plainly (or, with ``lookup``, verifies copied chains
@@ -37,7 +37,7 @@ the longest path the model agrees with. ``drafter`` says who drafts it::
   the heads' held-out rank accuracies and, from each batch size on, one heads call's cost
   and a round's cost verifying 1, 2, .. tokens (at one row as far as the tree and a chain;
   a larger batch's may stop short of the tree: its sub-trees are cut to them), in plain
-  decode steps (``rewriter.round_cost``). The runtime then learns the heads' accuracies on
+  decode steps (``rewriter.measure.round_cost``). The runtime then learns the heads' accuracies on
   the text it decodes and re-chooses the sub-tree it verifies (``runtime.decoding.tree.adapt``).
 
 Copied chains alone (``PromptLookup``) are a tree strategy with no drafter::
@@ -57,9 +57,9 @@ from __future__ import annotations
 
 from typing import Union
 
-from .checks import DRAFT_WEIGHTS, DRAFTERS, MAX_DRAFT, MAX_EXPAND, MAX_LOOKUP
-from .records import VERSION, PlainDecoding, SelfSpeculativeDecoding, TreeDecoding
-from .version1 import from_version1, problem
+from rewriter.decoding.checks import DRAFT_WEIGHTS, DRAFTERS, MAX_DRAFT, MAX_EXPAND, MAX_LOOKUP
+from rewriter.decoding.records import VERSION, PlainDecoding, SelfSpeculativeDecoding, TreeDecoding
+from rewriter.decoding.version1 import from_version1, problem
 
 Decoding = Union[PlainDecoding, SelfSpeculativeDecoding, TreeDecoding]
 RECORDS = {c.KIND: c for c in (SelfSpeculativeDecoding, TreeDecoding)}

@@ -42,8 +42,8 @@ def check_tree(r: dict) -> str | None:
 
 
 def _check_drafted(r: dict) -> str | None:
-    from rewriter.heads import MAX_HEADS
-    from rewriter.tree import check_paths
+    from rewriter.drafts.heads import MAX_HEADS
+    from rewriter.drafts.tree import check_paths
     if set(r) - TREE_OPTIONAL != TREE_KEYS:
         return (f"an object with exactly the keys {sorted(TREE_KEYS)} (and "
                 f"{', '.join(sorted(TREE_OPTIONAL))})")
@@ -76,7 +76,7 @@ def _check_drafted(r: dict) -> str | None:
 
 
 def _check_chains(r: dict) -> str | None:
-    from rewriter.tree import MAX_NODES
+    from rewriter.drafts.tree import MAX_NODES
     if set(r) - {"costs"} != CHAIN_KEYS:
         return f"drafter 'none': an object with exactly the keys {sorted(CHAIN_KEYS)} (and costs)"
     if not _is_lookup(r["lookup"]):
@@ -97,7 +97,7 @@ def _check_chains(r: dict) -> str | None:
 
 
 def _check_batch_trees(v, tree: list, depth: int) -> str | None:
-    from rewriter.tree import check_paths
+    from rewriter.drafts.tree import check_paths
     what = "batch_trees: a list of [batch, paths] pairs, batches increasing from 1"
     if not isinstance(v, list) or not all(isinstance(x, list) and len(x) == 2 and _is_int(x[0])
                                           for x in v):
@@ -117,7 +117,7 @@ def _check_batch_trees(v, tree: list, depth: int) -> str | None:
 
 
 def _check_adapt(v, nodes: int, depth: int) -> str | None:
-    from rewriter.tree import MAX_NODES, MAX_RANK
+    from rewriter.drafts.tree import MAX_NODES, MAX_RANK
     if not isinstance(v, dict) or set(v) != {"accuracy", "costs"}:
         return "adapt: an object with the keys accuracy and costs"
     acc = v["accuracy"]
@@ -144,7 +144,7 @@ def _check_adapt(v, nodes: int, depth: int) -> str | None:
 
 def _is_curve(v) -> bool:
     """A round's cost verifying 1, 2, .. tokens: 2 to MAX_NODES + 1 positive numbers."""
-    from rewriter.tree import MAX_NODES
+    from rewriter.drafts.tree import MAX_NODES
     return (isinstance(v, list) and 2 <= len(v) <= MAX_NODES + 1
             and all(_is_number(x, 1e-3, 1e3) for x in v))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
-from . import checks
+from rewriter.decoding import checks
 
 VERSION = 2  # the record's version: 1 had no version key (``version1``)
 
@@ -61,7 +61,7 @@ class TreeDecoding:
     KIND: ClassVar[str] = "tree"
     drafter: str
     depth: int = 0  # the levels a round drafts: Medusa's and Hydra's heads, EAGLE's layer calls
-    tree: tuple = ()  # paths of ranks (rewriter.tree)
+    tree: tuple = ()  # paths of ranks (rewriter.drafts.tree)
     draft_vocab: Optional[int] = None  # the tokens the draft chooses among (None: all)
     acceptance: str = "exact"
     posterior_threshold: float = 0.09

@@ -8,7 +8,7 @@ name and meaning.
 """
 from __future__ import annotations
 
-from .records import VERSION
+from rewriter.decoding.records import VERSION
 
 RENAMED = {"arch": "drafter", "num_heads": "depth"}  # a version-1 tree's keys, renamed
 ARCHS = ("medusa", "hydra", "eagle")  # version 1's tree drafters ("none" was "lookup")

@@ -7,12 +7,12 @@ from torch import nn
 
 from rewriter.ir.cacheable import uncacheable
 
-from ..ir.core import IR
-from ..ir.shapes import lm_input_specs, propagate_shapes, specs_from_placeholders
-from ..ir.layers import layer_spans
-from .annotate import annotate
-from .lift import Lifter
-from .trace import trace
+from rewriter.ir.core import IR
+from rewriter.ir.shapes import lm_input_specs, propagate_shapes, specs_from_placeholders
+from rewriter.ir.layers import layer_spans
+from rewriter.frontend.annotate import annotate
+from rewriter.frontend.lift import Lifter
+from rewriter.frontend.trace import trace
 
 
 def build_ir(model: nn.Module, example_inputs: tuple | None = None) -> IR:

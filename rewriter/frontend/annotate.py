@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from .regions import scope_classes, scope_of
+from rewriter.frontend.regions import scope_classes, scope_of
 
 
 def annotate(gm: fx.GraphModule, prefix: str, layer_container: str | None) -> None:

@@ -21,10 +21,10 @@ from rewriter.frontend.attention_region import query_scaling, unexpected_math
 from rewriter.frontend.positions import position_offset
 from rewriter.frontend.window import attention_window
 
-from .. import ops
-from ..ir.core import add_weight
-from .regions import Region, data_ancestors, erase_region, region, scope_of
-from .trace import Traced
+from rewriter import ops
+from rewriter.ir.core import add_weight
+from rewriter.frontend.regions import Region, data_ancestors, erase_region, region, scope_of
+from rewriter.frontend.trace import Traced
 
 aten = torch.ops.aten
 rw = torch.ops.rw

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
-from ..errors import TraceError
-from ..ir.shapes import EXAMPLE_BATCH, EXAMPLE_SEQ
+from rewriter.errors import TraceError
+from rewriter.ir.shapes import EXAMPLE_BATCH, EXAMPLE_SEQ
 
 # A failing export prints its partial graph (a hundred lines and more) through these
 # loggers and straight to sys.stderr before raising: the user gets the one-line TraceError.

@@ -12,9 +12,9 @@ from functools import reduce
 import torch
 from torch import fx, nn
 
-from .layers import layer_spans
-from .printer import format_graph
-from .shapes import propagate_shapes
+from rewriter.ir.layers import layer_spans
+from rewriter.ir.printer import format_graph
+from rewriter.ir.shapes import propagate_shapes
 
 
 class IR:
@@ -76,7 +76,7 @@ class IR:
         self.info["layers"] = layer_spans(self.gm)
 
     def op_counts(self) -> dict[str, int]:
-        from ..ops import short_name
+        from rewriter.ops import short_name
         counts: dict[str, int] = {}
         for n in self.ops():
             key = short_name(n.target)

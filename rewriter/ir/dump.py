@@ -13,7 +13,7 @@ from pathlib import Path
 import networkx as nx
 from torch import fx
 
-from rewriter import safe_files
+from rewriter.files import safe_files
 from rewriter.errors import RewriterError
 from rewriter.ir.printer import format_call, format_type
 from rewriter.ops import short_name

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from ..ops import short_name
+from rewriter.ops import short_name
 
 _DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
            torch.int64: "i64", torch.int32: "i32", torch.bool: "bool", torch.int8: "i8",

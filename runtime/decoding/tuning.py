@@ -1,4 +1,4 @@
-"""What timing a strategy's rounds (``rewriter.round_cost``) needs of the runtime: a
+"""What timing a strategy's rounds (``rewriter.measure.round_cost``) needs of the runtime: a
 record's programs, lowered without writing the record into the IR, and tree rounds whose
 replays a clock times."""
 from __future__ import annotations

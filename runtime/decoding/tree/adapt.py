@@ -7,7 +7,7 @@ from the 9-node tree, code prompts accept 1.4. So a generation counts, per head,
 its ``r``-th best token was the model's own, given that the path before it was accepted
 (rows past their end of sequence are not counted), and every ``EVERY`` rounds verifies the
 sub-tree of the pass's tree that these counts and the pass's measured costs pay for
-(``rewriter.tree.best_subtree``). That may be no node at all: plain rounds. After ``PROBE``
+(``rewriter.drafts.tree.best_subtree``). That may be no node at all: plain rounds. After ``PROBE``
 rounds spent on less than the whole tree, one round verifies the whole tree, so that heads
 whose nodes were dropped are counted again and can win them back; a probe that changes
 nothing doubles the wait for the next (up to ``MAX_PROBE`` rounds: a probe of a large tree
@@ -40,7 +40,7 @@ from __future__ import annotations
 from typing import Optional
 
 from rewriter.decoding import TreeDecoding
-from rewriter.tree import MAX_RANK, Tree, best_subtree, expected_tokens, monotone
+from rewriter.drafts.tree import MAX_RANK, Tree, best_subtree, expected_tokens, monotone
 
 from .lookup import ChainLength
 

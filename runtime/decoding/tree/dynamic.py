@@ -6,7 +6,7 @@ four guesses share the mass. So each round the tree is grown from the heads'
 probabilities and the round verifies its ``n`` likeliest nodes, the same number a fixed
 tree would (the pass's, or the adaptive tree's choice: ``runtime.decoding.tree.adapt``).
 
-A node is a path of ranks, as in ``rewriter.tree``; its *score* is the probability the
+A node is a path of ranks, as in ``rewriter.drafts.tree``; its *score* is the probability the
 heads give its whole path, the product of each step's probability (Hydra's head ``d``
 scores the children of a path it was run on; Medusa's heads score every path at depth
 ``d`` alike), summed over the batch's rows: one shape serves every row (one mask per
@@ -30,7 +30,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from rewriter.tree import Tree
+from rewriter.drafts.tree import Tree
 
 # (level d, the expanded paths' tokens [B, P, d + 1]) -> (log-probabilities [B, P, R]
 # sorted best first, their token ids [B, P, R])

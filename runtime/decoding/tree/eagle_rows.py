@@ -1,5 +1,5 @@
 """The EAGLE draft layer in decoding: each row's own draft cache, caught up every round,
-and the tree's levels drafted below it (``passes.eagle_draft``, ``rewriter.eagle``).
+and the tree's levels drafted below it (``passes.eagle_draft``, ``rewriter.drafts.eagle``).
 
 At position ``i`` the layer reads the model's feature ``f_i`` (the LM head's input) beside
 the embedding of ``x_{i+1}``. So after a round that accepted ``a`` drafted tokens
@@ -25,8 +25,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from rewriter import eagle
-from rewriter.eagle_graph import eagle_node
+from rewriter.drafts import eagle
+from rewriter.ir.eagle_graph import eagle_node
 from rewriter.errors import RewriterError
 from rewriter.ops import EAGLE_WEIGHTS, op_arguments
 
@@ -102,7 +102,7 @@ class EagleProgram:
     @property
     def code(self) -> str:
         s = self.shape
-        return (f"# EAGLE draft layer (rewriter.eagle, runtime.decoding.tree.eagle_rows): hidden {s.hidden}, "
+        return (f"# EAGLE draft layer (rewriter.drafts.eagle, runtime.decoding.tree.eagle_rows): hidden {s.hidden}, "
                 f"{s.heads} heads, {s.kv_heads} KV heads, MLP {s.intermediate}, RoPE base "
                 f"{s.rope_theta}, eps {s.eps}\n"
                 f"# catch-up: eagle.step(params, shape, features [1, n, H], embed[next ids] "

@@ -1,4 +1,4 @@
-"""A tree's layout on the device (``rewriter.tree.Tree.layout``) and Hydra's level-by-level
+"""A tree's layout on the device (``rewriter.drafts.tree.Tree.layout``) and Hydra's level-by-level
 drafting plan (``level_plan``), made once and kept across generations and engines (``kept``)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from rewriter.tree import Tree
+from rewriter.drafts.tree import Tree
 
 LAYOUTS = 512  # laid-out trees kept across generations (re-shaped trees repeat: code, chat)
 

@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from rewriter.tree import MAX_RANK, Tree
+from rewriter.drafts.tree import MAX_RANK, Tree
 
 NGRAM = 3  # the longest suffix matched
 LOOKUP = MAX_RANK  # a chain node's rank in the tree's paths

@@ -3,7 +3,7 @@ the text (``lookup``, ``runtime.decoding.tree.lookup``), beside the tree or alon
 
 A round, for every row at once (each row at its own cache length ``length[b]``):
 
-1. **candidates** fill the tree (``rewriter.tree``), computed after the previous round
+1. **candidates** fill the tree (``rewriter.drafts.tree``), computed after the previous round
    from the hidden state of the row's last accepted position. The root is the token the
    model chose last (not yet in the cache). Medusa: node ``(r0, .., rd)`` holds head
    ``d``'s ``rd``-th best token (one call of all heads). Hydra: head ``d`` runs, level by
@@ -39,7 +39,7 @@ from torch import Tensor
 
 from rewriter.decoding import TreeDecoding
 from rewriter.errors import RewriterError
-from rewriter.tree import MAX_NODES, MAX_RANK, Tree, make_tree
+from rewriter.drafts.tree import MAX_NODES, MAX_RANK, Tree, make_tree
 
 from ...generate import Batch, run_prompt
 from ...kv_cache import KVCache

@@ -46,8 +46,8 @@ import torch
 
 import rewriter
 from rewriter.decoding import check_record
-from rewriter.optimized import OptimizedModel
-from rewriter.pass_manager import Pass, run_pipeline
+from rewriter.api.optimized import OptimizedModel
+from rewriter.ir.pass_manager import Pass, run_pipeline
 from rewriter.passes import (DuoAttention, EagleDraft, FuseAddRMSNorm, FuseQKV, FuseRoPE,
                              FuseSwiGLU, HydraHeads, Int4Weights, LayerSkip, MedusaHeads,
                              PromptLookup, Quest, SelfSpeculative, StreamingAttention,
@@ -107,8 +107,8 @@ def heads_costs(nodes: int, batches=(1, 2, 4, 8)) -> list:
 
 def accuracy(weights: str, arch: str) -> list:
     """The shipped heads' held-out rank accuracies, as the pass records them (4 decimals)."""
-    from rewriter import heads
-    from rewriter.tree import MAX_RANK
+    from rewriter.drafts import heads
+    from rewriter.drafts.tree import MAX_RANK
     return [[round(x, 4) for x in a[:MAX_RANK]] for a in heads.load(weights, arch).accuracy]
 
 
@@ -230,7 +230,7 @@ def load_model(model: str):
     """(hf model, tokenizer) in float32."""
     if model == "default":
         return rewriter.default_model()
-    from rewriter import gguf
+    from rewriter.models import gguf
     return gguf.load_gguf_model("smollm2"), gguf.load_gguf_tokenizer("smollm2")
 
 
@@ -247,7 +247,7 @@ def prompt_ids(base, prompts: list) -> list:
 
 def random_draft(hf, path, seed: int = 0) -> str:
     """A seeded random EAGLE draft for ``hf`` (as ``tests/conftest.py``'s ``random_draft``)."""
-    from rewriter import eagle, eagle_file
+    from rewriter.drafts import eagle, eagle_file
     h = hf.config.hidden_size
     heads = 4 if h % 8 == 0 else 2
     shape = eagle.Shape(h, heads, heads // 2 if (h // heads) % 2 == 0 else heads, 2 * h)

@@ -1,5 +1,5 @@
 """DuoAttention's gates file: one gate in [0, 1] per layer and KV head, and the sink + window
-cache they were calibrated for (``rewriter.train_gates`` writes it, ``DuoAttention(gates=
+cache they were calibrated for (``rewriter.training.train_gates`` writes it, ``DuoAttention(gates=
 PATH)`` reads it).
 
 The file is JSON, read with a size limit and every field checked: a gates file may come
@@ -20,13 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Union
 
-from . import safe_files
-from .ops import MAX_INT
-from .values import parse_json
+from rewriter.files import safe_files
+from rewriter.values import MAX_INT, parse_json
 
 FORMAT, VERSION = "rewriter-duo-gates", 1
 MAX_BYTES = 4 << 20  # a 1000-layer, 64-head model's gates are ~1 MB of JSON
-ASSETS = Path(__file__).parent / "assets" / "gates"
+ASSETS = Path(__file__).parent.parent / "assets" / "gates"
 SHIPPED = ("default", "smollm2")  # calibrated gates shipped for the shipped models
 
 

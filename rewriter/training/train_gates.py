@@ -4,7 +4,7 @@ Each attention head of the IR's whole-sequence graph computes both full attentio
 sink + window attention the runtime would give it (StreamingLLM's sink positions, as
 ``DuoAttention`` deploys it), and outputs their mix ``gate * full + (1 - gate) * streaming``,
 one gate per KV head shared by its query group. On synthetic pass-key prompts (the
-project's generator, ``rewriter.corpus``, with training-split code or fixed sentences as
+project's generator, ``rewriter.models.corpus``, with training-split code or fixed sentences as
 filler, keys and seeds apart from the evaluation's), the loss is the mean squared
 difference between the mixed model's and the full model's last hidden states at the
 answer positions, plus ``reg`` times the mean gate (L1: gates are >= 0), as in the paper;
@@ -28,9 +28,11 @@ from typing import Sequence, Union
 import torch
 from torch import Tensor, fx
 
-from . import duo_gates, safe_files, tensor_files
-from .ops import OPS, REFERENCE, op_arguments
-from .passes.streaming import rotary_frequencies
+from rewriter.drafts import duo_gates
+
+from rewriter.files import safe_files, tensor_files
+from rewriter.ops import OPS, REFERENCE, op_arguments
+from rewriter.passes.streaming import rotary_frequencies
 
 _SHORT = {op: name for name, op in OPS.items()}
 
@@ -40,7 +42,7 @@ def train_gates(opt, tokenizer, out: Union[str, os.PathLike], sinks: int = 16, w
                 reg: float = 0.05, seed: int = 0, positions: str = "cache",
                 progress: bool = True) -> dict:
     """Calibrate gates for ``opt`` (an ``OptimizedModel`` of a causal LM, no passes needed)
-    and write them to ``out`` (``rewriter.duo_gates``); returns the calibration record."""
+    and write them to ``out`` (``rewriter.drafts.duo_gates``); returns the calibration record."""
     check_settings(sinks, window, steps, lengths, lr, reg, positions)
     context = opt.max_len
     if max(lengths) > context:
@@ -169,8 +171,8 @@ def _shape(ir) -> tuple[int, int]:
 def _fingerprint(ir) -> dict:
     """What identifies the model gates are calibrated for: its shape and its LM head's
     first weights (a resumed calibration must be of the same model)."""
-    from .heads import probe_of
-    from .runtime.lower import logits_node
+    from rewriter.drafts.heads import probe_of
+    from rewriter.runtime.lower import logits_node
     head = logits_node(ir).args[1]
     weight = ir.weight(head.target) if head.op == "get_attr" else None
     node = next(iter(ir.graph.find_nodes(op="call_function", target=OPS["attention"])))
@@ -184,7 +186,7 @@ def gated_program(ir, sinks: int | None = None, window: int | None = None,
     """The whole-sequence graph on plain functions (autograd runs through them), returning
     the LM head's input ``[B, S, hidden]``. With ``gates`` ``[layers, kv_heads]`` each
     attention mixes full and sink + window attention per KV head."""
-    from .runtime.lower import logits_node
+    from rewriter.runtime.lower import logits_node
     graph, env = fx.Graph(), {}
     gate_node = None
     for node in ir.graph.nodes:
@@ -252,8 +254,8 @@ def _inputs(ir, ids: Tensor) -> tuple:
 def _samples(tokenizer, lengths: Sequence[int], seed: int):
     """Endless ``(ids [1, S], answer positions [A])``: pass-key prompts with their answer,
     lengths and depths drawn by ``seed`` (the evaluation draws by its own seeds)."""
-    from .corpus import code_lines, load_corpus, passkey_sample
-    from .eval import _backend
+    from rewriter.models.corpus import code_lines, load_corpus, passkey_sample
+    from rewriter.api.eval import _backend
     tok = _backend(tokenizer)
     lines = code_lines(load_corpus("train"))
     rng = random.Random(f"duo-gates-{seed}")

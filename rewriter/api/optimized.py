@@ -9,16 +9,16 @@ from typing import Sequence
 import torch
 from torch import fx, nn
 
-from .frontend import build_ir
-from .ir.core import IR
-from .ir.dump import Dumper
-from .ir.verify import verify
-from .pass_manager import Pass, run_pipeline
-from .runtime.chat import split_tokenizer
-from .runtime.engine import BACKENDS, Engine, check_token_ids  # noqa: F401 (re-exported)
-from .runtime.kv_cache import cache_table, describe
-from .traced import TracedModel, check_model
-from .values import check_flag, path_argument
+from rewriter.frontend import build_ir
+from rewriter.ir.core import IR
+from rewriter.ir.dump import Dumper
+from rewriter.ir.verify import verify
+from rewriter.ir.pass_manager import Pass, run_pipeline
+from rewriter.runtime.chat import split_tokenizer
+from rewriter.runtime.engine import BACKENDS, Engine, check_token_ids  # noqa: F401 (re-exported)
+from rewriter.runtime.kv_cache import cache_table, describe
+from rewriter.api.traced import TracedModel, check_model
+from rewriter.values import check_flag, path_argument
 
 
 class OptimizedModel(Engine):
@@ -73,7 +73,7 @@ def optimize(model: nn.Module | TracedModel, passes: Sequence[Pass] = (), backen
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
     if backend == "triton":
-        from .runtime.triton_backend import available
+        from rewriter.runtime.triton_backend import available
         reason = available(_device(model))
         if reason is not None:
             raise ValueError(reason)

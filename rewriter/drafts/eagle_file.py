@@ -1,6 +1,6 @@
-"""The file that stores a trained EAGLE draft layer (``rewriter.eagle``).
+"""The file that stores a trained EAGLE draft layer (``rewriter.drafts.eagle``).
 
-Safetensors (no pickle): the parameters under ``rewriter.eagle``'s names (``LAYER``, then
+Safetensors (no pickle): the parameters under ``rewriter.drafts.eagle``'s names (``LAYER``, then
 ``fc.weight``, ``fc.bias``, ``norm.weight``), float32 or bfloat16 (read as float32: a
 shipped draft is stored in bfloat16, half the bytes), optionally ``counts`` (int64
 ``[V]``: how often the model produced each token in the training data, from which a
@@ -21,15 +21,15 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from rewriter import eagle
-from rewriter.heads import (PROBE, counts_problem, draft_vocab, dtype_problem,  # noqa: F401
+from rewriter.drafts import eagle
+from rewriter.drafts.heads import (PROBE, counts_problem, draft_vocab, dtype_problem,  # noqa: F401
                             metadata_json, probe_of, unfit)  # (draft_vocab: one rule for both)
 
 FORMAT = "rewriter-eagle-draft"
 VERSION = "1"
 NAMES = (*eagle.LAYER, "fc.weight", "fc.bias", "norm.weight")
 STORED = (torch.float32, torch.bfloat16)  # what a file may hold; loaded as float32
-ASSETS = Path(__file__).resolve().parent / "assets" / "eagle"
+ASSETS = Path(__file__).resolve().parent.parent / "assets" / "eagle"
 SHIPPED = ("smollm2",)  # assets/eagle/{name}.safetensors
 
 
@@ -51,7 +51,7 @@ class Draft:
         """Write the file (``tensor_files.save``: a temporary name, then renamed: a reader
         never sees half a file, and a link at ``path`` is replaced, not followed);
         ``dtype``: the parameters' on disk, float32 or bfloat16."""
-        from rewriter import tensor_files
+        from rewriter.files import tensor_files
         if dtype not in STORED:
             raise ValueError(f"eagle_file: a draft is stored in float32 or bfloat16, got {dtype}")
         meta = {"format": FORMAT, "version": VERSION, "shape": json.dumps(asdict(self.shape)),

@@ -2,8 +2,8 @@
 writes for itself, then the layer trained on it, each phase within its share of
 ``seconds`` (a GPU is often lent for minutes).
 
-    from rewriter.train_eagle import train_eagle
-    from rewriter.train_eagle_settings import EagleSettings
+    from rewriter.training.train_eagle import train_eagle
+    from rewriter.training.train_eagle_settings import EagleSettings
     train_eagle(model, tokenizer, EagleSettings(out="D", seconds=470), device="cuda")
 
 Phases, each ending at its deadline (a fraction of ``seconds`` from the start):
@@ -48,12 +48,16 @@ from pathlib import Path
 
 import torch
 
-from rewriter import eagle_data, eagle_file, safe_files
-from rewriter.eagle_layer import DraftLayer, produced_counts
-from rewriter.machine import machine
-from rewriter.train_eagle_checks import counts_of, enough_rows, rows_of, start_of
-from rewriter.train_eagle_data import PROMPT_TOKENS, own_rows, training_sets
-from rewriter.train_eagle_settings import DRAFT, REPORT, EagleSettings, check_paths, check_settings
+from rewriter.training import eagle_data
+
+from rewriter.drafts import eagle_file
+
+from rewriter.files import safe_files
+from rewriter.training.eagle_layer import DraftLayer, produced_counts
+from rewriter.training.machine import machine
+from rewriter.training.train_eagle_checks import counts_of, enough_rows, rows_of, start_of
+from rewriter.training.train_eagle_data import PROMPT_TOKENS, own_rows, training_sets
+from rewriter.training.train_eagle_settings import DRAFT, REPORT, EagleSettings, check_paths, check_settings
 from rewriter.values import within_context
 
 

@@ -1,6 +1,6 @@
 """Train draft heads (Medusa, Hydra) on a frozen model, by self-distillation.
 
-    from rewriter.train_heads import train_heads
+    from rewriter.training.train_heads import train_heads
     report = train_heads(model, tokenizer, "heads.safetensors", num_heads=4)
 
 1. **Data.** Prompts (held-in standard-library code chunks; with a chat template also chat
@@ -21,7 +21,7 @@
    corpus's questions are all about its code.
 2. **Hidden states**, computed once with the model (its last hidden state, the LM head's
    input) and cached in ``work_dir`` with the tokens: a resumed run reuses both. Every
-   file there is written under a temporary name and renamed (``rewriter.tensor_files``);
+   file there is written under a temporary name and renamed (``rewriter.files.tensor_files``);
    a torn one (from a version that wrote in place) is made again, with a warning.
 3. **Training**: only the heads' residual blocks learn; the LM head is shared and frozen.
    Head ``k`` at position ``t`` (from the prompt's last token on) learns the token at
@@ -31,7 +31,7 @@
    so it costs no model call); a Hydra head also
    reads the embeddings of the tokens at ``t + 1 .. t + k + 1`` (teacher forcing: the
    path verification accepts is the model's own text). With ``blocks=B`` each head runs
-   ``B - 1`` more residual blocks (``rewriter.heads``; Hydra++ trains 4), zero-initialised,
+   ``B - 1`` more residual blocks (``rewriter.drafts.heads``; Hydra++ trains 4), zero-initialised,
    so a run can start from shallower trained heads (``init``). AdamW, cosine decay,
    seeded; a checkpoint in ``work_dir`` after every few hundred steps, from which an
    interrupted run resumes.
@@ -55,10 +55,10 @@ from torch import Tensor
 
 from safetensors import SafetensorError, safe_open
 
-from rewriter import heads as heads_file
-from rewriter import safe_files, tensor_files
-from rewriter.corpus import load_corpus
-from rewriter.malloc import reuse_freed_memory
+from rewriter.drafts import heads as heads_file
+from rewriter.files import safe_files, tensor_files
+from rewriter.models.corpus import load_corpus
+from rewriter.training.malloc import reuse_freed_memory
 from rewriter.values import path_problem
 
 RANKS = 10  # rank accuracies stored per head
@@ -78,7 +78,7 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
                 rows: Optional[int] = None, questions: int = 0,
                 init: Optional[Union[str, os.PathLike]] = None, blocks: int = 1) -> dict:
     """Train heads for ``model`` (a Hugging Face causal LM, frozen) and write them to ``out``
-    (``rewriter.heads`` format); returns what was done and measured. ``arch``: "medusa"
+    (``rewriter.drafts.heads`` format); returns what was done and measured. ``arch``: "medusa"
     or "hydra"; ``loss``: "tokens" or "teacher"; ``data``: "generated", "corpus" or "mixed"
     (see the module's docstring; ``rows``: a mixed run's corpus rows, default ``prompts``;
     ``questions``: a mixed run's self-asked chat questions; ``init``: a heads file of this

@@ -9,7 +9,7 @@ its ``--question-batch`` and the machine that sampled them):
   begins; ``kind`` ``[N]``: 0 a held-out code prompt, 1 a chat question, 2 a code prompt
   (the last ``chat_heldout`` chat rows are the run's held-out ones);
 - metadata: ``seed``, ``new_tokens``, ``chat_heldout``, and the model's ``vocab``, ``probe``
-  (its LM head's corner, ``rewriter.heads.probe_of``) and ``dtype`` while it answered.
+  (its LM head's corner, ``rewriter.drafts.heads.probe_of``) and ``dtype`` while it answered.
 
 Nothing in a file is trusted: a file that does not parse, was made for another model, or
 whose tokens, starts or kinds are out of range stops the run with its name (no pickle:
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from rewriter import heads as heads_file
-from rewriter import tensor_files
+from rewriter.drafts import heads as heads_file
+from rewriter.files import tensor_files
 
 NAME = re.compile(r"rows-(0|-?[1-9]\d*)\.safetensors")  # the seed as str() writes it
 HELD, CHAT, CODE, EARLIER_CHAT = 0, 1, 2, 3  # kinds; EARLIER_CHAT only after ``merged``

@@ -28,7 +28,7 @@ A heads file is safetensors (no pickle): ``w`` ``[K, H, H]`` (Hydra: ``w0`` .. `
 H]`` and ``deep_b`` ``[B - 1, K, H]``, and metadata: the architecture, the format tag, the model it was trained for (hidden size, vocabulary, a probe
 of the LM head's weights) and, from training, each head's rank accuracies on held-out
 text (``accuracy[k][r]``: how often the head's ``r``-th best token was the right one),
-which choose the verification tree (``rewriter.tree.choose_tree``).
+which choose the verification tree (``rewriter.drafts.tree.choose_tree``).
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ PROBE = (4, 8)  # the LM head's first rows and columns, to recognise the model
 MAX_HEADS = 8
 MAX_BLOCKS = 8  # residual blocks per head
 DEEP = ("deep_w", "deep_b")  # the blocks after each head's first
-ASSETS = Path(__file__).resolve().parent / "assets" / "heads"
+ASSETS = Path(__file__).resolve().parent.parent / "assets" / "heads"
 SHIPPED = ("default", "smollm2")  # assets/heads/{name}-{arch}.safetensors
 ARCHS = ("medusa", "hydra")
 FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # a file's weights
@@ -86,7 +86,7 @@ class Heads:
         return self.b.shape[1]
 
     def save(self, path: Union[str, os.PathLike]) -> None:
-        from rewriter import tensor_files
+        from rewriter.files import tensor_files
         meta = {"format": FORMAT, "version": VERSION, "arch": self.arch, "vocab": str(self.vocab),
                 "probe": json.dumps(self.probe), "accuracy": json.dumps(self.accuracy),
                 "trained": json.dumps(self.trained)}

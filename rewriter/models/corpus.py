@@ -7,7 +7,7 @@ path; pass-key samples are generated from an explicit ``random.Random``.
 
 Typical use::
 
-    from rewriter.corpus import load_corpus, passkey_sample
+    from rewriter.models.corpus import load_corpus, passkey_sample
     heldout = load_corpus("heldout")                  # [(relpath, text), ...]
     s = passkey_sample(tok, 1024, depth=0.5, rng=random.Random(0))
     ids = tok(s.prompt)["input_ids"]                  # len(ids) + answer <= 1024

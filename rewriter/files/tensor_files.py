@@ -19,7 +19,7 @@ from typing import Callable, Optional, Union
 import safetensors.torch
 from safetensors import SafetensorError, safe_open
 
-from rewriter import safe_files
+from rewriter.files import safe_files
 
 
 def save(path: Union[str, os.PathLike], tensors: dict, metadata: Optional[dict] = None) -> None:

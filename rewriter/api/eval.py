@@ -1,11 +1,11 @@
 """How much quality a pass pipeline keeps, and what it costs, against the unoptimized model.
 
-    from rewriter.eval import evaluate, EvalSettings, format_table
+    from rewriter.api.eval import evaluate, EvalSettings, format_table
     rows = evaluate({"unoptimized": base, "LayerSkip(1.5)": skip}, tokenizer)
     print(format_table(rows))
 
 Every pipeline sees the same inputs. Quality: perplexity on held-out code (the CPython
-standard library files the default model never trained on, ``rewriter.corpus``) and on
+standard library files the default model never trained on, ``rewriter.models.corpus``) and on
 English prose (the language reference's paragraphs that ship with CPython,
 ``corpus.prose_paragraphs``), computed through the KV-cache runtime: each chunk's first
 half is prefilled and its second half scored one decode step per token, so a cache
@@ -29,7 +29,7 @@ from functools import lru_cache
 
 import torch
 
-from .values import check_flag
+from rewriter.values import check_flag
 
 CHAT_PROMPTS = (
     "What is the capital of France?",
@@ -65,7 +65,7 @@ class EvalSettings:
 @lru_cache(maxsize=4)
 def _heldout_ids(tokenizer_json: str, corpus: str = "code") -> torch.Tensor:
     from tokenizers import Tokenizer
-    from .corpus import load_corpus, prose_paragraphs
+    from rewriter.models.corpus import load_corpus, prose_paragraphs
     tok = Tokenizer.from_str(tokenizer_json)
     if corpus == "code":
         texts = [text for _, text in load_corpus("heldout")]
@@ -116,7 +116,7 @@ def perplexity(engine, chunks: torch.Tensor, batch: int = 4) -> float:
 
 def chat_prompts(tokenizer, text, n: int) -> list[list[int]]:
     """The first ``n`` of ``CHAT_PROMPTS`` laid out by the chat template, as token ids."""
-    from .runtime.chat import chat_prompt
+    from rewriter.runtime.chat import chat_prompt
     return [chat_prompt(_backend(tokenizer), text, q) for q in CHAT_PROMPTS[:n]]
 
 
@@ -140,7 +140,7 @@ def agreement(tokens: torch.Tensor, reference: torch.Tensor) -> dict:
 
 def passkey_accuracy(engine, tokenizer, lengths, depths, trials: int, seed: int = 0) -> dict:
     """Exact-digit greedy accuracy per context length (every depth and trial batched)."""
-    from .corpus import passkey_sample
+    from rewriter.models.corpus import passkey_sample
     tok = _backend(tokenizer)
     lines = _code_lines()
     out = {}
@@ -162,7 +162,7 @@ def passkey_accuracy(engine, tokenizer, lengths, depths, trials: int, seed: int 
 
 @lru_cache(maxsize=1)
 def _code_lines():
-    from .corpus import code_lines, load_corpus
+    from rewriter.models.corpus import code_lines, load_corpus
     return tuple(code_lines(load_corpus("heldout")))
 
 

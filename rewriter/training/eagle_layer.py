@@ -1,4 +1,4 @@
-"""The EAGLE draft layer while it trains (``rewriter.eagle``'s maths) on the model's frozen
+"""The EAGLE draft layer while it trains (``rewriter.drafts.eagle``'s maths) on the model's frozen
 embeddings and LM head, over rows whose hidden states are cached (``draft_loop``).
 
 At position ``i`` the layer reads ``fc([f_i; e(x_{i+1})])``: the model's feature there
@@ -16,9 +16,9 @@ import math
 
 import torch
 
-from rewriter import eagle, eagle_file
-from rewriter.draft_loop import top1, train_rows
-from rewriter.train_heads import produced
+from rewriter.drafts import eagle, eagle_file
+from rewriter.training.draft_loop import top1, train_rows
+from rewriter.training.train_heads import produced
 
 
 def produced_counts(parts: list, vocab: int) -> torch.Tensor:
@@ -28,7 +28,7 @@ def produced_counts(parts: list, vocab: int) -> torch.Tensor:
 
 
 class DraftLayer:
-    """EAGLE's draft layer (``rewriter.eagle``) on the model's frozen embeddings and LM
+    """EAGLE's draft layer (``rewriter.drafts.eagle``) on the model's frozen embeddings and LM
     head: ``init`` ``"random"`` (``N(0, 0.02)``) or ``"last"`` (a copy of the model's last
     decoder layer, ``fc`` the identity on the feature)."""
 

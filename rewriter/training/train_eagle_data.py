@@ -11,8 +11,8 @@ import random
 
 import torch
 
-from rewriter import eagle_data
-from rewriter.train_heads import (continue_prompts, eos_ids, hidden_states, make_prompts,
+from rewriter.training import eagle_data
+from rewriter.training.train_heads import (continue_prompts, eos_ids, hidden_states, make_prompts,
                                   merge_parts, one_engine, row_ends, self_asked)
 
 HELD_CODE = 48  # held-out code prompts (train-heads' default)

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from rewriter import eagle_file, safe_files
+from rewriter.drafts import eagle_file
+
+from rewriter.files import safe_files
 from rewriter.values import is_int, path_problem
 
 DTYPES = ("float32", "bfloat16")

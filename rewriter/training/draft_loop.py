@@ -15,7 +15,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from rewriter.train_heads import DECAY, head_targets, heads_loss, optimizer_step
+from rewriter.training.train_heads import DECAY, head_targets, heads_loss, optimizer_step
 
 
 def train_rows(opt, data: dict, args, logits_of, depth: int, warmup: int,

@@ -17,11 +17,11 @@ import time
 import torch
 from torch import fx, nn
 
-from .frontend import build_ir
-from .ir.core import IR
-from .ir.verify import verify
-from .runtime.chat import split_tokenizer
-from .values import check_flag
+from rewriter.frontend import build_ir
+from rewriter.ir.core import IR
+from rewriter.ir.verify import verify
+from rewriter.runtime.chat import split_tokenizer
+from rewriter.values import check_flag
 
 
 class TracedModel:

@@ -12,9 +12,9 @@ import inspect
 import time
 from typing import Callable, Sequence
 
-from .errors import PassError
-from .ir.core import IR
-from .ir.verify import verify
+from rewriter.errors import PassError
+from rewriter.ir.core import IR
+from rewriter.ir.verify import verify
 
 
 class Pass:

@@ -38,11 +38,11 @@ from typing import Optional
 
 import torch
 
-from rewriter.calibrate import ShortContext, sync
+from rewriter.measure.calibrate import ShortContext, sync
 from rewriter.decoding import TreeDecoding
 from rewriter.ir.core import IR
 from rewriter.runtime.decoding.tree.adapt import AdaptiveTree
-from rewriter.tree import Tree, make_tree
+from rewriter.drafts.tree import Tree, make_tree
 from rewriter.values import context_length
 
 PROMPT = 64  # tokens of the made-up prompt (fewer where the context is short): as verify_cost's

@@ -18,7 +18,7 @@ from typing import Union
 
 import torch
 
-from .errors import CheckpointError
+from rewriter.errors import CheckpointError
 
 PathLike = Union[str, os.PathLike]
 
@@ -88,7 +88,7 @@ def load_gguf_model(path: PathLike, dtype: Union[str, torch.dtype, None] = None)
     must be one the model has (as for Hugging Face directories: ``transformers`` would fill
     a missing layer with random values and carry on)."""
     from transformers import AutoModelForCausalLM
-    from .checkpoints import check_loading_info, first_line, quiet
+    from rewriter.models.loading import check_loading_info, first_line, quiet
     f = resolve(path)
     dtype = check_dtype(dtype) or torch.float32
     with quiet():  # transformers' load report and progress bars: the checks below say it
@@ -107,7 +107,7 @@ def load_gguf_model(path: PathLike, dtype: Union[str, torch.dtype, None] = None)
 def load_gguf_tokenizer(path: PathLike):
     """The GGUF file's tokenizer as a fast Hugging Face tokenizer (with its chat template)."""
     from transformers import AutoTokenizer
-    from .checkpoints import first_line, quiet
+    from rewriter.models.loading import first_line, quiet
     f = resolve(path)
     with quiet():
         try:

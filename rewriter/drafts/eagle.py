@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .sdpa import sdpa
+from rewriter.maths.sdpa import sdpa
 
 LAYER = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
          "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight",
@@ -226,7 +226,7 @@ def step(p: dict, shape: Shape, feature: Tensor, embedded: Tensor, cache: tuple)
     keys, values = torch.cat([keys, k.to(keys.dtype)], 2), torch.cat([values, v.to(values.dtype)], 2)
     # causal among the new positions; every new one sees the whole cache
     mask = torch.ones(n, past + n, dtype=torch.bool, device=z.device).tril(past)
-    # one new position in bfloat16 on a CPU is rewriter.sdpa's fast case, as a decode step
+    # one new position in bfloat16 on a CPU is rewriter.maths.sdpa's fast case, as a decode step
     a = sdpa(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[None, None],
              enable_gqa=shape.heads != shape.kv_heads)  # mask [1, 1, n, L + n]
     return _finish(p, shape, z, a), (keys, values)

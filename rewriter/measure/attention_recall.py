@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from torch import Tensor, fx
 
-from rewriter.calibrate import sequence_inputs
+from rewriter.measure.calibrate import sequence_inputs
 from rewriter.ops import OPS, REFERENCE, op_arguments, top_tokens
 
 

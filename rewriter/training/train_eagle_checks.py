@@ -10,8 +10,10 @@ from pathlib import Path
 
 import torch
 
-from rewriter import eagle, eagle_data, eagle_file
-from rewriter.eagle_layer import same_shape
+from rewriter.drafts import eagle, eagle_file
+
+from rewriter.training import eagle_data
+from rewriter.training.eagle_layer import same_shape
 
 
 def counts_of(own: torch.Tensor, init, resuming: bool) -> torch.Tensor:

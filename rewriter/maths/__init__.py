@@ -1,0 +1,1 @@
+"""Reference maths that the op schema, the drafts and the runtime share: attention (``sdpa``) and 4-bit weights (``int4``)."""
