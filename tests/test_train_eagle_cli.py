@@ -49,6 +49,7 @@ EARLY = [
     ("--out {tmp}/o --lr=-inf", "lr must be a finite number, got -inf"),
     ("--out {tmp}/o --lr 0", "seconds and lr must be > 0 and reserve >= 0"),
     ("--out {tmp}/o --ask 0.6", "need 0 < ask < answer < 1"),
+    ("--out {tmp}/o --seconds 30 --reserve 30", "reserve (30.0 s) leaves no time to train"),
     ("--out {tmp}/o --save-dtype float16", "argument --save-dtype: invalid choice: 'float16'"),
 ]
 
@@ -131,3 +132,14 @@ def test_a_short_run_writes_a_draft_the_pass_loads(chat_model, tmp_path, capsys)
     assert report["data"]["heldout_code_rows"] == 2 and report["data"]["chat_rows"] >= 1
     assert sorted(p.name for p in out.iterdir()) == ["eagle.safetensors", "train_eagle.json"]
     assert all(torch.isfinite(t).all() for t in draft.params.values())
+
+
+def test_a_model_without_a_chat_template_is_refused_by_this_command_before_any_work(tmp_path, capsys, monkeypatch):
+    """The default model has no chat template: refused once it is loaded, named as
+    train_eagle's problem, before the runtime traces it or anything is written."""
+    def traced(model):
+        raise AssertionError("the model was traced before its chat template was checked")
+    monkeypatch.setattr(train_eagle_data, "one_engine", traced)
+    assert main(EAGLE + ["--out", str(tmp_path / "o")]) == 2
+    one_error_line(capsys, "train_eagle: self-asked questions need a chat template")
+    assert not (tmp_path / "o").exists()

@@ -57,6 +57,7 @@ from rewriter.training.eagle_layer import DraftLayer, produced_counts
 from rewriter.training.machine import machine
 from rewriter.training.train_eagle_checks import counts_of, enough_rows, rows_of, start_of
 from rewriter.training.train_eagle_data import PROMPT_TOKENS, own_rows, training_sets
+from rewriter.training.train_heads import question_prefix
 from rewriter.training.train_eagle_settings import DRAFT, REPORT, EagleSettings, check_paths, check_settings
 from rewriter.values import within_context
 
@@ -92,6 +93,8 @@ def train_eagle(model, tokenizer, s: EagleSettings, device="cpu") -> dict:
     lm = model.lm_head.weight.detach().cpu()
     earlier, resumed = rows_of(s, lm)  # refused now, not minutes later
     init = start_of(s, model, resuming=resumed is not None)
+    if resumed is None:
+        question_prefix(model, tokenizer, "train_eagle")  # a chat template to ask with
     report = {"args": {k: v for k, v in asdict(s).items() if k != "steps_done"},
               "cpu": machine(), "torch": torch.__version__,
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

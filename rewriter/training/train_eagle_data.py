@@ -29,7 +29,7 @@ def own_rows(model, tokenizer, s, phases, resumed) -> tuple:
         return (resumed.tokens, resumed.start, resumed.kind), None
     with one_engine(model):  # traced once, for the questions and the answers
         asked = self_asked(model, tokenizer, s.questions, s.seed, progress=False,
-                           batch=s.question_batch, deadline=phases.at(s.ask))
+                           batch=s.question_batch, deadline=phases.at(s.ask), who="train_eagle")
         phases.done("ask")
         print(f"{len(asked)} questions asked", flush=True)
         held = make_prompts(tokenizer, "heldout", HELD_CODE, PROMPT_TOKENS, s.seed, chat=True)

@@ -120,6 +120,9 @@ def _check_numbers(s: EagleSettings) -> None:
     if not (s.seconds > 0 and s.reserve >= 0 and s.lr > 0):
         raise ValueError(f"train_eagle: seconds and lr must be > 0 and reserve >= 0, got "
                          f"seconds {s.seconds}, lr {s.lr}, reserve {s.reserve}")
+    if s.reserve >= s.seconds:
+        raise ValueError(f"train_eagle: reserve ({s.reserve} s) leaves no time to train within "
+                         f"seconds ({s.seconds}): give more --seconds or a smaller --reserve")
 
 
 def check_paths(s: EagleSettings) -> None:

@@ -507,25 +507,25 @@ QUESTION_TOKENS = 64  # a self-asked question longer than this is dropped
 QUESTION_BATCH = 32  # questions sampled at once: fixed, so the questions depend on the seed only
 
 
-def question_prefix(model, tokenizer) -> list[int]:
+def question_prefix(model, tokenizer, who: str = "train_heads") -> list[int]:
     """The chat template's tokens before a user message (what the model continues with a
-    question of its own); ``ValueError`` when there is no way to ask."""
+    question of its own); ``ValueError`` naming the command ``who`` when there is no way to ask."""
     from rewriter.runtime.chat import render, split_tokenizer
     tok, text = split_tokenizer(tokenizer)
     if text.chat_template is None:
-        raise ValueError("train_heads: self-asked questions need a chat template; this "
+        raise ValueError(f"{who}: self-asked questions need a chat template; this "
                          "tokenizer has none")
     mark = "\u2063QUESTION\u2063"  # where the user's message goes
     rendered = render(text, [{"role": "user", "content": mark}], add_generation_prompt=False)
     if rendered.count(mark) != 1:
-        raise ValueError("train_heads: the chat template does not show the user's message "
+        raise ValueError(f"{who}: the chat template does not show the user's message "
                          "once: cannot ask the model for one")
     prefix = tok.encode(rendered[:rendered.index(mark)], add_special_tokens=False).ids
     if not prefix:
-        raise ValueError("train_heads: the chat template has no text before the user's "
+        raise ValueError(f"{who}: the chat template has no text before the user's "
                          "message: nothing to ask the model with")
     if not eos_ids(model, tokenizer):
-        raise ValueError("train_heads: self-asked questions need an end-of-sequence token "
+        raise ValueError(f"{who}: self-asked questions need an end-of-sequence token "
                          "(where a question ends); the model's config names none")
     return prefix
 
@@ -545,7 +545,8 @@ def _saved_questions(model, tokenizer, n: int, seed: int, progress: bool, path: 
 
 
 def self_asked(model, tokenizer, n: int, seed: int, progress: bool = False,
-               batch: int = QUESTION_BATCH, deadline: Optional[float] = None) -> list[list[int]]:
+               batch: int = QUESTION_BATCH, deadline: Optional[float] = None,
+               who: str = "train_heads") -> list[list[int]]:
     """``n`` chat prompts whose user message the model wrote itself (Magpie): sampled
     (temperature 1, top-k 50, top-p 0.95, seeded, ``batch`` at a time) after the chat
     template's text up to a user message (``question_prefix``), kept when it ends its turn
@@ -553,10 +554,10 @@ def self_asked(model, tokenizer, n: int, seed: int, progress: bool = False,
     ``batch`` (a GPU samples more at once). ``deadline`` (``time.perf_counter()``): stop
     after the batch that passes it, with fewer than ``n``."""
     if type(batch) is not int or batch < 1:
-        raise ValueError(f"train_heads: the question batch must be an int >= 1, got {batch!r}")
+        raise ValueError(f"{who}: the question batch must be an int >= 1, got {batch!r}")
     from rewriter.runtime.chat import chat_prompt, split_tokenizer
     tok, text = split_tokenizer(tokenizer)
-    prefix = question_prefix(model, tokenizer)
+    prefix = question_prefix(model, tokenizer, who)
     eos = eos_ids(model, tokenizer)
     engine = _engine(model)
     seen, out, tries = set(), [], 0
