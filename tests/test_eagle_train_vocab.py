@@ -2,9 +2,7 @@
 draft vocabulary ``EagleDraft(draft_vocab=N)`` drafts from. The same tokens on both sides,
 a target outside them no training target and always a miss, and a trimmed run that
 learns."""
-import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -123,33 +121,6 @@ def test_a_trimmed_run_learns_its_text(rows):
 def test_bad_vocabularies_are_refused(rows, ids):
     with pytest.raises(ValueError, match="sorted distinct token ids"):
         DraftLayer(rows[0], "random", 2).trim(ids)
-
-
-def test_the_replay_drafts_from_the_same_tokens():
-    """``draft_rounds.py --draft-vocab N`` guesses among ``draft_vocab(counts, N)`` alone,
-    normalised over them, as the runtime's trimmed projection does."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    import draft_rounds  # a benchmark's script (benchmarks/ is not a package)
-    g = torch.Generator().manual_seed(0)
-    lm, feature = torch.randn(40, 8, generator=g), torch.randn(3, 8, generator=g)
-    counts = torch.randint(0, 100, (40,), generator=g)
-    values, ids = draft_rounds.Projection(lm, counts, 12).top(feature)  # [1, 3, 8]
-    vocab = eagle_file.draft_vocab(counts, 12)
-    assert set(ids.flatten().tolist()) <= set(vocab.tolist())
-    want = (feature @ lm[vocab].t()).log_softmax(-1).topk(8, dim=-1)
-    torch.testing.assert_close(values[0], want.values)
-    assert torch.equal(ids[0], vocab[want.indices])
-    full = draft_rounds.Projection(lm, None, 0).top(feature)
-    assert torch.equal(full[1][0], (feature @ lm.t()).topk(8, dim=-1).indices)
-    with pytest.raises(SystemExit, match="count their tokens"):
-        draft_rounds.Projection(lm, None, 12)
-    # --temperature T: the scores a tree is grown from are log_softmax(logits / T); the
-    # ranking stays, the gaps between the guesses shrink for T > 1
-    soft = draft_rounds.Projection(lm, None, 0, temperature=2.0).top(feature)
-    want = (feature @ lm.t() / 2.0).log_softmax(-1).topk(8, dim=-1)
-    torch.testing.assert_close(soft[0][0], want.values)
-    assert torch.equal(soft[1], full[1])
-    assert bool((soft[0][0, :, 0] - soft[0][0, :, 1] < full[0][0, :, 0] - full[0][0, :, 1]).all())
 
 
 def test_top1_counts_a_target_outside_the_vocabulary_as_a_miss():
