@@ -1,0 +1,139 @@
+"""The commands on artifacts and checkpoints: optimize, run, ir, info."""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Optional
+
+from rewriter.cli.terminal import bars
+from rewriter.files import safe_files
+from rewriter.values import path_problem, utf8_text
+
+NAMED_MODELS = ("default", "smollm2")
+
+def cmd_optimize(args) -> int:
+    from rewriter.api.pretrained import from_pretrained
+    from rewriter.passes import from_spec
+    passes = [from_spec(s) for s in args.passes]  # bad names/parameters fail before tracing
+    _check_writable("--out", args.out)
+    if args.dump:
+        _check_writable("--dump", args.dump)
+    opt = from_pretrained(args.model, passes, dump=args.dump, progress=bars(),
+                          backend=args.backend, dtype=args.dtype)
+    opt.save(args.out, progress=bars())
+    print(opt.ir.summary())
+    print(f"passes: {', '.join(map(repr, passes)) or 'none'}")
+    print(f"saved: {args.out}")
+    return 0
+
+
+def cmd_run(args) -> int:
+    from rewriter.runtime.settings import GenerationSettings
+    kw = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
+              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+              prefill_chunk=args.prefill_chunk)
+    GenerationSettings(**kw)  # bad parameters fail before the model loads
+    ids = _parse_ids(args.ids) if args.ids is not None else None
+    engine = _engine(args.model, args.trust_code, args.backend, args.dtype)
+    tok = engine.tokenizer
+    echo = args.chat is None  # a chat prints the answer only, not the templated prompt
+    if args.chat is not None:
+        from rewriter.runtime.chat import chat_prompt
+        ids = chat_prompt(tok, engine.text, utf8_text("--chat", args.chat))
+    elif ids is None:
+        if tok is None:
+            raise ValueError(f"{args.model} has no tokenizer; give --ids instead of --prompt")
+        ids = tok.encode(utf8_text("--prompt", args.prompt)).ids
+    if args.no_stream:
+        out = engine.generate([ids], progress=bars(), **kw)[0, len(ids):].tolist()
+        print((_text(tok, ids) if echo else "") + _text(tok, out))
+        return 0
+    steps = engine.stream([ids], **kw)  # checks the prompt and settings: nothing printed yet
+    if echo:
+        sys.stdout.write(_text(tok, ids))
+    new: list[int] = []
+    shown = ""
+    for token in steps:
+        new.append(int(token[0]))
+        text = _text(tok, new)  # decode the whole tail: byte-level pieces join up later
+        sys.stdout.write(text[len(shown):] if text.startswith(shown) else text)
+        sys.stdout.flush()
+        shown = text
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_ir(args) -> int:
+    from rewriter.runtime.engine import load
+    print(load(args.model).ir)
+    return 0
+
+
+def cmd_info(args) -> int:
+    from tabulate import tabulate
+    from rewriter.runtime.artifact import read_manifest
+    m = read_manifest(args.model)
+    if args.json:
+        print(json.dumps(m, indent=1))
+        return 0
+    model = m["model"]
+    rows = [["model", f"{model['family']}, {model['layers']} layers, "
+                      f"{model['parameters'] / 1e6:.2f}M params, {model['dtype']}"],
+            ["passes", ", ".join(_pass_text(p) for p in m["passes"]) or "none"],
+            ["backend", m["backend"]],
+            ["tokenizer", m["tokenizer"] or "none"],
+            ["format", f"{m['format']} v{m['format_version']}, created {m['created']}"],
+            ["versions", ", ".join(f"{k} {v}" for k, v in m["versions"].items() if v)]]
+    rows += [[f"file {name}", f"{e['bytes'] / 1e6:.2f} MB  sha256 {e['sha256'][:16]}…"]
+             for name, e in m["files"].items()]
+    print(tabulate(rows, tablefmt="plain"))
+    return 0
+
+
+def _engine(path: str, trust_code: bool, backend: Optional[str], dtype: Optional[str] = None):
+    """An artifact, or else a checkpoint (or 'default', 'smollm2') optimized with no passes."""
+    from rewriter.api.pretrained import from_pretrained
+    from rewriter.runtime.artifact import is_artifact
+    from rewriter.runtime.engine import load
+    if is_artifact(path):
+        return load(path, trust_code=trust_code, backend=backend)
+    if path not in NAMED_MODELS and not Path(path).exists():
+        raise FileNotFoundError(f"{path}: no such artifact or checkpoint")
+    return from_pretrained(path, progress=bars(), backend=backend or "torch", dtype=dtype)
+
+
+def _parse_ids(text: str) -> list[int]:
+    """``--ids 1,2,3`` as ints (range checks are the engine's, against the vocabulary)."""
+    parts = [x.strip() for x in text.split(",")]
+    if not all(re.fullmatch(r"-?[0-9]+", p) for p in parts):
+        raise ValueError(f"--ids must be comma-separated integers, got {text!r:.80}")
+    ids = [int(p) for p in parts]
+    if any(not 0 <= i < 2 ** 63 for i in ids):
+        bad = next(i for i in ids if not 0 <= i < 2 ** 63)
+        raise ValueError(f"--ids: token id {bad} is not a non-negative 64-bit integer")
+    return ids
+
+
+def _check_writable(flag: str, path: str) -> None:
+    """Fail now, before tracing, if ``path`` cannot be created: its nearest existing
+    ancestor must be a directory we may write in, and ``path`` itself no regular file."""
+    if path_problem(path) is not None:
+        raise ValueError(f"{flag} must name a directory, got {path!r}")
+    target = Path(path).absolute()
+    if target.is_file() or target.is_symlink() and not target.exists():
+        raise ValueError(f"{flag} {path}: exists and is not a directory")
+    safe_files.check_parent(flag, path, make_parents=True)
+
+
+def _text(tok, ids: list[int]) -> str:
+    if tok is None:
+        return " ".join(map(str, ids)) + (" " if ids else "")
+    return tok.decode(ids, skip_special_tokens=True)
+
+
+def _pass_text(p: dict) -> str:
+    shown = ", ".join(f"{k}=<{len(v)} prompts>" if k == "calibrate" and isinstance(v, list)
+                      else f"{k}={v!r}" for k, v in p["params"].items() if v is not None)
+    return f"{p['name']}({shown})"  # calibration prompts (thousands of ids) counted, not listed
