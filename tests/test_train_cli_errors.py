@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 import rewriter
 from rewriter.drafts import heads as heads_file
 from rewriter.files import safe_files, tensor_files
+from rewriter.training import generation, prompts
 from rewriter.training import train_heads as th
 from rewriter.cli import main
 from test_checkpoints import tiny_llama
@@ -47,7 +48,8 @@ def fast(engine):
     """Every heads run of this file generates with one engine and holds out three prompts
     (the CLI's 48 take most of a run's time)."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(th, "_engine", lambda model: engine)
+        for module in (generation, prompts):  # continuing prompts; asking questions
+            mp.setattr(module, "engine_of", lambda model: engine)
         mp.setattr(th, "train_heads", functools.partial(th.train_heads, heldout_prompts=3))
         yield
 

@@ -14,8 +14,7 @@ import torch
 import rewriter
 from rewriter.models import checkpoints
 from rewriter.drafts import eagle_file
-from rewriter.training import train_eagle_data
-from rewriter.training import train_heads as th
+from rewriter.training import prompts, train_eagle_data
 from rewriter.cli import main
 from rewriter.passes import EagleDraft
 from test_train_cli_errors import _dir, _file, _link, listing, one_error_line
@@ -111,10 +110,10 @@ def chat_model(monkeypatch):
     model, tok = rewriter.default_model()
     stop = _Templated(tok).backend_tokenizer.token_to_id(".")
     monkeypatch.setattr(checkpoints, "load_model", lambda path, dtype: (model, _Templated(tok)))
-    for module in (th, train_eagle_data):
+    for module in (prompts, train_eagle_data):
         monkeypatch.setattr(module, "eos_ids", lambda model, tokenizer: {stop})
     monkeypatch.setattr(train_eagle_data, "HELD_CODE", 2)
-    monkeypatch.setattr(th, "QUESTION_TOKENS", 16)
+    monkeypatch.setattr(prompts, "QUESTION_TOKENS", 16)
     return model
 
 

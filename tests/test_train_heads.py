@@ -12,6 +12,7 @@ import torch
 
 import rewriter
 from rewriter.drafts import heads as heads_file
+from rewriter.training import generation as tg, heads_data as hd, heads_fit as hf, prompts as tp
 from rewriter.training import train_heads as th
 from rewriter.models.checkpoints import default_model
 
@@ -19,7 +20,7 @@ from conftest import Clock
 
 SMALL = dict(num_heads=2, prompts=6, heldout_prompts=3, prompt_tokens=16, new_tokens=8,
              epochs=2, batch=16, progress=False)
-OWN_ENGINE = th._engine  # a trace per run (or per call outside one): what the file's runs skip
+OWN_ENGINE = tg.engine_of  # a trace per run (or per call outside one): what the file's runs skip
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,8 @@ def engine():
 
 @pytest.fixture(autouse=True)
 def one_trace(engine, monkeypatch):
-    monkeypatch.setattr(th, "_engine", lambda model: engine)
+    for module in (tg, tp):  # continuing prompts; asking questions
+        monkeypatch.setattr(module, "engine_of", lambda model: engine)
 
 
 def test_training_is_seeded_and_resumes_after_an_interruption(tmp_path, monkeypatch):
@@ -39,10 +41,10 @@ def test_training_is_seeded_and_resumes_after_an_interruption(tmp_path, monkeypa
     report = th.train_heads(model, tok, tmp_path / "a.safetensors", **SMALL)
     a = heads_file.load(tmp_path / "a.safetensors")
     assert a.num_heads == 2 and a.counts.sum() == 6 * 8  # every generated token counted
-    assert len(a.accuracy) == 2 and len(a.accuracy[0]) == th.RANKS
+    assert len(a.accuracy) == 2 and len(a.accuracy[0]) == hf.RANKS
     assert report["steps"] > 3 and a.w.abs().sum() > 0  # it learned something
     # interrupted at step 3 (checkpoints every step), then run again: the same heads
-    monkeypatch.setattr(th, "CHECKPOINT_EVERY", 1)
+    monkeypatch.setattr(hf, "CHECKPOINT_EVERY", 1)
     real, calls = heads_file.apply, []
 
     def crash(*args):
@@ -153,12 +155,12 @@ def test_bad_training_parameters_are_refused(tmp_path):
 
 def test_asking_for_more_prompts_than_the_corpus_holds_is_refused():
     _, tok = default_model()
-    assert len(th.make_prompts(tok, "heldout", 5, 16, 0, True)) == 5
+    assert len(tp.make_prompts(tok, "heldout", 5, 16, 0, True)) == 5
     with pytest.raises(ValueError, match="heldout corpus gives .* ask for fewer prompts"):
-        th.make_prompts(tok, "heldout", 10 ** 7, 16, 0, True)  # never silently fewer
-    assert len(th.corpus_rows(tok, "heldout", 5, 16, 0)) == 5
+        tp.make_prompts(tok, "heldout", 10 ** 7, 16, 0, True)  # never silently fewer
+    assert len(tp.corpus_rows(tok, "heldout", 5, 16, 0)) == 5
     with pytest.raises(ValueError, match="heldout corpus gives .* rows of 16 tokens"):
-        th.corpus_rows(tok, "heldout", 10 ** 7, 16, 0)
+        tp.corpus_rows(tok, "heldout", 10 ** 7, 16, 0)
 
 
 def test_corpus_rows_are_teacher_forced_with_the_models_own_tokens(tmp_path):
@@ -171,17 +173,17 @@ def test_corpus_rows_are_teacher_forced_with_the_models_own_tokens(tmp_path):
     report = th.train_heads(model, tok, tmp_path / "c.safetensors", data="corpus", **kw)
     assert report["data"] == "corpus" and report["steps"] > 3
     d = load_file(tmp_path / "w" / "train-corpus.safetensors")
-    assert d["tokens"].tolist() == th.corpus_rows(tok, "train", 6, length, 0)  # not generated
-    text = {tuple(r) for r in th.corpus_rows(tok, "train", 600, length, 0)}
+    assert d["tokens"].tolist() == tp.corpus_rows(tok, "train", 6, length, 0)  # not generated
+    text = {tuple(r) for r in tp.corpus_rows(tok, "train", 600, length, 0)}
     assert all(tuple(r) in text for r in d["tokens"].tolist())  # rows of the source, whole
     with torch.inference_mode():
         want = model(d["tokens"]).logits.argmax(-1)  # [6, L]
     assert torch.equal(d["next"], want)
     assert heads_file.load(tmp_path / "c.safetensors").counts.sum() == 6 * length
-    d["end"] = th.row_ends(d, SMALL["new_tokens"], {0, 1, 2})  # no end of sequence in text rows
+    d["end"] = hd.row_ends(d, SMALL["new_tokens"], {0, 1, 2})  # no end of sequence in text rows
     assert (d["end"] == length).all()
-    pairs = th._samples(d, 2)
-    y, path = th.head_targets(d, pairs, 2), th.path_tokens(d, pairs, 2)
+    pairs = hf._samples(d, 2)
+    y, path = hf.head_targets(d, pairs, 2), hf.path_tokens(d, pairs, 2)
     r, t = pairs[:, 0], pairs[:, 1]
     assert t.min() == 0 and torch.equal(y[:, 0], want[r, t + 1])
     assert torch.equal(path[:, 0], d["tokens"][r, t + 1])  # the path is the text
@@ -222,21 +224,21 @@ def test_mixed_data_is_the_generated_rows_and_the_corpus_rows_each_mode_made(tmp
     m = heads_file.load(tmp_path / "m.safetensors")
     assert m.counts.sum() == 6 * 8 + 4 * 24  # generated tokens + every corpus position
     # the merged set's targets and paths are each part's own
-    eos = th.eos_ids(model, tok)
+    eos = hd.eos_ids(model, tok)
     parts = []
     for d in (gen, cor):
-        d["end"] = th.row_ends(d, SMALL["new_tokens"], eos)
+        d["end"] = hd.row_ends(d, SMALL["new_tokens"], eos)
         parts.append(d)
-    merged = th.merge_parts(parts)
+    merged = hd.merge_parts(parts)
     assert merged["tokens"].shape[0] == 10 and merged["hidden"].shape[:2] == merged["tokens"].shape
-    pm, pg, pc = (th._samples(d, 2) for d in (merged, gen, cor))
+    pm, pg, pc = (hf._samples(d, 2) for d in (merged, gen, cor))
     assert len(pm) == len(pg) + len(pc) == report["positions"]
     for part, pp, offset in ((gen, pg, 0), (cor, pc, 6)):
         mine = torch.isin(pm[:, 0], torch.arange(offset, offset + len(part["start"])))
         shifted = pm[mine] - torch.tensor([offset, 0])
         assert torch.equal(shifted, pp)
-        assert torch.equal(th.head_targets(merged, pm[mine], 2), th.head_targets(part, pp, 2))
-        assert torch.equal(th.path_tokens(merged, pm[mine], 2), th.path_tokens(part, pp, 2))
+        assert torch.equal(hf.head_targets(merged, pm[mine], 2), hf.head_targets(part, pp, 2))
+        assert torch.equal(hf.path_tokens(merged, pm[mine], 2), hf.path_tokens(part, pp, 2))
         h = merged["hidden"][pm[mine][:, 0], pm[mine][:, 1]]
         assert torch.equal(h, part["hidden"][pp[:, 0], pp[:, 1]])
     # its own checkpoint, under its own key
@@ -264,7 +266,8 @@ def _turns_end_at_full_stops(monkeypatch, tok):
     question's length: a full stop ends its turns here."""
     stop = _Templated(tok).backend_tokenizer.token_to_id(".")
     assert stop is not None
-    monkeypatch.setattr(th, "eos_ids", lambda model, tokenizer: {stop})
+    for module in (tp, hd):  # the questions' turns; the rows' ends
+        monkeypatch.setattr(module, "eos_ids", lambda model, tokenizer: {stop})
 
 
 def test_self_asked_takes_a_batch_and_stops_at_its_deadline(monkeypatch):
@@ -274,17 +277,17 @@ def test_self_asked_takes_a_batch_and_stops_at_its_deadline(monkeypatch):
     model, tok = default_model()
     _turns_end_at_full_stops(monkeypatch, tok)
     chat = _Templated(tok)
-    eight = th.self_asked(model, chat, 4, seed=0, batch=8)
-    assert eight == th.self_asked(model, chat, 4, seed=0, batch=8) and len(eight) == 4
+    eight = tp.self_asked(model, chat, 4, seed=0, batch=8)
+    assert eight == tp.self_asked(model, chat, 4, seed=0, batch=8) and len(eight) == 4
     # the deadline passes during the first batch: that batch's questions only, never more
     clock = Clock(1.0)
-    monkeypatch.setattr(th, "time", types.SimpleNamespace(perf_counter=clock))
-    first = th.self_asked(model, chat, 400, seed=0, batch=8, deadline=clock.now + 1.5)
-    assert 1 <= len(first) <= 8 and first == th.self_asked(model, chat, len(first), seed=0, batch=8)
-    assert th.self_asked(model, chat, 4, seed=0, batch=8, deadline=clock.now - 1) == []
+    monkeypatch.setattr(tp, "time", types.SimpleNamespace(perf_counter=clock))
+    first = tp.self_asked(model, chat, 400, seed=0, batch=8, deadline=clock.now + 1.5)
+    assert 1 <= len(first) <= 8 and first == tp.self_asked(model, chat, len(first), seed=0, batch=8)
+    assert tp.self_asked(model, chat, 4, seed=0, batch=8, deadline=clock.now - 1) == []
     for bad in (0, -1, 2.0, True):
         with pytest.raises(ValueError, match="question batch must be an int >= 1"):
-            th.self_asked(model, chat, 4, seed=0, batch=bad)
+            tp.self_asked(model, chat, 4, seed=0, batch=bad)
 
 
 def test_continuing_stops_after_the_batch_that_passes_the_deadline(monkeypatch):
@@ -292,14 +295,14 @@ def test_continuing_stops_after_the_batch_that_passes_the_deadline(monkeypatch):
     makes it, with their own starts; a deadline already passed makes none."""
     model, tok = default_model()
     prompts = [[1, 5, 9], [2, 7], [3, 8, 4, 6], [5, 5], [9, 1, 1]]
-    whole, start, _ = th.continue_prompts(model, tok, prompts, 6, 2, False, "train")
+    whole, start, _ = tg.continue_prompts(model, tok, prompts, 6, 2, False, "train")
     clock = Clock(1.0)
-    monkeypatch.setattr(th, "time", types.SimpleNamespace(perf_counter=clock))
-    cut, cut_start, _ = th.continue_prompts(model, tok, prompts, 6, 2, False, "train",
+    monkeypatch.setattr(tg, "time", types.SimpleNamespace(perf_counter=clock))
+    cut, cut_start, _ = tg.continue_prompts(model, tok, prompts, 6, 2, False, "train",
                                      deadline=clock.now + 2.5)
     assert 1 <= len(cut) < len(prompts) and len(cut) % 2 == 0  # whole batches of 2
     assert torch.equal(cut, whole[:len(cut)]) and torch.equal(cut_start, start[:len(cut)])
-    none, none_start, _ = th.continue_prompts(model, tok, prompts, 6, 2, False, "train",
+    none, none_start, _ = tg.continue_prompts(model, tok, prompts, 6, 2, False, "train",
                                        deadline=clock.now - 1)
     assert none.shape == (0, whole.shape[1]) and len(none_start) == 0
 
@@ -319,21 +322,21 @@ def test_merging_rows_of_unequal_widths_keeps_each_rows_targets_paths_and_states
     other["tokens"], other["hidden"] = other["tokens"][:, :10], other["hidden"][:, :10]
     other["end"] = torch.tensor([10, 9, 10])
     parts = [gen, cor, other]
-    merged = th.merge_parts(parts)
+    merged = hd.merge_parts(parts)
     assert merged["tokens"].shape == (8, 30) and merged["hidden"].shape == (8, 30, 5)
-    pm, offset = th._samples(merged, 3), 0
+    pm, offset = hf._samples(merged, 3), 0
     for part in parts:
-        pp = th._samples(part, 3)
+        pp = hf._samples(part, 3)
         mine = (pm[:, 0] >= offset) & (pm[:, 0] < offset + len(part["start"]))
         assert torch.equal(pm[mine] - torch.tensor([offset, 0]), pp)
-        y = th.head_targets(part, pp, 3)
-        assert torch.equal(th.head_targets(merged, pm[mine], 3), y)
+        y = hf.head_targets(part, pp, 3)
+        assert torch.equal(hf.head_targets(merged, pm[mine], 3), y)
         used = y != -100  # where a head learns, the path before it is text (elsewhere clamped)
-        assert torch.equal(th.path_tokens(merged, pm[mine], 3)[used], th.path_tokens(part, pp, 3)[used])
+        assert torch.equal(hf.path_tokens(merged, pm[mine], 3)[used], hf.path_tokens(part, pp, 3)[used])
         assert torch.equal(merged["hidden"][pm[mine][:, 0], pm[mine][:, 1]],
                            part["hidden"][pp[:, 0], pp[:, 1]])
         offset += len(part["start"])
-    assert len(pm) == sum(len(th._samples(p, 3)) for p in parts)
+    assert len(pm) == sum(len(hf._samples(p, 3)) for p in parts)
     assert not merged["hidden"][5:, 10:].any()  # the padding of the narrow part
 
 
@@ -345,31 +348,31 @@ def test_self_asked_questions_are_the_models_own_chat_prompts(tmp_path, monkeypa
     _turns_end_at_full_stops(monkeypatch, tok)
     chat = _Templated(tok)
     backend, text = split_tokenizer(chat)
-    prompts = th.self_asked(model, chat, 3, seed=0)
-    again = th.self_asked(model, chat, 3, seed=0)
+    prompts = tp.self_asked(model, chat, 3, seed=0)
+    again = tp.self_asked(model, chat, 3, seed=0)
     assert prompts == again and len({tuple(p) for p in prompts}) == 3
-    assert prompts != th.self_asked(model, chat, 3, seed=1)
+    assert prompts != tp.self_asked(model, chat, 3, seed=1)
     for p in prompts:
         shown = backend.decode(p)
         assert shown.startswith("User: ") and shown.endswith("Assistant:")
         q = shown.removeprefix("User: ").removesuffix("\nAssistant:").strip()
         assert q and p == chat_prompt(backend, text, q)  # the question, as chat lays it out
     with pytest.raises(ValueError, match="need a chat template"):
-        th.self_asked(model, tok, 3, seed=0)
+        tp.self_asked(model, tok, 3, seed=0)
     twice = _Templated(tok)
     twice.chat_template = "{% for m in messages %}{{ m.content }}|{{ m.content }}{% endfor %}"
     with pytest.raises(ValueError, match="does not show the user's message once"):
-        th.self_asked(model, twice, 3, seed=0)
+        tp.self_asked(model, twice, 3, seed=0)
     bare = _Templated(tok)
     bare.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
     with pytest.raises(ValueError, match="no text before the user's message"):
-        th.self_asked(model, bare, 3, seed=0)
-    monkeypatch.setattr(th, "QUESTION_TOKENS", 1)  # no room to end a question: none kept
+        tp.self_asked(model, bare, 3, seed=0)
+    monkeypatch.setattr(tp, "QUESTION_TOKENS", 1)  # no room to end a question: none kept
     with pytest.raises(ValueError, match="asked 0 distinct questions .* in 32 tries"):
-        th.self_asked(model, chat, 2, seed=0)
-    monkeypatch.setattr(th, "eos_ids", lambda model, tokenizer: set())
+        tp.self_asked(model, chat, 2, seed=0)
+    monkeypatch.setattr(tp, "eos_ids", lambda model, tokenizer: set())
     with pytest.raises(ValueError, match="need an end-of-sequence token"):
-        th.self_asked(model, chat, 2, seed=0)
+        tp.self_asked(model, chat, 2, seed=0)
 
 
 def test_mixed_data_with_self_asked_questions(tmp_path, monkeypatch):
@@ -384,15 +387,15 @@ def test_mixed_data_with_self_asked_questions(tmp_path, monkeypatch):
     assert report["settings"]["questions"] == 3
     magpie = load_file(tmp_path / "w" / "train-magpie.safetensors")
     assert len(magpie["tokens"]) == 3 and "next" not in magpie
-    for row, start, p in zip(magpie["tokens"], magpie["start"], th.self_asked(model, chat, 3, 0)):
+    for row, start, p in zip(magpie["tokens"], magpie["start"], tp.self_asked(model, chat, 3, 0)):
         assert row[:start].tolist() == p  # the self-asked questions, answered
-    magpie["end"] = th.row_ends(magpie, SMALL["new_tokens"], th.eos_ids(model, tok))
+    magpie["end"] = hd.row_ends(magpie, SMALL["new_tokens"], hd.eos_ids(model, tok))
     answers = int((magpie["end"] - magpie["start"]).sum())
     assert 3 <= answers <= 3 * SMALL["new_tokens"]
     gen = load_file(tmp_path / "w" / "train.safetensors")
     assert len(gen["tokens"]) == 6 and bool((gen["start"] > 0).all())
-    assert report["positions"] == sum(len(th._samples(d, 2)) for d in (
-        {**gen, "end": th.row_ends(gen, SMALL["new_tokens"], th.eos_ids(model, tok))},
+    assert report["positions"] == sum(len(hf._samples(d, 2)) for d in (
+        {**gen, "end": hd.row_ends(gen, SMALL["new_tokens"], hd.eos_ids(model, tok))},
         {**load_file(tmp_path / "w" / "train-corpus.safetensors"), "end": torch.tensor([24, 24])},
         magpie))
     with safe_open(str(tmp_path / "w" / "train-magpie.safetensors"), framework="pt") as f:
@@ -420,25 +423,25 @@ def test_answering_self_asked_questions_resumes_after_an_interruption(tmp_path, 
           "generate_batch": 2}
     th.train_heads(model, chat, tmp_path / "a.safetensors", work_dir=tmp_path / "a", **kw)
     want = load_file(tmp_path / "a" / "train-magpie.safetensors")
-    real, saves = th._save_rows, []
+    real, saves = tg.save_rows, []
 
     def crash(path, *args):  # the magpie answers stop after their first batch
         real(path, *args)
         if path.name == "train-magpie.partial.safetensors":
             saves.append(1)
             raise KeyboardInterrupt
-    monkeypatch.setattr(th, "_save_rows", crash)
+    monkeypatch.setattr(tg, "save_rows", crash)
     with pytest.raises(KeyboardInterrupt):
         th.train_heads(model, chat, tmp_path / "b.safetensors", work_dir=tmp_path / "b", **kw)
-    monkeypatch.setattr(th, "_save_rows", real)
+    monkeypatch.setattr(tg, "save_rows", real)
     asked = tmp_path / "b" / "train-magpie.questions.safetensors"
     assert asked.is_file() and saves == [1]
-    monkeypatch.setattr(th, "self_asked", lambda *a, **k: pytest.fail("asked again"))
+    monkeypatch.setattr(hd, "self_asked", lambda *a, **k: pytest.fail("asked again"))
     partial = tmp_path / "b" / "train-magpie.partial.safetensors"
-    rows, seconds = th._partial_rows(partial, load_file_key(partial))
+    rows, seconds = tg.partial_rows(partial, load_file_key(partial))
     assert len(rows) == 2
     rows[1][0] += 1  # a row that does not continue its prompt: made again, not trained on
-    th._save_rows(partial, rows, load_file_key(partial), seconds)
+    tg.save_rows(partial, rows, load_file_key(partial), seconds)
     th.train_heads(model, chat, tmp_path / "b.safetensors", work_dir=tmp_path / "b", **kw)
     got = load_file(tmp_path / "b" / "train-magpie.safetensors")
     assert torch.equal(got["tokens"], want["tokens"]) and torch.equal(got["start"], want["start"])
@@ -477,7 +480,7 @@ def test_hydra_training_is_seeded_resumes_and_learns_from_the_path(tmp_path, mon
     a = heads_file.load(tmp_path / "a.safetensors", "hydra")
     assert a.arch == "hydra" and [tuple(w.shape) for w in a.w] == [(256, 512), (256, 768)]
     assert all(w[:, 256:].abs().sum() > 0 for w in a.w)  # the path's embeddings are read
-    monkeypatch.setattr(th, "CHECKPOINT_EVERY", 1)
+    monkeypatch.setattr(hf, "CHECKPOINT_EVERY", 1)
     real, calls = heads_file.apply_hydra, []
 
     def crash(*args):
@@ -502,37 +505,37 @@ def test_samples_stop_at_each_rows_end_not_at_the_padding():
     tokens = torch.tensor([[5, 6, 7, 8, 9, 10, 0, 0],    # prompt 2, 4 generated, 2 padding
                            [1, 2, 3, 4, 11, 2, 13, 14]])  # prompt 4, EOS (2) after one token
     data = {"tokens": tokens, "start": torch.tensor([2, 4])}
-    data["end"] = th.row_ends(data, 4, {2})
+    data["end"] = hd.row_ends(data, 4, {2})
     assert data["end"].tolist() == [6, 6]
-    pairs = th._samples(data, 2)
+    pairs = hf._samples(data, 2)
     assert pairs.tolist() == [[0, 1], [0, 2], [0, 3], [1, 3]]
-    targets = th.head_targets(data, pairs, 2)
+    targets = hf.head_targets(data, pairs, 2)
     assert targets.tolist() == [[8, 9], [9, 10], [10, -100], [2, -100]]
-    assert th.produced(data, 16).sum() == 4 + 2 and th.produced(data, 16)[0] == 0
+    assert hd.produced(data, 16).sum() == 4 + 2 and hd.produced(data, 16)[0] == 0
 
 
 def test_generating_the_data_resumes_after_an_interruption(tmp_path, monkeypatch):
     model, tok = default_model()
     kw = {**SMALL, "num_heads": 1, "epochs": 1, "generate_batch": 2}
     th.train_heads(model, tok, tmp_path / "a.safetensors", **kw)
-    real, calls = th._save_rows, []
+    real, calls = tg.save_rows, []
 
     def crash(*args):
         real(*args)
         calls.append(1)
         if len(calls) == 2:  # two batches of four made and saved
             raise KeyboardInterrupt
-    monkeypatch.setattr(th, "_save_rows", crash)
+    monkeypatch.setattr(tg, "save_rows", crash)
     with pytest.raises(KeyboardInterrupt):
         th.train_heads(model, tok, tmp_path / "b.safetensors", **kw)
-    monkeypatch.setattr(th, "_save_rows", real)
-    made, real_partial = [], th._partial_rows
+    monkeypatch.setattr(tg, "save_rows", real)
+    made, real_partial = [], tg.partial_rows
 
     def partial(*args):
         rows, seconds = real_partial(*args)
         made.append((len(rows), seconds))
         return rows, seconds
-    monkeypatch.setattr(th, "_partial_rows", partial)
+    monkeypatch.setattr(tg, "partial_rows", partial)
     th.train_heads(model, tok, tmp_path / "b.safetensors", **kw)
     assert [n for n, _ in made] == [4, 0]  # train resumed after its saved rows; held-out afresh
     from safetensors import safe_open
@@ -561,11 +564,11 @@ def test_the_teacher_is_the_models_distribution_at_each_heads_target(tmp_path):
     assert not torch.equal(a.w, b.w)  # the checkpoint of the other loss was not resumed
     from safetensors.torch import load_file
     data = load_file(str(tmp_path / "work" / "train.safetensors"))
-    data["end"] = th.row_ends(data, SMALL["new_tokens"], th.eos_ids(model, tok))
-    pairs = th._samples(data, 3)
-    targets = th.head_targets(data, pairs, 3)
+    data["end"] = hd.row_ends(data, SMALL["new_tokens"], hd.eos_ids(model, tok))
+    pairs = hf._samples(data, 3)
+    targets = hf.head_targets(data, pairs, 3)
     head = model.get_output_embeddings().weight.detach()
-    probs = th._teacher(data["hidden"], pairs[:, :1], th._teacher_positions(pairs, 3), head, "cpu")
+    probs = hf._teacher(data["hidden"], pairs[:, :1], hf._teacher_positions(pairs, 3), head, "cpu")
     assert probs.shape == (len(pairs), 3, head.shape[0])
     torch.testing.assert_close(probs.sum(-1), torch.ones(len(pairs), 3))
     valid = targets != -100
@@ -599,7 +602,7 @@ def test_teacher_training_on_one_hot_distributions_is_token_training(tmp_path, m
         work.mkdir()
         for split in ("train", "heldout"):
             shutil.copy(tmp_path / "work" / f"{split}.safetensors", work)
-        monkeypatch.setattr(th, "_teacher", teacher(shift))
+        monkeypatch.setattr(hf, "_teacher", teacher(shift))
         th.train_heads(model, tok, tmp_path / f"t{shift}.safetensors", **{**kw, "work_dir": work},
                        loss="teacher")
         b = heads_file.load(tmp_path / f"t{shift}.safetensors")
@@ -615,7 +618,7 @@ def test_hidden_states_are_the_lm_heads_input(family):
     from conftest import make_model
     model = make_model(family).eval()
     tokens = torch.randint(0, model.config.vocab_size, (3, 11), generator=torch.Generator().manual_seed(0))
-    h, nxt = th.hidden_states(model, tokens, progress=False, split="train", chunk=3, argmax=True)
+    h, nxt = tg.hidden_states(model, tokens, progress=False, split="train", chunk=3, argmax=True)
     with torch.inference_mode():
         full = model(tokens, output_hidden_states=True)
     assert h.dtype == torch.bfloat16 and h.shape == full.hidden_states[-1].shape
@@ -635,19 +638,20 @@ def test_greedy_tokens_from_a_reused_logits_buffer_with_and_without_bias():
     for bias in (False, True):
         lm = torch.nn.Linear(16, 50, bias=bias)
         with torch.no_grad():
-            assert torch.equal(th._greedy(lm, row, buf), lm(row).argmax(-1))
+            assert torch.equal(tg._greedy(lm, row, buf), lm(row).argmax(-1))
 
 
 def test_a_run_traces_the_model_once(tmp_path, monkeypatch, engine):
     """Every prompt set a run makes (training and held-out rows) is continued by one
     optimized engine: tracing the model takes seconds. Outside a run each call makes its own.
     (Each trace counted is the file's one engine, not traced again.)"""
-    monkeypatch.setattr(th, "_engine", OWN_ENGINE)  # what this test counts
+    for module in (tg, tp):  # what this test counts
+        monkeypatch.setattr(module, "engine_of", OWN_ENGINE)
     model, tok = default_model()
     made = []
     monkeypatch.setattr(rewriter, "optimize", lambda *a, **k: made.append(1) or engine)
     th.train_heads(model, tok, tmp_path / "a.safetensors", **SMALL)
-    assert len(made) == 1 and not th._SHARED
-    th.continue_prompts(model, tok, [[1, 2, 3]], 2, 1, False, "train")
-    th.continue_prompts(model, tok, [[1, 2, 3]], 2, 1, False, "train")
+    assert len(made) == 1 and not tg._SHARED
+    tg.continue_prompts(model, tok, [[1, 2, 3]], 2, 1, False, "train")
+    tg.continue_prompts(model, tok, [[1, 2, 3]], 2, 1, False, "train")
     assert len(made) == 3

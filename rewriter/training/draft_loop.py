@@ -2,7 +2,7 @@
 model answered, their hidden states cached: batches of whole rows, the positions trained
 on drawn from them, and held-out top-1 of each draft step.
 
-``data`` is a training set as ``train_heads.merge_parts`` makes it: ``tokens`` ``[N, L]``,
+``data`` is a training set as ``heads_data.merge_parts`` makes it: ``tokens`` ``[N, L]``,
 ``start`` (each row's first generated position), ``end`` (where its text ends),
 ``hidden`` ``[N, L, H]``. A position ``t`` of a row is trained on where its first target,
 the token at ``t + 2``, is generated text (as ``train_heads`` trains heads).
@@ -15,7 +15,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from rewriter.training.train_heads import DECAY, head_targets, heads_loss, optimizer_step
+from rewriter.training.heads_fit import DECAY, head_targets, heads_loss, optimizer_step
 
 
 def train_rows(opt, data: dict, args, logits_of, depth: int, warmup: int,

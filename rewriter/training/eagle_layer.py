@@ -18,7 +18,7 @@ import torch
 
 from rewriter.drafts import eagle, eagle_file
 from rewriter.training.draft_loop import top1, train_rows
-from rewriter.training.train_heads import produced
+from rewriter.training.heads_data import produced
 
 
 def produced_counts(parts: list, vocab: int) -> torch.Tensor:

@@ -8,10 +8,10 @@ writes for itself, then the layer trained on it, each phase within its share of
 
 Phases, each ending at its deadline (a fraction of ``seconds`` from the start):
 
-1. ``ask``: the model asks itself chat questions (``train_heads.self_asked``, Magpie),
+1. ``ask``: the model asks itself chat questions (``prompts.self_asked``, Magpie),
    ``question_batch`` at a time, up to ``questions``;
 2. ``answer``: it answers them greedily (``new_tokens``), together with ``code_prompts``
-   code prompts (``train_heads.make_prompts``: code chunks and chat questions about them)
+   code prompts (``prompts.make_prompts``: code chunks and chat questions about them)
    and 48 held-out ones;
 3. its last hidden states over every row (the features the layer reads);
 4. the layer (``eagle_layer.DraftLayer``, from random, or from the draft file ``init``: a
@@ -54,10 +54,10 @@ from rewriter.drafts import eagle_file
 
 from rewriter.files import safe_files
 from rewriter.training.eagle_layer import DraftLayer, produced_counts
-from rewriter.training.machine import machine
+from rewriter.measure.machine import machine
+from rewriter.training.prompts import question_prefix
 from rewriter.training.train_eagle_checks import counts_of, enough_rows, rows_of, start_of
 from rewriter.training.train_eagle_data import PROMPT_TOKENS, own_rows, training_sets
-from rewriter.training.train_heads import question_prefix
 from rewriter.training.train_eagle_settings import DRAFT, REPORT, EagleSettings, check_paths, check_settings
 from rewriter.values import within_context
 

@@ -12,8 +12,9 @@ import random
 import torch
 
 from rewriter.training import eagle_data
-from rewriter.training.train_heads import (continue_prompts, eos_ids, hidden_states, make_prompts,
-                                  merge_parts, one_engine, row_ends, self_asked)
+from rewriter.training.generation import continue_prompts, eos_ids, hidden_states, one_engine
+from rewriter.training.heads_data import merge_parts, row_ends
+from rewriter.training.prompts import make_prompts, self_asked
 
 HELD_CODE = 48  # held-out code prompts (train-heads' default)
 PROMPT_TOKENS = 64  # code prompts' length (train-heads' default)
