@@ -27,7 +27,7 @@ def machine(device: str = "cpu") -> str:
     """The GPU's name on ``cuda``, else the CPU's model name."""
     if device == "cuda":
         return torch.cuda.get_device_name()
-    from rewriter.training.machine import machine as cpu_name
+    from rewriter.measure.machine import machine as cpu_name
     return cpu_name()
 
 

@@ -62,7 +62,8 @@ from tabulate import tabulate
 import rewriter
 from rewriter.models.checkpoints import cast
 from rewriter.decoding import strategy_of
-from rewriter.measure.calibrate import predicted_speedup, verify_cost
+from rewriter.measure.calibrate import predicted_speedup
+from rewriter.runtime.measurer import RuntimeMeasurer
 from rewriter.models.corpus import load_corpus
 from rewriter.api.eval import CHAT_PROMPTS
 from rewriter.passes import EagleDraft, HydraHeads, MedusaHeads, PromptLookup, SelfSpeculative
@@ -327,7 +328,8 @@ def run(args, ap):
         plain = rewriter.optimize(model, tokenizer=tok, backend=args.backend)
         tok = plain.tokenizer
         calib = code_prompts(tok, 2, 256)
-        curve = verify_cost(plain.ir, 9)
+        measurer = RuntimeMeasurer(args.backend, args.device)  # as optimize() times the passes
+        curve = measurer.verify_cost(plain.ir, 9)
         curves.append([dtype, *(f"{c:.2f}" for c in curve[1:])])
         for arch in ("medusa", "hydra"):
             if arch in args.strategies:
@@ -362,7 +364,7 @@ def run(args, ap):
                 SelfSpeculative(**skip, max_draft=args.max_draft, threshold=0.0)])
             pred = predicted_speedup(plain.ir, calib, skip.get("skip_layers", []),
                                      skip.get("skip_attention", []), skip.get("skip_mlp", []),
-                                     args.max_draft)
+                                     args.max_draft, measurer)
             for b in args.batch:
                 for kind, prompts in prompt_sets(plain, tok, b, args.samples, args.chat).items():
                     ref, base_rate, eager = baseline(plain, prompts, args.new)

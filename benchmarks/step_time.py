@@ -27,7 +27,7 @@ import torch
 from tabulate import tabulate
 
 import rewriter
-from rewriter.training.machine import machine
+from rewriter.measure.machine import machine
 from rewriter.passes import from_spec
 
 DUO = "duo_attention:gates=smollm2,sinks=16,window=240"

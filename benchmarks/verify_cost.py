@@ -4,8 +4,8 @@
         [--sizes 1 2 4 8 16 24 32 48 63] [--runs 15] [--repeats 3]
         [--json benchmarks/results/verify_cost.json]
 
-``rewriter.measure.calibrate.verify_cost`` on the model as ``optimize`` gives it (the default
-passes, the torch backend): the decode program over S tokens a row at batch 1 after a
+``verify_cost`` of the runtime's measurer (``rewriter.runtime.measurer``) on the model as
+``optimize`` gives it (the default passes, the torch backend): the decode program over S tokens a row at batch 1 after a
 64-token prompt, over its time on one token (medians of ``--runs`` interleaved calls). The
 whole curve is measured ``--repeats`` times; the table prints each size's median and
 range. A tree of S nodes verifies S tokens (the root included); its drafting, acceptance
@@ -20,7 +20,7 @@ import torch
 from tabulate import tabulate
 
 import rewriter
-from rewriter.measure.calibrate import verify_cost
+from rewriter.runtime.measurer import RuntimeMeasurer
 from rewriter.models.checkpoints import cast, load_model
 from rewriter.values import context_length
 
@@ -47,7 +47,8 @@ def main() -> None:
     context = context_length(ir.info.get("config", {}))
     if most >= context:
         ap.error(f"--sizes: {most} tokens do not fit {args.model}'s context of {context}")
-    curves = [verify_cost(ir, most, runs=args.runs) for _ in range(args.repeats)]  # [0, 1, c(2), ..]
+    measurer = RuntimeMeasurer("torch", args.device)
+    curves = [measurer.verify_cost(ir, most, runs=args.runs) for _ in range(args.repeats)]  # [0, 1, c(2), ..]
     rows = []
     for s in sorted(set(args.sizes)):
         seen = [c[s] for c in curves]

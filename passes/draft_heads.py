@@ -28,7 +28,7 @@ residual blocks on ``r_k`` before the projection, the same ops again::
     r_k = r_k + silu(linear(r_k, {medusa,hydra}.block{l}.w{k}, ...b{k}))   l = 1 .. B - 1
 
 and the runtime lowers one program per head with ``h`` and the path as inputs, run level
-by level over the tree's nodes (``runtime.decoding.tree.rounds``).
+by level over the tree's nodes (``runtime.decoding.tree.drafters``).
 
 ``P`` is the model's own LM head weight (shared: no copy), or with ``draft_vocab=N`` its
 rows for the ``N`` tokens the model produced most often on the training text
@@ -37,8 +37,10 @@ VocabTrim; an ``N`` past the vocabulary keeps all of it, so one setting serves m
 any vocabulary). The graph
 then returns ``(logits, draft)``. The decoding record (``rewriter.decoding``) holds the
 tree (``rewriter.drafts.tree``): given, or chosen from the heads' measured accuracies and the
-cost of a round measured here, its programs and its own work against a whole plain step
-(``tree="auto"``; ``rewriter.measure.round_cost``; then also the sub-tree of its likeliest nodes a
+cost of a round, its programs and its own work against a whole plain step, timed by the
+measurer ``rewriter.optimize`` gives, on the backend and device that will run the model
+(``tree="auto"``; ``rewriter.measure.round_cost``; ``ir.info["measured_on"]`` says where;
+then also the sub-tree of its likeliest nodes a
 round verifies at 2, 4 and 8 rows, where verifying many tokens costs more: none at all,
 plain decoding, when nothing pays; with ``adapt=True``, the default, the record keeps the
 accuracies and costs, and the runtime re-chooses the sub-tree from what the heads guess
@@ -63,12 +65,13 @@ from typing import Optional
 import torch
 
 from rewriter.drafts import heads as heads_file
-from rewriter.measure.calibrate import ShortContext
 from rewriter.decoding import MAX_EXPAND, MAX_LOOKUP, TreeDecoding, check_record, check_undecided
 from rewriter.errors import PassError
 from rewriter.ir.core import IR
-from rewriter.ir.pass_manager import Pass
-from rewriter.passes.fusion import call, is_op
+from rewriter.ir.pass_manager import Measurer, Pass
+from rewriter.measure import round_cost
+from rewriter.measure.calibrate import ShortContext
+from rewriter.ir.nodes import call, is_op
 from rewriter.drafts.tree import MAX_NODES, MAX_RANK, best_subtree, chain, choose_tree, make_tree
 
 ROLE = "draft_head"
@@ -80,6 +83,7 @@ LOOKUP = 4  # copied tokens a round may verify, by default where the rounds choo
 
 class MedusaHeads(Pass):
     ARCH = "medusa"
+    measures = True  # tree="auto" with trained heads: the rounds' costs
 
     def __init__(self, num_heads: Optional[int] = None, weights: Optional[str] = None,
                  draft_vocab: Optional[int] = None, tree="auto", max_nodes: int = 32,
@@ -137,7 +141,7 @@ class MedusaHeads(Pass):
         self.lookup = lookup
         self.report: Optional[dict] = None  # the tree choice: expected tokens, cost curve
 
-    def run(self, ir: IR) -> IR:
+    def run(self, ir: IR, measurer: Optional[Measurer] = None) -> IR:
         check_undecided(ir, self)
         head = lm_head(ir)
         weight = ir.weight(head.args[1].target)
@@ -153,7 +157,7 @@ class MedusaHeads(Pass):
             insert(ir, head, self._weights(weight), self._vocab(weight), self.name)
         self._vocab_size = None if self.draft_vocab is None else min(self.draft_vocab, weight.shape[0])
         try:
-            tree, batch_trees, costs = self._tree(ir)
+            tree, batch_trees, costs = self._tree(ir, measurer)
         except ShortContext as e:  # timing the tree's rounds
             raise PassError(f"{e}: give the heads a smaller max_nodes, or tree=[...]") from None
         strategy = self._strategy(tree, batch_trees, costs)
@@ -196,29 +200,28 @@ class MedusaHeads(Pass):
                             f"model has {lm.shape[0]}")
         return heads_file.draft_vocab(counts, self.draft_vocab)
 
-    def _tree(self, ir: IR) -> tuple:
+    def _tree(self, ir: IR, measurer: Optional[Measurer]) -> tuple:
         """The tree and, when chosen here, the sub-trees a round verifies at larger batches
         (``TreeDecoding.batch_trees``: there verifying many tokens is dearer) and, with
         ``adapt``, the measured costs (``TreeDecoding.costs``).
 
-        The costs are the programs' (``calibrate``) plus what a round spends outside them,
-        against a whole plain step, timed through the runtime (``round_cost``)."""
+        The costs are the programs' plus what a round spends outside them, against a whole
+        plain step, timed by ``measurer`` (``round_cost``)."""
         if self.tree != "auto":
             return make_tree(self.tree, self.num_heads), (), ()
         accuracy = self.heads.accuracy if self.heads is not None else []
         if not accuracy:  # untrained heads: nothing to choose from
             return chain(self.num_heads), (), ()
-        from rewriter.measure import round_cost
-        from rewriter.measure.calibrate import heads_cost, verify_cost  # times the runtime's programs
+        timer = self.measurer(ir, measurer)
         hydra = self.ARCH == "hydra"
         vocab = ir.weight("medusa.vocab") if self.draft_vocab is not None else None
         # rounds of the drafted tree alone: its size is what the costs are indexed by
-        measured = lambda tree, batches, costs: round_cost.measure(  # noqa: E731
+        measured = lambda tree, batches, costs: timer.round_times(  # noqa: E731
             ir, replace(self._strategy(tree, costs=costs if self.adapt else ()), dynamic=0,
                         lookup=0), batches, vocab)
         # rounds verify up to ``lookup`` copied tokens beside the tree: their costs too
-        cost = verify_cost(ir, min(self.max_nodes + 1 + self.lookup, MAX_NODES), runs=5)
-        per_call = heads_cost(ir, self.num_heads, hydra, runs=5)
+        cost = timer.verify_cost(ir, min(self.max_nodes + 1 + self.lookup, MAX_NODES), runs=5)
+        per_call = timer.heads_cost(ir, self.num_heads, hydra, runs=5)
         raw = ((1, round(per_call, 4), tuple(round(c, 4) for c in cost[1:])),)
         tree, _ = choose_tree(accuracy, cost, self.max_nodes, per_call, per_level=hydra)
         times = measured(tree, (1,), raw)[1]
@@ -237,16 +240,16 @@ class MedusaHeads(Pass):
             # batch size (with the round's own work as measured at one row)
             if self.lookup and self.adapt:
                 for b in BATCHES:
-                    cost_b = verify_cost(ir, min(1 + self.lookup, MAX_NODES), runs=5, batch=b)
+                    cost_b = timer.verify_cost(ir, min(1 + self.lookup, MAX_NODES), runs=5, batch=b)
                     _, verify_b = round_cost.adjust(0.0, cost_b[1:], times)
                     costs.append((b, round(heads_1, 4), tuple(round(c, 4) for c in verify_b)))
             return tree, ((1, ()),), tuple(costs) if self.adapt else ()
         by_batch = measured(tree, BATCHES, tuple(costs))
         batch_trees = []
         for b in BATCHES:
-            cost_b = verify_cost(ir, verified, runs=5, batch=b)
+            cost_b = timer.verify_cost(ir, verified, runs=5, batch=b)
             heads_b, verify_b = round_cost.adjust(
-                heads_cost(ir, self.num_heads, hydra, runs=5, batch=b), cost_b[1:], by_batch[b])
+                timer.heads_cost(ir, self.num_heads, hydra, runs=5, batch=b), cost_b[1:], by_batch[b])
             sub, rate = best_subtree(tree, accuracy, [0.0, *verify_b], heads_b, hydra)
             batch_trees.append((b, sub.paths))
             costs.append((b, round(heads_b, 4), tuple(round(c, 4) for c in verify_b)))

@@ -29,7 +29,7 @@ layer's own cache (``runtime.decoding.tree.eagle_rows``), caught up each round o
 round accepted, and grows each round's tree from the draft's own probabilities (EAGLE-2's
 dynamic tree, ``runtime.decoding.tree.dynamic``): ``depth`` levels, ``expand`` nodes expanded a
 level, ``nodes`` tokens verified (the root included). Verification, acceptance (greedy,
-sampled or typical) and the K/V compaction are the draft heads' (``runtime.decoding.tree.rounds``):
+sampled or typical) and the K/V compaction are the draft heads' (``runtime.decoding.tree.verify``):
 the output is the model's.
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ from rewriter.ir.core import IR
 from rewriter.ops import EAGLE_WEIGHTS
 from rewriter.ir.pass_manager import Pass
 from rewriter.passes.draft_heads import _mark, checked_acceptance, embedding_weight, lm_head
-from rewriter.passes.fusion import call
+from rewriter.ir.nodes import call
 from rewriter.drafts.tree import MAX_NODES, MAX_RANK, make_tree
 
 MAX_DEPTH = MAX_HEADS  # draft levels a round may grow (the record's depth)

@@ -20,7 +20,8 @@ import operator
 import torch
 
 from rewriter.ir.core import IR
-from rewriter.passes.fusion import FusionPass, call, mark
+from rewriter.ir.nodes import call, mark
+from rewriter.passes.fusion import FusionPass
 
 
 class FuseAddRMSNorm(FusionPass):

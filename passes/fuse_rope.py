@@ -14,7 +14,8 @@ import torch
 
 from rewriter.ir.core import IR
 from rewriter.ops import op_arguments
-from rewriter.passes.fusion import FusionPass, is_op
+from rewriter.ir.nodes import is_op
+from rewriter.passes.fusion import FusionPass
 
 
 class FuseRoPE(FusionPass):

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from rewriter.ir.core import IR
-from rewriter.passes.fusion import (FusionPass, call, concat_weight, first_in_graph, is_op, linear_parts, mark,
-                     sibling_name)
+from rewriter.ir.nodes import call, is_op, linear_parts, mark
+from rewriter.passes.fusion import FusionPass, concat_weight, first_in_graph, sibling_name
 
 
 class FuseSwiGLU(FusionPass):

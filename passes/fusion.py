@@ -2,13 +2,12 @@
 making the fused nodes carry the metadata of the nodes they replace."""
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 from torch import fx
 
 from rewriter.ir.core import IR
-from rewriter.ops import OPS
 from rewriter.ir.pass_manager import Pass
 
 
@@ -27,17 +26,6 @@ class FusionPass(Pass):
         ir.prune()
         record(ir, self.name, count)
         return ir
-
-
-def is_op(node, name: str) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is OPS[name]
-
-
-def linear_parts(node: fx.Node) -> tuple[fx.Node, fx.Node, Optional[fx.Node]]:
-    """(input, weight get_attr, bias get_attr or None) of an ``rw.linear`` node."""
-    x, w, *rest = node.args
-    b = rest[0] if rest else node.kwargs.get("bias")
-    return x, w, b
 
 
 def concat_weight(ir: IR, nodes: Sequence[fx.Node], name: str) -> None:
@@ -59,23 +47,9 @@ def sibling_name(weight_name: str, new_module: str) -> str:
     return f"{parent}.{new_module}.{leaf}"
 
 
-def mark(node: fx.Node, like: fx.Node, pass_name: str) -> fx.Node:
-    """Copy layer and role from ``like``; record the pass that made ``node``."""
-    for key in ("layer", "role"):
-        if key in like.meta:
-            node.meta[key] = like.meta[key]
-    node.meta["pass"] = pass_name
-    return node
-
-
 def record(ir: IR, pass_name: str, count: int) -> None:
     """Add ``count`` to how many groups ``pass_name`` fused, in ``ir.info["fusions"]``: a
     total over every run, so a second run (which finds nothing left) does not reset it
     to 0 and hide an earlier fusion from checks such as ``LayerSkip``'s."""
     fusions = ir.info.setdefault("fusions", {})
     fusions[pass_name] = fusions.get(pass_name, 0) + count
-
-
-def call(ir: IR, target, args: tuple, name: str) -> fx.Node:
-    """A call_function node with a readable name (fx adds ``_1``, ``_2``... when taken)."""
-    return ir.graph.create_node("call_function", target, args, name=name)

@@ -15,28 +15,35 @@ rounds are the draft heads', which return the head's input too; not with
 The graph is left as it is; the pass records the strategy (``rewriter.decoding``). With
 ``adapt=True`` it measures here what a round verifying 1 .. ``tokens + 1`` tokens costs
 against a plain decode step, at 1, 2, 4 and 8 rows: the programs' cost
-(``calibrate.verify_cost``) and the round's own work (building and scoring chains,
-accepting), timed through the runtime on a made-up prompt that repeats
-(``rewriter.measure.round_cost``). The rounds then verify as many copies as pay for their cost on
-the text being decoded, by how long a match found them (a chain after a 3-token match is
-right far more often than one after a single token): none where the text never repeats
-(``lookup.ChainLength``), and then the engine decodes plainly for a few generations
-before it tries again.
+(``Measurer.verify_cost``) and the round's own work (building and scoring chains,
+accepting), timed by the measurer ``rewriter.optimize`` gives (the runtime, on the backend
+and device that will run the model) on a made-up prompt that repeats
+(``rewriter.measure.round_cost``); ``ir.info["measured_on"]`` says where. The rounds then
+verify as many copies as pay for their cost on the text being decoded, by how long a match
+found them (a chain after a 3-token match is right far more often than one after a single
+token): none where the text never repeats (``lookup.ChainLength``), and then the engine
+decodes plainly for a few generations before it tries again.
 ``MedusaHeads`` and ``HydraHeads`` copy the same chains beside their trees (their
 ``lookup``).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from rewriter.decoding import MAX_LOOKUP, TreeDecoding, check_record, check_undecided
 from rewriter.errors import PassError
 from rewriter.ir.core import IR
-from rewriter.ir.pass_manager import Pass
+from rewriter.ir.pass_manager import Measurer, Pass
+from rewriter.measure import round_cost
+from rewriter.measure.calibrate import ShortContext
 from rewriter.drafts.tree import MAX_NODES
 
 BATCHES = (1, 2, 4, 8)  # batch sizes whose costs are measured (a larger batch: the largest's)
 
 
 class PromptLookup(Pass):
+    measures = True  # with adapt: the rounds' costs
+
     def __init__(self, tokens: int = 4, adapt: bool = True):
         if type(tokens) is not int or not 1 <= tokens <= MAX_LOOKUP:
             raise ValueError(f"PromptLookup: tokens must be an int in [1, {MAX_LOOKUP}] (copied "
@@ -46,7 +53,7 @@ class PromptLookup(Pass):
         self.tokens, self.adapt = tokens, adapt
         self.report: dict | None = None  # the costs measured
 
-    def run(self, ir: IR) -> IR:
+    def run(self, ir: IR, measurer: Optional[Measurer] = None) -> IR:
         check_undecided(ir, self)
         from rewriter.passes.draft_heads import lm_head
         try:
@@ -54,7 +61,7 @@ class PromptLookup(Pass):
         except PassError:
             raise PassError(f"{self!r}: its rounds (the draft heads' loop) need the logits to come "
                             f"from a plain linear LM head (not Int4Weights(lm_head=True))") from None
-        costs = self._costs(ir) if self.adapt else ()
+        costs = self._costs(ir, self.measurer(ir, measurer)) if self.adapt else ()
         record = TreeDecoding("none", lookup=self.tokens, costs=costs).record()
         why = check_record(record)
         if why:
@@ -62,16 +69,15 @@ class PromptLookup(Pass):
         ir.info["decoding"] = record
         return ir
 
-    def _costs(self, ir: IR) -> tuple:
+    def _costs(self, ir: IR, measurer: Measurer) -> tuple:
         """``((batch, 0.0, (round of 1, 2, .. tokens)), ..)`` in plain steps."""
-        from rewriter.measure import round_cost
-        from rewriter.measure.calibrate import ShortContext, verify_cost  # times the runtime's programs
         most = min(self.tokens + 1, MAX_NODES)
         try:
-            programs = {b: verify_cost(ir, most, runs=5, batch=b)[1:] for b in BATCHES}
+            programs = {b: measurer.verify_cost(ir, most, runs=5, batch=b)[1:] for b in BATCHES}
             rough = tuple((b, 0.0, tuple(min(max(c, 1e-3), 1e3) for c in programs[b]))
                           for b in BATCHES)
-            times = round_cost.measure(ir, TreeDecoding("none", lookup=self.tokens, costs=rough), BATCHES)
+            times = measurer.round_times(ir, TreeDecoding("none", lookup=self.tokens, costs=rough),
+                                         BATCHES)
         except ShortContext as e:
             raise PassError(f"{e}: give PromptLookup fewer tokens (tokens={self.tokens} now), or "
                             f"adapt=False (nothing is timed)") from None

@@ -9,7 +9,9 @@
 The graph is left as it is (the full model verifies); the pass records the strategy in
 ``ir.info["decoding"]`` (``rewriter.decoding``), the runtime lowers the ``draft`` program
 from it (``rewriter.ir.skip``) and decodes with ``runtime.decoding.speculative``. Attention and MLP
-sub-layers are skippable separately. The output is exactly the model's: plain greedy
+sub-layers are skippable separately. ``calibrate`` times verify steps with the measurer
+``rewriter.optimize`` gives (the runtime, on the backend and device that will run the model;
+``ir.info["measured_on"]`` says where). The output is exactly the model's: plain greedy
 decoding's tokens, or its sampling distribution.
 
 ``draft_weights="int4"`` drafts with the model's own weights in 4 bits (``Int4Weights``'
@@ -30,12 +32,15 @@ from rewriter.decoding import (DRAFT_WEIGHTS, MAX_DRAFT, SelfSpeculativeDecoding
 from rewriter.errors import PassError
 from rewriter.ir.core import IR
 from rewriter.ir.skip import check_skip_set
-from rewriter.ir.pass_manager import Pass
+from rewriter.ir.pass_manager import Measurer, Pass
+from rewriter.measure.calibrate import ShortContext, search
 from rewriter.values import is_int
 from rewriter.passes.layer_skip import kept_positions
 
 
 class SelfSpeculative(Pass):
+    measures = True  # with calibrate: verify costs, timed where the model will run
+
     def __init__(self, skip_layers: Optional[Sequence[int]] = None,
                  skip_attention: Optional[Sequence[int]] = None,
                  skip_mlp: Optional[Sequence[int]] = None, speedup: Optional[float] = None,
@@ -89,16 +94,16 @@ class SelfSpeculative(Pass):
             shown["calibrate"] = f"<{len(self.calibrate)} prompts>"
         return f"SelfSpeculative({', '.join(f'{k}={v}' if k == 'calibrate' else f'{k}={v!r}' for k, v in shown.items())})"
 
-    def run(self, ir: IR) -> IR:
+    def run(self, ir: IR, measurer: Optional[Measurer] = None) -> IR:
         if not ir.layers:
             raise PassError(f"{self!r} needs a causal LM with decoder layers")
         check_undecided(ir, self)
         layers, attention, mlp, max_draft = (self.skip_layers, self.skip_attention, self.skip_mlp,
                                              self.max_draft)
         if self.calibrate is not None:
-            from rewriter.measure.calibrate import ShortContext, search  # times the runtime's programs
             try:
-                self.report = search(ir, self.calibrate, self.max_draft, self.budget)
+                self.report = search(ir, self.calibrate, self.max_draft, self.budget,
+                                     self.measurer(ir, measurer))
             except ShortContext as e:
                 raise PassError(f"{e}: give SelfSpeculative a smaller max_draft (max_draft="
                                 f"{self.max_draft} now), or skip sets instead of calibrate") from None

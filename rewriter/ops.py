@@ -24,6 +24,7 @@ from torch import Tensor
 
 from rewriter.drafts.heads import MAX_HEADS
 from rewriter.maths.int4 import dequantize
+from rewriter.maths.mask import visible
 from rewriter.values import MAX_INT, within_context
 
 OPS: dict[str, torch._ops.OpOverload] = {}
@@ -255,10 +256,7 @@ def attention_mask(q_len: int, k_len: int, window: Optional[int], device,
     the last ``window`` keys, and with ``sinks`` the first ``sinks`` keys too (StreamingLLM)."""
     qi = torch.arange(k_len - q_len, k_len, device=device)[:, None]
     kj = torch.arange(k_len, device=device)[None, :]
-    mask = kj <= qi
-    if window is not None:
-        mask = mask & ((qi - kj < window) | (kj < (sinks or 0)))
-    return mask
+    return visible(qi, kj, window, sinks)
 
 
 def _attention_fake(q, k, v, layer, num_heads, num_kv_heads, head_dim, scale, causal=True,

@@ -4,7 +4,8 @@ value, checked before anything reads them (``ValueError`` names the key).
 ``info`` holds what the frontend learnt (``family``, ``causal_lm``, ``config``,
 ``inputs``, ``lift_report``, ``layers``; for causal LMs the modules it left unlifted,
 ``unlifted_attention`` and ``unlifted_embeddings``) and what passes recorded (``fusions``,
-``skipped_layers``), plus the pass list the artifact was saved with (``passes``). A key
+``skipped_layers``; ``measured_on``: the backend, device and machine whose timings chose
+the strategy), plus the pass list the artifact was saved with (``passes``). A key
 this rewriter does not know is refused: a renamed key would otherwise be dropped in silence.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ from rewriter.values import depth
 
 REQUIRED = ("family", "causal_lm", "config", "inputs", "lift_report", "layers", "passes")
 OPTIONAL = ("fusions", "skipped_layers", "unlifted_attention", "unlifted_embeddings", "int4",
-            "decoding", "medusa")
+            "decoding", "medusa", "measured_on")
 DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16",
           "float32", "float64")
 MAX_CONFIG_DEPTH = 32  # Hugging Face configs nest 3 or 4 deep (text_config, rope_parameters)
@@ -96,6 +97,12 @@ def _shallow(value) -> bool:
     return depth(value, MAX_CONFIG_DEPTH) <= MAX_CONFIG_DEPTH
 
 
+def _measured_on(v) -> bool:
+    return (isinstance(v, dict) and set(v) == {"backend", "device", "machine", "passes"}
+            and all(isinstance(v[k], str) for k in ("backend", "device", "machine"))
+            and _list_of(lambda s: isinstance(s, str))(v["passes"]))
+
+
 def _why(check, what: str):
     return lambda v: None if check(v) else what
 
@@ -124,6 +131,8 @@ _CHECKS = {
     "unlifted_embeddings": _why(_list_of(lambda s: isinstance(s, str)), "a list of module paths"),
     "decoding": lambda v: check_record(v),
     "medusa": _why(lambda v: isinstance(v, dict) and _config(v), "an object (how the heads were made)"),
+    "measured_on": _why(_measured_on, "an object {backend, device, machine, passes} of strings "
+                        "(passes: a list)"),
     "int4": _why(_int4_record, "an object {linears, group_size, max_abs_error, max_abs_weight}"),
 }
 

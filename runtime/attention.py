@@ -8,16 +8,17 @@ windows, measured in cache positions, mean the same as in token positions.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 from torch import Tensor
 
+from rewriter.maths.mask import visible
 from rewriter.maths.sdpa import sdpa
 
 from .duo_cache import split_attention
 from .kernels import KERNELS
-from .kv_cache import KVCache
+from .kv_cache import CacheSpec, KVCache
 from .page_selection import refresh_bounds
 from .ring_cache import ring_attention
 from .token_selection import selected_attention
@@ -27,11 +28,14 @@ class Step:
     """One forward call of the runtime: where each row writes in the cache, and its masks.
 
     ``start`` is the first cache position the step's ``length`` tokens are written at: an
-    int when every row writes at the same place (prefill, plain decode), or a ``[B]``
-    device tensor when rows have their own lengths (speculative decoding, after rows
-    accepted different numbers of tokens, and every step of a static round, whose buffers
-    a CUDA graph replays: ``runtime.replay``). Keys ``[0, end)`` are read; ``end`` defaults to
-    ``start + length`` and must be given (an upper bound over rows) with a tensor ``start``.
+    int when every row writes at the same place (prefill, plain decode), or a device
+    tensor, read on the device only, so that a CUDA graph can replay the step with the
+    next token's value (``runtime.replay``): ``[B]`` when rows have their own lengths
+    (speculative decoding, after rows accepted different numbers of tokens, and every step
+    of a static round), a scalar (0-d) when every row writes at the same place (the static
+    decode step, ``runtime.generate.static_decoder``). Keys ``[0, end)`` are read; ``end``
+    defaults to ``start + length`` and must be given (an upper bound over rows, the
+    cache's length in a replayed step) with a tensor ``start``.
     Rolling a row back is starting its next step earlier: what lies past a row's start is
     masked until it is written again, so rejected tokens are never copied or cleared.
 
@@ -41,14 +45,15 @@ class Step:
     node's distance from the root, which windows measure.
     """
 
-    static = False
-
     def __init__(self, cache: KVCache, start, length: int, pad: Optional[Tensor],
                  end: Optional[int] = None, tree: Optional[Tensor] = None,
                  depth: Optional[Tensor] = None):
         self.cache, self.start, self.length, self.pad = cache, start, length, pad
         self.tree, self.depth = tree, depth
-        self.per_row = isinstance(start, Tensor)
+        self.on_device = isinstance(start, Tensor)  # nothing about the start is read on the host
+        self.per_row = self.on_device and start.dim() == 1
+        if self.on_device and end is None:
+            raise ValueError("a step whose start is a device tensor needs its end")
         self.end = end if end is not None else start + length
         self._values: dict = {}
 
@@ -67,24 +72,17 @@ class Step:
         if self.tree is not None:
             return self._tree_mask(window)
         limited = window is not None and self.end > window
-        if self.length == 1 and self.pad is None and not limited and not self.per_row:
+        if self.length == 1 and self.pad is None and not limited and not self.on_device:
             return None  # one new token that sees the whole cache: SDPA's fastest path
         device = self.cache.device
         offsets = torch.arange(self.length, device=device)
-        if self.per_row:
-            qi = (self.start[:, None] + offsets)[:, None, :, None]  # [B, 1, S, 1]
+        if self.on_device:
+            qi = (self.start.reshape(-1, 1) + offsets)[:, None, :, None]  # [B or 1, 1, S, 1]
         else:
             qi = (self.start + offsets)[None, None, :, None]  # [1, 1, S, 1]
         kj = torch.arange(self.end, device=device)  # [end]
-        mask = kj <= qi  # [B or 1, 1, S, end]
-        if window is not None:
-            mask = mask & (qi - kj < window)
-        if self.pad is not None:
-            real_key = kj >= self.pad[:, None, None, None]  # [B, 1, 1, end]
-            # A padding query sees itself only: every softmax row then has a finite
-            # maximum, so padding never turns into NaN in the cache.
-            mask = mask & (real_key | (kj == qi))  # [B, 1, S, end]
-        return mask
+        first_real = self.pad[:, None, None, None] if self.pad is not None else None  # [B, 1, 1, 1]
+        return visible(qi, kj, window, first_real=first_real)  # [B or 1, 1, S, end]
 
 
     def _tree_mask(self, window: Optional[int]) -> Tensor:
@@ -112,90 +110,62 @@ class Step:
         return mask
 
 
-def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, cache_id: int, num_heads: int,
-                     num_kv_heads: int, head_dim: int, scale: float, window: Optional[int],
+def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, spec: CacheSpec,
                      cos: Optional[Tensor] = None, sin: Optional[Tensor] = None,
-                     sinks: Optional[int] = None, rotary: Optional[Tensor] = None,
-                     select: Optional[Tensor] = None,
-                     full_heads: Optional[Sequence[int]] = None,
-                     page: Optional[int] = None) -> Tensor:
-    """``rw.attention`` with K/V written into cache ``cache_id`` first.
+                     rotary: Optional[Tensor] = None, select: Optional[Tensor] = None) -> Tensor:
+    """``rw.attention`` with K/V written into cache ``spec.id`` first; ``spec`` holds the
+    op's attributes (heads, head size, scale, window, sinks, full heads, page size),
+    built once per attention node by lowering.
 
     q ``[B, S, Hq*D]``, k/v ``[B, S, Hkv*D]`` -> ``[B, S, Hq*D]``; with ``cos``/``sin``
-    (``FuseRoPE``) q and k are rotated here first. With ``sinks`` the cache is a ring
+    (``FuseRoPE``) q and k are rotated here first. With ``spec.sinks`` the cache is a ring
     (``runtime.ring_cache``).
     """
-    if full_heads is not None:  # DuoAttention: full heads here, the others in a ring
-        return split_attention(cached_attention, step, q, k, v, cache_id, full_heads, num_heads,
-                               num_kv_heads, head_dim, scale, window, sinks, cos, sin, rotary)
-    if sinks is not None:
-        return ring_attention(step, q, k, v, cache_id, num_heads, num_kv_heads, head_dim, scale,
-                              window, sinks, cos, sin, rotary)
+    if spec.full_heads is not None:  # DuoAttention: full heads here, the others in a ring
+        return split_attention(cached_attention, step, q, k, v, spec, cos, sin, rotary)
+    if spec.sinks is not None:
+        return ring_attention(step, q, k, v, spec, cos, sin, rotary)
+    num_heads, num_kv_heads, head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
     if cos is not None:
         q, k = KERNELS["rope"](q, cos, sin, head_dim), KERNELS["rope"](k, cos, sin, head_dim)
     b, s, _ = q.shape
-    k_cache, v_cache = step.cache.k[cache_id], step.cache.v[cache_id]
+    k_cache, v_cache = step.cache.k[spec.id], step.cache.v[spec.id]
     write_kv(step, k_cache, v_cache, k.view(b, s, num_kv_heads, head_dim).transpose(1, 2),
              v.view(b, s, num_kv_heads, head_dim).transpose(1, 2))  # [B, Hkv, S, D]
-    if page is not None:  # Quest: the bounds of the pages just written
-        refresh_bounds(step, cache_id, page, k_cache)
+    if spec.page is not None:  # Quest: the bounds of the pages just written
+        refresh_bounds(step, spec.id, spec.page, k_cache)
     qh = q.view(b, s, num_heads, head_dim).transpose(1, 2)  # [B, Hq, S, D]
     if select is not None:  # TidalDecode: the selected tokens and this one
-        out = selected_attention(step, qh, k_cache, v_cache, select, scale,
+        out = selected_attention(step, qh, k_cache, v_cache, select, spec.scale,
                                  num_heads != num_kv_heads)
         return out.transpose(1, 2).reshape(b, s, num_heads * head_dim)  # [B, 1, Hq*D]
     keys = k_cache[:, :, :step.end]  # [B, Hkv, end, D]
     values = v_cache[:, :, :step.end]
-    out = sdpa(qh, keys, values, attn_mask=step.mask(window), scale=scale,
+    out = sdpa(qh, keys, values, attn_mask=step.mask(spec.window), scale=spec.scale,
                enable_gqa=num_heads != num_kv_heads)
     return out.transpose(1, 2).reshape(b, s, num_heads * head_dim)  # [B, S, Hq*D]
-
-
-class StaticStep(Step):
-    """A one-token decode step whose write position is a device tensor ``pos`` ``[1]``.
-
-    Nothing about it is a Python number that changes between tokens: K/V are written with
-    ``index_copy_`` at ``pos`` and attention reads the whole cache under a mask built on
-    the device. So the step can be captured once in a CUDA graph and replayed per token.
-    """
-
-    static = True
-
-    def __init__(self, cache: KVCache, pos: Tensor, pad: Optional[Tensor]):
-        super().__init__(cache, 0, 1, pad)
-        self.pos = pos
-        self.end = cache.max_len
-
-    def _build_mask(self, window: Optional[int]) -> Tensor:
-        kj = torch.arange(self.cache.max_len, device=self.pos.device)  # [L]
-        mask = kj <= self.pos
-        if window is not None:
-            mask = mask & (self.pos - kj < window)
-        mask = mask[None, None, None, :]  # [1, 1, 1, L]
-        if self.pad is not None:
-            mask = mask & (kj >= self.pad[:, None, None, None])  # [B, 1, 1, L]
-        return mask
 
 
 def write_kv(step: Step, k_cache: Optional[Tensor], v_cache: Tensor, k: Optional[Tensor],
              v: Tensor) -> None:
     """Store the step's K and V ``[B, Hkv, S, D]`` at each row's cache positions (K skipped
-    when ``k`` is None: a kernel wrote it already, as ``FuseRoPE`` does)."""
+    when ``k`` is None: a kernel wrote it already, as ``FuseRoPE`` does). A start on the
+    device is written through index tensors made on the device: no host read, so the
+    same write serves a CUDA graph's every replay."""
     pairs = [(v_cache, v)] if k is None else [(k_cache, k), (v_cache, v)]
-    if step.per_row:
-        rows, cols = step.once("rows", lambda: _row_positions(step))
+    if step.on_device:
+        rows, cols = step.once("rows", lambda: _row_positions(step, v.shape[0]))
     for cache, new in pairs:
-        if step.static:
-            cache.index_copy_(2, step.pos, new)
-        elif step.per_row:  # row b's token j at start[b] + j
+        if step.on_device:  # row b's token j at start[b] + j
             cache[rows, :, cols] = new.transpose(1, 2)  # [B, S, Hkv, D]
         else:
             cache[:, :, step.start:step.end] = new
 
 
-def _row_positions(step: Step) -> tuple[Tensor, Tensor]:
-    """Index tensors ``[B, 1]`` (row) and ``[B, S]`` (cache position) of a per-row step."""
-    b = step.start.shape[0]
-    rows = torch.arange(b, device=step.start.device)[:, None]  # [B, 1]
-    cols = step.start[:, None] + torch.arange(step.length, device=step.start.device)  # [B, S]
+def _row_positions(step: Step, b: int) -> tuple[Tensor, Tensor]:
+    """Index tensors ``[B, 1]`` (row) and ``[B or 1, S]`` (cache position) of a step whose
+    start is on the device (``[B]``, or one for every row)."""
+    device = step.start.device
+    rows = torch.arange(b, device=device)[:, None]  # [B, 1]
+    cols = step.start.reshape(-1, 1) + torch.arange(step.length, device=device)  # [B or 1, S]
     return rows, cols

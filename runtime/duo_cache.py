@@ -10,46 +10,60 @@ them; only the ring heads see the sinks at StreamingLLM's positions.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+import functools
+from dataclasses import replace
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
 from .kernels import KERNELS
-from .kv_cache import ring_part
+from .kv_cache import CacheSpec, ring_part
 from .ring_cache import ring_attention
 
 
-def split_attention(attend: Callable, step, q: Tensor, k: Tensor, v: Tensor, cache_id: int,
-                    full_heads: Sequence[int], num_heads: int, num_kv_heads: int, head_dim: int,
-                    scale: float, window: int, sinks: int, cos: Optional[Tensor] = None,
-                    sin: Optional[Tensor] = None, rotary: Optional[Tensor] = None,
-                    kernel: Optional[Callable] = None) -> Tensor:
+def split_attention(attend: Callable, step, q: Tensor, k: Tensor, v: Tensor, spec: CacheSpec,
+                    cos: Optional[Tensor] = None, sin: Optional[Tensor] = None,
+                    rotary: Optional[Tensor] = None, kernel: Optional[Callable] = None) -> Tensor:
     """q ``[B, S, Hq*D]``, k/v ``[B, S, Hkv*D]`` -> ``[B, S, Hq*D]``: KV heads
-    ``full_heads`` and their query groups through ``attend`` (a backend's cached attention)
-    on cache ``cache_id``, the others through the ring ``ring_part(cache_id)`` (one-token
-    steps through ``kernel``, a backend's decode kernel, when given)."""
+    ``spec.full_heads`` and their query groups through ``attend`` (a backend's cached
+    attention) on cache ``spec.id``, the others through the ring ``ring_part(spec.id)``
+    (one-token steps through ``kernel``, a backend's decode kernel, when given)."""
+    head_dim = spec.head_dim
     if cos is not None:  # FuseRoPE: rotate once, before the heads are split
         q, k = KERNELS["rope"](q, cos, sin, head_dim), KERNELS["rope"](k, cos, sin, head_dim)
     b, s, _ = q.shape
-    groups = num_heads // num_kv_heads
-    full_kv, ring_kv, full_q, ring_q = _head_indices(tuple(full_heads), num_kv_heads, groups,
+    groups = spec.num_heads // spec.num_kv_heads
+    full_kv, ring_kv, full_q, ring_q = _head_indices(spec.full_heads, spec.num_kv_heads, groups,
                                                      q.device)
-    qh = q.view(b, s, num_heads, head_dim)  # [B, S, Hq, D]
-    kh, vh = k.view(b, s, num_kv_heads, head_dim), v.view(b, s, num_kv_heads, head_dim)
+    qh = q.view(b, s, spec.num_heads, head_dim)  # [B, S, Hq, D]
+    kh, vh = k.view(b, s, spec.num_kv_heads, head_dim), v.view(b, s, spec.num_kv_heads, head_dim)
 
     def pick(x: Tensor, idx: Tensor) -> Tensor:  # [B, S, H, D] -> [B, S, len(idx)*D]
         return x.index_select(2, idx).reshape(b, s, -1)
 
-    whole = attend(step, pick(qh, full_q), pick(kh, full_kv), pick(vh, full_kv), cache_id,
-                   len(full_q), len(full_kv), head_dim, scale, None)
+    whole_spec, ring_spec = _parts(spec)
+    whole = attend(step, pick(qh, full_q), pick(kh, full_kv), pick(vh, full_kv), whole_spec)
     ring = ring_attention(step, pick(qh, ring_q), pick(kh, ring_kv), pick(vh, ring_kv),
-                          ring_part(cache_id), len(ring_q), len(ring_kv), head_dim, scale,
-                          window, sinks, rotary=rotary, kernel=kernel)
+                          ring_spec, rotary=rotary, kernel=kernel)
     out = torch.empty_like(qh)  # [B, S, Hq, D]
     out.index_copy_(2, full_q, whole.view(b, s, -1, head_dim))
     out.index_copy_(2, ring_q, ring.view(b, s, -1, head_dim))
-    return out.view(b, s, num_heads * head_dim)
+    return out.view(b, s, spec.num_heads * head_dim)
+
+
+@functools.cache
+def _parts(spec: CacheSpec) -> tuple[CacheSpec, CacheSpec]:
+    """The attributes of a split layer's two attentions: its full heads' over the whole
+    cache (no window), and the ring heads' over the ring. Made once per layer."""
+    full = len(spec.full_heads)
+    rest = sum(h not in spec.full_heads for h in range(spec.num_kv_heads))  # as _head_indices
+    groups = spec.num_heads // spec.num_kv_heads
+    whole = replace(spec, num_heads=full * groups, num_kv_heads=full, window=None, sinks=None,
+                    full_heads=None, page=None)
+    ring = replace(spec, id=ring_part(spec.id), num_heads=rest * groups, num_kv_heads=rest,
+                   full_heads=None, page=None)
+    return whole, ring
 
 
 _INDICES: dict = {}

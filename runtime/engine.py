@@ -296,7 +296,8 @@ class Engine:
         if self._programs is None or self._programs_key != key:
             self._programs = None  # a failed lowering leaves none behind
             self.replays.clear()  # they call the old programs
-            self._programs = build_programs(self.ir, self.backend, self.trusted_kernels)
+            self._programs = build_programs(self.ir, self.backend, self.trusted_kernels,
+                                            strategy_for(self.ir))
             self._programs_key = key
         return self._programs
 

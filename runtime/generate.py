@@ -15,7 +15,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 from torch import Tensor, fx
 
-from .attention import StaticStep, Step
+from .attention import Step
 from .kv_cache import KVCache
 from .replay import Replay, Replays
 from .sampling import next_token
@@ -128,9 +128,9 @@ def decode_loop(prefill: fx.GraphModule, decode: fx.GraphModule, cache: KVCache,
     """Yield the next token of every row, ``[B]``, ``settings.max_new_tokens`` times at most.
 
     ``settings`` are resolved for the model (``GenerationSettings.for_model``): its eos ids
-    are a tuple and its pad id an int. ``static`` runs decode steps through ``StaticStep``
-    (device-side write position), and ``cuda_graph`` then replays them from one captured
-    CUDA graph (``static_decoder``), kept in ``replays`` across generations when given.
+    are a tuple and its pad id an int. ``static`` runs decode steps on a write position
+    held on the device, and ``cuda_graph`` then replays them from one captured CUDA graph
+    (``static_decoder``), kept in ``replays`` across generations when given.
 
     ``stats`` counts the cost: ``forward_passes`` (calls of the model, each over the whole
     batch), ``layer_evals`` (decoder layers those calls ran) and ``tokens`` (steps yielded).
@@ -199,12 +199,15 @@ def static_decoder(program: fx.GraphModule, cache: KVCache, pad: Optional[Tensor
                    cuda_graph: bool, replays: Optional[Replays] = None) -> Callable:
     """``decoder(tokens, positions, pos)``: the decode step on fixed buffers (tokens
     ``[B, 1]``, positions ``[B, 1]``, the cache write position ``[1]``, the rows' padding
-    ``[B]``), through ``StaticStep``: replayed from a CUDA graph with ``cuda_graph``
+    ``[B]``), through a ``Step`` whose start is that position, on the device, and whose
+    keys are the whole cache under the mask: nothing in it is a Python number that changes
+    between tokens, so it is replayed from a CUDA graph with ``cuda_graph``
     (``runtime.replay``), kept in ``replays`` when given."""
     padded = pad is not None
 
     def run(tokens: Tensor, positions: Tensor, pos: Tensor, *pad: Tensor) -> Tensor:
-        return _run(program, StaticStep(cache, pos, pad[0] if padded else None), tokens, positions)
+        step = Step(cache, pos.reshape(()), 1, pad[0] if padded else None, end=cache.max_len)
+        return _run(program, step, tokens, positions)
     column = torch.zeros(cache.batch, 1, dtype=torch.int64, device=cache.device)  # [B, 1]
     rest = (pad,) if padded else ()
     make = lambda: Replay(run, [column, column, column[0], *rest], cuda_graph,  # noqa: E731
@@ -222,7 +225,7 @@ def score_loop(prefill: fx.GraphModule, decode: fx.GraphModule, cache: KVCache,
     policy changes at decode (a window, a token selection) shows in the score."""
     b, s = ids.shape
     positions = torch.arange(s, device=ids.device).expand(b, s)  # [B, S]
-    cache.busy = True
+    release = cache.hold()
     try:
         logits, _ = run_prompt(prefill, cache, ids[:, :prefix], positions[:, :prefix], None,
                                PREFILL_CHUNK)
@@ -231,5 +234,5 @@ def score_loop(prefill: fx.GraphModule, decode: fx.GraphModule, cache: KVCache,
             logits = _run(decode, Step(cache, t, 1, None), ids[:, t:t + 1], positions[:, t:t + 1])
             scores.append(logits[:, -1].float().log_softmax(-1).gather(-1, ids[:, t + 1, None]))
     finally:
-        cache.busy = False
+        release()
     return torch.cat(scores, dim=1)  # [B, S - prefix]

@@ -14,7 +14,7 @@ heads are split keeps two: its full heads under its id, its streaming heads' rin
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import fx
@@ -101,15 +101,23 @@ def cache_table(gm: fx.GraphModule) -> dict[int, CacheSpec]:
         if p["layer"] in table:
             raise RewriterError(f"{n.name}: two attention ops name cache {p['layer']} (their "
                                 f"layer attribute); each layer's attention needs its own")
-        params = {k: p[k] for k in CACHE_PARAMS}
-        select = op_arguments("attention", tuple(n.args), dict(n.kwargs))["select"]
-        if select is not None and select.target is OPS["select_pages"]:  # Quest's bounds
-            params["page"] = op_arguments("select_pages", tuple(select.args),
-                                          dict(select.kwargs))["page"]
-        if params["full_heads"] is not None:
-            params["full_heads"] = tuple(params["full_heads"])
-        table[p["layer"]] = CacheSpec(id=p["layer"], **params)
+        table[p["layer"]] = cache_spec(n)
     return table
+
+
+def cache_spec(node: fx.Node) -> CacheSpec:
+    """The cache of one ``rw.attention`` node, which is also what its lowered call reads
+    (``runtime.attention.cached_attention``): heads, head size, scale, window, and the
+    sinks, full heads and page size of the sparse caches."""
+    p = attention_params(node)
+    params = {k: p[k] for k in CACHE_PARAMS}
+    select = op_arguments("attention", tuple(node.args), dict(node.kwargs))["select"]
+    if select is not None and select.target is OPS["select_pages"]:  # Quest's bounds
+        params["page"] = op_arguments("select_pages", tuple(select.args),
+                                      dict(select.kwargs))["page"]
+    if params["full_heads"] is not None:
+        params["full_heads"] = tuple(params["full_heads"])
+    return CacheSpec(id=p["layer"], **params)
 
 
 def read_bytes(gm: fx.GraphModule, dtype: torch.dtype, tokens: int) -> int:
@@ -206,6 +214,15 @@ class KVCache:
         for _, kb, vb in self.blocks:
             for block in (kb, vb):
                 block[:, rows, :, dst] = block[:, rows, :, src]  # [n moves, caches, Hkv, D]
+
+    def hold(self) -> Callable[[], None]:
+        """Lease the cache to one generation or scoring (``fits`` is False meanwhile); the
+        function returned hands it back. The only place ``busy`` changes."""
+        self.busy = True
+
+        def release() -> None:
+            self.busy = False
+        return release
 
     def fits(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> bool:
         k = next(iter(self.k.values()), None)

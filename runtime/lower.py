@@ -26,12 +26,17 @@ from rewriter.ops import OPS, op_arguments
 
 from .attention import cached_attention
 from .kernels import KERNELS, int4_cpu_ok, int4_cpu_tables, linear_int4_cpu, linear_t
-from .kv_cache import attention_params
+from .kv_cache import CacheSpec, attention_params, cache_spec
 from . import memory, packed_linear
 from .page_selection import select_pages
 from .token_selection import select_tokens
 
-_SHORT = {op: name for name, op in OPS.items()}
+SHORT = {op: name for name, op in OPS.items()}  # rw op -> its name in the op table
+# A lowered attention call names its cache's CacheSpec in the program's code (which
+# Engine.programs() shows and dump() writes); fx runs that code with globals of its own,
+# so the class is registered among them.
+fx.graph._register_custom_builtin("CacheSpec", "from rewriter.runtime.kv_cache import CacheSpec",
+                                  CacheSpec)
 
 
 def lower(ir: IR, last_only: bool, backend: str = "torch",
@@ -46,10 +51,7 @@ def lower(ir: IR, last_only: bool, backend: str = "torch",
     its programs), linears on CPU weights read ``[in, out]`` copies (``linear_t``).
     ``kernel_sources`` (name -> source) replaces generated kernels' sources: an artifact's
     stored kernels, used only when its loader said ``trust_code=True``."""
-    table, attention = KERNELS, cached_attention
-    if backend == "triton":
-        from . import triton_backend
-        table, attention = triton_backend.kernels()
+    table, attention = kernel_table(backend)
     if not ir.is_causal_lm:
         raise RewriterError("the KV-cache runtime runs causal language models only; "
                             "call the optimized module directly instead")
@@ -73,14 +75,14 @@ def lower(ir: IR, last_only: bool, backend: str = "torch",
             if last_only:
                 result = _last_position_logits(graph, out, env)
             if hidden:
-                if _SHORT.get(out.target) != "linear":
+                if SHORT.get(out.target) != "linear":
                     raise RewriterError("draft heads need the logits to come from a linear LM head")
                 # h at every position with "all" (an EAGLE draft catches up over the prompt)
                 result = (result, every if hidden == "all" else result.args[0])
             graph.output(result)
             continue
         new = graph.node_copy(node, lambda n: env[n])
-        name = _SHORT.get(node.target) if node.op == "call_function" else None
+        name = SHORT.get(node.target) if node.op == "call_function" else None
         if name == "attention":
             params = attention_params(node)
             bound = op_arguments("attention", tuple(node.args), dict(node.kwargs))  # by name,
@@ -89,22 +91,13 @@ def lower(ir: IR, last_only: bool, backend: str = "torch",
                 raise RewriterError(f"{node.name}: the runtime needs causal attention")
             new.target = attention
             q, k, v = (env[a] for a in node.args[:3])
-            new.args = (step, q, k, v, params["layer"])  # the cache id (runtime.kv_cache)
-            new.kwargs = {k: params[k] for k in ("num_heads", "num_kv_heads", "head_dim",
-                                                 "scale", "window")}
-            if params["sinks"] is not None:  # StreamingAttention: the layer's cache is a ring
-                new.kwargs = {**new.kwargs, "sinks": params["sinks"]}
-                rotary = bound["rotary"]  # StreamingLLM's sink positions
-                if rotary is not None:
-                    new.kwargs = {**new.kwargs, "rotary": env[rotary]}
-            if params["full_heads"] is not None:  # DuoAttention: these heads keep a full cache
-                new.kwargs = {**new.kwargs, "full_heads": tuple(params["full_heads"])}
+            # the attributes as one object, the layer's cache (runtime.kv_cache)
+            new.args = (step, q, k, v, cache_spec(node))
+            new.kwargs = {}
+            if params["sinks"] is not None and bound["rotary"] is not None:
+                new.kwargs = {"rotary": env[bound["rotary"]]}  # StreamingLLM's sink positions
             if bound["select"] is not None:  # TidalDecode, Quest: the selected tokens
-                source = bound["select"]
-                new.kwargs = {**new.kwargs, "select": env[source]}
-                if source.target is OPS["select_pages"]:  # Quest: keep the page bounds
-                    new.kwargs = {**new.kwargs, "page": op_arguments(
-                        "select_pages", tuple(source.args), dict(source.kwargs))["page"]}
+                new.kwargs = {**new.kwargs, "select": env[bound["select"]]}
             if bound["cos"] is not None:  # FuseRoPE: rotate inside attention
                 cos, sin = bound["cos"], bound["sin"]
                 if backend == "torch":  # the Triton kernels read float32 tables
@@ -135,73 +128,27 @@ def lower(ir: IR, last_only: bool, backend: str = "torch",
         # later positions' tokens: right on a whole sequence, wrong in a cached step
         raise RewriterError("rw.next_tokens reads the tokens after each position; only draft "
                             "heads may use it (their programs take the path as an input)")
-    extra = transposed if transposed is not None else {}
-    _lower_int4(ir, graph, table["linear_int4"], extra)
-    if transposed is not None and backend == "torch":
-        _transpose_linear_weights(ir, graph, transposed)
-        _pack_linear_weights(ir, graph, transposed)
-    graph.eliminate_dead_code()
-    program = fx.GraphModule(_flatten_weights(ir, graph, extra), graph)
+    program = program_on_weights(ir, graph, table, backend, transposed)
     program.generated_kernels = generated  # for dumps and artifacts
     return program
 
 
-def logits_node(ir: IR) -> fx.Node:
-    """The node of the logits: the graph's output, or its first value (``(logits, draft)``)."""
-    (out,) = ir.graph.find_nodes(op="output")
-    value = out.args[0]
-    return value[0] if isinstance(value, (tuple, list)) else value
-
-
-def lower_heads(ir: IR, backend: str = "torch", transposed: dict | None = None,
-                head: int | None = None) -> fx.GraphModule:
-    """The draft heads alone: ``(h [B, S, H]) -> draft logits [B, S, K, V]``, the nodes
-    between the LM head's input and the graph's second output. Hydra's heads (``head=k``):
-    ``(h [B, N, H], path [B, N, K]) -> head k's logits [B, N, V]``, the path's tokens in
-    place of the graph's ``rw.next_tokens`` (only its first ``k + 1`` columns are read)."""
-    table = KERNELS
+def kernel_table(backend: str) -> tuple[dict, object]:
+    """``(kernels by op name, cached attention)`` of ``backend`` (``torch``:
+    ``runtime.kernels``; ``triton``: ``runtime.triton_backend``)."""
     if backend == "triton":
         from . import triton_backend
-        table = triton_backend.kernels()[0]
-    (out,) = ir.graph.find_nodes(op="output")
-    value = out.args[0]
-    if not isinstance(value, (tuple, list)) or len(value) != 2:
-        raise RewriterError("this IR has no draft heads (its graph returns the logits only)")
-    h, target = logits_node(ir).args[0], value[1]
-    if head is not None:  # draft = cat([unsqueeze(logits_0, -2), ..], -2)
-        rows = target.args[0] if _is(target, torch.ops.aten.cat.default) else None
-        if rows is None or not 0 <= head < len(rows) or not _is(rows[head], torch.ops.aten.unsqueeze.default):
-            raise RewriterError("Hydra's draft logits must be a cat of one row per head")
-        target = rows[head].args[0]
-    paths = [n for n in ir.graph.nodes if n.op == "call_function" and _SHORT.get(n.target) == "next_tokens"]
-    need, todo = set(), [target]
-    while todo:  # the heads' nodes: from the draft logits back to h (and the path)
-        n = todo.pop()
-        if n in need or n is h or n in paths:
-            continue
-        need.add(n)
-        todo += n.all_input_nodes
-    if any(n.op == "placeholder" for n in need):
-        raise RewriterError("the draft heads read more than the LM head's input (and Hydra's path)")
-    graph = fx.Graph()
-    env = {h: graph.placeholder("h")}
-    used = [p for p in paths if any(p in n.all_input_nodes for n in need)]
-    if len(used) > 1 or (used and head is None):
-        raise RewriterError("draft heads read one path (rw.next_tokens), with a program per head")
-    if head is not None:
-        if not used:
-            raise RewriterError("Hydra's heads read the path's tokens (rw.next_tokens)")
-        env[used[0]] = graph.placeholder("path")
-    for node in ir.graph.nodes:
-        if node in need:
-            new = graph.node_copy(node, lambda n: env[n])
-            name = _SHORT.get(node.target) if node.op == "call_function" else None
-            if name is not None:
-                new.target = table[name]
-            env[node] = new
-    graph.output(env[target])
-    extra = transposed if transposed is not None else {}
-    _fold_constants(ir, graph, extra)
+        return triton_backend.kernels()
+    return KERNELS, cached_attention
+
+
+def program_on_weights(ir: IR, graph: fx.Graph, table: dict, backend: str,
+                       transposed: dict | None, extra: dict | None = None) -> fx.GraphModule:
+    """The program of a lowered ``graph``: int4 linears lowered, weights read as the
+    backend reads them fastest (transposed, packed: shared through ``transposed``), dead
+    code removed, weights under flat names. ``extra``: derived weights the graph reads
+    already (``transposed`` itself when given)."""
+    extra = extra if extra is not None else transposed if transposed is not None else {}
     _lower_int4(ir, graph, table["linear_int4"], extra)
     if transposed is not None and backend == "torch":
         _transpose_linear_weights(ir, graph, transposed)
@@ -210,29 +157,11 @@ def lower_heads(ir: IR, backend: str = "torch", transposed: dict | None = None,
     return fx.GraphModule(_flatten_weights(ir, graph, extra), graph)
 
 
-def _is(node, target) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is target
-
-
-def _fold_constants(ir: IR, graph: fx.Graph, extra: dict) -> None:
-    """Compute once, here, every ATen node that reads weights only (a draft vocabulary's
-    rows of the LM head): the program then reads the result as a weight."""
-    for node in list(graph.nodes):
-        if (node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload)
-                or node.target.namespace != "aten" or not node.all_input_nodes
-                or any(a.op != "get_attr" for a in node.all_input_nodes)):
-            continue
-        name = f"{node.name}.__folded"
-        if name not in extra:
-            value = lambda a: (extra[a.target] if a.target in extra else ir.weight(a.target)) \
-                if isinstance(a, fx.Node) else a  # noqa: E731
-            try:
-                extra[name] = node.target(*fx.node.map_aggregate(node.args, value)).detach()
-            except (IndexError, RuntimeError, TypeError, ValueError) as e:  # an edited artifact
-                raise RewriterError(f"{node.name} ({node.target}) fails on its weights: {e}") from None
-        with graph.inserting_before(node):
-            node.replace_all_uses_with(graph.get_attr(name))
-        graph.erase_node(node)
+def logits_node(ir: IR) -> fx.Node:
+    """The node of the logits: the graph's output, or its first value (``(logits, draft)``)."""
+    (out,) = ir.graph.find_nodes(op="output")
+    value = out.args[0]
+    return value[0] if isinstance(value, (tuple, list)) else value
 
 
 def _table_caster(graph: fx.Graph, env: dict):
@@ -395,7 +324,7 @@ def _last_position_logits(graph: fx.Graph, out: fx.Node, env: dict) -> fx.Node:
     """
     last = (slice(None), slice(-1, None))  # [:, -1:]
     head = env[out]
-    if out.op == "call_function" and _SHORT.get(out.target) == "linear":
+    if out.op == "call_function" and SHORT.get(out.target) == "linear":
         with graph.inserting_before(head):
             x = graph.call_function(operator.getitem, (head.args[0], last))
         head.args = (x, *head.args[1:])

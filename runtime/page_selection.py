@@ -38,8 +38,8 @@ def refresh_bounds(step, cache_id: int, page: int, k_cache: Tensor) -> None:
     if step.per_row:
         raise NotImplementedError("page bounds with per-row steps (speculative decoding)")
     pad = step.pad if step.pad is not None else torch.zeros(b, dtype=torch.int64, device=device)
-    start = step.pos.expand(b) if step.static else torch.full((b,), step.start, device=device)
-    if step.static or step.length == 1:
+    start = _starts(step, b)
+    if step.length == 1:
         _add_key(high, low, k_cache, start, pad, page)
         return
     end = start + step.length  # [B] cache positions written: [start, end)
@@ -88,12 +88,13 @@ def select_pages(step, q: Tensor, k: Tensor, cache_id: int, num_heads: int, num_
     if cache_id not in step.cache.bounds:  # nothing written before: the token sees itself
         return torch.full((b, num_kv_heads, 1, 1 + recent), -1, dtype=torch.int64, device=device)
     high, low = step.cache.bounds[cache_id]  # written by this layer's earlier steps
-    if not step.static:  # score the pages up to this step only, not every allocated one
-        used = -(-step.end // page)
-        high, low = high[:, :, :used], low[:, :, :used]
+    # score the pages up to the step's end only, not every allocated one (a replayed
+    # step's end is the cache's length: all of them)
+    used = -(-step.end // page)
+    high, low = high[:, :, :used], low[:, :, :used]
     pages = high.shape[2]
     pad = step.pad if step.pad is not None else torch.zeros(b, dtype=torch.int64, device=device)
-    current = step.pos.expand(b) if step.static else torch.full((b,), step.start, device=device)
+    current = _starts(step, b)
     seen = current - pad  # [B] real tokens before this one
     p = torch.arange(pages, device=device)
     before = seen - recent  # [B] the pages give real tokens before the local window
@@ -106,3 +107,10 @@ def select_pages(step, q: Tensor, k: Tensor, cache_id: int, num_heads: int, num_
     tokens = pages_to_tokens(scores, valid[:, None, None], page, width, before.reshape(b, 1, 1))
     tokens = with_recent(tokens, seen.reshape(b, 1, 1), recent)  # [B, Hkv, 1, width + recent]
     return torch.where(tokens >= 0, tokens + pad.reshape(b, 1, 1, 1), -1)  # real -> cache
+
+
+def _starts(step, b: int) -> Tensor:
+    """``[B]``: each row's first cache position in the step (a device start as it is)."""
+    if step.on_device:
+        return step.start.expand(b)
+    return torch.full((b,), step.start, device=step.cache.device)

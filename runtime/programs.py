@@ -16,8 +16,8 @@ from torch import fx
 
 from rewriter.ir.core import IR
 
-from .decoding import Strategy, strategy_for
-from .lower import lower, lower_heads
+from .lower import lower
+from .lower_heads import lower_heads
 
 
 class Lowering:
@@ -37,11 +37,10 @@ class Lowering:
 
 
 def build_programs(ir: IR, backend: str, kernel_sources: dict,
-                   strategy: Optional[Strategy] = None) -> dict[str, fx.GraphModule]:
-    """``prefill``, ``decode`` and the programs of ``strategy`` (default: the one the IR
-    records)."""
+                   strategy) -> dict[str, fx.GraphModule]:
+    """``prefill``, ``decode`` and the programs of ``strategy`` (a ``runtime.decoding``
+    strategy, which the caller looks up: the builder names none)."""
     lowering = Lowering(backend, kernel_sources)
     programs = {"prefill": lowering.step(ir, True), "decode": lowering.step(ir, False)}
-    strategy = strategy if strategy is not None else strategy_for(ir)
     programs.update(strategy.programs(ir, lowering))
     return programs

@@ -4,8 +4,8 @@ A decoding loop calls its programs with inputs whose shapes are fixed for a give
 the decode step (one token a row), a self-speculative draft step, the verification of
 ``k + 1`` tokens or of a token tree of ``m`` nodes, the draft heads. ``Replay`` holds
 fixed input buffers and builds the call on them (the step included, whose write
-positions are device tensors: ``attention.StaticStep``, or a ``Step`` with a ``[B]``
-start and ``end`` at the cache's length), so every call runs the same kernels on the same
+positions are device tensors: a ``Step`` whose start is a device scalar or a ``[B]``
+tensor, and whose ``end`` is the cache's length), so every call runs the same kernels on the same
 addresses. On CUDA the first call runs eagerly (compiling and warming everything), the
 second is captured in a CUDA graph, and from then on a call is a buffer copy and
 ``graph.replay()``: no per-kernel launch cost, which is what a small model's step on a GPU

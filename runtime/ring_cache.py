@@ -29,24 +29,27 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rewriter.ops import REFERENCE
+from rewriter.maths.mask import visible as attention_visible
 from rewriter.maths.sdpa import sdpa
 
 from .kernels import KERNELS
 
 
-def ring_attention(step, q: Tensor, k: Tensor, v: Tensor, cache_id: int, num_heads: int,
-                   num_kv_heads: int, head_dim: int, scale: float, window: int, sinks: int,
-                   cos: Optional[Tensor] = None, sin: Optional[Tensor] = None,
-                   rotary: Optional[Tensor] = None, kernel: Optional[Callable] = None) -> Tensor:
-    """``rw.attention`` with ``sinks``: q ``[B, S, Hq*D]``, k/v ``[B, S, Hkv*D]`` ->
-    ``[B, S, Hq*D]``, K/V kept in the ring of cache ``cache_id``; with ``rotary`` the
-    sinks at StreamingLLM's positions (``rewriter.ops.sink_attention``). ``kernel`` (a
+def ring_attention(step, q: Tensor, k: Tensor, v: Tensor, spec, cos: Optional[Tensor] = None,
+                   sin: Optional[Tensor] = None, rotary: Optional[Tensor] = None,
+                   kernel: Optional[Callable] = None) -> Tensor:
+    """``rw.attention`` with ``spec.sinks`` (``spec``: the op's ``CacheSpec``): q ``[B, S,
+    Hq*D]``, k/v ``[B, S, Hkv*D]`` -> ``[B, S, Hq*D]``, K/V kept in the ring of cache
+    ``spec.id``; with ``rotary`` the sinks at StreamingLLM's positions
+    (``rewriter.ops.sink_attention``). ``kernel`` (a
     backend's ``decode_attention``) serves one-token steps: it reads the visible slots
     through a per-row index and scores the sinks with the query rotated back."""
+    num_heads, num_kv_heads, head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    scale, window, sinks = spec.scale, spec.window, spec.sinks
     if cos is not None:
         q, k = KERNELS["rope"](q, cos, sin, head_dim), KERNELS["rope"](k, cos, sin, head_dim)
     b, s, _ = q.shape
-    k_ring, v_ring = step.cache.k[cache_id], step.cache.v[cache_id]  # [B, Hkv, C + 1, D]
+    k_ring, v_ring = step.cache.k[spec.id], step.cache.v[spec.id]  # [B, Hkv, C + 1, D]
     size = k_ring.shape[2] - 1  # sinks + window, or fewer for sequences that never wrap
     # A ring shorter than its sinks (sequences shorter than them) holds sinks only, the
     # same under either count, so no score changes; and no step sizes anything by more
@@ -188,10 +191,8 @@ def _kernel_decode(kernel: Callable, step, qh: Tensor, k_ring: Tensor, v_ring: T
 def first_real_index(step, batch: int) -> Tensor:
     """``[B]``: the real index of the step's first token in each row (negative while the
     row's left padding is being written)."""
-    if step.static:
-        start = step.pos.expand(batch)
-    elif step.per_row:
-        start = step.start
+    if step.on_device:  # [B], or one position for every row
+        start = step.start.expand(batch)
     else:
         start = torch.full((batch,), step.start, dtype=torch.int64, device=step.cache.device)
     return start - step.pad if step.pad is not None else start
@@ -214,8 +215,8 @@ def slot_contents(n: Tensor, sinks: int, window: int, size: Optional[int] = None
 def visible(r_q: Tensor, r_k: Tensor, window: int, sinks: int) -> Tensor:
     """``[B, S, K]``: query ``r_q`` ``[B, S]`` sees key ``r_k`` ``[B, K]`` (real indices,
     -1 for none): causal, within the window or one of the sinks."""
-    rq, rk = r_q[:, :, None], r_k[:, None, :]
-    return (rk >= 0) & (rk <= rq) & ((rq - rk < window) | (rk < sinks))
+    rk = r_k[:, None, :]
+    return (rk >= 0) & attention_visible(r_q[:, :, None], rk, window, sinks)
 
 
 def _step_mask(first: Tensor, r_new: Tensor, sinks: int, window: int, size: int) -> Tensor:

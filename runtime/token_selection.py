@@ -77,7 +77,7 @@ def _selectable(step, b: int, recent: int) -> Tensor:
     layer's attention (``select_own``) would read them unwritten or stale."""
     device = step.cache.device
     kj = torch.arange(step.end, device=device)
-    current = step.pos if step.static else torch.as_tensor(step.start, device=device)
+    current = torch.as_tensor(step.start, device=device)  # a device start as it is
     ok = (kj[None] < current.reshape(-1, 1) - recent).expand(b, -1)  # [B, end]
     if step.pad is not None:
         ok = ok & (kj[None] >= step.pad[:, None])
@@ -87,5 +87,5 @@ def _selectable(step, b: int, recent: int) -> Tensor:
 def _current(step, b: int, hkv: int) -> Tensor:
     """``[B, Hkv, 1]``: the cache position of the step's token."""
     device = step.cache.device
-    pos = step.pos if step.static else torch.as_tensor(step.start, device=device)
+    pos = torch.as_tensor(step.start, device=device)
     return pos.reshape(-1, 1, 1).expand(b, hkv, 1).to(torch.int64)

@@ -1,7 +1,7 @@
 """``rw.attention`` on the Triton templates: the Triton backend's cached attention."""
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -13,19 +13,17 @@ from rewriter.codegen.rope import rope_into_cache
 from .attention import Step, write_kv
 from .attention import cached_attention as torch_cached_attention
 from .duo_cache import split_attention
+from .kv_cache import CacheSpec
 from .page_selection import refresh_bounds
 from .ring_cache import ring_attention
 from .token_selection import selection_index
 
 
-def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, cache_id: int, num_heads: int,
-                     num_kv_heads: int, head_dim: int, scale: float, window: Optional[int],
+def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, spec: CacheSpec,
                      cos: Optional[Tensor] = None, sin: Optional[Tensor] = None,
-                     sinks: Optional[int] = None, rotary: Optional[Tensor] = None,
-                     select: Optional[Tensor] = None,
-                     full_heads: Optional[Sequence[int]] = None,
-                     page: Optional[int] = None) -> Tensor:
-    """``rw.attention`` over cache ``cache_id``: decode or prefill kernel by step length;
+                     rotary: Optional[Tensor] = None, select: Optional[Tensor] = None) -> Tensor:
+    """``rw.attention`` over cache ``spec.id`` (``spec``: the op's attributes, as
+    ``runtime.attention.cached_attention`` takes them): decode or prefill kernel by step length;
     with ``cos``/``sin`` (``FuseRoPE``) K is rotated by the kernel that writes the cache
     (V with it) and q by the attention kernel: no launch of its own for either. A step
     whose start is per row (speculative decoding after ragged acceptance, and every step of
@@ -38,30 +36,30 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, cache_id: int,
     DuoAttention's streaming heads) runs its one-token steps through the decode kernel too,
     over the ring's visible slots, the sinks scored by the query rotated back; its writes
     and longer steps are the torch path's (``runtime.ring_cache``)."""
-    if full_heads is not None:  # DuoAttention: full heads here, the others in a ring
-        return split_attention(cached_attention, step, q, k, v, cache_id, full_heads, num_heads,
-                               num_kv_heads, head_dim, scale, window, sinks, cos, sin, rotary,
+    if spec.full_heads is not None:  # DuoAttention: full heads here, the others in a ring
+        return split_attention(cached_attention, step, q, k, v, spec, cos, sin, rotary,
                                kernel=decode_attention)
-    if sinks is not None:  # a sink + window ring (runtime.ring_cache): decode by the kernel
-        return ring_attention(step, q, k, v, cache_id, num_heads, num_kv_heads, head_dim, scale,
-                              window, sinks, cos, sin, rotary, kernel=decode_attention)
+    if spec.sinks is not None:  # a sink + window ring (runtime.ring_cache): decode by the kernel
+        return ring_attention(step, q, k, v, spec, cos, sin, rotary, kernel=decode_attention)
+    window, page = spec.window, spec.page
     if (step.per_row and (select is not None or page is not None)) or \
             (step.tree is not None and (window is not None or page is not None)):
-        return torch_cached_attention(step, q, k, v, cache_id, num_heads, num_kv_heads,
-                                      head_dim, scale, window, cos, sin, select=select, page=page)
+        return torch_cached_attention(step, q, k, v, spec, cos, sin, select=select)
+    num_heads, num_kv_heads, head_dim, scale = (spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                                                spec.scale)
     b, s, _ = q.shape
-    k_cache, v_cache = step.cache.k[cache_id], step.cache.v[cache_id]
+    k_cache, v_cache = step.cache.k[spec.id], step.cache.v[spec.id]
     split = lambda x: x.view(b, s, num_kv_heads, head_dim).transpose(1, 2)  # noqa: E731  [B, Hkv, S, D]
     if cos is not None:  # q is rotated inside the attention kernel
-        rope_into_cache(k, cos, sin, head_dim, k_cache, step.pos if step.static else step.start,
+        rope_into_cache(k, cos, sin, head_dim, k_cache, step.start,
                         v=v, v_cache=v_cache)  # K rotated and V, one launch
     else:
         write_kv(step, k_cache, v_cache, split(k), split(v))
     if page is not None:  # Quest: the bounds of the pages just written
-        refresh_bounds(step, cache_id, page, k_cache)
+        refresh_bounds(step, spec.id, page, k_cache)
     start = step.pad if step.pad is not None else step.once("zeros", lambda: _zeros(b, q.device))
     if s == 1 and step.tree is None and not step.per_row:
-        end = step.once("end", lambda: step.pos + 1) if step.static else step.end
+        end = step.once("end", lambda: step.start + 1) if step.on_device else step.end
         # TidalDecode, Quest: the kernel reads only the selected positions and this one
         index = None if select is None else selection_index(step, select)  # [B, Hkv, k + 1]
         out = decode_attention(q.view(b, num_heads, head_dim), k_cache, v_cache, end, scale,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import warnings
 
@@ -61,6 +62,24 @@ def make_model(name: str, seed: int = 0, **overrides) -> torch.nn.Module:
     torch.manual_seed(seed)
     config = config_cls(**{**kwargs, **overrides})
     return cls(config).eval()
+
+
+def traced_model(name: str, **overrides):
+    """(model, trace) of ``make_model(name, **overrides)``, made and traced once per test
+    process: tests that only optimize the model build their pipelines from copies of the
+    trace (``rewriter.optimize(trace, passes)``). The model is shared: leave it as it is.
+    The global random state is left as ``make_model`` leaves it, as if it had run again."""
+    model, traced, state = _traced(name, tuple(sorted(overrides.items())))
+    torch.set_rng_state(state)
+    return model, traced
+
+
+@functools.cache
+def _traced(name: str, overrides: tuple):
+    import rewriter
+    model = make_model(name, **dict(overrides))
+    state = torch.get_rng_state()
+    return model, rewriter.trace(model), state
 
 
 def drop_layers(model: torch.nn.Module, skip: set[int]) -> torch.nn.Module:
@@ -208,17 +227,18 @@ def reference_greedy(opt, row: list[int], new: int) -> torch.Tensor:
 
 
 def fixed_round_work(monkeypatch, fixed: float = 0.0) -> list:
-    """Make ``round_cost.measure`` report a round's own work as ``fixed`` decode programs
-    and a plain step as one (no timing): for tests of the pass's choices under costs they
-    set. Returns the calls made, as (tree, batches)."""
+    """Make the runtime's measurer (``RuntimeMeasurer.round_times``) report a round's own
+    work as ``fixed`` decode programs and a plain step as one (no timing): for tests of the
+    pass's choices under costs they set. Returns the calls made, as (tree, batches)."""
     from rewriter.measure import round_cost
+    from rewriter.runtime.measurer import RuntimeMeasurer
     calls = []
 
-    def measure(ir, strategy, batches, vocab=None, new=round_cost.NEW):
+    def round_times(self, ir, strategy, batches, vocab=None, new=round_cost.NEW):
         calls.append((strategy.tree, tuple(batches)))
         return {b: {"decode": 1.0, "plain": 1.0, "round": 1.0 + fixed, "fixed": fixed}
                 for b in batches}
-    monkeypatch.setattr(round_cost, "measure", measure)
+    monkeypatch.setattr(RuntimeMeasurer, "round_times", round_times)
     return calls
 
 

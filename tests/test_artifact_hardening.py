@@ -33,6 +33,10 @@ from test_artifact_contents import edit_weights
 NAN, INF = float("nan"), float("inf")
 IDS = [[3, 17, 42, 5]]
 
+# One xdist worker runs this module (``--dist loadgroup``, pyproject.toml):
+# its shared set of saved artifacts is built once.
+pytestmark = pytest.mark.xdist_group("artifact_hardening")
+
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
@@ -43,13 +47,14 @@ def saved(tmp_path_factory):
     tiny = make_model("llama-gqa-3l")
     draft = random_draft(tiny, root / "draft.safetensors")
     tokenizer = Tokenizer.from_file(str(DEFAULT_MODEL_DIR / "tokenizer.json"))
+    traced = rewriter.trace(tiny)  # one trace for both draft pipelines
     engines = {
         "int4": rewriter.from_pretrained("default", passes=[Int4Weights()]),
         "bf16": rewriter.optimize(make_model("llama-gqa-3l").to(torch.bfloat16)),
         "fp16": rewriter.optimize(make_model("qwen2-mqa-3l").to(torch.float16)),
-        "medusa": rewriter.optimize(tiny, tokenizer=tokenizer,
+        "medusa": rewriter.optimize(traced, tokenizer=tokenizer,
                                     passes=[MedusaHeads(num_heads=2, tree=[[0], [1], [0, 0]])]),
-        "eagle": rewriter.optimize(tiny, passes=[EagleDraft(weights=draft)]),
+        "eagle": rewriter.optimize(traced, passes=[EagleDraft(weights=draft)]),
     }
     for name, engine in engines.items():
         engine.save(root / name)

@@ -69,13 +69,14 @@ def test_chat_takes_a_message_list(opt):
 
 def test_a_tokenizer_without_template_cannot_chat_and_says_so(model):
     from tokenizers import Tokenizer
-    plain = rewriter.optimize(model, tokenizer=Tokenizer.from_file(str(DEFAULT_MODEL_DIR / "tokenizer.json")))
+    traced = rewriter.trace(model)  # one trace, 3 pipelines
+    plain = rewriter.optimize(traced, tokenizer=Tokenizer.from_file(str(DEFAULT_MODEL_DIR / "tokenizer.json")))
     with pytest.raises(RewriterError, match="no chat template"):
         plain.chat("hi")
     with pytest.raises(RewriterError, match="no tokenizer"):
-        rewriter.optimize(model).chat("hi")
+        rewriter.optimize(traced).chat("hi")
     with pytest.raises(TypeError, match="tokenizer must be"):
-        rewriter.optimize(model, tokenizer="gpt2")
+        rewriter.optimize(traced, tokenizer="gpt2")
 
 
 def test_the_artifact_keeps_tokenizer_and_template(opt, tmp_path):

@@ -417,7 +417,7 @@ def test_triton_prefill_kernel_takes_the_tree_as_ancestor_bit_sets():
         c.k[0][:, :, :5], c.v[0][:, :, :5] = prefix, -prefix
     q, k, v = torch.randn(2, n, 64), torch.randn(2, n, 32), torch.randn(2, n, 32)
     pad = torch.tensor([0, 2])
-    outs = [fn(Step(c, 5, n, pad, tree=lay["ancestors"], depth=lay["depth"]), q, k, v, 0, 4, 2, 16, 0.25, None)
+    outs = [fn(Step(c, 5, n, pad, tree=lay["ancestors"], depth=lay["depth"]), q, k, v, spec)
             for fn, c in ((cached_attention, caches[0]), (triton_attention.cached_attention, caches[1]))]
     assert torch.allclose(outs[0], outs[1], atol=1e-5)
 
@@ -451,7 +451,7 @@ def test_triton_kernels_take_each_rows_own_start(tree, rope, window, monkeypatch
     calls = []
     monkeypatch.setattr(triton_attention, "torch_cached_attention",
                         lambda *a, **k: calls.append(1) or cached_attention(*a, **k))
-    outs = [fn(Step(c, start, n, pad, end=14 + n, **kw), q, k, v, 0, 4, 2, 16, 0.25, window, cos, sin)
+    outs = [fn(Step(c, start, n, pad, end=14 + n, **kw), q, k, v, spec, cos, sin)
             for fn, c in ((cached_attention, caches[0]), (triton_attention.cached_attention, caches[1]))]
     assert calls == []  # the kernels ran, not the torch path
     assert torch.allclose(outs[0], outs[1], atol=1e-5)
@@ -498,6 +498,7 @@ def test_right_drafts_reaching_the_end_of_the_cache_are_cut_short(monkeypatch):
 
 def test_records_that_disagree_with_the_graphs_draft_vocabulary_are_refused(tmp_path):
     from rewriter.errors import RewriterError
+    from rewriter.runtime.decoding import strategy_for
     from rewriter.runtime.programs import build_programs
     model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
     path = random_heads(model, tmp_path / "h.safetensors")
@@ -505,11 +506,11 @@ def test_records_that_disagree_with_the_graphs_draft_vocabulary_are_refused(tmp_
     assert big.ir.info["decoding"]["draft_vocab"] == 128  # the whole vocabulary: recorded as such
     big.ir.info["decoding"]["draft_vocab"] = None  # the graph still trims through medusa.vocab
     with pytest.raises(RewriterError, match="come together"):
-        build_programs(big.ir, "torch", {})
+        build_programs(big.ir, "torch", {}, strategy_for(big.ir))
     big.ir.info["decoding"]["draft_vocab"] = 128
     big.ir.weight("medusa.vocab")[0] = 999  # an id outside the vocabulary
     with pytest.raises(RewriterError, match="distinct int64 token ids"):
-        build_programs(big.ir, "torch", {})
+        build_programs(big.ir, "torch", {}, strategy_for(big.ir))
 
 
 # ---------------------------------------------------------------------------- larger batches
@@ -596,15 +597,15 @@ def test_bad_batch_trees_are_refused(bad):
 def test_auto_tree_gives_larger_batches_the_sub_trees_their_costs_pay_for(tmp_path, monkeypatch):
     """Wiring: costs measured at each batch choose that batch's sub-tree (here: batch 1 and
     2 verify cheaply, 4 dearly, 8 so dearly that nothing pays)."""
-    from rewriter.measure import calibrate
+    from rewriter.runtime.measurer import RuntimeMeasurer
     from conftest import fixed_round_work
     model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
     path = random_heads(model, tmp_path / "h.safetensors")
     fixed_round_work(monkeypatch)  # the programs' costs alone, as set here
     slope = {1: 0.0, 2: 0.0, 4: 0.3, 8: 5.0}
-    monkeypatch.setattr(calibrate, "verify_cost", lambda ir, most, runs=15, batch=1:
+    monkeypatch.setattr(RuntimeMeasurer, "verify_cost", lambda self, ir, most, runs=15, batch=1:
                         [0.0] + [1.0 + slope[batch] * s for s in range(most)])
-    monkeypatch.setattr(calibrate, "heads_cost", lambda *a, **k: 0.0)
+    monkeypatch.setattr(RuntimeMeasurer, "heads_cost", lambda *a, **k: 0.0)
     med = rewriter.optimize(model, passes=[MedusaHeads(weights=str(path), max_nodes=6)])
     record = med.ir.info["decoding"]
     trees = dict((b, sub) for b, sub in record["batch_trees"])
@@ -612,7 +613,7 @@ def test_auto_tree_gives_larger_batches_the_sub_trees_their_costs_pay_for(tmp_pa
     assert 0 < len(trees[4]) < 6 and trees[8] == []
     # where even one row's tree costs more than it saves, every batch decodes plainly
     slope[1] = 5.0
-    monkeypatch.setattr(calibrate, "heads_cost", lambda *a, **k: 0.5)
+    monkeypatch.setattr(RuntimeMeasurer, "heads_cost", lambda *a, **k: 0.5)
     p = MedusaHeads(weights=str(path), max_nodes=6)
     med = rewriter.optimize(model, passes=[p])
     assert p.report["predicted_speedup"] < 1

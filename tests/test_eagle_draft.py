@@ -18,6 +18,10 @@ RAGGED = [[3, 17, 42, 5, 99, 8, 64, 11, 12], [1, 2, 3], [50, 51, 52, 53, 54]]
 KW = dict(max_new_tokens=24, eos_token_id=[])
 TAUGHT = [list(range(3 + 7 * i, 20 + 7 * i)) for i in range(12)]  # the trained draft's prompts
 
+# One xdist worker runs this module (``--dist loadgroup``, pyproject.toml):
+# its shared trained draft and traces are built once.
+pytestmark = pytest.mark.xdist_group("eagle_draft")
+
 
 def kept_rows(monkeypatch) -> list:
     """Every ``EagleRows`` the runtime makes from now on, in order (to read its caches)."""
@@ -28,17 +32,26 @@ def kept_rows(monkeypatch) -> list:
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)
             made.append(self)
-    monkeypatch.setattr("rewriter.runtime.decoding.tree.rounds.EagleRows", Kept)
+    monkeypatch.setattr("rewriter.runtime.decoding.tree.drafters.EagleRows", Kept)
     return made
 
 
 @pytest.fixture(scope="module")
-def taught(tmp_path_factory):
+def default():
+    """(model, trace, plain): the default model, traced once, and its plain pipeline. Each
+    test optimizes its own pipeline from the trace, a copy of the IR (no ``torch.export``)."""
+    model, _ = rewriter.default_model()
+    traced = rewriter.trace(model)
+    return model, traced, rewriter.optimize(traced)
+
+
+@pytest.fixture(scope="module")
+def taught(default, tmp_path_factory):
     """The default model and a draft trained (EAGLE-3's unrolled loss, two steps) on its own
     greedy continuations of ``TAUGHT``: it learns that text by heart, so its trees on it
     are accepted deep; elsewhere it guesses little."""
-    model, _ = rewriter.default_model()
-    rows = rewriter.optimize(model).generate(TAUGHT, max_new_tokens=48)  # [B, L]
+    model, _, plain = default
+    rows = plain.generate(TAUGHT, max_new_tokens=48)  # [B, L]
     with torch.no_grad():
         f = model.model(rows).last_hidden_state  # [B, L, H]
     embed, lm = model.model.embed_tokens.weight.detach(), model.lm_head.weight.detach()
@@ -82,12 +95,12 @@ def test_the_op_in_the_ir_is_the_layer_teacher_forced(tmp_path):
     assert opt.ir.info["decoding"]["drafter"] == "eagle"
 
 
-def test_the_runtimes_first_guesses_are_the_ops(taught, monkeypatch):
+def test_the_runtimes_first_guesses_are_the_ops(taught, default, monkeypatch):
     """Every round's first level (the root's children) equals the graph's draft logits at
     the position before the root over the final text: the runtime's catch-up feeds the
     layer what the op reads."""
-    model, path = taught
-    opt = rewriter.optimize(model, passes=[EagleDraft(weights=path)])
+    _, path = taught
+    opt = rewriter.optimize(default[1], passes=[EagleDraft(weights=path)])
     opt.fallback = False
     from rewriter.runtime.decoding.tree.eagle_rows import EagleRows
     seen, call = [], EagleRows.call
@@ -107,10 +120,10 @@ def test_the_runtimes_first_guesses_are_the_ops(taught, monkeypatch):
         torch.testing.assert_close(logp, want.values, rtol=1e-3, atol=1e-3)
 
 
-def test_a_trained_draft_is_lossless_and_accepts_deep(taught):
-    model, path = taught
-    plain = rewriter.optimize(model)
-    opt = rewriter.optimize(model, passes=[EagleDraft(weights=path, nodes=8, depth=4)])
+def test_a_trained_draft_is_lossless_and_accepts_deep(taught, default):
+    _, path = taught
+    _, traced, plain = default
+    opt = rewriter.optimize(traced, passes=[EagleDraft(weights=path, nodes=8, depth=4)])
     opt.fallback = False
     ids = TAUGHT[:3] + [[200, 201, 202, 203], [5]]
     want = plain.generate(ids, max_new_tokens=40, eos_token_id=[])
@@ -130,13 +143,13 @@ def test_a_trained_draft_is_lossless_and_accepts_deep(taught):
     assert opt.stats["accepted"] / opt.stats["row_rounds"] > 2.0, opt.stats
 
 
-def test_a_trimmed_draft_vocabulary(taught, tmp_path):
+def test_a_trimmed_draft_vocabulary(taught, default, tmp_path):
     """``draft_vocab=N``: the draft projects onto the N tokens its training text made most
     (the file's counts); its guesses are those tokens' ids, the output is still the model's,
     and the artifact keeps the vocabulary."""
     model, path = taught
-    plain = rewriter.optimize(model)
-    opt = rewriter.optimize(model, passes=[EagleDraft(weights=path, draft_vocab=200)])
+    _, traced, plain = default
+    opt = rewriter.optimize(traced, passes=[EagleDraft(weights=path, draft_vocab=200)])
     opt.fallback = False
     vocab = opt.ir.weight("medusa.vocab")
     assert vocab.shape == (200,) and opt.ir.info["decoding"]["draft_vocab"] == 200
@@ -157,10 +170,10 @@ def test_a_trimmed_draft_vocabulary(taught, tmp_path):
         EagleDraft(weights=str(bare), draft_vocab=200)
 
 
-def test_an_end_of_sequence_inside_an_accepted_path(taught):
-    model, path = taught
-    plain = rewriter.optimize(model)
-    opt = rewriter.optimize(model, passes=[EagleDraft(weights=path)])
+def test_an_end_of_sequence_inside_an_accepted_path(taught, default):
+    _, path = taught
+    _, traced, plain = default
+    opt = rewriter.optimize(traced, passes=[EagleDraft(weights=path)])
     opt.fallback = False
     full = plain.generate([TAUGHT[1]], max_new_tokens=40, eos_token_id=[])[0].tolist()
     eos = full[len(TAUGHT[1]) + 13]  # a token deep in the taught answer
@@ -174,8 +187,9 @@ def test_an_end_of_sequence_inside_an_accepted_path(taught):
 def test_random_drafts_are_lossless_on_model_families(config, tmp_path):
     model = make_model(config, initializer_range=varied_init(config))
     path = random_draft(model, tmp_path / "d.safetensors")
-    plain = rewriter.optimize(model)
-    opt = rewriter.optimize(model, passes=[EagleDraft(weights=str(path), nodes=6, depth=3)])
+    traced = rewriter.trace(model)  # one trace, two pipelines
+    plain = rewriter.optimize(traced)
+    opt = rewriter.optimize(traced, passes=[EagleDraft(weights=str(path), nodes=6, depth=3)])
     opt.fallback = False
     assert torch.equal(opt.generate(RAGGED, **KW), plain.generate(RAGGED, **KW))
     assert opt.stats["rounds"] > 0
@@ -185,8 +199,9 @@ def test_sampling_follows_the_models_distribution(tmp_path):
     """Two-sample chi-square on the second and third sampled tokens, 3000 rows each way."""
     model = make_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)
     path = random_draft(model, tmp_path / "d.safetensors")
-    plain = rewriter.optimize(model)
-    opt = rewriter.optimize(model, passes=[EagleDraft(weights=str(path), nodes=6, depth=2)])
+    traced = rewriter.trace(model)  # one trace, two pipelines
+    plain = rewriter.optimize(traced)
+    opt = rewriter.optimize(traced, passes=[EagleDraft(weights=str(path), nodes=6, depth=2)])
     opt.fallback = False
     ids = torch.tensor([[5, 9, 2]]).expand(3000, 3)
     kw = dict(max_new_tokens=3, do_sample=True, top_k=0, eos_token_id=[])
@@ -196,10 +211,10 @@ def test_sampling_follows_the_models_distribution(tmp_path):
     assert_same_distribution(a, b, (4, 5), 48)
 
 
-def test_artifact_round_trip(taught, tmp_path):
-    model, path = taught
-    plain = rewriter.optimize(model)
-    opt = rewriter.optimize(model, passes=[EagleDraft(weights=path, nodes=6)])
+def test_artifact_round_trip(taught, default, tmp_path):
+    _, path = taught
+    _, traced, plain = default
+    opt = rewriter.optimize(traced, passes=[EagleDraft(weights=path, nodes=6)])
     opt.save(tmp_path / "a")
     loaded = rewriter.load(tmp_path / "a")
     loaded.fallback = False
@@ -214,8 +229,9 @@ def test_artifact_round_trip(taught, tmp_path):
 def test_the_triton_backend_gives_the_same_tokens(tmp_path):
     model = make_model("llama-gqa-3l", initializer_range=0.2, num_hidden_layers=2)
     path = random_draft(model, tmp_path / "d.safetensors")
-    plain = rewriter.optimize(model)
-    opt = rewriter.optimize(model, passes=[EagleDraft(weights=str(path), nodes=4, depth=2)],
+    traced = rewriter.trace(model)  # one trace, two pipelines
+    plain = rewriter.optimize(traced)
+    opt = rewriter.optimize(traced, passes=[EagleDraft(weights=str(path), nodes=4, depth=2)],
                             backend="triton")
     opt.fallback = False
     kw = dict(max_new_tokens=5, eos_token_id=[])
@@ -270,28 +286,31 @@ def test_a_draft_for_another_model_is_refused(tmp_path):
     model = make_model("llama-gqa-3l")
     other = make_model("llama-gqa-3l", seed=1)
     path = random_draft(other, tmp_path / "d.safetensors")
+    traced = rewriter.trace(model)  # one trace, two pipelines
     with pytest.raises(PassError, match="another model"):
-        rewriter.optimize(model, passes=[EagleDraft(weights=str(path))])
+        rewriter.optimize(traced, passes=[EagleDraft(weights=str(path))])
     with pytest.raises(PassError, match="already has a decoding strategy"):
-        rewriter.optimize(model, passes=[HydraHeads(num_heads=2, tree=[[0]]),
+        rewriter.optimize(traced, passes=[HydraHeads(num_heads=2, tree=[[0]]),
                                          EagleDraft(weights=str(random_draft(model, tmp_path / "m.safetensors")))])
 
 
 def test_hostile_records_and_graphs_are_refused(tmp_path):
     from rewriter.decoding import check_record
     model = make_model("llama-gqa-3l")
-    opt = rewriter.optimize(model, passes=[EagleDraft(weights=str(random_draft(model, tmp_path / "d.safetensors")))])
+    traced = rewriter.trace(model)  # one trace, three pipelines
+    opt = rewriter.optimize(traced, passes=[EagleDraft(weights=str(random_draft(model, tmp_path / "d.safetensors")))])
     r = dict(opt.ir.info["decoding"])
     assert check_record(r) is None
     assert "drafter 'eagle'" in check_record({k: v for k, v in r.items() if k != "dynamic"})
     assert "drafter 'eagle'" in check_record({**r, "batch_trees": [[2, [[0]]]]})
     # a record that asks for the layer on a graph without one
+    from rewriter.runtime.decoding import strategy_for
     from rewriter.runtime.programs import build_programs
     for k, match in ((2, "draft logits are"), (1, "no rw.eagle_layer")):  # one head: the op's shape
-        hy = rewriter.optimize(model, passes=[HydraHeads(num_heads=k, tree=[[0], [1]])])
+        hy = rewriter.optimize(traced, passes=[HydraHeads(num_heads=k, tree=[[0], [1]])])
         hy.ir.info["decoding"] = {**hy.ir.info["decoding"], "drafter": "eagle", "dynamic": 2}
         with pytest.raises(RewriterError, match=match):
-            build_programs(hy.ir, "torch", {})
+            build_programs(hy.ir, "torch", {}, strategy_for(hy.ir))
     # a layer whose weight does not fit is refused by shape propagation, by name
     from rewriter.ops import ShapeError
     layer = next(n for n in opt.ir.graph.nodes if n.name == "eagle_layer")
@@ -412,12 +431,12 @@ def test_a_row_that_is_done_drafts_nothing_and_changes_no_other_row():
             assert torch.equal(ids[r], want_ids[0])
 
 
-def test_a_padded_rows_draft_cache_is_its_prompts_alone(taught, monkeypatch):
+def test_a_padded_rows_draft_cache_is_its_prompts_alone(taught, default, monkeypatch):
     """After the prompt, each row of a left-padded batch holds the draft cache it would
     hold alone: its own positions, no padding."""
-    model, path = taught
+    _, path = taught
     made = kept_rows(monkeypatch)
-    opt = rewriter.optimize(model, passes=[EagleDraft(weights=path)])
+    opt = rewriter.optimize(default[1], passes=[EagleDraft(weights=path)])
     ragged = [TAUGHT[4][:10], TAUGHT[5] + TAUGHT[6], [9, 10]]  # the long one: in 3 chunks
     opt.generate(ragged, max_new_tokens=1, eos_token_id=[], prefill_chunk=16)
     batch = made[-1]
@@ -430,24 +449,32 @@ def test_a_padded_rows_draft_cache_is_its_prompts_alone(taught, monkeypatch):
         torch.testing.assert_close(batch.g[r], alone.g[0], rtol=1e-4, atol=1e-4)
 
 
+@pytest.fixture(scope="module")
+def repeating(tmp_path_factory):
+    """(model, trace, params, shape, path): a 16-token model whose random text repeats,
+    traced once, and a seeded random draft for it (with counts) saved at ``path``."""
+    model = make_model("llama-gqa-3l", vocab_size=16, initializer_range=0.2)
+    h = model.config.hidden_size
+    shape = eagle.Shape(h, 4, 2, 2 * h)
+    p = {k: v * 5 if v.dim() == 2 else v for k, v in eagle.init(shape, torch.Generator().manual_seed(0)).items()}
+    path = tmp_path_factory.mktemp("repeating") / "d.safetensors"
+    eagle_file.made(p, shape, model.get_output_embeddings().weight.detach(),
+                    counts=torch.arange(16)).save(path)
+    return model, rewriter.trace(model), p, shape, path
+
+
 @pytest.mark.parametrize("mode", ["greedy", "sampled", "typical", "lookup", "trimmed"])
-def test_the_draft_cache_is_the_layer_over_the_final_text(mode, tmp_path, monkeypatch):
+def test_the_draft_cache_is_the_layer_over_the_final_text(mode, repeating, monkeypatch):
     """After a generation each row's draft cache holds the layer's keys over the row's own
     text (its prompt and every token made but the last), whatever the acceptance, copied
     chains or draft vocabulary: the catch-up after every round fed it the right features
     and tokens. A 16-token model whose random text repeats, so rounds accept often."""
     made = kept_rows(monkeypatch)
-    model = make_model("llama-gqa-3l", vocab_size=16, initializer_range=0.2)
-    h = model.config.hidden_size
-    shape = eagle.Shape(h, 4, 2, 2 * h)
-    p = {k: v * 5 if v.dim() == 2 else v for k, v in eagle.init(shape, torch.Generator().manual_seed(0)).items()}
-    path = tmp_path / "d.safetensors"
-    eagle_file.made(p, shape, model.get_output_embeddings().weight.detach(),
-                    counts=torch.arange(16)).save(path)
+    model, traced, p, shape, path = repeating
     pkw = {"typical": dict(acceptance="typical"), "lookup": dict(lookup=4),
            "trimmed": dict(draft_vocab=10)}.get(mode, {})
     gkw = dict(do_sample=True, seed=3, top_k=0) if mode == "sampled" else {}
-    opt = rewriter.optimize(model, passes=[EagleDraft(weights=str(path), nodes=8, depth=3, **pkw)])
+    opt = rewriter.optimize(traced, passes=[EagleDraft(weights=str(path), nodes=8, depth=3, **pkw)])
     opt.fallback = False
     prompts = [list(range(1, 15)) * 3, [3, 4, 5], list(range(7, 16)) + list(range(1, 12))]
     new = 20

@@ -12,16 +12,27 @@ from rewriter.drafts import eagle_file
 from rewriter.training.draft_loop import generated_pairs, top1
 from rewriter.training.eagle_layer import DraftLayer
 from rewriter.passes import EagleDraft
-from rewriter.training.train_heads import head_targets
+from rewriter.training.heads_fit import head_targets
 
 PROMPTS = [list(range(3 + 7 * i, 20 + 7 * i)) for i in range(6)]
 
+# One xdist worker runs this module (``--dist loadgroup``, pyproject.toml):
+# its shared trace and training data are built once.
+pytestmark = pytest.mark.xdist_group("eagle_train_vocab")
+
 
 @pytest.fixture(scope="module")
-def rows():
-    """The default model and its greedy answers to ``PROMPTS``, as the training's data."""
+def default():
+    """(model, trace): the default model, traced once for every pipeline of this module."""
     model, _ = rewriter.default_model()
-    tokens = rewriter.optimize(model).generate(PROMPTS, max_new_tokens=24)  # [B, L]
+    return model, rewriter.trace(model)
+
+
+@pytest.fixture(scope="module")
+def rows(default):
+    """The default model and its greedy answers to ``PROMPTS``, as the training's data."""
+    model, traced = default
+    tokens = rewriter.optimize(traced).generate(PROMPTS, max_new_tokens=24)  # [B, L]
     with torch.no_grad():
         hidden = model.model(tokens).last_hidden_state  # [B, L, H]
     b, length = tokens.shape
@@ -58,9 +69,9 @@ def test_equal_counts_at_the_cut_off_go_to_the_lower_ids():
             eagle_file.draft_vocab(counts, bad)
 
 
-def test_the_pass_drafts_from_the_same_tokens(tmp_path, monkeypatch):
+def test_the_pass_drafts_from_the_same_tokens(default, tmp_path, monkeypatch):
     """``EagleDraft(draft_vocab=N)`` hands the IR exactly ``draft_vocab(counts, N)``."""
-    model, _ = rewriter.default_model()
+    model, traced = default
     lm = model.lm_head.weight.detach()
     counts = torch.randint(0, 1000, (lm.shape[0],), generator=torch.Generator().manual_seed(3))
     d = DraftLayer(model, "random", 2)
@@ -71,7 +82,7 @@ def test_the_pass_drafts_from_the_same_tokens(tmp_path, monkeypatch):
     real = pass_module.insert_eagle
     monkeypatch.setattr(pass_module, "insert_eagle",
                         lambda *a: (seen.append(a[-1]), real(*a))[1])
-    rewriter.optimize(model, passes=[EagleDraft(weights=str(path), draft_vocab=50)])
+    rewriter.optimize(traced, passes=[EagleDraft(weights=str(path), draft_vocab=50)])
     assert torch.equal(seen[0], eagle_file.draft_vocab(counts, 50))
 
 

@@ -59,13 +59,14 @@ def test_the_table_shows_what_a_decode_step_reads():
     from rewriter.passes import SelfSpeculative, TidalDecode
     model = make_model("llama-gqa-3l")
     prompt = torch.zeros(1, 5, dtype=torch.long)
-    tidal = rewriter.optimize(model, passes=[TidalDecode(selection_layers=[0], top_k=9)])
+    traced = rewriter.trace(model)  # one trace, 2 pipelines
+    tidal = rewriter.optimize(traced, passes=[TidalDecode(selection_layers=[0], top_k=9)])
     c = cost(tidal, prompt, 4, runs=1)
     # layer 0 reads the whole cache, layers 1 and 2 their top 9 and the query
     per_layer = c["kv_bytes_per_token"] // 3
     assert c["kv_read_per_step"] == per_layer * (tidal.max_len + 2 * 10)
     assert c["kv_read_per_step"] < c["kv_bytes_per_token"] * tidal.max_len
-    spec = cost(rewriter.optimize(model, passes=[SelfSpeculative(skip_layers=[1])]), prompt, 4, runs=1)
+    spec = cost(rewriter.optimize(traced, passes=[SelfSpeculative(skip_layers=[1])]), prompt, 4, runs=1)
     assert spec["kv_read_per_step"] is None  # its verify steps read the whole cache
     rows = [{"pipeline": name, "layers": 3, "perplexity": {}, "ppl_ratio": {}, "agreement": 1.0,
              "first_divergence": 4.0, "exact_match": 1.0, "passkey": {}, **r}

@@ -24,8 +24,9 @@ IDS = torch.tensor([[3, 17, 42, 5, 99, 8, 64], [1, 2, 3, 4, 5, 6, 7]])
 @pytest.mark.parametrize("name", sorted(PASSES))
 def test_before_and_after_match_the_golden_text(name):
     model = make_model("llama-gqa-3l", num_hidden_layers=1)
-    before = str(rewriter.optimize(model).ir)
-    after = str(rewriter.optimize(model, passes=[PASSES[name]()]).ir)
+    traced = rewriter.trace(model)  # one trace, 2 pipelines
+    before = str(rewriter.optimize(traced).ir)
+    after = str(rewriter.optimize(traced, passes=[PASSES[name]()]).ir)
     text = f"### before\n{before}\n\n### after {PASSES[name].__name__}()\n{after}\n"
     path = GOLDEN / f"{name}.txt"
     if os.environ.get("REWRITER_UPDATE_GOLDEN"):
@@ -37,8 +38,9 @@ def test_before_and_after_match_the_golden_text(name):
 @pytest.mark.parametrize("name", sorted(PASSES))
 def test_each_fusion_is_lossless(config, name):
     model = make_model(config, initializer_range=varied_init(config))
-    base = rewriter.optimize(model)
-    opt = rewriter.optimize(model, passes=[PASSES[name]()])
+    traced = rewriter.trace(model)  # one trace, 2 pipelines
+    base = rewriter.optimize(traced)
+    opt = rewriter.optimize(traced, passes=[PASSES[name]()])
     assert_close_rel(opt(IDS), base(IDS), rel=1e-5)
     kw = dict(max_new_tokens=16, eos_token_id=[])
     assert torch.equal(opt.generate(IDS, **kw), base.generate(IDS, **kw))
@@ -70,8 +72,9 @@ def test_fused_weights_replace_the_originals():
 def test_all_fusions_with_layer_skip_save_and_load(tmp_path):
     model = make_model("qwen2-mqa-3l", initializer_range=0.2)
     passes = [LayerSkip(layers=[1]), FuseQKV(), FuseSwiGLU(), FuseAddRMSNorm()]
-    opt = rewriter.optimize(model, passes=passes)
-    ref = rewriter.optimize(model, passes=[LayerSkip(layers=[1])])
+    traced = rewriter.trace(model)  # one trace, 2 pipelines
+    opt = rewriter.optimize(traced, passes=passes)
+    ref = rewriter.optimize(traced, passes=[LayerSkip(layers=[1])])
     kw = dict(max_new_tokens=16, eos_token_id=[])
     assert torch.equal(opt.generate(IDS, **kw), ref.generate(IDS, **kw))
     opt.save(tmp_path / "a")
@@ -80,8 +83,9 @@ def test_all_fusions_with_layer_skip_save_and_load(tmp_path):
 
 def test_fused_ir_keeps_its_layer_spans():
     model = make_model("llama-gqa-3l")
-    plain = rewriter.optimize(model).ir
-    fused = rewriter.optimize(model, passes=[p() for p in PASSES.values()]).ir
+    traced = rewriter.trace(model)  # one trace, 2 pipelines
+    plain = rewriter.optimize(traced).ir
+    fused = rewriter.optimize(traced, passes=[p() for p in PASSES.values()]).ir
     assert [s["index"] for s in fused.layers] == [s["index"] for s in plain.layers] == [0, 1, 2]
 
 

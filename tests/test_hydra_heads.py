@@ -111,34 +111,32 @@ def test_drafting_level_by_level_fills_each_node_from_its_parents_path(tmp_path)
     model, path = model_and_file(tmp_path, scale=0.5)
     hy = rewriter.optimize(model, passes=[HydraHeads(weights=str(path), tree=WIDE)])
     heads = heads_file.load(path, "hydra")
-    from rewriter.runtime.decoding.tree.rounds import TreeRounds
-    r = TreeRounds.__new__(TreeRounds)
-    r.programs, r.device, r.vocab = hy._lowered(), torch.device("cpu"), None
-    r.static = False  # programs called eagerly (static rounds: tests/test_static_rounds.py)
-    r.strategy = rewriter.decoding.strategy_of(hy.ir.info)
-    from rewriter.drafts.tree import make_tree
-    from rewriter.runtime.decoding.tree.layout import level_plan
     from collections import Counter
-    r.tree, r.stats = make_tree(WIDE, 3), Counter()
-    r.levels = level_plan(r.tree.layout(), r.tree.depth)
-    r.ranks = [1] * r.tree.depth  # the levels' own ranks suffice here
+    from rewriter.drafts.tree import make_tree
+    from rewriter.runtime.decoding.tree.drafters import Hydra, level_plan
+    programs = hy._lowered()  # called eagerly (static rounds: tests/test_static_rounds.py)
+    record = rewriter.decoding.strategy_of(hy.ir.info)
+    drafter = Hydra(lambda name, *args: programs[name](*args), None, Counter(), record.depth)
+    tree = make_tree(WIDE, 3)
+    levels = level_plan(tree.layout(), tree.depth)
+    ranks = [1] * tree.depth  # the levels' own ranks suffice here
     g = torch.Generator().manual_seed(0)
     h = torch.randn(2, 1, model.config.hidden_size, generator=g)
     root = torch.tensor([5, 9])
-    r._hydra(h, root)
-    lay = r.tree.layout()
+    with torch.inference_mode():
+        nodes, _ = drafter.fixed(h, root, tree, levels, ranks)
     E, P = model.get_input_embeddings().weight.detach(), model.lm_head.weight.detach()
     for b in range(2):
-        for i, p in enumerate(r.tree.paths, start=1):
+        for i, p in enumerate(tree.paths, start=1):
             chain = [0]
             while len(chain) < len(p):
-                chain.append(1 + r.tree.paths.index(tuple(p[:len(chain)])))
-            toks = r.nodes[b, chain]  # root .. parent
+                chain.append(1 + tree.paths.index(tuple(p[:len(chain)])))
+            toks = nodes[b, chain]  # root .. parent
             d = len(p) - 1
             x = torch.cat([h[b, 0], E[toks].flatten()])
             logits = (h[b, 0] + torch.nn.functional.silu(heads.w[d] @ x + heads.b[d])) @ P.t()
-            assert int(r.nodes[b, i]) == int(logits.topk(p[-1] + 1).indices[-1]), (b, p)
-    assert r.stats["head_passes"] == 3 and int(lay["depth"].max()) == 3
+            assert int(nodes[b, i]) == int(logits.topk(p[-1] + 1).indices[-1]), (b, p)
+    assert drafter.stats["head_passes"] == 3 and int(tree.layout()["depth"].max()) == 3
 
 
 @pytest.mark.parametrize("config", ["llama-gqa-3l", "qwen2-mqa-3l", "mistral-window-3l", "gpt2-3l"])

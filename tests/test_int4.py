@@ -55,8 +55,9 @@ def test_quantize_error_is_at_most_half_a_step_and_exact_on_a_grid():
 @pytest.mark.parametrize("config", ["llama-gqa-3l", "qwen2-mqa-3l", "mistral-window-3l"])
 def test_int4_is_lossless_on_weights_already_on_the_grid(config):
     model = on_grid(make_model(config, initializer_range=0.2))
-    base = rewriter.optimize(model)
-    opt = rewriter.optimize(model, passes=[Int4Weights()])
+    traced = rewriter.trace(model)  # one trace, 2 pipelines
+    base = rewriter.optimize(traced)
+    opt = rewriter.optimize(traced, passes=[Int4Weights()])
     assert opt.ir.info["int4"]["max_abs_error"] == 0.0
     assert opt.ir.info["int4"]["linears"] == 7 * 3  # q k v o gate up down, 3 layers
     assert torch.equal(opt(IDS), base(IDS))  # the reference op: the same weights, bit for bit
@@ -65,10 +66,11 @@ def test_int4_is_lossless_on_weights_already_on_the_grid(config):
 
 def test_int4_on_ordinary_weights_is_lossy_and_says_by_how_much():
     model = make_model("llama-gqa-3l", initializer_range=0.2)
-    opt = rewriter.optimize(model, passes=[Int4Weights()])
+    traced = rewriter.trace(model)  # one trace, 2 pipelines
+    opt = rewriter.optimize(traced, passes=[Int4Weights()])
     info = opt.ir.info["int4"]
     assert 0 < info["max_abs_error"] < info["max_abs_weight"] / 15  # under one step of 15
-    base = rewriter.optimize(model)
+    base = rewriter.optimize(traced)
     assert not torch.equal(opt(IDS), base(IDS))
     # the runtime (a dense dequantized copy in float32) follows the IR's reference op
     assert torch.equal(opt.generate(IDS, **GENERATE), reference_greedy(opt, IDS, 12))
@@ -83,9 +85,10 @@ def reference_greedy(opt, ids, new: int) -> torch.Tensor:
 
 def test_lm_head_stays_dense_unless_asked():
     model = make_model("llama-gqa-3l")
-    kept = rewriter.optimize(model, passes=[Int4Weights()])
+    traced = rewriter.trace(model)  # one trace, 2 pipelines
+    kept = rewriter.optimize(traced, passes=[Int4Weights()])
     assert "lm_head.weight" in kept.ir.weights()
-    taken = rewriter.optimize(model, passes=[Int4Weights(group_size=64, lm_head=True)])
+    taken = rewriter.optimize(traced, passes=[Int4Weights(group_size=64, lm_head=True)])
     assert "lm_head.weight" not in taken.ir.weights()
     assert "lm_head.int4_codes" in taken.ir.weights()
     # 6 of 7 linears a layer (down_proj's 96 in-features are not groups of 64) + the head

@@ -191,12 +191,13 @@ def test_one_models_programs_read_a_weight_the_same_way(monkeypatch, answers):
     them must not leave prefill on F.linear and decode on the transposed copies (their
     floats differ): the first answer holds for every program of the model."""
     from rewriter.passes import HydraHeads
+    from rewriter.runtime.decoding import strategy_for
     from rewriter.runtime.programs import build_programs
     model = make_model("llama-gqa-3l")
     ir = rewriter.optimize(model, passes=[HydraHeads(num_heads=2, tree=[[0], [1], [0, 0]])]).ir
     asked = list(answers) + [answers[-1]] * 20
     monkeypatch.setattr(memory, "room_for", lambda nbytes: asked.pop(0))
-    programs = build_programs(ir, "torch", {})
+    programs = build_programs(ir, "torch", {}, strategy_for(ir))
     reads = {name: any(n.op == "call_function" and n.target is linear_t for n in p.graph.nodes)
              for name, p in programs.items() if hasattr(p, "graph")}
     assert set(reads) >= {"prefill", "decode", "tree_prefill", "verify"}

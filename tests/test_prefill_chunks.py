@@ -46,8 +46,9 @@ def test_a_chunked_prompt_gives_the_tokens_of_one_step(name):
                          ids=["self_speculative", "medusa"])
 def test_decoding_strategies_run_their_prompt_in_chunks(strategy):
     model = _model()
-    engine = rewriter.optimize(model, passes=[strategy])
-    plain = rewriter.optimize(model)
+    traced = rewriter.trace(model)  # one trace, 2 pipelines
+    engine = rewriter.optimize(traced, passes=[strategy])
+    plain = rewriter.optimize(traced)
     assert torch.equal(engine.generate(ROWS, prefill_chunk=16, **KW),
                        plain.generate(ROWS, prefill_chunk=4096, **KW))
     assert engine.stats["forward_passes"] >= 5  # the 70-token prompt alone is 5 steps
@@ -90,7 +91,8 @@ def test_triton_chunked_prompts_equal_torch_in_one_step(name):
     model = _model()
     fused = [] if name == "quest" else [FuseQKV(), FuseRoPE()]  # Quest reads the unrotated q/k
     rows, kw = [r[:40] for r in ROWS], dict(max_new_tokens=4, eos_token_id=[])
-    torch_ = rewriter.optimize(model, passes=[*PIPELINES[name], *fused])
-    triton = rewriter.optimize(model, passes=[*PIPELINES[name], *fused], backend="triton")
+    traced = rewriter.trace(model)  # one trace, 2 pipelines
+    torch_ = rewriter.optimize(traced, passes=[*PIPELINES[name], *fused])
+    triton = rewriter.optimize(traced, passes=[*PIPELINES[name], *fused], backend="triton")
     assert torch.equal(triton.generate(rows, prefill_chunk=16, **kw),
                        torch_.generate(rows, prefill_chunk=4096, **kw))

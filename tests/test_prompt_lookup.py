@@ -207,7 +207,8 @@ def test_a_row_whose_text_ended_copies_no_chain_without_adapt(monkeypatch):
 
     def spy(self):
         real(self)
-        seen.append((self.ended[0], self.proposed[0] if self.proposed else None))
+        proposed = self.chains.proposed
+        seen.append((self.ended[0], proposed[0] if proposed else None))
     monkeypatch.setattr(tree_decoding.TreeRounds, "_chain", spy)
     kw = dict(max_new_tokens=40, eos_token_id=[eos])
     assert torch.equal(pl.generate(ids, **kw), plain.generate(ids, **kw))

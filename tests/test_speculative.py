@@ -21,7 +21,8 @@ def pair(config: str, **spec):
     """(plain, self-speculative) optimized models of one seeded model."""
     model = make_model(config, initializer_range=varied_init(config))
     spec = {"skip_layers": [1], "threshold": 0.0, **spec}
-    return rewriter.optimize(model), rewriter.optimize(model, passes=[SelfSpeculative(**spec)])
+    traced = rewriter.trace(model)  # one trace, 2 pipelines
+    return rewriter.optimize(traced), rewriter.optimize(traced, passes=[SelfSpeculative(**spec)])
 
 
 def refuses_records(artifact, cases) -> None:
@@ -98,8 +99,9 @@ def test_sampling_follows_the_models_distribution():
     """Two-sample chi-square test on the second sampled token (the first the acceptance
     rule decides), 3000 independent rows each way, a 48-token vocabulary."""
     model = make_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)
-    plain = rewriter.optimize(model)
-    spec = rewriter.optimize(model, passes=[SelfSpeculative(skip_layers=[1, 2], threshold=0.0)])
+    traced = rewriter.trace(model)  # one trace, 2 pipelines
+    plain = rewriter.optimize(traced)
+    spec = rewriter.optimize(traced, passes=[SelfSpeculative(skip_layers=[1, 2], threshold=0.0)])
     ids = torch.tensor([[5, 9, 2]]).expand(3000, 3)
     kw = dict(max_new_tokens=3, do_sample=True, top_k=0, eos_token_id=[])
     a = plain.generate(ids, seed=1, **kw)[:, 4]
@@ -210,8 +212,9 @@ def test_artifact_round_trip_keeps_the_strategy(tmp_path):
 
 def test_the_triton_backend_gives_the_same_tokens():
     model = make_model("llama-gqa-3l", initializer_range=0.2, num_hidden_layers=2)
-    plain = rewriter.optimize(model)
-    spec = rewriter.optimize(model, passes=[SelfSpeculative(skip_layers=[1], threshold=0.0)],
+    traced = rewriter.trace(model)  # one trace, 2 pipelines
+    plain = rewriter.optimize(traced)
+    spec = rewriter.optimize(traced, passes=[SelfSpeculative(skip_layers=[1], threshold=0.0)],
                              backend="triton")
     kw = dict(max_new_tokens=6, eos_token_id=[])
     assert torch.equal(spec.generate(RAGGED[:2], **kw), plain.generate(RAGGED[:2], **kw))
@@ -226,7 +229,7 @@ def test_bad_parameters_and_skip_sets_are_refused():
                    {"calibrate": [[1]]}, {"calibrate": "text"}):
         with pytest.raises(ValueError):
             SelfSpeculative(**kwargs)
-    model = make_model("llama-gqa-3l")
+    traced = rewriter.trace(make_model("llama-gqa-3l"))  # one trace, seven pipelines
     for passes, match in (([SelfSpeculative(skip_layers=[3])], "layer 3 is not in the model"),
                           ([SelfSpeculative(skip_layers=[0, 1, 2])], "skips every layer"),
                           ([SelfSpeculative(skip_layers=[1], skip_mlp=[1])], "also has a sub-layer"),
@@ -237,7 +240,7 @@ def test_bad_parameters_and_skip_sets_are_refused():
                           ([SelfSpeculative(skip_layers=[1]), SelfSpeculative(skip_layers=[2])],
                            "already has a decoding strategy")):
         with pytest.raises(PassError, match=match):
-            rewriter.optimize(model, passes=passes)
+            rewriter.optimize(traced, passes=passes)
     assert from_spec("self_speculative:skip_layers=[1],max_draft=3").params()["max_draft"] == 3
 
 
@@ -247,10 +250,11 @@ def test_parallel_blocks_refuse_sub_layer_skips_but_take_whole_layers():
     config = T.GPTNeoXConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                              num_attention_heads=4, max_position_embeddings=64, use_parallel_residual=True)
     model = T.GPTNeoXForCausalLM(config).eval()
+    traced = rewriter.trace(model)  # one trace, 3 pipelines
     with pytest.raises(PassError, match="cannot be skipped alone"):
-        rewriter.optimize(model, passes=[SelfSpeculative(skip_attention=[1])])
-    spec = rewriter.optimize(model, passes=[FuseQKV(), SelfSpeculative(skip_layers=[1])])
-    assert torch.equal(spec.generate(IDS % 96, **KW), rewriter.optimize(model).generate(IDS % 96, **KW))
+        rewriter.optimize(traced, passes=[SelfSpeculative(skip_attention=[1])])
+    spec = rewriter.optimize(traced, passes=[FuseQKV(), SelfSpeculative(skip_layers=[1])])
+    assert torch.equal(spec.generate(IDS % 96, **KW), rewriter.optimize(traced).generate(IDS % 96, **KW))
 
 
 def test_drafting_stops_when_no_running_row_is_confident():
@@ -300,11 +304,12 @@ def test_a_4_bit_draft_gives_plain_greedy_tokens_and_reads_4_bit_weights():
 
 def test_a_4_bit_draft_goes_with_fused_adds_and_norms_when_it_skips_nothing():
     model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
-    spec = rewriter.optimize(model, passes=[FuseQKV(), FuseAddRMSNorm(), SelfSpeculative(
+    traced = rewriter.trace(model)  # one trace, 3 pipelines
+    spec = rewriter.optimize(traced, passes=[FuseQKV(), FuseAddRMSNorm(), SelfSpeculative(
         draft_weights="int4", threshold=0.0)])
-    assert torch.equal(spec.generate(RAGGED, **KW), rewriter.optimize(model).generate(RAGGED, **KW))
+    assert torch.equal(spec.generate(RAGGED, **KW), rewriter.optimize(traced).generate(RAGGED, **KW))
     with pytest.raises(PassError, match="before FuseAddRMSNorm"):
-        rewriter.optimize(model, passes=[FuseAddRMSNorm(), SelfSpeculative(
+        rewriter.optimize(traced, passes=[FuseAddRMSNorm(), SelfSpeculative(
             draft_weights="int4", skip_mlp=[1])])
 
 

@@ -157,8 +157,9 @@ def work_clock(engine):
 
 def test_the_engine_falls_back_to_plain_steps_where_rounds_cost_more_and_the_output_is_the_same():
     model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
-    plain = rewriter.optimize(model)
-    pl = rewriter.optimize(model, passes=[PromptLookup(tokens=4, adapt=False)])
+    traced = rewriter.trace(model)  # one trace, 2 pipelines
+    plain = rewriter.optimize(traced)
+    pl = rewriter.optimize(traced, passes=[PromptLookup(tokens=4, adapt=False)])
     assert pl.fallback  # the default
     strategy = rewriter.decoding.strategy_of(pl.ir.info)
     pl.guards[(1, strategy)] = SpeedGuard(clock=work_clock(pl))
@@ -176,8 +177,9 @@ def test_the_engine_falls_back_to_plain_steps_where_rounds_cost_more_and_the_out
 
 def test_the_engine_keeps_the_rounds_where_they_cost_less_and_not_at_all_without_fallback():
     model = make_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)  # text loops
-    plain = rewriter.optimize(model)
-    pl = rewriter.optimize(model, passes=[PromptLookup(tokens=4, adapt=False)])
+    traced = rewriter.trace(model)  # one trace, 2 pipelines
+    plain = rewriter.optimize(traced)
+    pl = rewriter.optimize(traced, passes=[PromptLookup(tokens=4, adapt=False)])
     strategy = rewriter.decoding.strategy_of(pl.ir.info)
     pl.guards[(1, strategy)] = guard = SpeedGuard(clock=work_clock(pl))
     ids = repeating(plain, [[5, 9, 2] * 4], 12)  # copies are right: 3-4 tokens a round

@@ -11,24 +11,29 @@ from rewriter.passes import HydraHeads, MedusaHeads, SelfSpeculative
 from rewriter.runtime.decoding import speculative
 from rewriter.runtime.replay import Replay
 
-from conftest import make_model, varied_init
+from conftest import traced_model, varied_init
 from test_hydra_heads import hydra_heads
 
 RAGGED = [[3, 17, 42, 5, 99, 8, 64, 11, 12], [1, 2, 3], [50, 51, 52, 53, 54]]
 KW = dict(max_new_tokens=20, eos_token_id=[])
 TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 
+# One xdist worker runs this module (``--dist loadgroup``, pyproject.toml):
+# its shared traces are built once.
+pytestmark = pytest.mark.xdist_group("static_rounds")
+
 
 def engines(config, tmp_path):
-    """{name: optimized model} for plain decoding and each round-based strategy."""
-    model = make_model(config, initializer_range=varied_init(config))
+    """{name: optimized model} for plain decoding and each round-based strategy: engines of
+    the test's own, optimized from copies of the config's one trace."""
+    model, traced = traced_model(config, initializer_range=varied_init(config))
     hydra = hydra_heads(model, tmp_path / "hydra.safetensors")
-    return {"plain": rewriter.optimize(model),
-            "self_speculative": rewriter.optimize(model, passes=[
+    return {"plain": rewriter.optimize(traced),
+            "self_speculative": rewriter.optimize(traced, passes=[
                 SelfSpeculative(skip_layers=[1], threshold=0.0, max_draft=3)]),
-            "medusa": rewriter.optimize(model, passes=[MedusaHeads(num_heads=3, tree=TREE)]),
-            "hydra": rewriter.optimize(model, passes=[HydraHeads(weights=str(hydra), tree=TREE)]),
-            "hydra_dynamic": rewriter.optimize(model, passes=[
+            "medusa": rewriter.optimize(traced, passes=[MedusaHeads(num_heads=3, tree=TREE)]),
+            "hydra": rewriter.optimize(traced, passes=[HydraHeads(weights=str(hydra), tree=TREE)]),
+            "hydra_dynamic": rewriter.optimize(traced, passes=[
                 HydraHeads(weights=str(hydra), tree=TREE, dynamic=2)])}
 
 

@@ -21,7 +21,7 @@ from rewriter.ops import sink_attention
 from rewriter.runtime.ring_cache import (_step_mask, sink_layout, sink_sdpa, slot_contents,
                                          visible)
 
-from conftest import make_model, reference_greedy
+from conftest import make_model, reference_greedy, traced_model
 
 GOLDEN = Path(__file__).parent / "golden"
 ROWS = [[3, 17, 42, 5, 99, 8, 64, 7, 9, 11, 13, 2], [1, 2, 3], [50, 60, 70, 80, 90]]
@@ -42,13 +42,14 @@ def test_the_ir_shows_sinks_and_window_on_every_attention():
 @pytest.mark.parametrize("config", ["llama-gqa-3l", "mistral-window-3l", "qwen2-hd20-2l"])
 def test_a_window_covering_the_sequence_equals_dense_attention(config):
     model = make_model(config, initializer_range=0.2)
-    dense = rewriter.optimize(model)
+    traced = rewriter.trace(model)  # one trace, 3 pipelines
+    dense = rewriter.optimize(traced)
     # sinks=0: a native sliding window (Mistral) stays exactly what it was; sinks + window
     # the whole context (128), the most it may be
-    wide = rewriter.optimize(model, passes=[StreamingAttention(sinks=0, window=128)])
+    wide = rewriter.optimize(traced, passes=[StreamingAttention(sinks=0, window=128)])
     assert torch.equal(wide.generate(ROWS, **KW), dense.generate(ROWS, **KW))
     if config != "mistral-window-3l":  # sinks inside a window that covers everything
-        wide = rewriter.optimize(model, passes=[StreamingAttention(sinks=4, window=124)])
+        wide = rewriter.optimize(traced, passes=[StreamingAttention(sinks=4, window=124)])
         assert torch.equal(wide.generate(ROWS, **KW), dense.generate(ROWS, **KW))
 
 
@@ -56,8 +57,9 @@ def test_a_window_covering_the_sequence_equals_dense_attention(config):
                                                  ("qwen2-hd20-2l", 4, 5), ("mistral-window-3l", 1, 6)])
 def test_the_ring_equals_the_masked_whole_sequence_graph(config, sinks, window):
     model = make_model(config, initializer_range=0.2)
-    opt = rewriter.optimize(model, passes=[StreamingAttention(sinks=sinks, window=window)])
-    dense = rewriter.optimize(model)
+    traced = rewriter.trace(model)  # one trace, 2 pipelines
+    opt = rewriter.optimize(traced, passes=[StreamingAttention(sinks=sinks, window=window)])
+    dense = rewriter.optimize(traced)
     got = opt.generate(ROWS, **KW)
     for i, row in enumerate(ROWS):  # ragged: left padding; each row's sinks are its own
         assert torch.equal(got[i, -len(row) - 14:], reference_greedy(opt, row, 14)), i
@@ -66,10 +68,11 @@ def test_the_ring_equals_the_masked_whole_sequence_graph(config, sinks, window):
 
 def test_the_ring_is_bounded_and_generation_runs_past_the_context_length():
     model = make_model("llama-gqa-3l", initializer_range=0.2, max_position_embeddings=32)
-    dense = rewriter.optimize(model)
+    traced = rewriter.trace(model)  # one trace, 2 pipelines
+    dense = rewriter.optimize(traced)
     with pytest.raises(ValueError, match="context length"):
         dense.generate([ROWS[0]], max_new_tokens=40)
-    opt = rewriter.optimize(model, passes=[StreamingAttention(sinks=2, window=6)])
+    opt = rewriter.optimize(traced, passes=[StreamingAttention(sinks=2, window=6)])
     got = opt.generate([ROWS[0]], max_new_tokens=40, eos_token_id=[])
     assert got.shape[1] == len(ROWS[0]) + 40 > 32
     assert torch.equal(got[0], reference_greedy(opt, ROWS[0], 40))
@@ -87,8 +90,8 @@ def test_learned_positions_still_end_at_the_context_length():
 
 
 def test_static_decode_steps_give_the_same_tokens():
-    model = make_model("llama-gqa-3l", initializer_range=0.2)
-    opt = rewriter.optimize(model, passes=[StreamingAttention(sinks=2, window=5)])
+    _, traced = traced_model("llama-gqa-3l", initializer_range=0.2)
+    opt = rewriter.optimize(traced, passes=[StreamingAttention(sinks=2, window=5)])
     want = opt.generate(ROWS, **KW)
     opt.static_decode = True  # device-side positions, as a CUDA-graph step runs
     assert torch.equal(opt.generate(ROWS, **KW), want)
@@ -165,9 +168,9 @@ def test_a_sink_score_a_query_cannot_see_does_not_spoil_its_row():
 
 
 def test_the_ring_holds_exactly_the_sinks_and_the_window():
-    model = make_model("llama-gqa-3l", initializer_range=0.2)
-    opt = rewriter.optimize(model, passes=[StreamingAttention(sinks=2, window=3)])
-    dense = rewriter.optimize(model)
+    _, traced = traced_model("llama-gqa-3l", initializer_range=0.2)
+    opt = rewriter.optimize(traced, passes=[StreamingAttention(sinks=2, window=3)])
+    dense = rewriter.optimize(traced)
     row = ROWS[0]  # 12 tokens: the ring keeps 0, 1 and 9, 10, 11 (token r in 2 + (r - 2) % 3)
     opt.generate([row], max_new_tokens=1, eos_token_id=[])
     dense.generate([row], max_new_tokens=1, eos_token_id=[])
@@ -178,8 +181,8 @@ def test_the_ring_holds_exactly_the_sinks_and_the_window():
 
 
 def test_artifact_round_trip(tmp_path):
-    model = make_model("llama-gqa-3l", initializer_range=0.2)
-    opt = rewriter.optimize(model, passes=[StreamingAttention(sinks=2, window=4), FuseQKV(), FuseRoPE()])
+    _, traced = traced_model("llama-gqa-3l", initializer_range=0.2)
+    opt = rewriter.optimize(traced, passes=[StreamingAttention(sinks=2, window=4), FuseQKV(), FuseRoPE()])
     opt.save(tmp_path / "a")
     loaded = rewriter.load(tmp_path / "a")
     assert torch.equal(loaded.generate(ROWS, **KW), opt.generate(ROWS, **KW))
@@ -187,13 +190,13 @@ def test_artifact_round_trip(tmp_path):
 
 
 def test_speculative_strategies_are_refused_with_a_ring():
-    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    _, traced = traced_model("llama-gqa-3l", initializer_range=0.2)
     with pytest.raises(PassError, match="speculative"):
-        rewriter.optimize(model, passes=[SelfSpeculative(skip_layers=[1]), StreamingAttention()])
+        rewriter.optimize(traced, passes=[SelfSpeculative(skip_layers=[1]), StreamingAttention()])
     with pytest.raises(RewriterError, match="sink \\+ window"):
-        rewriter.optimize(model, passes=[StreamingAttention(window=8), SelfSpeculative(skip_layers=[1])])
+        rewriter.optimize(traced, passes=[StreamingAttention(window=8), SelfSpeculative(skip_layers=[1])])
     with pytest.raises(RewriterError, match="sink \\+ window"):
-        rewriter.optimize(model, passes=[StreamingAttention(window=8), MedusaHeads(num_heads=2)])
+        rewriter.optimize(traced, passes=[StreamingAttention(window=8), MedusaHeads(num_heads=2)])
 
 
 @pytest.mark.parametrize("kwargs,match", [({"sinks": -1}, "sinks"), ({"window": 0}, "window"),
@@ -205,12 +208,12 @@ def test_bad_parameters_name_themselves(kwargs, match):
 
 
 def test_layers_and_the_command_line_spec():
-    model = make_model("llama-gqa-3l", initializer_range=0.2)
-    opt = rewriter.optimize(model, passes=[from_spec("streaming_attention:sinks=1,window=4,layers=[0,2]")])
+    _, traced = traced_model("llama-gqa-3l", initializer_range=0.2)
+    opt = rewriter.optimize(traced, passes=[from_spec("streaming_attention:sinks=1,window=4,layers=[0,2]")])
     table = cache_table(opt.ir.gm)
     assert [table[i].ring for i in sorted(table)] == [True, False, True]
     with pytest.raises(PassError, match="cache 7"):
-        rewriter.optimize(model, passes=[StreamingAttention(layers=[7])])
+        rewriter.optimize(traced, passes=[StreamingAttention(layers=[7])])
     got = opt.generate(ROWS, **KW)
     for i, row in enumerate(ROWS):
         assert torch.equal(got[i, -len(row) - 14:], reference_greedy(opt, row, 14))
@@ -237,10 +240,10 @@ def test_triton_backend_equals_torch(monkeypatch):
         return kernel(*args, **kw)
 
     monkeypatch.setattr(triton_attention, "decode_attention", counted)
-    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    _, traced = traced_model("llama-gqa-3l", initializer_range=0.2)
     passes = lambda: [StreamingAttention(sinks=2, window=4), FuseQKV(), FuseRoPE()]  # noqa: E731
-    ref = rewriter.optimize(model, passes=passes())
-    tri = rewriter.optimize(model, passes=passes(), backend="triton")
+    ref = rewriter.optimize(traced, passes=passes())
+    tri = rewriter.optimize(traced, passes=passes(), backend="triton")
     kw = dict(max_new_tokens=8, eos_token_id=[])
     assert torch.equal(tri.generate(ROWS, **kw), ref.generate(ROWS, **kw))
     assert len(sink_queries) == 3 * 7 and all(sink_queries)  # 3 layers x 7 decode steps
@@ -251,13 +254,13 @@ def test_cache_positions_make_the_output_independent_of_how_far_the_sinks_lie(fu
     # The last token's receptive field (window x layers) lies inside the filler in both
     # prompts, so only the distance to the sinks differs between them: StreamingLLM's
     # positions put the sinks just before the window either way.
-    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    _, traced = traced_model("llama-gqa-3l", initializer_range=0.2)
     near = [1, 2] + [5] * 12 + [7, 8, 9, 10]
     far = [1, 2] + [5] * 40 + [7, 8, 9, 10]
     fusions = [FuseQKV(), FuseRoPE()] if fused else []
-    cache = rewriter.optimize(model, passes=[StreamingAttention(sinks=2, window=4), *fusions])
-    original = rewriter.optimize(model, passes=[StreamingAttention(sinks=2, window=4,
-                                                                   positions="original"), *fusions])
+    cache = rewriter.optimize(traced, passes=[StreamingAttention(sinks=2, window=4), *fusions])
+    original = rewriter.optimize(traced, passes=[StreamingAttention(sinks=2, window=4,
+                                                                    positions="original"), *fusions])
     last = lambda opt, row: opt(torch.tensor([row]))[0, -1]  # noqa: E731
     torch.testing.assert_close(last(cache, near), last(cache, far), rtol=1e-4, atol=1e-5)
     assert (last(original, near) - last(original, far)).abs().max() > 1e-3
@@ -268,19 +271,20 @@ def test_cache_positions_make_the_output_independent_of_how_far_the_sinks_lie(fu
 
 def test_a_ring_never_allocates_more_than_the_sequence_needs():
     model = make_model("llama-gqa-3l", initializer_range=0.2, max_position_embeddings=128)
-    opt = rewriter.optimize(model, passes=[StreamingAttention(sinks=4, window=124)])  # > 32 tokens
-    dense = rewriter.optimize(model)
+    traced = rewriter.trace(model)  # one trace, 3 pipelines
+    opt = rewriter.optimize(traced, passes=[StreamingAttention(sinks=4, window=124)])  # > 32 tokens
+    dense = rewriter.optimize(traced)
     kw = dict(max_new_tokens=20, eos_token_id=[])
     assert torch.equal(opt.generate(ROWS, **kw), dense.generate(ROWS, **kw))
     assert opt._cache.nbytes == dense._cache.nbytes * 129 // 128  # 128 slots and the spare
     # past the context: refused by name, not allocated (tests/test_runtime_bounds.py)
     with pytest.raises(ValueError, match=r"sinks \+ window = 1 \+ 2147483647 = .* context length, 128"):
-        rewriter.optimize(model, passes=[StreamingAttention(sinks=1, window=2**31 - 1)])
+        rewriter.optimize(traced, passes=[StreamingAttention(sinks=1, window=2**31 - 1)])
 
 
 def test_scores_through_the_ring_equal_the_masked_graph():
-    model = make_model("llama-gqa-3l", initializer_range=0.2)
-    opt = rewriter.optimize(model, passes=[StreamingAttention(sinks=2, window=5)])
+    _, traced = traced_model("llama-gqa-3l", initializer_range=0.2)
+    opt = rewriter.optimize(traced, passes=[StreamingAttention(sinks=2, window=5)])
     ids = torch.tensor([[3, 17, 42, 5, 99, 8, 64, 7, 9, 11, 13, 2, 4, 6, 8, 10]])
     want = opt(ids)[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])[:, 5:, 0]  # [1, 10]
     torch.testing.assert_close(opt.score(ids, 6), want, rtol=1e-4, atol=1e-5)

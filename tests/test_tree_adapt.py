@@ -10,8 +10,9 @@ import rewriter
 from rewriter.decoding import TreeDecoding, check_record, strategy_of
 from rewriter.passes import HydraHeads, MedusaHeads
 from rewriter.runtime.decoding.tree.adapt import AdaptiveTree
-from rewriter.runtime.decoding.tree.layout import level_plan
+from rewriter.runtime.decoding.tree.drafters import level_plan
 from rewriter.runtime.decoding.tree.rounds import TreeRounds
+from rewriter.runtime.decoding.tree.shape import Counts
 from rewriter.drafts.tree import MAX_RANK, Tree, best_subtree, make_tree
 
 from conftest import make_model, varied_init
@@ -118,8 +119,7 @@ def rounds_by_hand(tree, hydra=False, batch=3, costs=None):
     r.hydra, r.tree, r.budget, r.verified, r.to_head = hydra, tree, tree, tree, None
     r.ranks = [1 + max(p[-1] for p in tree.paths if len(p) == d + 1) for d in range(tree.depth)]
     r.adapt = AdaptiveTree(tree, strategy() if costs is None else strategy(costs), batch=1)
-    r.row_hits = [[[0] * MAX_RANK for _ in range(3)] for _ in range(batch)]
-    r.row_trials = [[0] * 3 for _ in range(batch)]
+    r.counts = Counts(r.adapt, r.ranks, hydra, batch, 3)
     r.device, r.stats = torch.device("cpu"), Counter()
     r.rounds, r.chain, r.chains_only, r.read, r.guessed = 0, None, False, None, None
     return r
@@ -183,7 +183,7 @@ def test_rows_past_their_end_of_sequence_are_not_counted():
     assert r.ended == [True, False] and r.adapt.trials == [2, 0, 0]
     r._adapt(tokens.tolist(), [[], []], [10, 10], [False, False], [[10], [10]], [10, 10])
     assert r.adapt.trials == [3, 0, 0] and r.adapt.hits[0][0] == 2  # row 1 alone
-    assert r.row_trials == [[1, 0, 0], [2, 0, 0]] and r.row_hits[1][0][0] == 2
+    assert r.counts.row_trials == [[1, 0, 0], [2, 0, 0]] and r.counts.row_hits[1][0][0] == 2
 
 
 def test_in_a_batch_the_lagging_rows_counts_choose_the_tree():
@@ -201,8 +201,8 @@ def test_in_a_batch_the_lagging_rows_counts_choose_the_tree():
             r.adapt.observe(0, 0)
             r.adapt.observe(0, None)
         for row, hit in enumerate(right):
-            r.row_trials[row][0] = 200
-            r.row_hits[row][0][0] = 200 if hit else 0
+            r.counts.row_trials[row][0] = 200
+            r.counts.row_hits[row][0][0] = 200 if hit else 0
         r.adapt.rounds = AdaptiveTree.EVERY - 1  # this round re-chooses
         made = made or [[5]] * batch  # this round's tokens per row (2 ends a row)
         r._adapt([[0] * 9] * batch, [[]] * batch, [m[-1] for m in made],
@@ -338,7 +338,7 @@ def test_hydra_rounds_do_not_count_past_a_copied_chains_node_or_an_unkept_path()
 def test_hydras_plan_made_on_the_host_numbers_nodes_as_the_layout_does():
     """Hydra's level plan is made from the tree's paths alone (no read back mid-generation):
     the same parents, depths and ranks as the device layout."""
-    from rewriter.runtime.decoding.tree.layout import host_layout
+    from rewriter.runtime.decoding.tree.verify import host_layout
     for paths in (WIDE, [[0], [1], [0, 0]], [[0], [0, 0], [0, 0, 0], [1], [1, 0], [2]]):
         tree = make_tree(paths, 3)
         lay = tree.layout()

@@ -125,8 +125,9 @@ def test_greedy_tokens_equal_plain_greedy(cls, tmp_path):
     model, path = model_and_file(tmp_path)
     if cls is MedusaHeads:
         path = random_heads(model, tmp_path / "m.safetensors")
-    plain = rewriter.optimize(model)
-    hy = rewriter.optimize(model, passes=[cls(weights=str(path), tree=WIDE, dynamic=2)])
+    traced = rewriter.trace(model)  # one trace, 2 pipelines
+    plain = rewriter.optimize(traced)
+    hy = rewriter.optimize(traced, passes=[cls(weights=str(path), tree=WIDE, dynamic=2)])
     assert hy.ir.info["decoding"]["dynamic"] == 2
     assert torch.equal(hy.generate(IDS, **KW), plain.generate(IDS, **KW))
     together = hy.generate(RAGGED, **KW)
@@ -173,7 +174,8 @@ def triton_pair(tmp_path, **kw):
     from test_hydra_heads import hydra_heads
     model = make_model("llama-gqa-3l", initializer_range=0.2, num_hidden_layers=2)
     path = hydra_heads(model, tmp_path / "h.safetensors", k=2)
-    return rewriter.optimize(model), rewriter.optimize(model, passes=[
+    traced = rewriter.trace(model)  # one trace, 2 pipelines
+    return rewriter.optimize(traced), rewriter.optimize(traced, passes=[
         HydraHeads(weights=str(path), tree=[[0], [1], [0, 0]], **kw)], backend="triton")
 
 

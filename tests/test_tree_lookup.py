@@ -9,7 +9,8 @@ import torch
 
 import rewriter
 from rewriter.passes import HydraHeads, MedusaHeads
-from rewriter.runtime.decoding.tree.lookup import LOOKUP, NGRAM, ChainLength, Context, with_chain
+from rewriter.runtime.decoding.tree.lookup import (LOOKUP, NGRAM, ChainLength, Context, CopiedChains,
+                                                   with_chain)
 from rewriter.drafts.tree import Tree, make_tree, monotone
 
 from conftest import assert_same_distribution, fixed_round_work, make_model, varied_init
@@ -249,13 +250,13 @@ def test_chains_of_short_matches_are_dropped_where_they_do_not_pay():
 def chains_pass(tmp_path, monkeypatch, slope: float, lookup: int = 4, **model_kw):
     """A pass whose measured costs (set here) find that no heads' tree pays at any batch
     size (a heads call costs 5 steps), and verifying one more token costs ``slope`` steps."""
-    from rewriter.measure import calibrate
+    from rewriter.runtime.measurer import RuntimeMeasurer
     model = make_model("llama-gqa-3l", **(model_kw or dict(initializer_range=varied_init("llama-gqa-3l"))))
     path = random_heads(model, tmp_path / "h.safetensors")
     fixed_round_work(monkeypatch)
-    monkeypatch.setattr(calibrate, "verify_cost", lambda ir, most, runs=15, batch=1:
+    monkeypatch.setattr(RuntimeMeasurer, "verify_cost", lambda self, ir, most, runs=15, batch=1:
                         [0.0] + [1.0 + slope * s for s in range(most)])
-    monkeypatch.setattr(calibrate, "heads_cost", lambda *a, **k: 5.0)
+    monkeypatch.setattr(RuntimeMeasurer, "heads_cost", lambda *a, **k: 5.0)
     p = MedusaHeads(weights=str(path), max_nodes=6, lookup=lookup)
     return model, p, rewriter.optimize(model, passes=[p])
 
@@ -369,19 +370,17 @@ def test_costs_recorded_only_as_far_as_the_tree_go_on_at_their_slope():
 def test_a_rows_chain_is_scored_against_the_text_after_its_root():
     """The chain proposed after the root (the text's last token, not yet in the cache) is
     scored once the text has grown past it, against the tokens that followed the root."""
-    from rewriter.runtime.decoding.tree.rounds import TreeRounds
-    r = TreeRounds.__new__(TreeRounds)
-    r.chain, r.contexts = ChainLength(3), [Context([1, 2, 3, 1, 2])]  # root: the last 2
+    r = CopiedChains(3, ChainLength(3), 1)
+    r.chain, r.contexts = r.length, [Context([1, 2, 3, 1, 2])]  # root: the last 2
     r.proposed = [(5, *r.contexts[0].match(3)[::-1])]
-    r.order = max((p[2] for p in r.proposed if p[1]), default=0)  # _chain's
+    r.order = max((p[2] for p in r.proposed if p[1]), default=0)  # propose's
     assert r.proposed == [(5, [3, 1, 2], 2)]  # after the earlier "1 2"
-    r.tree_depth, r.to_head, r.ended, r.pending = None, None, [False], [[]]
     r.contexts[0].extend([3])  # a plain round: the model's token after the root
-    r._score([[]], [False], [5])
+    r.score([[]], [True], [5], None, None)
     assert r.chain.scored == 0 and len(r.pending[0]) == 1  # its text is not known yet
     r.proposed = None
     r.contexts[0].extend([1, 9])
-    r._score([[]], [False], [5])
+    r.score([[]], [True], [5], None, None)
     assert r.chain.scored == 1 and r.chain.gains[2] == [0, 1, 1, 0]  # "3 1" were the text's
     assert r.chain.highest == [0, 0, 1, 0] and r.chain.rounds == 1  # one round, of order 2
 
@@ -389,17 +388,15 @@ def test_a_rows_chain_is_scored_against_the_text_after_its_root():
 def test_a_rows_gain_counts_under_its_rounds_highest_order():
     """A round of two rows whose longest match is 3 tokens verifies that order's copies for
     both rows: the single-token match's right copies count as order 3's gain."""
-    from rewriter.runtime.decoding.tree.rounds import TreeRounds
-    r = TreeRounds.__new__(TreeRounds)
-    r.chain = ChainLength(3)
+    r = CopiedChains(3, ChainLength(3), 2)
+    r.chain = r.length
     r.contexts = [Context([1, 2, 3, 9, 1, 2, 3]), Context([8, 7, 1, 8])]  # orders 3 and 1
     r.proposed = [(len(c.tokens), *c.match(3)[::-1]) for c in r.contexts]
-    r.order = max((p[2] for p in r.proposed if p[1]), default=0)  # _chain's
+    r.order = max((p[2] for p in r.proposed if p[1]), default=0)  # propose's
     assert [p[2] for p in r.proposed] == [3, 1]
-    r.tree_depth, r.to_head, r.ended, r.pending = [0, 0], None, [False, False], [[], []]
     r.contexts[0].extend([4, 4, 4])  # row 0's copies were wrong, row 1's (7 1 8) right
     r.contexts[1].extend([7, 1, 8])
-    r._score([[], []], [False, False], [10, 10])  # rows at one length: both lag
+    r.score([[], []], [True, True], [10, 10], [0, 0], None)  # rows at one length: both lag
     assert r.chain.highest == [0, 0, 0, 1] and r.chain.scored == 2
     assert r.chain.gains[3] == [0, 1, 1, 1] and r.chain.gains[1] == [0] * 4
 
@@ -407,22 +404,20 @@ def test_a_rows_gain_counts_under_its_rounds_highest_order():
 def test_in_a_batch_only_the_lagging_rows_chain_is_scored():
     """A batch takes as many rounds as its slowest row: a chain that speeds up a row ahead
     is not counted; the row behind's (wrong) chain is."""
-    from rewriter.runtime.decoding.tree.rounds import TreeRounds
-    r = TreeRounds.__new__(TreeRounds)
-    r.chain = ChainLength(3)
+    r = CopiedChains(3, ChainLength(3), 2)
+    r.chain = r.length
     r.contexts = [Context([1, 2, 3, 9, 1, 2, 3]), Context([8, 7, 1, 8])]
     r.proposed = [(len(c.tokens), *c.match(3)[::-1]) for c in r.contexts]
-    r.order = max((p[2] for p in r.proposed if p[1]), default=0)  # _chain's
-    r.tree_depth, r.to_head, r.ended, r.pending = [0, 0], None, [False, False], [[], []]
+    r.order = max((p[2] for p in r.proposed if p[1]), default=0)  # propose's
     r.contexts[0].extend([9, 1, 2])  # row 0's copies right, row 1's wrong
     r.contexts[1].extend([4, 4, 4])
-    r._score([[], []], [False, False], [12, 10])  # row 0 is 2 tokens ahead
+    r.score([[], []], [True, True], [12, 10], [0, 0], None)  # row 0 is 2 tokens ahead
     assert r.chain.scored == 1 and sum(map(sum, r.chain.gains)) == 0 and r.chain.highest[3] == 1
     r.proposed = [(len(c.tokens), *c.match(3)[::-1]) for c in r.contexts]
-    r.order = max((p[2] for p in r.proposed if p[1]), default=0)  # _chain's
+    r.order = max((p[2] for p in r.proposed if p[1]), default=0)  # propose's
     r.contexts[0].extend([5, 5, 5])
     r.contexts[1].extend(r.proposed[1][1])  # now row 1 is ahead, row 0 behind and wrong
-    r._score([[], []], [False, False], [15, 16])
+    r.score([[], []], [True, True], [15, 16], [0, 0], None)
     assert r.chain.scored == 2 and sum(map(sum, r.chain.gains)) == 0
 
 
@@ -450,17 +445,16 @@ def test_a_round_verifies_as_many_copies_as_its_longest_match_was_given_for_ever
     """Copies by order (0, 0, 0, 3): a round where one row matched 3 tokens verifies 3
     copies, and a row of a single-token match fills them from its own chain (paid for
     already); a round of single-token matches alone verifies none."""
-    from rewriter.runtime.decoding.tree.rounds import TreeRounds
-    r = TreeRounds.__new__(TreeRounds)
-    r.lookup, r.tree, r.chains_only, r.chain = 4, Tree(()), True, ChainLength(4)
-    r.done, r.ended, r.copy = None, [False, False], (0, 0, 0, 3)
+    from rewriter.drafts.tree import MAX_NODES
+    r = CopiedChains(4, ChainLength(4), 2)
+    r.copy = (0, 0, 0, 3)
     r.contexts = [Context([1, 2, 3, 9, 1, 2, 3]), Context([8, 7, 1, 8])]  # orders 3 and 1
-    r.nodes = torch.tensor([[5], [6]])
-    r._chain()
+    verified, nodes, _ = r.propose(Tree(()), torch.tensor([[5], [6]]), None, [False, False],
+                                   MAX_NODES - 1)
     assert [p[2] for p in r.proposed] == [3, 1]
-    assert r.verified.size == 4 and r.nodes.tolist() == [[5, 9, 1, 2], [6, 7, 1, 8]]
+    assert verified.size == 4 and nodes.tolist() == [[5, 9, 1, 2], [6, 7, 1, 8]]
     r.contexts = [Context([1, 2, 3, 4]), Context([8, 7, 1, 8])]  # no match, and order 1
-    r.nodes = torch.tensor([[5], [6]])
-    r._chain()
-    assert r.verified.size == 1 and r.nodes.tolist() == [[5], [6]]
+    verified, nodes, _ = r.propose(Tree(()), torch.tensor([[5], [6]]), None, [False, False],
+                                   MAX_NODES - 1)
+    assert verified.size == 1 and nodes.tolist() == [[5], [6]]
     assert r.proposed[1][1] == [7, 1, 8, 7]  # proposed whole all the same: it is scored

@@ -21,8 +21,9 @@ ROWS = [[3, 17, 42, 5, 99, 8, 64], [1, 2, 3], [50, 60, 70, 80, 90]]
 def test_triton_greedy_tokens_equal_torch(config, fused):
     model = make_model(config, initializer_range=0.2)
     passes = [p() for p in FUSIONS] if fused else []
-    ref = rewriter.optimize(model, passes=passes)
-    tri = rewriter.optimize(model, passes=passes, backend="triton")
+    traced = rewriter.trace(model)  # one trace, 2 pipelines
+    ref = rewriter.optimize(traced, passes=passes)
+    tri = rewriter.optimize(traced, passes=passes, backend="triton")
     kw = dict(max_new_tokens=12, eos_token_id=[])
     assert torch.equal(tri.generate(ROWS, **kw), ref.generate(ROWS, **kw))
 
@@ -48,16 +49,18 @@ def test_triton_on_a_cpu_without_the_interpreter_is_refused(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_triton_on_cuda_matches_torch_on_cuda():
     model = make_model("llama-gqa-3l", initializer_range=0.2).cuda()
-    ref = rewriter.optimize(model, passes=[p() for p in FUSIONS])
-    tri = rewriter.optimize(model, passes=[p() for p in FUSIONS], backend="triton")
+    traced = rewriter.trace(model)  # one trace, 2 pipelines
+    ref = rewriter.optimize(traced, passes=[p() for p in FUSIONS])
+    tri = rewriter.optimize(traced, passes=[p() for p in FUSIONS], backend="triton")
     kw = dict(max_new_tokens=16, eos_token_id=[])
     assert torch.equal(tri.generate(ROWS, **kw), ref.generate(ROWS, **kw))
 
 
 def test_pointwise_groups_run_as_generated_kernels_and_are_dumped(tmp_path):
     model = make_model("gpt2-3l", initializer_range=0.5)
-    ref = rewriter.optimize(model)
-    tri = rewriter.optimize(model, backend="triton")
+    traced = rewriter.trace(model)  # one trace, 2 pipelines
+    ref = rewriter.optimize(traced)
+    tri = rewriter.optimize(traced, backend="triton")
     kw = dict(max_new_tokens=8, eos_token_id=[])
     assert torch.equal(tri.generate(ROWS[:2], **kw), ref.generate(ROWS[:2], **kw))
     names = [k.name for k in tri._lowered()["decode"].generated_kernels]

@@ -17,6 +17,7 @@ from rewriter.ir.pass_manager import Pass, run_pipeline
 from rewriter.runtime.chat import split_tokenizer
 from rewriter.runtime.engine import BACKENDS, Engine, check_token_ids  # noqa: F401 (re-exported)
 from rewriter.runtime.kv_cache import cache_table, describe
+from rewriter.runtime.measurer import RuntimeMeasurer
 from rewriter.api.traced import TracedModel, check_model
 from rewriter.values import check_flag, path_argument
 
@@ -67,7 +68,9 @@ def optimize(model: nn.Module | TracedModel, passes: Sequence[Pass] = (), backen
     IR after every pass into a directory. ``example_inputs`` is needed only for modules that
     are not Hugging Face causal LMs. ``progress`` shows a progress bar (trace, then each pass).
     ``tokenizer`` (a fast Hugging Face tokenizer or a ``tokenizers.Tokenizer``) is kept with
-    the result, its chat template too, and saved with it.
+    the result, its chat template too, and saved with it. Passes that choose by timing
+    (``tree="auto"``, ``adapt``, ``calibrate``) time the programs ``backend`` lowers, on the
+    model's device (``rewriter.runtime.measurer``).
     """
     _check_arguments(model, passes, check, dump, progress)
     if backend not in BACKENDS:
@@ -90,7 +93,8 @@ def optimize(model: nn.Module | TracedModel, passes: Sequence[Pass] = (), backen
         snapshots.append((name, _snapshot(cur)))
         bar.update()
     try:
-        history = run_pipeline(ir, passes, check=check, on_step=on_step)
+        history = run_pipeline(ir, passes, check=check, on_step=on_step,
+                               measurer=RuntimeMeasurer(backend, _device(model)))
     finally:
         bar.close()
     opt = OptimizedModel(ir, passes, history, backend, snapshots, tokenizer)

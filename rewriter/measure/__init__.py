@@ -1,1 +1,3 @@
-"""Measurements on this machine that passes use: costs of rounds and steps, attention recall, host reads."""
+"""What passes measure and choose by, free of the runtime: the cost models of rounds and
+skip sets (their timings come from a ``Measurer``, ``rewriter.ir.pass_manager``), attention
+recall, host reads, the machine's name."""

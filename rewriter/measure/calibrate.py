@@ -1,4 +1,4 @@
-"""Choosing ``SelfSpeculative``'s skip set with a cost model measured on this machine.
+"""Choosing ``SelfSpeculative``'s skip set with a cost model timed where the model will run.
 
 Speed-up of a draft that skips a set of sub-layers, drafting ``k`` tokens a round::
 
@@ -9,25 +9,25 @@ Speed-up of a draft that skips a set of sub-layers, drafting ``k`` tokens a roun
 ``a`` is measured teacher-forced: the draft's argmax against the full model's at every
 position of the calibration text, one forward each (no generation). ``c_draft`` is the
 share of the weight bytes the draft still reads (a batch-1 step on a CPU is bound by them;
-the LM head and embeddings always stay). ``c_verify(S)`` is timed: the runtime's decode
-program over ``S`` tokens against one, on this machine.
+the LM head and embeddings always stay). ``c_verify(S)`` is timed by a measurer
+(``rewriter.ir.pass_manager.Measurer``; ``rewriter.optimize`` gives the runtime's): the
+decode program over ``S`` tokens against one, on the backend and device that will run it.
 
 The search ranks every attention and MLP sub-layer by the agreement the draft loses when
 it alone is skipped, per weight byte it saves, then scores every prefix of that ranking
 and keeps the best
 (``budget`` caps the prefix length). The evenly spread set of ``LayerSkip`` is scored
-by the same model, for comparison (``report["spread"]``).
+by the same model, for comparison (``predicted_speedup``).
 """
 from __future__ import annotations
 
-import statistics
 import time
-from typing import Optional
 
 import torch
 
 from rewriter.errors import PassError
 from rewriter.ir.core import IR
+from rewriter.ir.pass_manager import Measurer
 from rewriter.ir.skip import residual_adds, skipped
 from rewriter.values import context_length
 
@@ -37,13 +37,15 @@ class ShortContext(PassError):
     adds which of its own parameters to lower."""
 
 
-def search(ir: IR, prompts: list[list[int]], max_draft: int, budget: int | None = None) -> dict:
+def search(ir: IR, prompts: list[list[int]], max_draft: int, budget: int | None,
+           measurer: Measurer) -> dict:
     """``{"skip_attention", "skip_mlp", "max_draft", "predicted_speedup", "agreement",
-    "verify_cost", "seconds", "spread"}`` for the IR's best skip set found."""
+    "verify_cost", "seconds"}`` for the IR's best skip set found, verify costs timed by
+    ``measurer``."""
     start = time.perf_counter()
     ids = calibration_batch(ir, prompts)
     target = _argmax(ir, ids)
-    verify = verify_cost(ir, max_draft + 1)
+    verify = measurer.verify_cost(ir, max_draft + 1)
     sizes = _unit_bytes(ir)
     total = sum(t.numel() * t.element_size() for t in ir.weights().values())
     units = [u for u in sizes if _skippable(ir, u[1])]
@@ -78,11 +80,12 @@ def best_k(agree: float, c_draft: float, verify: list[float], max_draft: int) ->
     return best
 
 
-def predicted_speedup(ir: IR, prompts, skip_layers, skip_attention, skip_mlp, max_draft) -> dict:
+def predicted_speedup(ir: IR, prompts, skip_layers, skip_attention, skip_mlp, max_draft,
+                      measurer: Measurer) -> dict:
     """The cost model's prediction for a given skip set (e.g. the evenly spread one)."""
     ids = calibration_batch(ir, prompts)
     target = _argmax(ir, ids)
-    verify = verify_cost(ir, max_draft + 1)
+    verify = measurer.verify_cost(ir, max_draft + 1)
     sizes = _unit_bytes(ir)
     total = sum(t.numel() * t.element_size() for t in ir.weights().values())
     skip = {("attention", i) for i in [*skip_layers, *skip_attention]} | \
@@ -95,67 +98,6 @@ def predicted_speedup(ir: IR, prompts, skip_layers, skip_attention, skip_mlp, ma
                                            + verify[max_draft + 1])}
 
 
-def verify_cost(ir: IR, most: int, runs: int = 15, batch: int = 1,
-                static: Optional[bool] = None) -> list[float]:
-    """``[0, 1, c(2), ..., c(most)]``: the decode program's time over S tokens a row at
-    ``batch`` rows after a 64-token prompt (shorter where the context is), divided by its
-    time over one token a row (medians of ``runs``). ``static`` (the default on CUDA):
-    timed as the engine's rounds call it there, on fixed buffers and replayed from a CUDA
-    graph (``_replayed``), where an eager call is mostly kernel launches."""
-    from rewriter.runtime.attention import Step
-    from rewriter.runtime.kv_cache import KVCache, cache_table
-    from rewriter.runtime.lower import lower
-    program = lower(ir, False, "torch", {})
-    weight = max((t for t in ir.weights().values() if t.is_floating_point()), key=torch.Tensor.numel)
-    device = weight.device
-    static = device.type == "cuda" if static is None else static
-    at = prompt_length(ir, most)
-    cache = KVCache(cache_table(ir.gm), batch, at + most, weight.dtype, device)
-    start = torch.full((batch,), at, device=device)  # [B]: a static step's per-row start
-    calls = {}
-    for s in range(1, most + 1):
-        ids = torch.zeros(batch, s, dtype=torch.long, device=device)
-        positions = torch.arange(at, at + s, device=device)[None].expand(batch, s)
-        if static:
-            calls[s] = _replayed(lambda ids, positions, start, s=s: program(  # noqa: E731
-                Step(cache, start, s, None, end=cache.max_len), ids, positions),
-                (ids, positions, start))
-        else:
-            calls[s] = _eager(program, lambda s=s: Step(cache, at, s, None), ids, positions)
-    times: dict[int, list[float]] = {s: [] for s in calls}
-    warm = 2 if static else 1  # a replay's first call runs eagerly, its second captures
-    for r in range(runs + warm):  # interleaved, so drifts hit every length alike
-        for s, call in calls.items():
-            sync(device)
-            t = time.perf_counter()
-            call()
-            sync(device)
-            if r >= warm:
-                times[s].append(time.perf_counter() - t)
-    one = statistics.median(times[1])
-    return [0.0] + [statistics.median(times[s]) / one for s in times]
-
-
-def _eager(program, step, *inputs):
-    """A no-argument call of ``program(step(), *inputs)``."""
-    def call():
-        with torch.inference_mode():
-            return program(step(), *inputs)
-    return call
-
-
-def _replayed(run, inputs: tuple):
-    """A no-argument call of ``run(*inputs)`` through a ``Replay`` (``runtime.replay``):
-    fixed buffers, and a CUDA graph on CUDA."""
-    from rewriter.runtime.replay import Replay
-
-    def inside(*buffers):
-        with torch.inference_mode():
-            return run(*buffers)
-    replay = Replay(inside, inputs, inputs[0].device.type == "cuda", "timed call")
-    return lambda: replay(*inputs)
-
-
 def prompt_length(ir: IR, tokens: int) -> int:
     """Cache positions before a timed step of ``tokens``: 64, or fewer where the model's
     context is shorter (learned position tables have no row past it)."""
@@ -164,56 +106,6 @@ def prompt_length(ir: IR, tokens: int) -> int:
         raise ShortContext(f"timing a step of {tokens} tokens needs a context of more than "
                            f"{tokens} tokens; the model has {context}")
     return min(64, context - tokens)
-
-
-def heads_cost(ir: IR, num_heads: int, hydra: bool, runs: int = 15, batch: int = 1,
-               static: Optional[bool] = None) -> float:
-    """One call of the draft heads' program (Medusa: all heads on a row; Hydra: one head on
-    four paths a row, a level's typical call) over one decode step, at ``batch`` rows
-    (medians); ``static`` as for ``verify_cost``."""
-    from rewriter.runtime.attention import Step
-    from rewriter.runtime.kv_cache import KVCache, cache_table
-    from rewriter.runtime.lower import logits_node, lower, lower_heads
-    decode = lower(ir, False, "torch", {})
-    heads = lower_heads(ir, "torch", {}, head=0 if hydra else None)
-    weight = max((t for t in ir.weights().values() if t.is_floating_point()), key=torch.Tensor.numel)
-    device = weight.device
-    static = device.type == "cuda" if static is None else static
-    h = logits_node(ir).args[0].meta["val"]
-    rows = 4 if hydra else 1
-    x = torch.zeros(batch, rows, h.shape[-1], dtype=h.dtype, device=device)
-    args = (x, torch.zeros(batch, rows, num_heads, dtype=torch.long, device=device)) \
-        if hydra else (x,)
-    cache = KVCache(cache_table(ir.gm), batch, 65, weight.dtype, device)
-    ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
-    at = prompt_length(ir, 1)
-    positions = torch.full((batch, 1), at, device=device)
-    if static:
-        start = torch.full((batch,), at, device=device)  # [B]
-        step = _replayed(lambda ids, positions, start: decode(  # noqa: E731
-            Step(cache, start, 1, None, end=cache.max_len), ids, positions), (ids, positions, start))
-        head = _replayed(heads, args)
-    else:
-        step = _eager(decode, lambda: Step(cache, at, 1, None), ids, positions)
-
-        def head():
-            with torch.inference_mode():
-                return heads(*args)
-    step_t, head_t = [], []
-    warm = 2 if static else 1  # a replay's first call runs eagerly, its second captures
-    for r in range(runs + warm):
-        sync(device)
-        t = time.perf_counter()
-        step()
-        sync(device)
-        t1 = time.perf_counter()
-        head()
-        sync(device)
-        t2 = time.perf_counter()
-        if r >= warm:
-            step_t.append(t1 - t)
-            head_t.append(t2 - t1)
-    return statistics.median(head_t) / statistics.median(step_t)
 
 
 def calibration_batch(ir: IR, prompts) -> torch.Tensor:
@@ -276,9 +168,3 @@ def _unit_bytes(ir: IR) -> dict:
         sizes[kind, layer] = sizes.get((kind, layer), 0) + t.numel() * t.element_size()
     return sizes
 
-
-def sync(device: torch.device) -> None:
-    """Wait for the device's queued work: GPU launches return before they finish, so a host
-    clock read without this times the launch, not the work."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

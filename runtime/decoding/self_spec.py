@@ -6,13 +6,16 @@ from typing import Iterator
 
 from torch import Tensor
 
-from rewriter.errors import PassError, RewriterError
+from rewriter.errors import RewriterError
 from rewriter.ir.core import IR
+from rewriter.ir.int4 import quantize_linears
 from rewriter.ir.skip import check_skip_set, skipped
 
-from .speculative import speculative_loop
 from .base import Generation, Strategy
+from .speculative import speculative_loop
 from .checks import check_no_ring
+
+INT4_GROUP = 32  # the Int4Weights pass's default group
 
 
 class SelfSpeculativeStrategy(Strategy):
@@ -34,14 +37,16 @@ class SelfSpeculativeStrategy(Strategy):
 
 
 def int4_draft(draft: IR) -> IR:
-    """``draft`` (a copy: ``skipped`` makes one) with its linears' weights in 4 bits, as
-    ``Int4Weights`` stores them; the LM head stays dense, as there."""
-    from rewriter.passes.int4_weights import Int4Weights  # (the pass's rewrite: still in passes/)
+    """``draft`` (a copy: ``skipped`` makes one) with its linears' weights in 4 bits, groups
+    of 32, as the ``Int4Weights`` pass stores them (``rewriter.ir.int4``); the LM head stays
+    dense, as there."""
     try:
-        return Int4Weights().run(draft)
-    except PassError as e:  # e.g. the model's linears are 4-bit already
-        raise RewriterError(f"the self_speculative draft_weights='int4' draft has nothing to "
-                            f"quantize: {e}") from None
+        info = quantize_linears(draft, INT4_GROUP, lm_head=False, pass_name="Int4Weights")
     except (AttributeError, RuntimeError, TypeError, ValueError) as e:  # an artifact's odd names
         raise RewriterError(f"the self_speculative draft_weights='int4' draft cannot be made "
                             f"from these weights: {e}") from None
+    if info is None:  # e.g. the model's linears are 4-bit already
+        raise RewriterError(f"the self_speculative draft_weights='int4' draft has nothing to "
+                            f"quantize: no linear has in-features a multiple of {INT4_GROUP}")
+    draft.info["int4"] = info
+    return draft

@@ -17,10 +17,9 @@ A round, for every row at once (each row at its own cache length ``length[b]``):
 4. **roll back** by length: the row's length grows by the accepted tokens + 1; what the
    draft and the verification wrote past it is masked until overwritten. Nothing is copied.
 
-Tokens come out as plain decoding's do: one ``[B]`` column per position (rows that ran
-ahead wait in a queue), EOS and padding handled identically. A row whose accepted tokens
-hold an end of sequence is done: what follows is padding, queued at once, so the rows still
-writing set the batch's pace. ``stats`` counts rounds,
+Tokens come out as plain decoding's do (``base.Columns``: one ``[B]`` column per position,
+EOS and padding handled identically; a row whose accepted tokens hold an end of sequence is
+done, so the rows still writing set the batch's pace). ``stats`` counts rounds,
 drafted and accepted tokens, and the forward passes and layer evaluations of both models.
 """
 from __future__ import annotations
@@ -39,6 +38,7 @@ from ..kv_cache import KVCache
 from ..replay import Replay, Replays
 from ..sampling import draw, greedy, next_token, warp
 from ..settings import GenerationSettings
+from .base import Columns
 
 
 def speculative_loop(programs: dict, cache: KVCache, batch: Batch, settings: GenerationSettings,
@@ -78,57 +78,30 @@ class Rounds:
     def run(self) -> Iterator[Tensor]:
         s, batch = self.s, self.batch
         b, width = batch.ids.shape
-        # rows past an end of sequence, on the host: the tokens are host values here, and a
-        # device flag read back every column would wait for the GPU's queue each time
-        eos, finished = set(s.eos_token_id), [False] * b
+        out = Columns(s, b, self.device, self.stats)
         last = self.first()  # [B], not yet in the cache
         length = [width] * b  # cache positions each row holds
-        pending = [[t] for t in last.tolist()]  # made, not yet yielded
-        produced = [1] * b
-        for r in range(b):
-            self._ended(r, list(pending[r]), produced, pending)
-        yielded = 0
+        for r, t in enumerate(last.tolist()):
+            out.add(r, [t])
         while True:
-            columns = []  # the whole columns ready, each row's finished ones as padding
-            while all(pending) and len(columns) < s.max_new_tokens - yielded:
-                column = [s.pad_token_id if f else t
-                          for t, f in zip([p.pop(0) for p in pending], finished)]
-                finished = [f or t in eos for t, f in zip(column, finished)]
-                columns.append(column)
-                if eos and all(finished):
-                    break
-            if columns:  # copied to the device at once: [C, B]
-                for token in torch.tensor(columns, device=self.device):
-                    self.stats["tokens"] += 1
-                    yielded += 1
-                    yield token
-                if yielded == s.max_new_tokens or (eos and all(finished)):
-                    return
+            yield from out.ready()
+            if out.over:
+                return
             # rows with every token they need are frozen (computed on, results dropped);
             # an ended row still needs a token per column, which masking turns into padding
-            done = [produced[r] >= s.max_new_tokens for r in range(b)]
+            done = out.done()
             active = [r for r in range(b) if not done[r]]
-            need = s.max_new_tokens - min(produced[r] for r in active)
+            need = s.max_new_tokens - min(out.produced[r] for r in active)
             room = self.cache.max_len - 1 - max(length[r] for r in active)
             k = max(0, min(self.max_draft, room, need - 1))
             # a done row is computed on at a start that keeps its k + 1 writes in the cache
             at = [min(n, self.cache.max_len - k - 1) if done[r] else n for r, n in enumerate(length)]
             last, accepted = self.round(last, at, k, done)
             for r in active:
-                pending[r] += accepted[r]
-                produced[r] += len(accepted[r])
+                out.add(r, accepted[r])
                 length[r] += len(accepted[r])
-                self._ended(r, accepted[r], produced, pending)
             self.stats.update(rounds=1, row_rounds=len(active),
                               accepted=sum(len(accepted[r]) - 1 for r in active))
-
-    def _ended(self, r: int, new: list[int], produced: list[int], pending: list[list[int]]) -> None:
-        """Row ``r`` made ``new``: where they hold an end of sequence the rest of its output
-        is padding, queued now, and the row is done (else, copying nothing and drafting past
-        its end, it would hold every column of the batch to about a token a round)."""
-        if set(self.s.eos_token_id).intersection(new):
-            pending[r] += [self.s.pad_token_id] * max(0, self.s.max_new_tokens - produced[r])
-            produced[r] = max(produced[r], self.s.max_new_tokens)
 
     def first(self) -> Tensor:
         """Prefill the prompts; the first new token of every row ``[B]``."""

@@ -1,6 +1,6 @@
 """Tree decoding: rounds that verify a tree of drafted tokens, and copied chains, in one
-step each (``runtime.decoding.tree.rounds``). The drafter (the record's ``drafter``) says which
-programs draft the tree:
+step each (``runtime.decoding.tree.rounds``). The drafter (the record's ``drafter``,
+``runtime.decoding.tree.drafters``) says which programs draft the tree:
 
 - ``medusa``: ``heads``, the heads alone on the LM head's input ``h``, run on the accepted
   position only, not on every node of the tree;
@@ -23,23 +23,8 @@ from rewriter.ir.core import IR
 
 from ..base import Generation, Strategy
 from ..checks import check_heads, check_no_ring
-from .eagle_rows import EagleProgram
+from .drafters import DRAFTERS
 from .rounds import tree_loop
-
-
-def _medusa(ir: IR, s, lowering) -> dict:
-    return {"heads": lowering.heads(ir)}
-
-
-def _hydra(ir: IR, s, lowering) -> dict:  # drafting goes level by level: a program per head
-    return {f"head{k}": lowering.heads(ir, head=k) for k in range(s.depth)}
-
-
-def _eagle(ir: IR, s, lowering) -> dict:  # not a lowered graph: the layer with a cache per row
-    return {"eagle": EagleProgram.of(ir)}
-
-
-DRAFT_PROGRAMS = {"medusa": _medusa, "hydra": _hydra, "eagle": _eagle, "none": lambda *_: {}}
 
 
 class TreeStrategy(Strategy):
@@ -49,10 +34,10 @@ class TreeStrategy(Strategy):
         if s.drafts:
             check_heads(ir, s)
         # an EAGLE draft catches up over the prompt's every position
-        every = "all" if s.drafter == "eagle" else True
+        every = "all" if DRAFTERS[s.drafter].every_position else True
         programs = {"tree_prefill": lowering.step(ir, True, hidden=every),
                     "verify": lowering.step(ir, False, hidden=True)}
-        programs.update(DRAFT_PROGRAMS[s.drafter](ir, s, lowering))
+        programs.update(DRAFTERS[s.drafter].programs(ir, s, lowering))
         return programs
 
     def tokens(self, g: Generation, learnt: dict) -> Optional[Iterator[Tensor]]:

@@ -109,7 +109,7 @@ class AdaptiveTree:
             slope = (verify[-1] - verify[1]) / max(len(verify) - 2, 1)
             verify = verify + [verify[-1] + slope * (i + 1) for i in range(short)]
         heads = self.heads_cost * (tree.depth if self.hydra else 1) if n > 1 else 0.0
-        # a plain round is a plain step (no mask, no acceptance: ``rounds.TreeRounds.round``); a
+        # a plain round is a plain step (no mask, no acceptance: ``rounds``); a
         # round with copies costs what verifying as many tokens does, the round's own work in
         chained = [verify[n] + heads if n > 1 else 1.0] + \
             [verify[s] + heads for s in range(n + 1, n + self.chain.lookup + 1)]

@@ -42,7 +42,7 @@ def grow(call: HeadCall, root: Tensor, nodes: int, depth: int, expand: int,
     """The tree of ``nodes`` tokens (the root included) grown from ``call``'s guesses after
     ``root`` ``[B]``: ``(tree, tokens [B, nodes] in the tree's order, levels)``, ``levels``
     holding, per level that ran, the expanded paths and their ranked token ids
-    ``[B, P, R]`` (for counting what the heads got right: ``rounds.observe``).
+    ``[B, P, R]`` (for counting what the heads got right: ``shape.Counts.observe``).
     ``weight`` ``[B]``: each row's say in the shape (0: a row that is done); ``ranks``: a
     node's candidates, its first ``ranks`` guesses (default: all ``call`` gives; ``levels``
     keeps all of them)."""

@@ -193,3 +193,78 @@ def with_chain(tree: Tree, nodes: Tensor, chains: list[list[int]], fill: Tensor)
     order = [0] + [where[p] if p[-1] != LOOKUP else n + len(p) - 1 for p in paths]
     index = torch.tensor(order, device=nodes.device)
     return Tree(paths), torch.cat([nodes, padded], 1)[:, index]  # [B, n + L]
+
+
+class CopiedChains:
+    """One generation's copied chains: each row's text (``Context``), the chains proposed
+    for the round under way, and those waiting to be scored once their text is known
+    (``ChainLength``, where the chain's length adapts: ``length``). ``copy``: the copied
+    tokens a round verifies, by its rows' highest match order."""
+
+    def __init__(self, lookup: int, length: Optional[ChainLength], batch: int):
+        self.lookup, self.length = lookup, length
+        # the chain's last choice at this batch size, else every chain whole
+        self.copy = (0,) + (lookup,) * NGRAM if length is None or length.current is None \
+            else length.current
+        self.contexts: list[Context] = []
+        # per row: (where its chain starts, the chain, its match order)
+        self.proposed: Optional[list] = None
+        self.order = 0  # the round's highest match order (``propose``)
+        self.pending: list = [[] for _ in range(batch)]  # per row: chains not yet scored
+
+    def start(self, ids: list, pad: list, token: list) -> None:
+        """Each row's text: its prompt (without padding) and the first new token."""
+        self.contexts = [Context(row[p:] + [t]) for row, p, t in zip(ids, pad, token)]
+
+    def extend(self, rows: list[list[int]], done: list[bool]) -> None:
+        """Each running row's tokens accepted this round."""
+        for context, row, d in zip(self.contexts, rows, done):
+            if not d:
+                context.extend(row)
+
+    def propose(self, tree: Tree, nodes: Tensor, done: Optional[list[bool]],
+                ended: list[bool], room: int) -> tuple[Tree, Tensor, Optional[list]]:
+        """``tree`` and its tokens ``nodes`` with a chain copied from each running row's
+        text below the root (a row whose text has ended copies none), at most ``room``
+        tokens: ``(the tree verified, its tokens, each verified node's index in tree or
+        -1: a copy)``; the last None where the chain added nothing."""
+        done = done or [False] * len(self.contexts)
+        # every row's whole chain, to be scored (``ChainLength``) whatever is verified
+        self.proposed = [None if d or e else (len(c.tokens), *c.match(self.lookup)[::-1])
+                         for c, d, e in zip(self.contexts, done, ended)]
+        # as many copies as the longest match was given, for every row (already paid)
+        self.order = max((p[2] for p in self.proposed if p is not None and p[1]), default=0)
+        room = min(self.copy[self.order], room)
+        chains = [p[1][:room] if p is not None else [] for p in self.proposed]
+        verified, nodes = with_chain(tree, nodes, chains, nodes[:, 0])
+        if verified is tree:
+            return tree, nodes, None
+        where = {p: i for i, p in enumerate(((),) + tree.paths)}
+        return verified, nodes, [where.get(p, -1) for p in ((),) + verified.paths]
+
+    def score(self, paths: list[list[int]], running: list[bool], length: list[int],
+              depth: Optional[list], to_head: Optional[list]) -> None:
+        """Queue the lagging rows' chains proposed for this round (``length``: each row's
+        cache length before it) with the heads' tree's accepted depth (``depth``; None: a
+        sampled walk, which tries the chain after the tree), and score those whose text is
+        now known (``ChainLength``)."""
+        if self.proposed is not None:
+            if depth is None:  # a sampled walk tries the chain after the tree: via it, none
+                depth = [len(p) if to_head is None or not p or to_head[p[0]] >= 0
+                         else 0 for p in paths]
+            # the round's highest order set its copies for every row: each row's gain is
+            # that order's (ChainLength)
+            highest = self.order
+            self.length.count_round(highest)
+            # a batch takes as many rounds as its slowest row: what counts is what the
+            # chain adds to the row that lags (the fewest tokens; every row at one length)
+            lag = min((n for n, p, r in zip(length, self.proposed, running) if p is not None and r),
+                      default=None)
+            for r, p in enumerate(self.proposed):
+                if p is not None and running[r] and length[r] == lag:
+                    self.pending[r].append((p[0], p[1], highest, depth[r]))
+        for context, queue in zip(self.contexts, self.pending):
+            while queue and queue[0][0] + len(queue[0][1]) <= len(context.tokens):
+                start, proposal, highest, accepted = queue.pop(0)
+                self.length.score(proposal, context.tokens[start:start + len(proposal)], accepted,
+                                  highest)

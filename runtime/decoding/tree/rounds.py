@@ -25,9 +25,10 @@ A round, for every row at once (each row at its own cache length ``length[b]``):
    overwritten). The heads then run on the hidden state of the path's last node.
 
 The loop around it (columns, EOS, rows that are done, the cache bound) is
-``runtime.decoding.speculative``'s. With the pass's measured costs in the record, the sub-tree a
-round verifies is re-chosen every few rounds from the accuracies the heads show on this
-text (``runtime.decoding.tree.adapt``).
+``runtime.decoding.speculative``'s. The jobs a round composes live beside it: the drafters
+(``drafters``: Medusa, Hydra, EAGLE), the chains copied from the text (``lookup``), the
+tree's shape as the generation goes (``shape``: fixed, adaptive, dynamic, the chain's
+length) and the verification (``verify``: layouts, acceptance, compaction).
 """
 from __future__ import annotations
 
@@ -38,20 +39,22 @@ import torch
 from torch import Tensor
 
 from rewriter.decoding import TreeDecoding
-from rewriter.errors import RewriterError
-from rewriter.drafts.tree import MAX_NODES, MAX_RANK, Tree, make_tree
+from rewriter.drafts.tree import MAX_NODES, Tree
 
 from ...generate import Batch, run_prompt
 from ...kv_cache import KVCache
-from ...sampling import greedy, next_token
+from ...sampling import next_token
 from ...settings import GenerationSettings
+from ..base import holds_eos
 from ..speculative import Rounds
-from .acceptance import walk
-from .eagle_rows import EagleRows
+from . import verify
 from .adapt import AdaptiveTree
-from .dynamic import grow
-from .layout import host_layout, kept, level_plan
-from .lookup import NGRAM, Context, with_chain
+from .drafters import drafter_for, level_plan
+from .lookup import CopiedChains
+from .shape import (Counts, check_windows, drafted_ranks, grow_tree, guesses, start_tree,
+                    whole_tree)
+from .verify import host_layout, kept, walk
+
 
 def tree_loop(programs: dict, cache: KVCache, batch: Batch, settings: GenerationSettings,
               generator: Optional[torch.Generator], stats: Counter, strategy: TreeDecoding,
@@ -66,6 +69,10 @@ def tree_loop(programs: dict, cache: KVCache, batch: Batch, settings: Generation
 
 
 class TreeRounds(Rounds):
+    """The rounds of one generation: the drafter (``drafters``) fills the tree the shape
+    gives (``shape``), copied chains hang beside it (``lookup.CopiedChains``), and the
+    verification accepts and compacts (``verify``)."""
+
     def _draft_size(self, strategy) -> tuple[float, int]:
         return self.full, 0  # no layer skipped; the tree's size is set with the tree (``use``)
 
@@ -74,58 +81,33 @@ class TreeRounds(Rounds):
         super().__init__(programs, cache, batch, settings, generator, stats, strategy, static,
                          cuda_graph, replays)
         b = batch.ids.shape[0]
-        # the heads' tree (none under prompt lookup: rounds of copied chains alone)
-        self.whole = make_tree(strategy.tree, strategy.depth) if strategy.tree else Tree(())
-        # EAGLE drafts level by level as Hydra does, with a layer of its own (eagle_rows)
-        self.hydra = strategy.level_by_level
-        self.eagle = EagleRows(programs["eagle"], b, self.device) \
-            if strategy.drafter == "eagle" else None
+        self.whole = whole_tree(strategy)
+        self.drafter = drafter_for(strategy, programs, self._call, vocab, stats, b, self.device)
+        self.hydra = strategy.level_by_level  # EAGLE drafts level by level as Hydra does
         self.dynamic = strategy.dynamic  # > 0: the shape is re-grown every round (dynamic)
-        self.lookup = strategy.lookup  # > 0: a chain copied from each row's text (lookup)
-        self.contexts: list = []
         self.done: Optional[list] = None  # the last round's rows that are done
-        # ranks drafted at each depth: the whole tree's, so the counts cover every sub-tree
-        self.ranks = [1 + max(p[-1] for p in self.whole.paths if len(p) == d + 1)
-                      for d in range(self.whole.depth)]
-        self.vocab = vocab  # draft index -> token id (a trimmed draft vocabulary), or None
+        self.ranks = drafted_ranks(self.whole)
         self.nodes: Optional[Tensor] = None  # [B, n] the tree's tokens (column 0: the root)
-        self.drafted = None  # the heads' ranked tokens behind ``nodes`` (``observe``)
-        self.adapt = None
+        self.drafted = None  # the heads' ranked guesses behind ``nodes`` (``observe``)
+        self.adapt = self.counts = None
         if strategy.costs_at(b) is not None:  # learnt over this and earlier generations
             self.adapt = trees.setdefault((b, strategy), AdaptiveTree(self.whole, strategy, b))
+            self.counts = Counts(self.adapt, self.ranks, self.hydra, b, strategy.depth)
         self.ended = [False] * b  # rows whose accepted text holds an end of sequence
         # where the pass found no tree that pays at this batch size, rounds verify only a
         # copied chain (when one pays), and the heads' tree is never probed
         self.chains_only = not strategy.tree_at(b)
         self.chain = self.adapt.chain if self.adapt is not None else None  # lookup.ChainLength
-        # copied tokens a round verifies, by its rows' highest match order (ChainLength):
-        # the chain's last choice at this batch size
-        self.copy = (0,) + (strategy.lookup,) * NGRAM if self.chain is None \
-            or self.chain.current is None else self.chain.current
-        # per row: (where its chain starts, the chain, its match order)
-        self.proposed: Optional[list] = None
-        self.pending: list = [[] for _ in range(b)]  # per row: chains not yet scored
+        self.chains = CopiedChains(strategy.lookup, self.chain, b) if strategy.lookup else None
         self.tree_depth: Optional[list] = None  # per row: the heads' tree's accepted depth
-        # greedy acceptance's one read back a round: (the tokens verified on the host
-        # [B][m], the accepted node [B] and the token after it [B] on the device)
+        # greedy acceptance's one read back a round (``verify.Greedy.read``), and the heads'
+        # guesses behind this round's tree on the host [B][all, flat], read back with the
+        # round's result for the adaptive tree's counts (``observe``), else None
         self.read: Optional[tuple] = None
-        # the heads' guesses behind this round's tree on the host [B][all, flat], read back
-        # with the round's result for the adaptive tree's counts (``observe``), else None
         self.guessed: Optional[list] = None
         self.rounds = 0
-        k = strategy.depth  # each row's counts in this generation (adapt.row_accuracy)
-        self.row_hits = [[[0] * MAX_RANK for _ in range(k)] for _ in range(b)]
-        self.row_trials = [[0] * k for _ in range(b)]
-        # verifying many tokens costs more in a larger batch: from some batch on the
-        # strategy may verify a sub-tree (where it is empty: chains alone, or plain steps)
-        paths = strategy.tree_at(b)  # none: rounds of a copied chain alone (chains_only)
-        start = make_tree(paths, strategy.depth) if paths else Tree(())
-        self.use(self.adapt.current if self.adapt is not None and self.adapt.current else start)
-        deepest = max(strategy.depth if self.dynamic else self.whole.depth, strategy.lookup)
-        for s in cache.table.values():
-            if s.window is not None and s.window <= deepest:
-                raise RewriterError(f"a tree of depth {deepest} needs attention "
-                                    f"windows longer than that; cache {s.id} has {s.window}")
+        self.use(start_tree(strategy, b, self.adapt))
+        check_windows(cache, strategy, self.whole)
 
     def use(self, tree) -> None:
         """Draft ``tree`` (a sub-tree of the whole, maybe the root alone) from now on; a
@@ -145,22 +127,21 @@ class TreeRounds(Rounds):
 
     def first(self) -> Tensor:
         batch = self.batch
-        steps = [] if self.eagle is not None else None
+        steps = [] if self.drafter.every_position else None
         (logits, h), calls = run_prompt(self.programs["tree_prefill"], self.cache, batch.ids,
                                         batch.positions, batch.pad, self.s.prefill_chunk,
                                         every=steps)
         self.stats.update(forward_passes=calls, layer_evals=calls * self.full)
         token = next_token(logits[:, -1], self.s, self.generator)
-        if self.eagle is not None:  # the draft's cache over each row's prompt
-            every = torch.cat([step[1] for step in steps], 1)  # [B, S, H]
-            h = every[:, -1:]
-            pad = batch.pad.tolist() if batch.pad is not None else [0] * len(token)
-            for r, (row, p, t) in enumerate(zip(batch.ids.tolist(), pad, token.tolist())):
-                self.eagle.catch_up(r, every[r, p:], row[p + 1:] + [t], self.s.prefill_chunk)
-        if self.lookup:  # each row's text: its prompt (without padding) and the new token
-            pad = batch.pad.tolist() if batch.pad is not None else [0] * len(token)
-            self.contexts = [Context(row[p:] + [t]) for row, p, t
-                             in zip(batch.ids.tolist(), pad, token.tolist())]
+        if steps is not None or self.chains is not None:  # each row's prompt, on the host
+            ids, tokens = batch.ids.tolist(), token.tolist()
+            pad = batch.pad.tolist() if batch.pad is not None else [0] * len(tokens)
+            if steps is not None:
+                every = torch.cat([step[1] for step in steps], 1)  # [B, S, H]
+                h = every[:, -1:]
+                self.drafter.prompt(every, ids, pad, tokens, self.s.prefill_chunk)
+            if self.chains is not None:
+                self.chains.start(ids, pad, tokens)
         self.draft_from(h[:, -1:], token)
         return token
 
@@ -182,115 +163,33 @@ class TreeRounds(Rounds):
         if self.budget.size == 1:  # plain rounds: nothing to draft
             self.nodes, self.drafted = root[:, None], None
         elif self.dynamic:
-            self._grow(h, root)
-        elif self.hydra:
-            self._hydra(h, root)
+            self.tree, self.nodes, self.drafted = grow_tree(
+                self.drafter, h, root, self.budget, self.dynamic, self.ranks, self.done)
         else:
-            d = self._call("heads", h)[:, 0]  # [B, K, V or Vd]
-            self.stats.update(head_passes=1)
-            ids = self._ids(d.topk(max(self.ranks), dim=-1).indices)  # [B, K, ranks]
-            self.drafted = ids
-            lay = self.layout(self.tree.size, self.tree)
-            self.nodes = torch.cat([root[:, None], ids[:, lay["head"][1:], lay["rank"][1:]]], 1)
+            plan = self.levels if self.hydra else self.layout(self.tree.size, self.tree)
+            self.nodes, self.drafted = self.drafter.fixed(h, root, self.tree, plan, self.ranks)
         self._chain()
 
     def _chain(self) -> None:
         """The tree a round verifies: the drafted one, and with ``lookup`` a chain copied
-        from each running row's text below the root (``lookup``); a row whose text has
-        ended copies none."""
-        self.verified, self.to_head, self.proposed = self.tree, None, None
-        if self.lookup and (self.tree.size > 1 or self.chains_only or self.chain is not None):
-            done = self.done or [False] * len(self.contexts)
-            # every row's whole chain, to be scored (``ChainLength``) whatever is verified
-            self.proposed = [None if d or e else (len(c.tokens), *c.match(self.lookup)[::-1])
-                             for c, d, e in zip(self.contexts, done, self.ended)]
-            # as many copies as the longest match was given, for every row (already paid)
-            self.order = self._highest()  # the round's, scored under it (_score)
-            room = min(self.copy[self.order], MAX_NODES - self.tree.size)  # <= MAX_NODES
-            chains = [p[1][:room] if p is not None else [] for p in self.proposed]
-            self.verified, self.nodes = with_chain(self.tree, self.nodes, chains, self.nodes[:, 0])
-            if self.verified is not self.tree:
-                where = {p: i for i, p in enumerate(((),) + self.tree.paths)}
-                self.to_head = [where.get(p, -1) for p in ((),) + self.verified.paths]
+        from each running row's text below the root (``lookup``)."""
+        self.verified, self.to_head = self.tree, None
+        if self.chains is not None:
+            self.chains.proposed = None
+            if self.tree.size > 1 or self.chains_only or self.chain is not None:
+                self.verified, self.nodes, self.to_head = self.chains.propose(
+                    self.tree, self.nodes, self.done, self.ended, MAX_NODES - self.tree.size)
         self.max_draft = self.verified.size - 1
 
-    def _highest(self) -> int:
-        """The longest match order among this round's proposed chains (0: none)."""
-        return max((p[2] for p in self.proposed if p is not None and p[1]), default=0)
-
-    def _hydra(self, h: Tensor, root: Tensor) -> None:
-        b, n = root.shape[0], self.tree.size
-        nodes = torch.zeros(b, n, dtype=torch.int64, device=self.device)
-        nodes[:, 0] = root
-        k = self.strategy.depth
-        self.drafted = []  # per level: (the parents' node indices, their ranked tokens)
-        for d, (parents, chains, children, slot, rank, top, on_host) in enumerate(self.levels):
-            path = torch.zeros(b, len(parents), k, dtype=torch.int64, device=self.device)
-            path[:, :, :d + 1] = nodes[:, chains]  # [B, P, d + 1]: root .. parent
-            logits = self._call(f"head{d}", h.expand(b, len(parents), h.shape[-1]), path)  # [B, P, V]
-            self.stats.update(head_passes=1)
-            ids = self._ids(logits.topk(max(top, self.ranks[d]), dim=-1).indices)  # [B, P, ranks]
-            nodes[:, children] = ids[:, slot, rank]
-            self.drafted.append((on_host, ids))
-        self.nodes = nodes
-
-    def _grow(self, h: Tensor, root: Tensor) -> None:
-        """A tree of the budget's size grown from the heads' probabilities (``dynamic``)."""
-        b, k = root.shape[0], self.strategy.depth
-        ranks = min(MAX_RANK, self.budget.size - 1)  # the candidates a node gets
-        # the ranks counted (observe): the whole tree's, as the fixed trees count, so a small
-        # budget does not count a guess the whole tree would have verified as a miss
-        counted = max([ranks, *self.ranks])
-        if not self.hydra:
-            top = self._call("heads", h)[:, 0].float().log_softmax(-1).topk(counted, dim=-1)  # [B, K, R]
-            self.stats.update(head_passes=1)
-            ids = self._ids(top.indices)
-
-        def call(d: int, chains: Tensor):
-            p = chains.shape[1]
-            if self.eagle is not None:
-                self.stats.update(head_passes=1)
-                logp, rows = self.eagle.call(d, chains, counted)  # (not ``ids``: Medusa's, below)
-                return logp, self._ids(rows)
-            if not self.hydra:  # every path at depth d gets head d's guesses
-                return top.values[:, d, None].expand(b, p, counted), ids[:, d, None].expand(b, p, counted)
-            path = torch.zeros(b, p, k, dtype=torch.int64, device=self.device)
-            path[:, :, :d + 1] = chains  # [B, P, d + 1]: root .. the expanded node
-            logits = self._call(f"head{d}", h.expand(b, p, h.shape[-1]), path)  # [B, P, V]
-            self.stats.update(head_passes=1)
-            best = logits.float().log_softmax(-1).topk(counted, dim=-1)
-            return best.values, self._ids(best.indices)
-
-        running = torch.tensor([not d for d in self.done], dtype=torch.float32, device=self.device) \
-            if self.done is not None else None  # rows that are done have no say in the shape
-        tree, self.nodes, levels = grow(call, root, self.budget.size, k, self.dynamic, running,
-                                        ranks)
-        self.tree = tree
-        if not self.hydra:
-            self.drafted = ids
-            return
-        index = {p: i for i, p in enumerate(((),) + tree.paths)}  # a path's node, -1: not verified
-        self.drafted = [([index.get(p, -1) for p in paths], got) for paths, got in levels]
-
     def _counted_guesses(self) -> list[Tensor]:
-        """``_guesses()`` where the adaptive tree counts them this round (``observe``)."""
-        return self._guesses() if self.adapt is not None and self.drafted is not None else []
-
-    def _guesses(self) -> list[Tensor]:
-        """The heads' ranked guesses behind this round's tree, each ``[B, n]``: Medusa's
-        ``[B, K, ranks]``, or each Hydra level's ``[B, parents, ranks]``, flattened."""
-        if self.hydra:
-            return [ids.flatten(1) for _, ids in self.drafted]
-        return [self.drafted.flatten(1)]
-
-    def _ids(self, indices: Tensor) -> Tensor:
-        """Token ids of draft-vocabulary indices."""
-        return indices if self.vocab is None else self.vocab[indices]
+        """The heads' guesses where the adaptive tree counts them this round (``observe``)."""
+        if self.adapt is None or self.drafted is None:
+            return []
+        return guesses(self.drafted, self.hydra)
 
     def round(self, last: Tensor, length: list[int], k: int, done: list[bool]):
-        m = k + 1
+        m, b = k + 1, last.shape[0]
         lay = self.layout(m)
-        b = last.shape[0]
         tokens = torch.empty(b, m, dtype=torch.int64, device=self.device)
         tokens[:, 0] = last
         if m > 1:
@@ -304,26 +203,12 @@ class TreeRounds(Rounds):
                           drafted=(m - 1) * sum(not d for d in done))
         if self.to_head is not None:  # chain nodes copied from the text, verified this round
             self.stats.update(copied=sum(i < 0 for i in self.to_head[1:m]))
-        self.tree_depth, self.read, self.guessed = None, None, None
-        if m > 1:
-            paths, bonus = self.accept(logits, tokens, lay)
-            self.compact(length, paths)
-        else:  # a plain round (the adaptive tree chose none, or a generation's last token):
-            # the model's token, chosen as plain decoding chooses it, with no acceptance or
-            # K/V moves to pay for; read back with the guesses the counts need
-            paths = [[] for _ in range(b)]
-            guesses = self._counted_guesses()
-            read = torch.cat([next_token(logits[:, 0], self.s, self.generator)[:, None],
-                              *guesses], 1).tolist()  # [B, 1 (+ guesses)]
-            bonus = [row[0] for row in read]
-            self.guessed = [row[1:] for row in read] if guesses else None
+        paths, bonus = self._accepted(logits, tokens, lay, length)
         # the verified tokens on the host: greedy acceptance read them back with its result
         host = self.read[0] if self.read is not None else tokens.tolist() if m > 1 else None
         rows = [[host[r][i] for i in p] + [bonus[r]] for r, p in enumerate(paths)]
-        if self.lookup:
-            for context, row, d in zip(self.contexts, rows, done):
-                if not d:
-                    context.extend(row)
+        if self.chains is not None:
+            self.chains.extend(rows, done)
         if self.adapt is not None:
             self._adapt(host, paths, bonus, done, rows, length)
         else:  # a row whose text ended this round copies no chain from the next on
@@ -334,15 +219,26 @@ class TreeRounds(Rounds):
             ends = torch.tensor([p[-1] if p else 0 for p in paths], device=self.device)
             after = torch.tensor(bonus, device=self.device)
         nxt = torch.where(self.on_device(done), last, after)
-        if self.eagle is not None:  # the draft's cache over what each row accepted
-            self.eagle.idle = {r for r, d in enumerate(done) if d}
-            for r, (p, row) in enumerate(zip(paths, rows)):
-                if not done[r]:
-                    at = torch.tensor([0, *p], device=self.device)
-                    self.eagle.catch_up(r, h[r, at], row)  # the root and the accepted nodes
+        self.drafter.accepted(h, paths, rows, done)
         self.done = done
         self.draft_from(h[torch.arange(b, device=self.device), ends][:, None], nxt)  # [B, 1, H]
         return nxt, rows
+
+    def _accepted(self, logits: Tensor, tokens: Tensor, lay: dict, length: list[int]):
+        """Per row: the accepted path and the token after it, the K/V compacted."""
+        self.tree_depth, self.read, self.guessed = None, None, None
+        if tokens.shape[1] > 1:
+            paths, bonus = self.accept(logits, tokens, lay)
+            self.compact(length, paths)
+            return paths, bonus
+        # a plain round (the adaptive tree chose none, or a generation's last token): the
+        # model's token, chosen as plain decoding chooses it, with no acceptance or K/V
+        # moves to pay for; read back with the guesses the counts need
+        counted = self._counted_guesses()
+        read = torch.cat([next_token(logits[:, 0], self.s, self.generator)[:, None],
+                          *counted], 1).tolist()  # [B, 1 (+ guesses)]
+        self.guessed = [row[1:] for row in read] if counted else None
+        return [[] for _ in read], [row[0] for row in read]
 
     def _adapt(self, tokens: Optional[list], paths: list[list[int]], bonus: list[int],
                done: list[bool], rows: list[list[int]], length: list[int]) -> None:
@@ -352,149 +248,44 @@ class TreeRounds(Rounds):
         if self.drafted is not None:  # text past a row's end of sequence is not counted
             self.observe(tokens, paths, bonus, [d or e for d, e in zip(done, self.ended)])
         if self.chain is not None:
-            self._score(paths, done, length)
+            self.chains.score(paths, [not d and not e for d, e in zip(done, self.ended)],
+                              length, self.tree_depth, self.to_head)
         self._mark_ended(rows)
         if not self.chains_only:
-            self._choose_tree(rows, done, length)
+            running = [r for r in range(len(rows)) if not done[r] and not self.ended[r]]
+            tree = self.counts.choose(self.budget, rows, running, length)
+            if tree != self.budget:
+                self.use(tree)
+                self.stats.update(tree_changes=1)
         # every few rounds; while no copy is verified, every round (a short generation
         # would otherwise never bring the chain back)
-        if self.chain is not None and (self.rounds % AdaptiveTree.EVERY == 0 or not any(self.copy)):
-            self.copy = self.chain.current = self.adapt.chain_length(self.budget)
+        if self.chain is not None and (self.rounds % AdaptiveTree.EVERY == 0
+                                       or not any(self.chains.copy)):
+            self.chains.copy = self.chain.current = self.adapt.chain_length(self.budget)
 
     def _mark_ended(self, rows: list[list[int]]) -> None:
         """Rows whose accepted text (``rows``, this round's) holds an end of sequence."""
-        eos = set(self.s.eos_token_id)
-        self.ended = [e or any(t in eos for t in row) for e, row in zip(self.ended, rows)]
-
-    def _choose_tree(self, rows: list[list[int]], done: list[bool], length: list[int]) -> None:
-        # in a batch, the row with the fewest tokens decides when it ends: its counts choose
-        running = [r for r in range(len(rows)) if not done[r] and not self.ended[r]]
-        accuracy = None
-        if len(rows) > 1 and running:
-            lag = min(running, key=lambda r: length[r] + len(rows[r]))
-            accuracy = lambda: self.adapt.row_accuracy(self.row_hits[lag],  # noqa: E731
-                                                       self.row_trials[lag])
-        tree = self.adapt.next(self.budget, accuracy)
-        self.adapt.current = tree
-        if tree != self.budget:
-            self.use(tree)
-            self.stats.update(tree_changes=1)
-
-    def _score(self, paths: list[list[int]], done: list[bool], length: list[int]) -> None:
-        """Queue the lagging rows' chains proposed for this round (``length``: each row's
-        cache length before it) with the heads' tree's accepted depth, and score those
-        whose text is now known (``lookup.ChainLength``)."""
-        if self.proposed is not None:
-            depth = self.tree_depth
-            if depth is None:  # a sampled walk tries the chain after the tree: via it, none
-                depth = [len(p) if self.to_head is None or not p or self.to_head[p[0]] >= 0
-                         else 0 for p in paths]
-            running = [not d and not e for d, e in zip(done, self.ended)]
-            # the round's highest order set its copies for every row: each row's gain is
-            # that order's (ChainLength)
-            highest = self.order
-            self.chain.count_round(highest)
-            # a batch takes as many rounds as its slowest row: what counts is what the
-            # chain adds to the row that lags (the fewest tokens; every row at one length)
-            lag = min((n for n, p, r in zip(length, self.proposed, running) if p is not None and r),
-                      default=None)
-            for r, p in enumerate(self.proposed):
-                if p is not None and running[r] and length[r] == lag:
-                    self.pending[r].append((p[0], p[1], highest, depth[r]))
-        for context, queue in zip(self.contexts, self.pending):
-            while queue and queue[0][0] + len(queue[0][1]) <= len(context.tokens):
-                start, proposal, highest, accepted = queue.pop(0)
-                self.chain.score(proposal, context.tokens[start:start + len(proposal)], accepted,
-                                 highest)
+        self.ended = [e or holds_eos(self.s, row) for e, row in zip(self.ended, rows)]
 
     def observe(self, rows: Optional[list], paths: list[list[int]], bonus: list[int],
                 done: list[bool]) -> None:
-        """Count, for every head that drafted after a row's accepted path, the rank of the
-        model's token among its guesses there (``runtime.decoding.tree.adapt``). ``rows``: the
-        tokens verified, on the host ``[B][m]`` (None when only the root was)."""
-        # [B][every guess, flat]: read back with the round's acceptance where it was greedy
-        guesses_read = self.guessed if self.guessed is not None \
-            else torch.cat(self._guesses(), 1).tolist()
-        if self.hydra:  # per level: (the parents' node indices, [B][parents][ranks])
-            levels, at = [], 0
-            for parents, ids in self.drafted:
-                _, p, n = ids.shape
-                levels.append((parents, [[row[at + j * n:at + (j + 1) * n] for j in range(p)]
-                                         for row in guesses_read]))
-                at += p * n
-        else:
-            _, k, n = self.drafted.shape  # [B][K][ranks]
-            drafted = [[row[j * n:(j + 1) * n] for j in range(k)] for row in guesses_read]
-        for r, path in enumerate(paths):
-            if done[r]:
-                continue
-            nodes = [0, *path]
-            for d, node in enumerate(nodes):
-                if d >= len(self.ranks):
-                    break
-                target = rows[r][nodes[d + 1]] if d + 1 < len(nodes) else bonus[r]
-                if self.hydra:  # head d ran on the path only where the node has children
-                    node = self.to_head[node] if self.to_head is not None else node
-                    # a copied chain's node (-1) had no head run on its path; nor had a
-                    # re-grown tree's expanded paths that were not kept (-1 there too)
-                    if node < 0 or d >= len(levels) or node not in levels[d][0]:
-                        break
-                    guesses = levels[d][1][r][levels[d][0].index(node)]
-                else:
-                    guesses = drafted[r][d]
-                rank = guesses.index(target) if target in guesses else None
-                self.adapt.observe(d, rank)
-                self.row_trials[r][d] += 1
-                if rank is not None and rank < MAX_RANK:
-                    self.row_hits[r][d][rank] += 1
+        """Count the round for the adaptive tree (``shape.Counts.observe``); the guesses
+        read back with the round's acceptance where it was greedy."""
+        guessed = self.guessed if self.guessed is not None \
+            else torch.cat(guesses(self.drafted, self.hydra), 1).tolist()
+        self.counts.observe(self.drafted, guessed, self.to_head, rows, paths, bonus, done)
 
-    # -------------------------------------------------------------- acceptance
-    def accept(self, logits: Tensor, tokens: Tensor, lay: dict) -> tuple[list[list[int]], list[int]]:
+    def accept(self, logits: Tensor, tokens: Tensor, lay: dict) -> tuple[list, list[int]]:
         """Per row: the accepted path (node indices, root excluded) and the token after it."""
-        if not self.s.do_sample and self.strategy.acceptance == "exact":
-            return self._greedy(logits, tokens, lay)
-        return self._walk(logits, tokens, lay)
+        if self.s.do_sample or self.strategy.acceptance != "exact":
+            # sampling (exact or typical) and greedy typical: node by node from the root
+            return walk(logits, tokens, lay["children"], self.s, self.strategy, self.generator)
+        heads = [i >= 0 for i in self.to_head] \
+            if self.to_head is not None and self.chain is not None else None
+        verdict = verify.greedy(logits, tokens, lay, heads, self._counted_guesses())
+        self.tree_depth, self.read, self.guessed = verdict.tree_depth, verdict.read, verdict.extra
+        return verdict.paths, verdict.bonus
 
-    def _greedy(self, logits, tokens, lay):
-        target = greedy(logits)  # [B, m]
-        parent, depth = lay["parent"], lay["depth"]
-        m = tokens.shape[1]
-        right = tokens == target[:, parent.clamp_min(0)]  # [B, m]: the model's choice after its parent
-        right[:, 0] = True  # the root: the model's own
-        # a node is accepted when it and every ancestor are right (one masked reduction,
-        # not a Python pass over the nodes: this runs every round)
-        ok = ~((~right)[:, None, :] & lay["ancestors"][None]).any(-1)  # [B, m]
-        # the accepted nodes form one path, its deepest taken (siblings hold different
-        # tokens, except a copied chain's first token, which may repeat a head's: then
-        # both branches are the model's own text, and the deepest is still exact)
-        best = torch.where(ok, depth[None] * m + torch.arange(m, device=self.device), -1).argmax(1)
-        bonus = target[torch.arange(len(best), device=self.device), best]  # [B]
-        parts = [best[:, None], bonus[:, None]]
-        if self.to_head is not None and self.chain is not None:  # the heads' nodes' own best
-            heads = torch.tensor([i >= 0 for i in self.to_head[:m]], device=self.device)
-            parts.append(torch.where(ok & heads[None], depth[None], 0).amax(1)[:, None])
-        guesses = self._counted_guesses()
-        # one read back a round (on a GPU each one waits for the queued work):
-        # [B, 2 (+ 1) + m (+ guesses)]
-        read = torch.cat([*parts, tokens, *guesses], 1).tolist()
-        c = len(parts)
-        if c == 3:
-            self.tree_depth = [row[2] for row in read]
-        self.read = ([row[c:c + m] for row in read], best, bonus)
-        self.guessed = [row[c + m:] for row in read] if guesses else None
-        return [lay["paths"][row[0]] for row in read], [row[1] for row in read]
-
-    def _walk(self, logits, tokens, lay):
-        """Sampling (exact or typical) and greedy typical: node by node from the root."""
-        return walk(logits, tokens, lay["children"], self.s, self.strategy, self.generator)
-
-    # -------------------------------------------------------------- cache
     def compact(self, length: list[int], paths: list[list[int]]) -> None:
         """Move each row's accepted nodes from ``length + i`` to ``length + depth``."""
-        moves = [(r, length[r] + i, length[r] + d) for r, p in enumerate(paths)
-                 for d, i in enumerate(p, start=1) if i != d]
-        if not moves:
-            return
-        rows, src, dst = torch.tensor(moves, device=self.device).unbind(1)  # one copy: [n, 3]
-        self.cache.move(rows, src, dst)  # gathered first: sources lie past targets
-        self.stats.update(kv_moves=len(moves))
+        verify.compact(self.cache, length, paths, self.stats, self.device)
