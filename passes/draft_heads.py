@@ -297,17 +297,24 @@ def lm_head(ir: IR):
     return node
 
 
+def _add_weights(ir: IR, prefix: str, wb, vocab) -> None:
+    """The heads' weights as ``{prefix}.w{k}``, ``{prefix}.b{k}`` and their deeper blocks;
+    the draft vocabulary as ``medusa.vocab`` for both kinds (the runtime reads that name)."""
+    w, b, deep = wb
+    for k in range(len(w)):
+        ir.add_weight(f"{prefix}.w{k}", w[k].clone())
+        ir.add_weight(f"{prefix}.b{k}", b[k].clone())
+    _add_deep(ir, prefix, deep)
+    if vocab is not None:
+        ir.add_weight("medusa.vocab", vocab.to(w[0].device, torch.int64))
+
+
 def insert(ir: IR, head, wb, vocab, pass_name: str) -> None:
     """Add the heads after ``head`` and return ``(logits, draft)``."""
     w, b, deep = wb
     g = ir.graph
     x = head.args[0]
-    for k in range(w.shape[0]):
-        ir.add_weight(f"medusa.w{k}", w[k].clone())
-        ir.add_weight(f"medusa.b{k}", b[k].clone())
-    _add_deep(ir, "medusa", deep)
-    if vocab is not None:
-        ir.add_weight("medusa.vocab", vocab.to(w[0].device, torch.int64))
+    _add_weights(ir, "medusa", wb, vocab)
     (out,) = g.find_nodes(op="output")
     with g.inserting_before(out):
         rows = []
@@ -361,12 +368,7 @@ def insert_hydra(ir: IR, head, embed, wb, vocab, pass_name: str) -> None:
     x = head.args[0]
     num = len(w)
     ids = next(iter(g.find_nodes(op="placeholder")))
-    for k in range(num):
-        ir.add_weight(f"hydra.w{k}", w[k].clone())
-        ir.add_weight(f"hydra.b{k}", b[k].clone())
-    _add_deep(ir, "hydra", deep)
-    if vocab is not None:
-        ir.add_weight("medusa.vocab", vocab.to(w[0].device, torch.int64))
+    _add_weights(ir, "hydra", wb, vocab)
     (out,) = g.find_nodes(op="output")
     with g.inserting_before(out):
         m = lambda n, k=None: _mark(n, k, pass_name)  # noqa: E731

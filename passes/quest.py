@@ -22,8 +22,10 @@ from __future__ import annotations
 
 from rewriter.errors import PassError
 from rewriter.ir.core import IR
-from rewriter.ops import MAX_INT, OPS, op_arguments
+from rewriter.ops import MAX_INT, OPS
 from rewriter.ir.pass_manager import Pass
+from rewriter.passes.whole_cache import (attention_args, attention_nodes, check_not_speculative,
+                                         check_whole)
 from rewriter.values import context_length, is_int, within_context
 
 
@@ -42,30 +44,19 @@ class Quest(Pass):
         self.recent = int(recent)
 
     def run(self, ir: IR) -> IR:
-        if ir.info.get("decoding") is not None:
-            raise PassError(f"{self!r} cannot follow a speculative strategy: a verify step "
-                            f"spans several tokens, which the runtime attends densely")
+        check_not_speculative(self, ir)
         if any(ir.graph.find_nodes(op="call_function", target=OPS["select_tokens"])):
             raise PassError(f"{self!r} cannot follow TidalDecode: each layer selects once")
-        nodes = sorted(ir.graph.find_nodes(op="call_function", target=OPS["attention"]),
-                       key=lambda n: _args(n)["layer"])
+        nodes = attention_nodes(ir)
         if len(nodes) <= self.dense_layers:
             raise PassError(f"{self!r}: the IR has {len(nodes)} attention layers, all kept "
                             f"dense; nothing would select")
-        for n in nodes[self.dense_layers:]:  # every conflict before the graph changes
-            args = _args(n)
-            if args["window"] is not None or args["sinks"] is not None or args["select"] is not None:
-                raise PassError(f"{self!r}: {n.name} already limits what it sees (window="
-                                f"{args['window']}, sinks={args['sinks']}, select="
-                                f"{args['select']}); Quest selects from a whole cache")
-            if args["cos"] is not None:
-                raise PassError(f"{self!r} must run before FuseRoPE: the selection reads the "
-                                f"rotated q and k")
+        check_whole(self, nodes[self.dense_layers:], "Quest")  # before the graph changes
         # a selection is budget + recent tokens wide (rewriter.ops.select_pages)
         within_context(self.name, context_length(ir.info.get("config", {})), budget=self.budget,
                        recent=self.recent)
         for n in nodes[self.dense_layers:]:
-            args = _args(n)
+            args = attention_args(n)
             with ir.graph.inserting_before(n):
                 selection = ir.graph.call_function(OPS["select_pages"], (args["q"], args["k"]), {
                     "layer": args["layer"], "num_heads": args["num_heads"],
@@ -76,7 +67,3 @@ class Quest(Pass):
             n.kwargs = {**n.kwargs, "select": selection}
             n.meta.pop("val", None)
         return ir
-
-
-def _args(n) -> dict:
-    return op_arguments("attention", tuple(n.args), dict(n.kwargs))

@@ -35,8 +35,10 @@ from typing import Optional, Sequence
 
 from rewriter.errors import PassError
 from rewriter.ir.core import IR
-from rewriter.ops import MAX_INT, OPS, op_arguments
+from rewriter.ops import MAX_INT, OPS
 from rewriter.ir.pass_manager import Pass
+from rewriter.passes.whole_cache import (attention_args, attention_nodes, check_not_speculative,
+                                         check_whole)
 from rewriter.values import context_length, is_int, within_context
 
 CALIBRATION_QUERIES = 32  # the last positions of each calibration prompt, taken as decode steps
@@ -94,22 +96,11 @@ class TidalDecode(Pass):
         return f"TidalDecode({', '.join(f'{k}={v}' if k == 'calibrate' else f'{k}={v!r}' for k, v in shown.items())})"
 
     def run(self, ir: IR) -> IR:
-        if ir.info.get("decoding") is not None:
-            raise PassError(f"{self!r} cannot follow a speculative strategy: a verify step "
-                            f"spans several tokens, which the runtime attends densely")
-        nodes = sorted(ir.graph.find_nodes(op="call_function", target=OPS["attention"]),
-                       key=lambda n: _args(n)["layer"])
-        layers = [_args(n)["layer"] for n in nodes]
-        for n in nodes:  # before any calibration: it would measure for minutes, then refuse
-            args = _args(n)
-            if args["window"] is not None or args["sinks"] is not None or args["select"] is not None:
-                raise PassError(f"{self!r}: {n.name} already limits what it sees (window="
-                                f"{args['window']}, sinks={args['sinks']}, select="
-                                f"{'a selection' if args['select'] is not None else None}); "
-                                f"TidalDecode selects from a whole cache")
-            if args["cos"] is not None:
-                raise PassError(f"{self!r} must run before FuseRoPE: the selection reads the "
-                                f"rotated q and k")
+        check_not_speculative(self, ir)
+        nodes = attention_nodes(ir)
+        layers = [attention_args(n)["layer"] for n in nodes]
+        # before any calibration: it would measure for minutes, then refuse
+        check_whole(self, nodes, "TidalDecode")
         # a selection is top_k + recent tokens wide (rewriter.ops.select_tokens)
         within_context(self.name, context_length(ir.info.get("config", {})), top_k=self.top_k,
                        recent=self.recent)
@@ -123,7 +114,7 @@ class TidalDecode(Pass):
                             f"so its selection would be made and never read")
         selection = None
         for n in nodes:
-            args = _args(n)
+            args = attention_args(n)
             selects = args["layer"] in self.selection_layers
             if selects:  # before its attention when that reads it too, after it otherwise
                 where = ir.graph.inserting_before(n) if self.select_own else ir.graph.inserting_after(n)
@@ -181,7 +172,3 @@ class TidalDecode(Pass):
                        "selection_layers": [layers[i] for i in choice.selection_layers],
                        "read": choice.bytes_read, "mean_kept": choice.kept}
         return self.report["selection_layers"]
-
-
-def _args(n) -> dict:
-    return op_arguments("attention", tuple(n.args), dict(n.kwargs))

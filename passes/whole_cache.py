@@ -1,0 +1,43 @@
+"""What the passes that select from a whole cache (Quest's pages, TidalDecode's tokens)
+check of the IR before they change it."""
+from __future__ import annotations
+
+from torch import fx
+
+from rewriter.errors import PassError
+from rewriter.ir.core import IR
+from rewriter.ops import OPS, op_arguments
+
+
+def attention_args(n: fx.Node) -> dict:
+    """An ``rw.attention`` node's arguments by name."""
+    return op_arguments("attention", tuple(n.args), dict(n.kwargs))
+
+
+def attention_nodes(ir: IR) -> list[fx.Node]:
+    """The IR's attention nodes in layer order."""
+    return sorted(ir.graph.find_nodes(op="call_function", target=OPS["attention"]),
+                  key=lambda n: attention_args(n)["layer"])
+
+
+def check_not_speculative(p, ir: IR) -> None:
+    """``PassError`` naming pass ``p`` after a speculative strategy."""
+    if ir.info.get("decoding") is not None:
+        raise PassError(f"{p!r} cannot follow a speculative strategy: a verify step "
+                        f"spans several tokens, which the runtime attends densely")
+
+
+def check_whole(p, nodes: list[fx.Node], selector: str) -> None:
+    """``PassError`` naming pass ``p`` where a selection cannot go: an attention that
+    already limits what it sees, or one after FuseRoPE (the selection reads the rotated
+    q and k)."""
+    for n in nodes:
+        args = attention_args(n)
+        if args["window"] is not None or args["sinks"] is not None or args["select"] is not None:
+            raise PassError(f"{p!r}: {n.name} already limits what it sees (window="
+                            f"{args['window']}, sinks={args['sinks']}, select="
+                            f"{'a selection' if args['select'] is not None else None}); "
+                            f"{selector} selects from a whole cache")
+        if args["cos"] is not None:
+            raise PassError(f"{p!r} must run before FuseRoPE: the selection reads the "
+                            f"rotated q and k")
