@@ -89,6 +89,10 @@ def test_optimize_times_on_the_models_backend_and_device_and_artifacts_keep_it(t
     assert where["machine"] and where["device"] == "cpu"
     opt.save(tmp_path / "a")
     assert rewriter.load(tmp_path / "a").ir.info["measured_on"] == where
+    # Triton on a CPU runs in its interpreter, whose costs match no engine: torch is timed
+    made.clear()
+    rewriter.optimize(model, passes=[PromptLookup(tokens=3)], backend="triton")
+    assert made == [("torch", torch.device("cpu"))]
 
 
 @pytest.mark.parametrize("bad", [{**WHERE}, {**WHERE, "passes": "PromptLookup"},

@@ -94,7 +94,7 @@ def optimize(model: nn.Module | TracedModel, passes: Sequence[Pass] = (), backen
         bar.update()
     try:
         history = run_pipeline(ir, passes, check=check, on_step=on_step,
-                               measurer=RuntimeMeasurer(backend, _device(model)))
+                               measurer=_measurer(backend, _device(model)))
     finally:
         bar.close()
     opt = OptimizedModel(ir, passes, history, backend, snapshots, tokenizer)
@@ -130,6 +130,13 @@ def _tokenizer(model, example_inputs, tokenizer):
         tokenizer = model.tokenizer if tokenizer is None else tokenizer
     split_tokenizer(tokenizer)
     return tokenizer
+
+
+def _measurer(backend: str, device) -> RuntimeMeasurer:
+    """The runtime's measurer for the engine's backend and device; Triton on a CPU runs in
+    its interpreter, whose costs match no real engine, so there the torch kernels are timed."""
+    on_gpu = torch.device(device).type == "cuda"
+    return RuntimeMeasurer(backend if on_gpu else "torch", device)
 
 
 def _device(model: nn.Module | TracedModel) -> torch.device:
