@@ -39,7 +39,7 @@ class RuntimeMeasurer:
             raise ValueError(f"unknown backend {backend!r}; available: {', '.join(BACKENDS)}")
         if static is not None and not isinstance(static, bool):
             raise ValueError(f"static must be None, True or False, got {static!r}")
-        self.backend, self.device, self.static = backend, torch.device(device), static
+        self.backend, self.device, self.static = backend, _device(device), static
 
     def __repr__(self) -> str:
         return f"RuntimeMeasurer({self.backend!r}, {str(self.device)!r})"
@@ -49,10 +49,12 @@ class RuntimeMeasurer:
         return {"backend": self.backend, "device": str(self.device), "machine": name}
 
     def verify_cost(self, ir: IR, most: int, runs: int = 15, batch: int = 1) -> list[float]:
+        _counts(most=most, runs=runs, batch=batch)
         return verify_cost(self._on_device(ir), most, runs, batch, self.static, self.backend)
 
     def heads_cost(self, ir: IR, num_heads: int, hydra: bool, runs: int = 15,
                    batch: int = 1) -> float:
+        _counts(num_heads=num_heads, runs=runs, batch=batch)
         return heads_cost(self._on_device(ir), num_heads, hydra, runs, batch, self.static,
                           self.backend)
 
@@ -69,6 +71,24 @@ class RuntimeMeasurer:
             raise ValueError(f"{self!r} times programs on {self.device}, the IR's weights are "
                              f"on {device}")
         return ir
+
+
+def _device(device) -> torch.device:
+    """``device`` as a torch device this machine has, else a ``ValueError`` naming it."""
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"RuntimeMeasurer: {device!r} is not a device (cpu, cuda, cuda:N)") from None
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"RuntimeMeasurer: {device!r}: this machine has no CUDA device")
+    return d
+
+
+def _counts(**counts) -> None:
+    """Each count an int >= 1, else a ``ValueError`` naming it."""
+    for name, v in counts.items():
+        if type(v) is not int or v < 1:
+            raise ValueError(f"RuntimeMeasurer: {name} must be an int >= 1, got {v!r}")
 
 
 def verify_cost(ir: IR, most: int, runs: int = 15, batch: int = 1,

@@ -107,8 +107,18 @@ def test_the_runtime_measurer_refuses_what_it_cannot_time(lifted):
         RuntimeMeasurer("tpu")
     with pytest.raises(ValueError, match="static must be"):
         RuntimeMeasurer("torch", "cpu", static="yes")
-    with pytest.raises(ValueError, match="times programs on cuda, the IR's weights are on cpu"):
-        RuntimeMeasurer("torch", "cuda").verify_cost(lifted, 2, runs=1)
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="times programs on cuda, the IR's weights are on cpu"):
+            RuntimeMeasurer("torch", "cuda").verify_cost(lifted, 2, runs=1)
+    else:
+        with pytest.raises(ValueError, match="this machine has no CUDA device"):
+            RuntimeMeasurer("torch", "cuda")
+    for device in ("gpu", None, 3.5):
+        with pytest.raises(ValueError, match="is not a device"):
+            RuntimeMeasurer("torch", device)
+    for bad in ({"most": 0}, {"runs": 0}, {"batch": 1.5}):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))} must be an int >= 1"):
+            RuntimeMeasurer("torch", "cpu").verify_cost(lifted, **{"most": 2, **bad})
     cost = RuntimeMeasurer("torch", "cpu").verify_cost(lifted, 2, runs=1)
     assert len(cost) == 3 and cost[1] == 1.0
 
