@@ -54,6 +54,7 @@ import torch
 from rewriter.files import safe_files
 from rewriter.errors import ArtifactError
 from rewriter.version import __version__
+from rewriter.runtime.artifact_info import measured_on_ok
 from rewriter.runtime.artifact_dir import (
     FORMAT, IR_FILE, KERNEL_NAME, KERNELS_DIR, MANIFEST, POINTER, TEXT_FILE, TOKENIZER_FILE,
     TOP_FILES, VERSION_DIR, WEIGHTS_FILE,
@@ -208,6 +209,7 @@ def _manifest(engine, files: dict, has_tokenizer: bool) -> dict:
                   if weights else None},
         "backend": engine.backend,
         "passes": engine.pass_specs,
+        "measured_on": engine.ir.info.get("measured_on"),  # whose timings chose the decoding
         "tokenizer": TOKENIZER_FILE if has_tokenizer else None,
         "files": files,
     }
@@ -402,6 +404,10 @@ def _check_fields(path: Path, m: dict) -> None:
             raise ArtifactError(f"{path}: has no {key!r}")
         if not ok(m[key]):
             raise ArtifactError(f"{path}: {key!r} must be {what}, got {_short(m[key])}")
+    # optional: artifacts saved before it was recorded have none
+    if m.get("measured_on") is not None and not measured_on_ok(m["measured_on"]):
+        raise ArtifactError(f"{path}: 'measured_on' must be null or an object {{backend, device, "
+                            f"machine, passes}} of strings, got {_short(m['measured_on'])}")
 
 
 def _check_file(d: Path, name: str, entry: dict, hash: bool = True) -> None:
@@ -551,11 +557,6 @@ def _json_default(x):
 def _short(value) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _file_entry(path: Path) -> dict:
-    data = _read_bytes(path)
-    return {"bytes": len(data), "sha256": _sha256_bytes(data)}
 
 
 def _sha256_bytes(data: bytes) -> str:

@@ -2,8 +2,9 @@
 ``ArtifactError`` naming both sides, instead of an IndexError (or wrong tokens) later.
 
 - ``manifest.json``'s model section against the IR: family, config, layer count,
-  parameter count, the dtype of the weights; its pass list against the one ``ir.json``
-  records and against what the passes left in ``info`` (fusion counts, skipped layers);
+  parameter count, the dtype of the weights; its pass list and ``measured_on`` against
+  those ``ir.json`` records and against what the passes left in ``info`` (fusion counts,
+  skipped layers);
 - the weights' dtypes: one floating dtype for the model (RoPE frequencies may differ);
 - the config against the graph: vocabulary size against the token embedding's rows and
   the logits' width, the context length against a learned position table, head counts,
@@ -101,6 +102,10 @@ def _check_passes(ir: IR, manifest: dict, where) -> None:
     if fused - names:
         raise ArtifactError(f"{where.manifest}: passes {sorted(names)} lack {sorted(fused - names)}, "
                             f"which {where.ir} records as run (info fusions)")
+    if "measured_on" in manifest and manifest["measured_on"] != ir.info.get("measured_on"):
+        # absent: saved before manifests named it
+        raise ArtifactError(f"{where.manifest}: measured_on {manifest['measured_on']!r:.120} is "
+                            f"not what {where.ir} records ({ir.info.get('measured_on')!r:.120})")
     if ("skipped_layers" in ir.info) != ("LayerSkip" in names):
         raise ArtifactError(f"{where.manifest}: passes {sorted(names)} and the skipped layers "
                             f"{where.ir} records ({ir.info.get('skipped_layers')}) disagree")

@@ -13,8 +13,7 @@ from __future__ import annotations
 import math
 
 from rewriter.decoding import check_record
-from rewriter.ops import MAX_INT
-from rewriter.values import depth
+from rewriter.values import MAX_INT, depth
 
 REQUIRED = ("family", "causal_lm", "config", "inputs", "lift_report", "layers", "passes")
 OPTIONAL = ("fusions", "skipped_layers", "unlifted_attention", "unlifted_embeddings", "int4",
@@ -97,7 +96,8 @@ def _shallow(value) -> bool:
     return depth(value, MAX_CONFIG_DEPTH) <= MAX_CONFIG_DEPTH
 
 
-def _measured_on(v) -> bool:
+def measured_on_ok(v) -> bool:
+    """``v`` is a ``measured_on`` record: ``{backend, device, machine, passes}``."""
     return (isinstance(v, dict) and set(v) == {"backend", "device", "machine", "passes"}
             and all(isinstance(v[k], str) for k in ("backend", "device", "machine"))
             and _list_of(lambda s: isinstance(s, str))(v["passes"]))
@@ -131,7 +131,7 @@ _CHECKS = {
     "unlifted_embeddings": _why(_list_of(lambda s: isinstance(s, str)), "a list of module paths"),
     "decoding": lambda v: check_record(v),
     "medusa": _why(lambda v: isinstance(v, dict) and _config(v), "an object (how the heads were made)"),
-    "measured_on": _why(_measured_on, "an object {backend, device, machine, passes} of strings "
+    "measured_on": _why(measured_on_ok, "an object {backend, device, machine, passes} of strings "
                         "(passes: a list)"),
     "int4": _why(_int4_record, "an object {linears, group_size, max_abs_error, max_abs_weight}"),
 }
@@ -140,3 +140,23 @@ _CHECKS = {
 def _short(value, limit: int = 120) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def measured_elsewhere(info: dict, backend: str, device) -> str | None:
+    """Why the timings in ``info["measured_on"]`` may not hold for an engine on ``backend``
+    and ``device`` (another backend, kind of device or machine), or None when they were
+    taken where it runs (or nothing was timed)."""
+    import torch
+    from rewriter.measure.machine import machine
+    where = info.get("measured_on")
+    if not where:
+        return None
+    device = torch.device(device)
+    here = torch.cuda.get_device_name(device) if device.type == "cuda" else machine()
+    there = where["device"].split(":")[0]  # a string as stored: not parsed by torch
+    if (where["backend"], there, where["machine"]) == (backend, device.type, here):
+        return None
+    return (f"{', '.join(where['passes'])} chose its decoding by timings of the "
+            f"{where['backend']} backend on {where['machine']} ({where['device']}); this engine "
+            f"runs {backend} on {here} ({device}), where another choice may be faster: "
+            f"optimize the model here to measure again")

@@ -24,6 +24,22 @@ from .ring_cache import ring_attention
 from .token_selection import selected_attention
 
 
+def _check_bounds(start, length: int, end: Optional[int]) -> None:
+    """A step's ``start`` is an int or an integer device tensor (``[]`` or ``[B]``), its
+    keys' ``end`` covers an int start's tokens: anything else would index the cache
+    wrongly (a float start) or read keys short of the step's own (a short end)."""
+    if isinstance(start, Tensor):
+        if start.dtype.is_floating_point or start.dtype == torch.bool or start.dim() > 1:
+            raise ValueError(f"a step's device start is an integer [] or [B] tensor, got "
+                             f"{start.dtype} of shape {list(start.shape)}")
+        if end is None:
+            raise ValueError("a step whose start is a device tensor needs its end")
+    elif isinstance(start, bool) or not isinstance(start, int):
+        raise ValueError(f"a step's start is an int or a device tensor, got {type(start).__name__}")
+    elif end is not None and end < start + length:
+        raise ValueError(f"a step's end ({end}) is short of its tokens ({start} + {length})")
+
+
 class Step:
     """One forward call of the runtime: where each row writes in the cache, and its masks.
 
@@ -52,8 +68,7 @@ class Step:
         self.tree, self.depth = tree, depth
         self.on_device = isinstance(start, Tensor)  # nothing about the start is read on the host
         self.per_row = self.on_device and start.dim() == 1
-        if self.on_device and end is None:
-            raise ValueError("a step whose start is a device tensor needs its end")
+        _check_bounds(start, length, end)
         self.end = end if end is not None else start + length
         self._values: dict = {}
 
@@ -90,18 +105,18 @@ class Step:
         node's own position, start + depth), and the node's ancestors in the tree."""
         device = self.cache.device
         s = self.length
-        start = self.start[:, None, None, None] if self.per_row else self.start  # [B, 1, 1, 1]
+        start = self.start.reshape(-1, 1, 1, 1) if self.on_device else self.start  # [B or 1, 1, 1, 1]
         kj = torch.arange(self.end, device=device)  # [end]
-        mask = (kj < start).expand(-1 if self.per_row else 1, 1, s, self.end).clone()
+        mask = (kj < start).expand(-1 if self.on_device else 1, 1, s, self.end).clone()
         if window is not None:
             position = start + self.depth[None, None, :, None]  # [B or 1, 1, S, 1]
             mask &= position - kj < window
         tree = self.tree.to(device)
         if window is not None:  # ancestors further than the window (a tiny window) too
             tree = tree & (self.depth[:, None] - self.depth[None, :] < window)
-        if self.per_row:
-            cols = self.start[:, None] + torch.arange(s, device=device)  # [B, S]
-            rows = torch.arange(len(cols), device=device)[:, None]  # [B, 1]
+        if self.on_device:  # indexed on the device: slicing by a tensor would read it
+            cols = self.start.reshape(-1, 1) + torch.arange(s, device=device)  # [B or 1, S]
+            rows = torch.arange(len(cols), device=device)[:, None]  # [B or 1, 1]
             mask[rows, 0, :, cols] = tree.t()  # [B, S keys, S queries]
         else:
             mask[..., self.start:self.start + s] = tree

@@ -13,6 +13,7 @@ back from an artifact.
 from __future__ import annotations
 
 import os
+import warnings
 from collections import Counter
 from typing import Iterator, Optional, Sequence, Union
 
@@ -22,6 +23,7 @@ from torch import Tensor
 from rewriter.ir.core import IR
 
 from . import artifact
+from .artifact_info import measured_elsewhere
 from .chat import Messages, TextConfig, chat_prompt, split_tokenizer
 from rewriter.errors import ArtifactError, RewriterError, UncacheableError
 from rewriter.ops import OPS
@@ -31,6 +33,7 @@ from .decoding import Generation, strategy_for
 from .decoding.plain import plain_tokens
 from .generate import Batch, prepare, score_loop
 from .kv_cache import KVCache, bounded, cache_table, read_bytes
+from .lower import program_code
 from .programs import build_programs
 from .replay import Replays
 from .settings import PREFILL_CHUNK, GenerationSettings, is_int, token_ids
@@ -326,7 +329,7 @@ class Engine:
     def programs(self) -> dict[str, str]:
         """Name -> the Python code of each step program the runtime runs (``prefill``,
         ``decode``, and the decoding strategy's own, e.g. ``draft``)."""
-        return {name: program.code for name, program in self._lowered().items()}
+        return {name: program_code(program) for name, program in self._lowered().items()}
 
     def _cache_for(self, batch: int, need: int) -> KVCache:
         """A cache of at least ``need`` tokens, reused across calls while it fits.
@@ -385,6 +388,9 @@ def load(directory, trust_code: bool = False, backend: Optional[str] = None) -> 
         engine.lower()
     except RewriterError as e:
         raise _lowering_error(stored, trust_code, e) from e
+    elsewhere = measured_elsewhere(engine.ir.info, engine.backend, engine._device())
+    if elsewhere:  # still exact, perhaps slower: said, not refused
+        warnings.warn(f"{stored.directory}: {elsewhere}", RuntimeWarning, stacklevel=2)
     return engine
 
 

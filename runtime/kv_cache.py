@@ -204,6 +204,7 @@ class KVCache:
         self.k = {key: at[key][0] for key, _ in parts}
         self.v = {key: at[key][1] for key, _ in parts}
         self.busy = False  # a generation in progress (e.g. a paused stream) holds it
+        self._lease: object | None = None  # whose hold() ``busy`` is
         # Quest's per-page key bounds (max, min) ``[B, Hkv, pages, D]`` by cache id, made by
         # the first write of a layer with a page selection (runtime.page_selection)
         self.bounds: dict = {}
@@ -217,11 +218,18 @@ class KVCache:
 
     def hold(self) -> Callable[[], None]:
         """Lease the cache to one generation or scoring (``fits`` is False meanwhile); the
-        function returned hands it back. The only place ``busy`` changes."""
+        function returned hands it back (once: a stale release frees no later lease). The
+        only place ``busy`` changes. Two generations writing one cache would corrupt both,
+        so a second lease is refused."""
+        if self.busy:
+            raise RewriterError("this KV cache is held by a generation in progress "
+                                "(a paused stream?): finish or close it first")
+        lease = self._lease = object()
         self.busy = True
 
         def release() -> None:
-            self.busy = False
+            if self._lease is lease:
+                self.busy, self._lease = False, None
         return release
 
     def fits(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> bool:

@@ -32,11 +32,6 @@ from .page_selection import select_pages
 from .token_selection import select_tokens
 
 SHORT = {op: name for name, op in OPS.items()}  # rw op -> its name in the op table
-# A lowered attention call names its cache's CacheSpec in the program's code (which
-# Engine.programs() shows and dump() writes); fx runs that code with globals of its own,
-# so the class is registered among them.
-fx.graph._register_custom_builtin("CacheSpec", "from rewriter.runtime.kv_cache import CacheSpec",
-                                  CacheSpec)
 
 
 def lower(ir: IR, last_only: bool, backend: str = "torch",
@@ -67,62 +62,10 @@ def lower(ir: IR, last_only: bool, backend: str = "torch",
     for node in order:
         if isinstance(node, list):
             generated.append(_generated_call(graph, node, env, len(generated), kernel_sources or {}))
-            continue
-        if node.op == "output":
-            out = logits_node(ir)
-            result = env[out]
-            every = result.args[0] if result.op == "call_function" and result.args else None
-            if last_only:
-                result = _last_position_logits(graph, out, env)
-            if hidden:
-                if SHORT.get(out.target) != "linear":
-                    raise RewriterError("draft heads need the logits to come from a linear LM head")
-                # h at every position with "all" (an EAGLE draft catches up over the prompt)
-                result = (result, every if hidden == "all" else result.args[0])
-            graph.output(result)
-            continue
-        new = graph.node_copy(node, lambda n: env[n])
-        name = SHORT.get(node.target) if node.op == "call_function" else None
-        if name == "attention":
-            params = attention_params(node)
-            bound = op_arguments("attention", tuple(node.args), dict(node.kwargs))  # by name,
-            # whether an artifact passed them by position or by keyword
-            if not params["causal"]:
-                raise RewriterError(f"{node.name}: the runtime needs causal attention")
-            new.target = attention
-            q, k, v = (env[a] for a in node.args[:3])
-            # the attributes as one object, the layer's cache (runtime.kv_cache)
-            new.args = (step, q, k, v, cache_spec(node))
-            new.kwargs = {}
-            if params["sinks"] is not None and bound["rotary"] is not None:
-                new.kwargs = {"rotary": env[bound["rotary"]]}  # StreamingLLM's sink positions
-            if bound["select"] is not None:  # TidalDecode, Quest: the selected tokens
-                new.kwargs = {**new.kwargs, "select": env[bound["select"]]}
-            if bound["cos"] is not None:  # FuseRoPE: rotate inside attention
-                cos, sin = bound["cos"], bound["sin"]
-                if backend == "torch":  # the Triton kernels read float32 tables
-                    cos, sin = cast(cos, node.args[0]), cast(sin, node.args[0])
-                else:
-                    cos, sin = env[cos], env[sin]
-                new.kwargs = {**new.kwargs, "cos": cos, "sin": sin}
-        elif name == "select_tokens":  # reads its layer's cache: the step is an input
-            p = op_arguments("select_tokens", tuple(node.args), dict(node.kwargs))
-            new.target = select_tokens
-            new.args = (step, env[node.args[0]], env[node.args[1]], p["layer"])
-            new.kwargs = {k: p[k] for k in ("num_heads", "num_kv_heads", "head_dim", "top_k",
-                                            "recent")}
-        elif name == "select_pages":  # reads its layer's page bounds: the step is an input
-            p = op_arguments("select_pages", tuple(node.args), dict(node.kwargs))
-            new.target = select_pages
-            new.args = (step, env[node.args[0]], env[node.args[1]], p["layer"])
-            new.kwargs = {k: p[k] for k in ("num_heads", "num_kv_heads", "head_dim", "page",
-                                            "budget", "recent")}
-        elif name is not None:
-            new.target = table[name]
-            if name == "rope" and backend == "torch":
-                new.args = (new.args[0], cast(node.args[1], node.args[0]),
-                            cast(node.args[2], node.args[0]), *new.args[3:])
-        env[node] = new
+        elif node.op == "output":
+            graph.output(_output(ir, graph, env, last_only, hidden))
+        else:
+            env[node] = _lower_node(graph, node, env, step, backend, table, attention, cast)
     graph.eliminate_dead_code()
     if any(n.target is table["next_tokens"] for n in graph.nodes):
         # later positions' tokens: right on a whole sequence, wrong in a cached step
@@ -131,6 +74,79 @@ def lower(ir: IR, last_only: bool, backend: str = "torch",
     program = program_on_weights(ir, graph, table, backend, transposed)
     program.generated_kernels = generated  # for dumps and artifacts
     return program
+
+
+def _output(ir: IR, graph: fx.Graph, env: dict, last_only: bool, hidden: bool | str):
+    """The program's result: the logits (the last position's with ``last_only``), with the
+    LM head's input beside them when ``hidden`` asks for it."""
+    out = logits_node(ir)
+    result = env[out]
+    every = result.args[0] if result.op == "call_function" and result.args else None
+    if last_only:
+        result = _last_position_logits(graph, out, env)
+    if not hidden:
+        return result
+    if SHORT.get(out.target) != "linear":
+        raise RewriterError("draft heads need the logits to come from a linear LM head")
+    # h at every position with "all" (an EAGLE draft catches up over the prompt)
+    return result, every if hidden == "all" else result.args[0]
+
+
+def _lower_node(graph: fx.Graph, node: fx.Node, env: dict, step: fx.Node, backend: str,
+                table: dict, attention, cast) -> fx.Node:
+    """``node``'s copy in the program: an ``rw`` op calls its kernel, attention and the
+    token selections read the cache through ``step``."""
+    new = graph.node_copy(node, lambda n: env[n])
+    name = SHORT.get(node.target) if node.op == "call_function" else None
+    if name == "attention":
+        _lower_attention(new, node, env, step, backend, attention, cast)
+    elif name in SELECTIONS:  # reads its layer's cache: the step is an input
+        kernel, keywords = SELECTIONS[name]
+        p = op_arguments(name, tuple(node.args), dict(node.kwargs))
+        new.target = kernel
+        new.args = (step, env[node.args[0]], env[node.args[1]], p["layer"])
+        new.kwargs = {k: p[k] for k in keywords}
+    elif name is not None:
+        new.target = table[name]
+        if name == "rope" and backend == "torch":
+            new.args = (new.args[0], cast(node.args[1], node.args[0]),
+                        cast(node.args[2], node.args[0]), *new.args[3:])
+    return new
+
+
+# op -> (its kernel, the attributes it takes by keyword): TidalDecode's, Quest's selections
+SELECTIONS = {
+    "select_tokens": (select_tokens, ("num_heads", "num_kv_heads", "head_dim", "top_k", "recent")),
+    "select_pages": (select_pages, ("num_heads", "num_kv_heads", "head_dim", "page", "budget",
+                                    "recent")),
+}
+
+
+def _lower_attention(new: fx.Node, node: fx.Node, env: dict, step: fx.Node, backend: str,
+                     attention, cast) -> None:
+    """``rw.attention`` -> ``attention(step, q, k, v, spec, ...)`` on its layer's cache:
+    ``spec`` its attributes as one ``CacheSpec`` (a constant of the program, see
+    ``_spec_constants``), the sink positions, selection and rope tables by keyword."""
+    params = attention_params(node)
+    # by name, whether an artifact passed them by position or by keyword
+    bound = op_arguments("attention", tuple(node.args), dict(node.kwargs))
+    if not params["causal"]:
+        raise RewriterError(f"{node.name}: the runtime needs causal attention")
+    new.target = attention
+    q, k, v = (env[a] for a in node.args[:3])
+    new.args = (step, q, k, v, cache_spec(node))
+    kwargs = {}
+    if params["sinks"] is not None and bound["rotary"] is not None:
+        kwargs["rotary"] = env[bound["rotary"]]  # StreamingLLM's sink positions
+    if bound["select"] is not None:  # TidalDecode, Quest: the selected tokens
+        kwargs["select"] = env[bound["select"]]
+    if bound["cos"] is not None:  # FuseRoPE: rotate inside attention
+        cos, sin = bound["cos"], bound["sin"]
+        if backend == "torch":  # the Triton kernels read float32 tables
+            kwargs["cos"], kwargs["sin"] = cast(cos, node.args[0]), cast(sin, node.args[0])
+        else:
+            kwargs["cos"], kwargs["sin"] = env[cos], env[sin]
+    new.kwargs = kwargs
 
 
 def kernel_table(backend: str) -> tuple[dict, object]:
@@ -154,7 +170,35 @@ def program_on_weights(ir: IR, graph: fx.Graph, table: dict, backend: str,
         _transpose_linear_weights(ir, graph, transposed)
         _pack_linear_weights(ir, graph, transposed)
     graph.eliminate_dead_code()
-    return fx.GraphModule(_flatten_weights(ir, graph, extra), graph)
+    attributes = _flatten_weights(ir, graph, extra)
+    attributes.update(_spec_constants(graph))
+    return fx.GraphModule(attributes, graph)
+
+
+def _spec_constants(graph: fx.Graph) -> dict[str, CacheSpec]:
+    """Each ``CacheSpec`` argument becomes an attribute of the program (``self.cache3``),
+    read once per step: written into the code, it was built anew by every attention call
+    of every step. Returns the name -> spec map."""
+    names: dict[CacheSpec, str] = {}
+    for node in list(graph.nodes):
+        if node.op != "call_function" or not any(isinstance(a, CacheSpec) for a in node.args):
+            continue
+        args = list(node.args)
+        for i, spec in enumerate(args):
+            if isinstance(spec, CacheSpec):
+                name = names.setdefault(spec, f"cache{spec.id}" if f"cache{spec.id}" not in
+                                        names.values() else f"cache{spec.id}_{len(names)}")
+                with graph.inserting_before(node):
+                    args[i] = graph.get_attr(name)
+        node.args = tuple(args)
+    return {name: spec for spec, name in names.items()}
+
+
+def program_code(program: fx.GraphModule) -> str:
+    """``program``'s Python code, headed by the value of each cache spec it reads."""
+    specs = [f"# self.{name} = {value!r}" for name, value in vars(program).items()
+             if isinstance(value, CacheSpec)]
+    return "\n".join(specs) + program.code if specs else program.code
 
 
 def logits_node(ir: IR) -> fx.Node:

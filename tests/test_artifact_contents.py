@@ -294,6 +294,20 @@ def test_the_manifest_pass_list_must_be_the_one_ir_json_records(art, passes):
     refused(art, "manifest.json", r"passes .* are not the passes .*ir\.json records")
 
 
+@pytest.mark.parametrize("where, message", [
+    ({"backend": "torch", "device": "cpu", "machine": "x", "passes": ["PromptLookup"]},
+     r"measured_on .* is not what .*ir\.json records \(None\)"),
+    ({"backend": "torch", "device": 0}, r"'measured_on' must be null or an object"),
+    ("cpu", r"'measured_on' must be null or an object")])
+def test_the_manifests_measured_on_is_the_one_ir_json_records(art, where, message):
+    """``rewriter info`` shows the manifest's ``measured_on``: it may not claim timings the
+    IR does not record, nor be malformed (an artifact saved before it was written has none)."""
+    edit(art, "manifest.json", lambda m: m.__setitem__("measured_on", where))
+    refused(art, "manifest.json", message)
+    edit(art, "manifest.json", lambda m: m.__delitem__("measured_on"))
+    rewriter.load(art)
+
+
 @pytest.mark.parametrize("info_change", [
     lambda i: i.__setitem__("fusions", {"FuseQKV": 2}),
     lambda i: i.__setitem__("skipped_layers", [1]),

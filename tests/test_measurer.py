@@ -2,11 +2,13 @@
 (``rewriter.ir.pass_manager``) that the pipeline hands them, import nothing from the
 runtime, refuse to guess without one, and record where the timings were taken."""
 import copy
+import warnings
 
 import pytest
 import torch
 
 import rewriter
+from rewriter.cli import main
 from rewriter.errors import PassError
 from rewriter.ir.pass_manager import run_pipeline
 from rewriter.passes import MedusaHeads, PromptLookup, SelfSpeculative
@@ -73,7 +75,8 @@ def test_the_pipeline_hands_its_measurer_over_and_the_ir_says_where_it_timed(lif
     check_info({**ir.info, "passes": []})  # a key the artifact's loader knows
 
 
-def test_optimize_times_on_the_models_backend_and_device_and_artifacts_keep_it(tmp_path, monkeypatch):
+def test_optimize_times_on_the_models_backend_and_device_and_artifacts_keep_it(tmp_path, monkeypatch,
+                                                                               capsys):
     made = []
     real = RuntimeMeasurer.__init__
     monkeypatch.setattr(RuntimeMeasurer, "__init__", lambda self, *a, **k: (
@@ -88,7 +91,15 @@ def test_optimize_times_on_the_models_backend_and_device_and_artifacts_keep_it(t
     assert where == {**RuntimeMeasurer("torch", "cpu").where(), "passes": ["PromptLookup"]}
     assert where["machine"] and where["device"] == "cpu"
     opt.save(tmp_path / "a")
-    assert rewriter.load(tmp_path / "a").ir.info["measured_on"] == where
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # loaded where it was measured: quiet
+        assert rewriter.load(tmp_path / "a").ir.info["measured_on"] == where
+    assert main(["info", str(tmp_path / "a")]) == 0
+    assert f"torch backend, cpu ({where['machine']}) by PromptLookup" in capsys.readouterr().out
+    monkeypatch.setattr("rewriter.measure.machine.machine", lambda: "another machine")
+    with pytest.warns(RuntimeWarning, match="PromptLookup chose its decoding by timings of the "
+                      "torch backend on .* this engine runs torch on another machine"):
+        rewriter.load(tmp_path / "a")
     # Triton on a CPU runs in its interpreter, whose costs match no engine: torch is timed
     made.clear()
     rewriter.optimize(model, passes=[PromptLookup(tokens=3)], backend="triton")

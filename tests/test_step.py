@@ -52,8 +52,44 @@ def test_the_mask_hides_padding_but_a_padding_query_sees_itself():
 
 
 def test_lowered_attention_names_its_attributes_in_one_object():
-    """The dumped program shows each attention's ``CacheSpec``, and the code runs as shown."""
+    """The dumped program shows each attention's ``CacheSpec``, an attribute of the program
+    read once per step (not built by every call), and the code runs as shown."""
     model = rewriter.from_pretrained("default")
     code = model.programs()["decode"]
-    assert "cached_attention(step, " in code and "CacheSpec(id=0, num_heads=" in code
+    assert "# self.cache0 = CacheSpec(id=0, num_heads=" in code
+    assert "cache0 = self.cache0" in code and "cached_attention(step, " in code
+    assert "CacheSpec(" not in code.split("def forward")[1]
     assert model.generate([[1, 2, 3]], max_new_tokens=3).shape == (1, 6)
+
+
+def test_the_cache_lease_is_one_at_a_time_and_a_stale_release_frees_nothing():
+    """``KVCache.hold`` is the one lease: a second is refused by name, a release hands back
+    only its own lease, and a freed cache fits again."""
+    cache = _cache()
+    release = cache.hold()
+    assert not cache.fits(3, 16, torch.float32, torch.device("cpu"))
+    with pytest.raises(rewriter.RewriterError, match="held by a generation in progress"):
+        cache.hold()
+    release()
+    again = cache.hold()
+    release()  # the first lease's release, late: the second lease stays
+    assert cache.busy
+    again()
+    assert cache.fits(3, 16, torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("start, end, message", [
+    (torch.tensor(2.0), 8, "integer"), (torch.zeros(2, 2, dtype=torch.long), 8, "integer"),
+    (2.0, None, "an int or a device tensor"), (True, None, "an int or a device tensor"),
+    (torch.tensor(2), None, "needs its end"), (4, 5, "short of its tokens")])
+def test_a_step_refuses_starts_and_ends_that_would_index_the_cache_wrongly(start, end, message):
+    with pytest.raises(ValueError, match=message):
+        Step(_cache(), start, 2, None, end=end)
+
+
+def test_a_tree_step_at_a_device_scalar_start_masks_as_at_an_int_start():
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    depth = torch.tensor([0, 1, 1])
+    host = Step(_cache(), 4, 3, None, tree=tree, depth=depth).mask(2)
+    device = Step(_cache(), torch.tensor(4), 3, None, end=7, tree=tree, depth=depth).mask(2)
+    assert torch.equal(host.expand_as(device), device)

@@ -83,6 +83,7 @@ def cmd_info(args) -> int:
                       f"{model['parameters'] / 1e6:.2f}M params, {model['dtype']}"],
             ["passes", ", ".join(_pass_text(p) for p in m["passes"]) or "none"],
             ["backend", m["backend"]],
+            *_measured_row(m.get("measured_on")),
             ["tokenizer", m["tokenizer"] or "none"],
             ["format", f"{m['format']} v{m['format_version']}, created {m['created']}"],
             ["versions", ", ".join(f"{k} {v}" for k, v in m["versions"].items() if v)]]
@@ -90,6 +91,14 @@ def cmd_info(args) -> int:
              for name, e in m["files"].items()]
     print(tabulate(rows, tablefmt="plain"))
     return 0
+
+
+def _measured_row(where: Optional[dict]) -> list:
+    """The row naming whose timings chose the decoding, if a pass timed anything."""
+    if not where:
+        return []
+    return [["measured on", f"{where['backend']} backend, {where['device']} ({where['machine']}) "
+                            f"by {', '.join(where['passes'])}"]]
 
 
 def _engine(path: str, trust_code: bool, backend: Optional[str], dtype: Optional[str] = None):
