@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 
 from rewriter.drafts import eagle_file
-from rewriter.drafts.heads import MAX_HEADS
+from rewriter.drafts.heads import MAX_HEADS, draft_vocab
 from rewriter.decoding import MAX_EXPAND, MAX_LOOKUP, TreeDecoding, check_record, check_undecided
 from rewriter.errors import PassError
 from rewriter.ir.core import IR
@@ -106,7 +106,7 @@ class EagleDraft(Pass):
         embed = embedding_weight(ir, lm)
         vocab = None
         if self.draft_vocab is not None:  # the most produced tokens, ids sorted
-            vocab = eagle_file.draft_vocab(self.draft.counts, self.draft_vocab)
+            vocab = draft_vocab(self.draft.counts, self.draft_vocab)
         self._vocab_size = None if vocab is None else len(vocab)
         insert_eagle(ir, head, embed, self.draft, lm, self.name, vocab)
         strategy = self.strategy()

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 from rewriter.decoding import TreeDecoding, strategy_of
 from rewriter.errors import PassError
-from rewriter.maths.int4 import GROUP_SIZES
+from rewriter.maths.int4 import DEFAULT_GROUP, GROUP_SIZES
 from rewriter.ir.core import IR
 from rewriter.ir.int4 import quantize_linears
 from rewriter.ir.pass_manager import Pass
 
 
 class Int4Weights(Pass):
-    def __init__(self, group_size: int = 32, lm_head: bool = False):
+    def __init__(self, group_size: int = DEFAULT_GROUP, lm_head: bool = False):
         if type(group_size) is not int or group_size not in GROUP_SIZES:  # not True, not 32.0
             raise ValueError(f"Int4Weights: group_size must be one of {GROUP_SIZES}, "
                              f"got {group_size!r}")

@@ -9,6 +9,7 @@ import torch
 
 import rewriter
 from rewriter.drafts import eagle_file
+from rewriter.drafts.heads import draft_vocab
 from rewriter.training.draft_loop import generated_pairs, top1
 from rewriter.training.eagle_layer import DraftLayer
 from rewriter.passes import EagleDraft
@@ -47,9 +48,9 @@ def _args(steps=0, seed=0):
 
 def test_the_draft_vocabulary_is_the_most_produced_tokens_sorted():
     counts = torch.tensor([5, 0, 9, 9, 1, 7])
-    assert eagle_file.draft_vocab(counts, 3).tolist() == [2, 3, 5]
-    assert eagle_file.draft_vocab(counts, 100).tolist() == list(range(6))  # capped at V
-    assert eagle_file.draft_vocab(counts, 2).tolist() == [2, 3]
+    assert draft_vocab(counts, 3).tolist() == [2, 3, 5]
+    assert draft_vocab(counts, 100).tolist() == list(range(6))  # capped at V
+    assert draft_vocab(counts, 2).tolist() == [2, 3]
 
 
 def test_equal_counts_at_the_cut_off_go_to_the_lower_ids():
@@ -58,15 +59,15 @@ def test_equal_counts_at_the_cut_off_go_to_the_lower_ids():
     counts = torch.zeros(5000)
     counts[4000:] = 3.0  # 1000 tied tokens; the 10 kept are the lowest ids
     counts[[7, 123]] = 5.0
-    assert eagle_file.draft_vocab(counts, 12).tolist() == [7, 123] + list(range(4000, 4010))
-    assert eagle_file.draft_vocab(counts.to(torch.int64), 12).tolist() == [7, 123] + list(range(4000, 4010))
+    assert draft_vocab(counts, 12).tolist() == [7, 123] + list(range(4000, 4010))
+    assert draft_vocab(counts.to(torch.int64), 12).tolist() == [7, 123] + list(range(4000, 4010))
     # a vocabulary's worth of small counts ties everywhere (topk keeps other ids here)
     counts = torch.randint(0, 60, (49152,), generator=torch.Generator().manual_seed(0))
     want = sorted(sorted(range(len(counts)), key=lambda i: (-int(counts[i]), i))[:4096])
-    assert eagle_file.draft_vocab(counts, 4096).tolist() == want
+    assert draft_vocab(counts, 4096).tolist() == want
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="positive int"):
-            eagle_file.draft_vocab(counts, bad)
+            draft_vocab(counts, bad)
 
 
 def test_the_pass_drafts_from_the_same_tokens(default, tmp_path, monkeypatch):
@@ -83,7 +84,7 @@ def test_the_pass_drafts_from_the_same_tokens(default, tmp_path, monkeypatch):
     monkeypatch.setattr(pass_module, "insert_eagle",
                         lambda *a: (seen.append(a[-1]), real(*a))[1])
     rewriter.optimize(traced, passes=[EagleDraft(weights=str(path), draft_vocab=50)])
-    assert torch.equal(seen[0], eagle_file.draft_vocab(counts, 50))
+    assert torch.equal(seen[0], draft_vocab(counts, 50))
 
 
 def test_trimming_to_every_token_changes_nothing(rows):
@@ -120,7 +121,7 @@ def test_a_trimmed_run_learns_its_text(rows):
     counts = torch.bincount(data["tokens"].flatten(), minlength=model.lm_head.weight.shape[0])
     torch.manual_seed(0)
     d = DraftLayer(model, "random", 2)
-    d.trim(eagle_file.draft_vocab(counts + 1, 300))  # the text's tokens, then 0, 1, 2 ...
+    d.trim(draft_vocab(counts + 1, 300))  # the text's tokens, then 0, 1, 2 ...
     before = d.accuracy(data)
     d.train(data, _args(steps=60))
     after = d.accuracy(data)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rewriter.drafts import eagle, eagle_file
+from rewriter.drafts.heads import draft_vocab
 from rewriter.training.eagle_layer import DraftLayer
 from rewriter.training.train_eagle_checks import counts_of, start_of
 
@@ -156,9 +157,9 @@ def test_a_resumed_run_keeps_its_checkpoints_counts_and_vocabulary(tmp_path):
                               _model(lm), resuming=True)
     again = counts_of(own, init, resuming=True)
     assert torch.equal(again, counts)
-    assert torch.equal(eagle_file.draft_vocab(again, 10), eagle_file.draft_vocab(counts, 10))
+    assert torch.equal(draft_vocab(again, 10), draft_vocab(counts, 10))
     doubled = own + init.counts  # what counting its rows twice would choose
-    assert not torch.equal(eagle_file.draft_vocab(doubled, 10), eagle_file.draft_vocab(counts, 10))
+    assert not torch.equal(draft_vocab(doubled, 10), draft_vocab(counts, 10))
     assert counts_of(own, None, resuming=False) is own
     for other in (0, 4096):
         with pytest.raises(ValueError, match="trained with --train-vocab 10"):

@@ -15,7 +15,7 @@ from rewriter.ir.dump import Dumper
 from rewriter.ir.verify import verify
 from rewriter.ir.pass_manager import Pass, run_pipeline
 from rewriter.runtime.chat import split_tokenizer
-from rewriter.runtime.engine import BACKENDS, Engine, check_token_ids  # noqa: F401 (re-exported)
+from rewriter.runtime.engine import BACKENDS, Engine
 from rewriter.runtime.kv_cache import cache_table, describe
 from rewriter.runtime.measurer import RuntimeMeasurer
 from rewriter.api.traced import TracedModel, check_model

@@ -22,8 +22,8 @@ import torch
 from torch import Tensor
 
 from rewriter.drafts import eagle
-from rewriter.drafts.heads import (PROBE, counts_problem, draft_vocab, dtype_problem,  # noqa: F401
-                            metadata_json, probe_of, unfit)  # (draft_vocab: one rule for both)
+from rewriter.drafts.heads import (PROBE, counts_problem, dtype_problem, metadata_json, probe_of,
+                                   unfit)
 
 FORMAT = "rewriter-eagle-draft"
 VERSION = "1"

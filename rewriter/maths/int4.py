@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 GROUP_SIZES = (32, 64, 128, 256)  # the CPU kernel's (torch._weight_int4pack_mm_for_cpu)
+DEFAULT_GROUP = 32  # Int4Weights' default, and the int4 draft's of self-speculation
 
 
 def quantize(weight: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -13,7 +13,7 @@ from typing import Union
 
 from rewriter.errors import CheckpointError
 from rewriter.models.loading import check_loading_info, first_line, quiet
-from rewriter.values import parse_json, path_argument
+from rewriter.values import parse_json
 
 DEFAULT_MODEL_DIR = Path(__file__).parent.parent / "assets" / "default_model"
 

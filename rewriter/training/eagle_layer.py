@@ -58,7 +58,7 @@ class DraftLayer:
 
     def trim(self, ids: torch.Tensor) -> None:
         """Train and measure on the draft vocabulary ``ids`` alone (sorted token ids, as
-        ``eagle_file.draft_vocab`` gives them): the logits are the LM head's rows for
+        ``heads.draft_vocab`` gives them): the logits are the LM head's rows for
         them, ``[P, S, N]``, as ``EagleDraft(draft_vocab=N)`` drafts. A target outside
         them is no training target (the draft can never propose it) and always a miss in
         ``accuracy``, as it is in the runtime."""

@@ -21,7 +21,7 @@ Phases, each ending at its deadline (a fraction of ``seconds`` from the start):
    code prompts (with ``init``, the file's too, before training: what the run added).
 
 ``train_vocab N`` trains on the ``N`` tokens ``EagleDraft(draft_vocab=N)`` drafts from
-(``eagle_file.draft_vocab`` of the run's counts, the file's included): the loss is the
+(``heads.draft_vocab`` of the run's counts, the file's included): the loss is the
 cross-entropy over the LM head's rows for them, a target outside them is no target, and
 top-1 (``init``'s too) is measured as the runtime drafts, a target outside them a miss.
 
@@ -51,6 +51,7 @@ import torch
 from rewriter.training import eagle_data
 
 from rewriter.drafts import eagle_file
+from rewriter.drafts.heads import draft_vocab
 
 from rewriter.files import safe_files
 from rewriter.training.eagle_layer import DraftLayer, produced_counts
@@ -128,7 +129,7 @@ def _layer(model, s: EagleSettings, init, own_counts, resumed, report: dict) -> 
     if init is not None:
         draft.start_from(init)
     if s.train_vocab:  # the runtime's EagleDraft(draft_vocab=N) takes the same N tokens
-        kept = eagle_file.draft_vocab(counts, s.train_vocab)
+        kept = draft_vocab(counts, s.train_vocab)
         draft.trim(kept)
         report["train_vocab"] = {"tokens": len(kept), "covers": round(
             float(counts[kept].sum()) / max(1, float(counts.sum())), 4)}

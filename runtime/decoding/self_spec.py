@@ -9,13 +9,13 @@ from torch import Tensor
 from rewriter.errors import RewriterError
 from rewriter.ir.core import IR
 from rewriter.ir.int4 import quantize_linears
+from rewriter.maths.int4 import DEFAULT_GROUP
 from rewriter.ir.skip import check_skip_set, skipped
 
 from .base import Generation, Strategy
 from .speculative import speculative_loop
 from .checks import check_no_ring
 
-INT4_GROUP = 32  # the Int4Weights pass's default group
 
 
 class SelfSpeculativeStrategy(Strategy):
@@ -41,12 +41,12 @@ def int4_draft(draft: IR) -> IR:
     of 32, as the ``Int4Weights`` pass stores them (``rewriter.ir.int4``); the LM head stays
     dense, as there."""
     try:
-        info = quantize_linears(draft, INT4_GROUP, lm_head=False, pass_name="Int4Weights")
+        info = quantize_linears(draft, DEFAULT_GROUP, lm_head=False, pass_name="Int4Weights")
     except (AttributeError, RuntimeError, TypeError, ValueError) as e:  # an artifact's odd names
         raise RewriterError(f"the self_speculative draft_weights='int4' draft cannot be made "
                             f"from these weights: {e}") from None
     if info is None:  # e.g. the model's linears are 4-bit already
         raise RewriterError(f"the self_speculative draft_weights='int4' draft has nothing to "
-                            f"quantize: no linear has in-features a multiple of {INT4_GROUP}")
+                            f"quantize: no linear has in-features a multiple of {DEFAULT_GROUP}")
     draft.info["int4"] = info
     return draft
