@@ -18,7 +18,7 @@ from rewriter.ir.core import IR
 from rewriter.api.optimized import OptimizedModel, optimize
 from rewriter.ir.pass_manager import Pass
 from rewriter.api.traced import TracedModel, trace
-from rewriter.runtime.engine import load
+from rewriter.runtime.engine_load import load
 from rewriter.runtime.engine import Engine
 
 from rewriter.version import __version__

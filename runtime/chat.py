@@ -88,6 +88,13 @@ def chat_prompt(tokenizer, text: TextConfig, messages: Messages,
     return tokenizer.encode(rendered, add_special_tokens=False).ids
 
 
+def answer_text(tokenizer, tokens: list[int], eos: Sequence[int]) -> str:
+    """The text of ``tokens`` up to the first end-of-sequence id, special tokens skipped."""
+    stop = set(eos)
+    ended = [i for i, t in enumerate(tokens) if t in stop]
+    return tokenizer.decode(tokens[:ended[0] if ended else len(tokens)], skip_special_tokens=True)
+
+
 def render(text: TextConfig, messages: list[dict], add_generation_prompt: bool = True) -> str:
     if len(text.chat_template) > MAX_TEMPLATE:
         raise RewriterError(f"the chat template is {len(text.chat_template)} characters, more "

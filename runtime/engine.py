@@ -8,12 +8,12 @@
     engine.save("artifacts/model")
 
 ``rewriter.optimize`` returns one (an ``OptimizedModel``), and ``rewriter.load`` gives one
-back from an artifact.
+back from an artifact (``runtime.engine_load``). What callers pass is checked by
+``runtime.settings`` (the generation parameters) and ``runtime.inputs`` (ids, positions).
 """
 from __future__ import annotations
 
 import os
-import warnings
 from collections import Counter
 from typing import Iterator, Optional, Sequence, Union
 
@@ -23,20 +23,19 @@ from torch import Tensor
 from rewriter.ir.core import IR
 
 from . import artifact
-from .artifact_info import measured_elsewhere
-from .chat import Messages, TextConfig, chat_prompt, split_tokenizer
-from rewriter.errors import ArtifactError, RewriterError, UncacheableError
-from rewriter.ops import OPS
+from .chat import Messages, TextConfig, answer_text, chat_prompt, split_tokenizer
+from rewriter.errors import UncacheableError
 from rewriter.values import check_flag, context_length, path_argument
 
 from .decoding import Generation, strategy_for
 from .decoding.plain import plain_tokens
 from .generate import Batch, prepare, score_loop
-from .kv_cache import KVCache, bounded, cache_table, read_bytes
+from .inputs import check_length, check_positions, check_prefix, check_token_ids, token_count
+from .kv_cache import KVCache, cache_table, read_bytes, unbounded_length
 from .lower import program_code
-from .programs import build_programs
+from .programs import build_programs, kernel_files, lowering_key
 from .replay import Replays
-from .settings import PREFILL_CHUNK, GenerationSettings, is_int, token_ids
+from .settings import PREFILL_CHUNK, GenerationSettings, token_ids
 from .speed_guard import PLAIN, ROUNDS, SpeedGuard
 
 Prompts = Union[Tensor, Sequence[Sequence[int]]]
@@ -119,20 +118,16 @@ class Engine:
         """KV-cache bytes per token of one sequence of ``tokens`` tokens (default: the
         context length), all caches, K and V: what is allocated, so a sink + window ring
         counts its slots, not the sequence's length."""
-        tokens = self.max_len if tokens is None else tokens
-        if not is_int(tokens) or tokens < 1:
-            raise ValueError(f"kv_bytes_per_token: tokens must be an integer >= 1, got {tokens!r}")
-        dtype, tokens = self._dtype(), int(tokens)
+        tokens = token_count("kv_bytes_per_token", self.max_len if tokens is None else tokens)
+        dtype = self._dtype()
         return sum(s.bytes_for(tokens, dtype) for s in cache_table(self.ir.gm).values()) // tokens
 
     def kv_read_bytes(self, tokens: Optional[int] = None) -> int:
         """KV-cache bytes one decode step of one sequence reads with ``tokens`` tokens
         cached (default: the context length): the sparse passes' savings in bandwidth,
         where ``kv_bytes_per_token`` is their savings in memory (``kv_cache.read_bytes``)."""
-        tokens = self.max_len if tokens is None else tokens
-        if not is_int(tokens) or tokens < 1:
-            raise ValueError(f"kv_read_bytes: tokens must be an integer >= 1, got {tokens!r}")
-        return read_bytes(self.ir.gm, self._dtype(), int(tokens))
+        tokens = token_count("kv_read_bytes", self.max_len if tokens is None else tokens)
+        return read_bytes(self.ir.gm, self._dtype(), tokens)
 
     # ------------------------------------------------------------------ generation
     def generate(self, input_ids: Prompts, max_new_tokens: int = 20,
@@ -178,11 +173,9 @@ class Engine:
         sampling arguments."""
         ids = chat_prompt(self.tokenizer, self.text, messages)
         out = self.generate([ids], max_new_tokens=max_new_tokens, **generation)[0, len(ids):]
-        eos = set(GenerationSettings(eos_token_id=generation.get("eos_token_id"))
-                  .for_model(self.config).eos_token_id)
-        ended = [i for i, t in enumerate(out.tolist()) if t in eos]
-        return self.tokenizer.decode(out[:ended[0] if ended else len(out)].tolist(),
-                                     skip_special_tokens=True)
+        eos = (GenerationSettings(eos_token_id=generation.get("eos_token_id"))
+               .for_model(self.config).eos_token_id)
+        return answer_text(self.tokenizer, out.tolist(), eos)
 
     def score(self, input_ids: Tensor, prefix: int) -> Tensor:
         """Log-probabilities ``[B, S - prefix]`` of the tokens after the first ``prefix`` of
@@ -191,9 +184,7 @@ class Engine:
         as the runtime, caches and their policies included, computes it."""
         check_token_ids(input_ids, self.config.get("vocab_size"))
         b, s = input_ids.shape
-        if not is_int(prefix) or not 1 <= prefix < s:
-            raise ValueError(f"prefix must be an int in [1, {s - 1}] for {s}-token rows, got {prefix!r}")
-        prefix = int(prefix)
+        prefix = check_prefix(prefix, s)
         self._check(input_ids, 0)
         programs = self._lowered()
         cache = self._cache_for(b, s)
@@ -236,43 +227,15 @@ class Engine:
             b, s = input_ids.shape
             positions = torch.arange(s, device=input_ids.device).expand(b, s)
         else:
-            self._check_positions(input_ids, positions)
+            check_positions(input_ids, positions, self.max_len, self.ir.gm)
         with torch.no_grad():
             out = self.ir.gm(input_ids, positions)
         return out[0] if isinstance(out, tuple) else out  # (logits, draft): draft heads
 
-    def _check_positions(self, input_ids: Tensor, positions) -> None:
-        """Explicit positions: integers in ``[0, max_len)`` shaped like ``input_ids``, for
-        an IR that reads them (one whose frontend found no position to wire would ignore
-        them in silence)."""
-        if (not isinstance(positions, Tensor) or positions.shape != input_ids.shape
-                or positions.dtype not in (torch.int64, torch.int32)
-                or (positions.numel() and int(positions.min()) < 0)):
-            shown = (f"{positions.dtype} {list(positions.shape)}" if isinstance(positions, Tensor)
-                     else type(positions).__name__)
-            raise ValueError(f"positions must be a non-negative integer tensor shaped like "
-                             f"input_ids {list(input_ids.shape)}, got {shown}")
-        if positions.numel() and int(positions.max()) >= self.max_len:
-            raise ValueError(f"positions must be < {self.max_len} (the model's context length), "
-                             f"got {int(positions.max())}")
-        placeholder = next((n for n in self.ir.gm.graph.find_nodes(op="placeholder")
-                            if n.target == "positions"), None)
-        if placeholder is None or not placeholder.users:
-            raise ValueError("positions were given, but this model reads none (the frontend "
-                             "wired no position embedding or rotary table to them)")
-
     def kernel_sources(self, templates: bool = False) -> dict[str, str]:
         """File name -> Triton source of every generated kernel (and, with ``templates``,
         of the template modules) the Triton backend runs for this IR."""
-        if self.backend != "triton":
-            return {}
-        out = {f"{k.name}.py": k.source for program in self._lowered().values()
-               for k in program.generated_kernels}
-        if templates:
-            from rewriter.codegen import TEMPLATES
-            out.update({f"templates/{m.__name__.rsplit('.', 1)[-1]}.py": _module_source(m)
-                        for m in TEMPLATES})
-        return out
+        return kernel_files(self._lowered(), templates) if self.backend == "triton" else {}
 
     # ------------------------------------------------------------------ artifacts
     def save(self, directory: Union[str, os.PathLike], progress: bool = False) -> None:
@@ -282,20 +245,14 @@ class Engine:
     # ------------------------------------------------------------------ internals
     def _check(self, ids: Tensor, max_new_tokens: int) -> int:
         check_token_ids(ids, self.config.get("vocab_size"))
-        need = ids.shape[1] + max_new_tokens
-        if need > self.max_len and not self._unbounded_length():
-            raise ValueError(f"prompt ({ids.shape[1]} tokens, padding included) + max_new_tokens "
-                             f"({max_new_tokens}) = {need} exceeds the KV cache of "
-                             f"{self.max_len} tokens (the model's context length)")
-        return need
+        return check_length(ids, max_new_tokens, self.max_len, self.ir.gm)
 
     def _lowered(self) -> dict:
         """The named step programs (``runtime.programs``), lowered again only when the IR
         changed since (``ir.refresh()``, nodes added or removed by hand) or a weight was
         written in place or replaced: the programs read derived copies of weights
         (transposed, packed, 4-bit tables) that would otherwise go stale."""
-        key = (getattr(self.ir, "version", 0), tuple(map(id, self.ir.graph.nodes)),
-               _weights_stamp(self.ir))
+        key = lowering_key(self.ir)
         if self._programs is None or self._programs_key != key:
             self._programs = None  # a failed lowering leaves none behind
             self.replays.clear()  # they call the old programs
@@ -341,19 +298,11 @@ class Engine:
             self._cache = None  # free the old one before allocating
             self.replays.bind(None)  # they hold it too
             length = min(self.max_len, -(-need // 256) * 256)
-            if need > length and self._unbounded_length():  # past the context: rings only
+            if need > length and unbounded_length(self.ir.gm):  # past the context: rings only
                 length = -(-need // 256) * 256
             self._cache = KVCache(cache_table(self.ir.gm), batch, length, dtype, device)
             self.replays.bind(self._cache)
         return self._cache
-
-    def _unbounded_length(self) -> bool:
-        """Sequences may outgrow the context length: every cache is a sink + window ring
-        with StreamingLLM's positions (``rotary=``), so no query-key distance exceeds the
-        ring's length, whatever the sequence's."""
-        attention = list(self.ir.gm.graph.find_nodes(op="call_function", target=OPS["attention"]))
-        return (bounded(cache_table(self.ir.gm)) and bool(attention)
-                and all(n.kwargs.get("rotary") is not None for n in attention))
 
     def _first_weight(self) -> Tensor:
         """The largest floating-point weight: its dtype and device are the model's (small
@@ -370,74 +319,3 @@ class Engine:
     def __repr__(self) -> str:
         return f"Engine({self.ir.summary()}, passes={[p['name'] for p in self.pass_specs]})"
 
-
-def load(directory, trust_code: bool = False, backend: Optional[str] = None) -> Engine:
-    """The ``Engine`` stored in an artifact directory (``runtime.artifact.read`` checks
-    every file first). Stored kernel sources run only with ``trust_code=True``; ``backend``
-    overrides the one it was saved with. The step programs are built here, so an IR they
-    cannot be built from is an ``ArtifactError`` now, not at the first ``generate``."""
-    check_flag("trust_code", trust_code)  # "no" is truthy: it must not run stored code
-    if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(BACKENDS)} or None (the "
-                         f"artifact's own), got {backend!r}")
-    stored = artifact.read(path_argument("directory", directory), backend)
-    engine = Engine(stored.ir, stored.tokenizer, stored.passes, stored.backend, stored.text)
-    if trust_code:
-        engine.trusted_kernels = stored.kernels
-    try:
-        engine.lower()
-    except RewriterError as e:
-        raise _lowering_error(stored, trust_code, e) from e
-    elsewhere = measured_elsewhere(engine.ir.info, engine.backend, engine._device())
-    if elsewhere:  # still exact, perhaps slower: said, not refused
-        warnings.warn(f"{stored.directory}: {elsewhere}", RuntimeWarning, stacklevel=2)
-    return engine
-
-
-def _lowering_error(stored: artifact.Stored, trust_code: bool, e: RewriterError) -> ArtifactError:
-    """A stored kernel that does not import (run only with ``trust_code``) is named by its
-    file in the artifact; anything else is the IR's."""
-    if trust_code and stored.backend == "triton":
-        from rewriter.codegen.pointwise import KernelSourceError  # triton is here: it lowered
-        if isinstance(e, KernelSourceError) and e.kernel in stored.kernels:
-            return ArtifactError(f"{stored.directory / artifact.KERNELS_DIR / e.kernel}.py: "
-                                 f"{e.problem} (a stored kernel, run as trust_code=True asked)")
-    return ArtifactError(f"{stored.directory / artifact.IR_FILE}: the step programs cannot "
-                         f"be built: {e}")
-
-
-def check_token_ids(ids: Tensor, vocab: Optional[int]) -> None:
-    """``ids`` is an integer ``[batch, seq]`` tensor of ids in ``[0, vocab)``; the error
-    names the first id outside."""
-    if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
-        shown = f"{ids.dtype} {list(ids.shape)}" if isinstance(ids, Tensor) else type(ids).__name__
-        raise ValueError(f"input_ids must be an integer tensor [batch, seq], got {shown}")
-    if not ids.numel() or vocab is None:
-        return
-    outside = ((ids < 0) | (ids >= vocab)).nonzero()
-    if len(outside):
-        b, s = outside[0].tolist()
-        raise ValueError(f"input_ids hold token ids outside the vocabulary [0, {vocab}): "
-                         f"row {b} has {int(ids[b, s])}")
-
-
-def _module_source(module) -> str:
-    import inspect
-    return inspect.getsource(module)
-
-
-def _weights_stamp(ir: IR) -> tuple:
-    """What changes when any of the IR's weights is written in place (its version counter)
-    or replaced (its address, e.g. ``param.data = new``). Tensors made under
-    ``inference_mode`` count by address alone (they keep no version), tensors without an
-    address (sparse, uninitialised) by identity. (A weight replaced twice between calls
-    could land at its first address again: not seen.)"""
-    return tuple((_address(t), None if t.is_inference() else t._version)
-                 for t in ir.weights().values())
-
-
-def _address(t: Tensor) -> int:
-    try:
-        return t.data_ptr()
-    except (RuntimeError, ValueError):
-        return id(t)

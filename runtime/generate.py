@@ -38,7 +38,8 @@ def prepare(prompts, attention_mask: Optional[Tensor], pad_token_id: int,
 
     Token ids must be integers (a float id is refused, not truncated; a bool is not an id);
     a mask must be 0/1 (bool or integer dtype) and leave every row a token. The vocabulary
-    range is the engine's check (``check_token_ids``), made on the batch this returns."""
+    range is the engine's check (``runtime.inputs.check_token_ids``), made on the batch
+    this returns."""
     if isinstance(prompts, Tensor):
         source = _tensor_prompts(prompts).to(device=device, dtype=torch.int64)
         if attention_mask is None:

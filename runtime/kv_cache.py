@@ -183,6 +183,15 @@ def bounded(table: dict[int, CacheSpec]) -> bool:
     return bool(table) and all(s.bounded for s in table.values())
 
 
+def unbounded_length(gm: fx.GraphModule) -> bool:
+    """Sequences may outgrow the context length: every cache is a sink + window ring
+    with StreamingLLM's positions (``rotary=``), so no query-key distance exceeds the
+    ring's length, whatever the sequence's."""
+    attention = list(gm.graph.find_nodes(op="call_function", target=OPS["attention"]))
+    return (bounded(cache_table(gm)) and bool(attention)
+            and all(n.kwargs.get("rotary") is not None for n in attention))
+
+
 class KVCache:
     """K and V for every cache of ``table``, ``{key: [B, Hkv, slots, D]}`` each: ``max_len``
     slots, or a sink + window cache's ring, or both for a split layer (``CacheSpec.parts``)."""

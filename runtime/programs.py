@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from torch import fx
+from torch import Tensor, fx
 
 from rewriter.ir.core import IR
 
@@ -44,3 +44,40 @@ def build_programs(ir: IR, backend: str, kernel_sources: dict,
     programs = {"prefill": lowering.step(ir, True), "decode": lowering.step(ir, False)}
     programs.update(strategy.programs(ir, lowering))
     return programs
+
+
+def kernel_files(programs: dict, templates: bool = False) -> dict[str, str]:
+    """File name -> Triton source of every kernel generated for ``programs`` (and, with
+    ``templates``, of the template modules they build on)."""
+    out = {f"{k.name}.py": k.source for program in programs.values()
+           for k in program.generated_kernels}
+    if templates:
+        import inspect
+        from rewriter.codegen import TEMPLATES
+        out.update({f"templates/{m.__name__.rsplit('.', 1)[-1]}.py": inspect.getsource(m)
+                    for m in TEMPLATES})
+    return out
+
+
+def lowering_key(ir: IR) -> tuple:
+    """What programs lowered from ``ir`` go stale with: the IR's version (``ir.refresh()``),
+    its nodes (added or removed by hand), and its weights, written in place or replaced
+    (the programs read derived copies of them: transposed, packed, 4-bit tables)."""
+    return getattr(ir, "version", 0), tuple(map(id, ir.graph.nodes)), _weights_stamp(ir)
+
+
+def _weights_stamp(ir: IR) -> tuple:
+    """What changes when any of the IR's weights is written in place (its version counter)
+    or replaced (its address, e.g. ``param.data = new``). Tensors made under
+    ``inference_mode`` count by address alone (they keep no version), tensors without an
+    address (sparse, uninitialised) by identity. (A weight replaced twice between calls
+    could land at its first address again: not seen.)"""
+    return tuple((_address(t), None if t.is_inference() else t._version)
+                 for t in ir.weights().values())
+
+
+def _address(t: Tensor) -> int:
+    try:
+        return t.data_ptr()
+    except (RuntimeError, ValueError):
+        return id(t)

@@ -12,7 +12,8 @@ import torch
 import rewriter
 from rewriter import ArtifactError
 from rewriter.passes import LayerSkip
-from rewriter.runtime.artifact import is_artifact, read_manifest
+from rewriter.runtime.artifact_dir import is_artifact
+from rewriter.runtime.artifact_manifest import read_manifest
 
 from artifact_tools import artifact_files, reseal
 from conftest import make_model, varied_init

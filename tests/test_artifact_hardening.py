@@ -164,7 +164,7 @@ def test_a_model_with_a_non_finite_weight_is_not_saved(saved, tmp_path, value):
 
 def test_the_check_reads_every_element_of_large_tensors_in_every_float_dtype():
     """``aminmax`` propagates NaN wherever it sits (vectorised lanes, tails, threads)."""
-    from rewriter.runtime.artifact import non_finite
+    from rewriter.runtime.artifact_files import non_finite
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
                   torch.float8_e4m3fn, torch.float8_e5m2):
         for n in (1, 15, 16, 17, 1000, 100_003):  # past a thread's share (32768)

@@ -25,7 +25,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import rewriter
 from rewriter import ArtifactError, RewriterError
 from rewriter.runtime import artifact
-from rewriter.runtime.artifact import is_artifact
+from rewriter.runtime.artifact_dir import is_artifact
 
 # The steps of a save without a tokenizer or kernels, in order (``SAVE_STEP_HOOKS``).
 STEPS = ["locked", "removed leftovers", "created the version directory", "wrote ir.json",

@@ -66,14 +66,14 @@ def cmd_run(args) -> int:
 
 
 def cmd_ir(args) -> int:
-    from rewriter.runtime.engine import load
+    from rewriter.runtime.engine_load import load
     print(load(args.model).ir)
     return 0
 
 
 def cmd_info(args) -> int:
     from tabulate import tabulate
-    from rewriter.runtime.artifact import read_manifest
+    from rewriter.runtime.artifact_manifest import read_manifest
     m = read_manifest(args.model)
     if args.json:
         print(json.dumps(m, indent=1))
@@ -104,8 +104,8 @@ def _measured_row(where: Optional[dict]) -> list:
 def _engine(path: str, trust_code: bool, backend: Optional[str], dtype: Optional[str] = None):
     """An artifact, or else a checkpoint (or 'default', 'smollm2') optimized with no passes."""
     from rewriter.api.pretrained import from_pretrained
-    from rewriter.runtime.artifact import is_artifact
-    from rewriter.runtime.engine import load
+    from rewriter.runtime.artifact_dir import is_artifact
+    from rewriter.runtime.engine_load import load
     if is_artifact(path):
         return load(path, trust_code=trust_code, backend=backend)
     if path not in NAMED_MODELS and not Path(path).exists():

@@ -440,7 +440,7 @@ def make_artifacts(directory: str, log=print) -> None:
     each with ``<name>.json`` beside it: the ids, the generate arguments and the tokens the
     loaded artifact decodes (checked equal to the model's before saving). Run once, before
     issue 58's restructuring; running it later would record the new code's artifacts."""
-    from rewriter.runtime.engine import load
+    from rewriter.runtime.engine_load import load
     root = Path(directory)
     hf = tiny_model()
     plain = artifact_tokens(rewriter.optimize(hf))
