@@ -7,7 +7,8 @@ token tree.
     HydraHeads(weights="smollm2", draft_vocab=4096, dynamic=4)  # re-grown every round
     HydraHeads(weights="smollm2", draft_vocab=4096, lookup=0)   # no tokens copied from the text
 
-The pass adds the heads to the graph as ordinary ops on the LM head's input ``h``::
+The pass adds the heads to the graph as ordinary ops on the LM head's input ``h``
+(``rewriter.passes.draft_graph``)::
 
     r_k = h + silu(linear(h, medusa.w{k}, medusa.b{k}))        [B, S, H]   k = 0..K-1
     draft = linear(cat([r_0[.., None, :], ..], -2), P)         [B, S, K, V or Vd]
@@ -71,11 +72,8 @@ from rewriter.ir.core import IR
 from rewriter.ir.pass_manager import Measurer, Pass
 from rewriter.measure import round_cost
 from rewriter.measure.calibrate import ShortContext
-from rewriter.ir.nodes import call, is_op
 from rewriter.drafts.tree import MAX_NODES, MAX_RANK, best_subtree, chain, choose_tree, make_tree
-
-ROLE = "draft_head"
-
+from rewriter.passes.draft_graph import embedding_weight, insert, insert_hydra, lm_head
 
 BATCHES = (2, 4, 8)  # batch sizes (beside 1) that get their own sub-tree of the auto tree
 LOOKUP = 4  # copied tokens a round may verify, by default where the rounds choose how many
@@ -90,24 +88,7 @@ class MedusaHeads(Pass):
                  acceptance: str = "exact", posterior_threshold: float = 0.09,
                  posterior_alpha: float = 0.3, adapt: bool = True, dynamic: int = 0,
                  lookup: Optional[int] = None):
-        if num_heads is not None and (type(num_heads) is not int
-                                      or not 1 <= num_heads <= heads_file.MAX_HEADS):
-            raise ValueError(f"{type(self).__name__}: num_heads must be an int in [1, "
-                             f"{heads_file.MAX_HEADS}], got {num_heads!r}")
-        if weights is None and num_heads is None:
-            raise ValueError(f"{type(self).__name__}: give weights=PATH (trained heads; 'default' and "
-                             "'smollm2' are shipped) or num_heads=K (untrained heads)")
-        if weights is not None and not isinstance(weights, str):
-            weights = str(weights)  # a Path
-        try:
-            self.heads = heads_file.load(weights, self.ARCH) if weights is not None else None
-        except heads_file.HeadsFileError as e:
-            raise ValueError(f"{type(self).__name__}: {e}") from None
-        if self.heads is not None and num_heads not in (None, self.heads.num_heads):
-            raise ValueError(f"{type(self).__name__}: num_heads={num_heads}, but {weights} holds "
-                             f"{self.heads.num_heads} heads")
-        self.weights = weights
-        self.num_heads = num_heads if num_heads is not None else self.heads.num_heads
+        self.heads, self.weights, self.num_heads = self._read_heads(num_heads, weights)
         if draft_vocab is not None and (type(draft_vocab) is not int or draft_vocab < 10):
             raise ValueError(f"{type(self).__name__}: draft_vocab must be an int >= 10, got {draft_vocab!r}")
         if draft_vocab is not None and (self.heads is None or self.heads.counts is None):
@@ -131,15 +112,41 @@ class MedusaHeads(Pass):
                              f"(0: a fixed tree; e: re-grown every round, expanding e nodes a "
                              f"level), got {dynamic!r}")
         self.dynamic = dynamic
-        if lookup is None:  # where rounds measure what a chain adds and costs, they choose it
-            lookup = LOOKUP if tree == "auto" and adapt and self.heads is not None \
+        self.lookup = self._checked_lookup(lookup)
+        self.report: Optional[dict] = None  # the tree choice: expected tokens, cost curve
+
+    def _read_heads(self, num_heads: Optional[int], weights) -> tuple:
+        """``(heads, weights, num_heads)``: the trained heads in ``weights`` (None without),
+        its name as a string, and the head count, checked against each other."""
+        if num_heads is not None and (type(num_heads) is not int
+                                      or not 1 <= num_heads <= heads_file.MAX_HEADS):
+            raise ValueError(f"{type(self).__name__}: num_heads must be an int in [1, "
+                             f"{heads_file.MAX_HEADS}], got {num_heads!r}")
+        if weights is None and num_heads is None:
+            raise ValueError(f"{type(self).__name__}: give weights=PATH (trained heads; 'default' and "
+                             "'smollm2' are shipped) or num_heads=K (untrained heads)")
+        if weights is not None and not isinstance(weights, str):
+            weights = str(weights)  # a Path
+        try:
+            heads = heads_file.load(weights, self.ARCH) if weights is not None else None
+        except heads_file.HeadsFileError as e:
+            raise ValueError(f"{type(self).__name__}: {e}") from None
+        if heads is not None and num_heads not in (None, heads.num_heads):
+            raise ValueError(f"{type(self).__name__}: num_heads={num_heads}, but {weights} holds "
+                             f"{heads.num_heads} heads")
+        return heads, weights, num_heads if num_heads is not None else heads.num_heads
+
+    def _checked_lookup(self, lookup: Optional[int]) -> int:
+        """``lookup``, checked; by default ``LOOKUP`` where the rounds measure what a chain
+        adds and costs, and so choose it (an auto tree, adapted, of trained heads), else 0."""
+        if lookup is None:
+            lookup = LOOKUP if self.tree == "auto" and self.adapt and self.heads is not None \
                 and self.heads.accuracy else 0
         if type(lookup) is not int or not 0 <= lookup <= MAX_LOOKUP:
             raise ValueError(f"{type(self).__name__}: lookup must be an int in [0, {MAX_LOOKUP}] "
                              f"(0: none; L: a chain of up to L tokens copied from the row's own "
                              f"text, verified beside the tree), got {lookup!r}")
-        self.lookup = lookup
-        self.report: Optional[dict] = None  # the tree choice: expected tokens, cost curve
+        return lookup
 
     def run(self, ir: IR, measurer: Optional[Measurer] = None) -> IR:
         check_undecided(ir, self)
@@ -213,50 +220,77 @@ class MedusaHeads(Pass):
         if not accuracy:  # untrained heads: nothing to choose from
             return chain(self.num_heads), (), ()
         timer = self.measurer(ir, measurer)
-        hydra = self.ARCH == "hydra"
-        vocab = ir.weight("medusa.vocab") if self.draft_vocab is not None else None
-        # rounds of the drafted tree alone: its size is what the costs are indexed by
-        measured = lambda tree, batches, costs: timer.round_times(  # noqa: E731
-            ir, replace(self._strategy(tree, costs=costs if self.adapt else ()), dynamic=0,
-                        lookup=0), batches, vocab)
-        # rounds verify up to ``lookup`` copied tokens beside the tree: their costs too
-        cost = timer.verify_cost(ir, min(self.max_nodes + 1 + self.lookup, MAX_NODES), runs=5)
-        per_call = timer.heads_cost(ir, self.num_heads, hydra, runs=5)
-        raw = ((1, round(per_call, 4), tuple(round(c, 4) for c in cost[1:])),)
-        tree, _ = choose_tree(accuracy, cost, self.max_nodes, per_call, per_level=hydra)
-        times = measured(tree, (1,), raw)[1]
-        heads_1, verify_1 = round_cost.adjust(per_call, cost[1:], times)
-        tree, self.report = choose_tree(accuracy, [0.0, *verify_1], self.max_nodes, heads_1,
-                                        per_level=hydra)
-        self.report = {**self.report, "verify_cost": [round(c, 3) for c in cost[1:]],
-                       "round_overhead": _overhead(times), "batches": {}}
-        verified = min(tree.size + self.lookup, MAX_NODES)  # the tree and a chain: the costs kept
-        costs = [(1, round(heads_1, 4), tuple(round(c, 4) for c in verify_1[:verified]))]
+        tree, heads_1, times, costs = self._tree_at_one_row(ir, timer, accuracy)
         if self.report["predicted_speedup"] < 1:
             # no tree pays even at one row (where verifying 2 tokens costs 1.5 decode steps,
             # as float32 on some CPUs): the tree is kept in the record and no batch verifies
             # it; larger batches, where verifying costs more, need no tree measured. With
-            # ``lookup`` a chain alone may still pay on text that repeats: its costs at each
-            # batch size (with the round's own work as measured at one row)
+            # ``lookup`` a chain alone may still pay on text that repeats
             if self.lookup and self.adapt:
-                for b in BATCHES:
-                    cost_b = timer.verify_cost(ir, min(1 + self.lookup, MAX_NODES), runs=5, batch=b)
-                    _, verify_b = round_cost.adjust(0.0, cost_b[1:], times)
-                    costs.append((b, round(heads_1, 4), tuple(round(c, 4) for c in verify_b)))
+                costs += self._chain_costs(ir, timer, heads_1, times)
             return tree, ((1, ()),), tuple(costs) if self.adapt else ()
-        by_batch = measured(tree, BATCHES, tuple(costs))
-        batch_trees = []
+        batch_trees, batch_costs = self._batch_trees(ir, timer, tree, accuracy, costs)
+        return tree, batch_trees, tuple(costs + batch_costs) if self.adapt else ()
+
+    def _tree_at_one_row(self, ir: IR, timer: Measurer, accuracy: list) -> tuple:
+        """``(tree, heads' cost, round times, costs)`` at one row: the tree chosen from the
+        programs' costs, then again from those adjusted by a measured round's (its report in
+        ``self.report``); ``costs`` its one row of ``TreeDecoding.costs``."""
+        hydra = self.ARCH == "hydra"
+        # rounds verify up to ``lookup`` copied tokens beside the tree: their costs too
+        cost = timer.verify_cost(ir, min(self.max_nodes + 1 + self.lookup, MAX_NODES), runs=5)
+        per_call = timer.heads_cost(ir, self.num_heads, hydra, runs=5)
+        tree, _ = choose_tree(accuracy, cost, self.max_nodes, per_call, per_level=hydra)
+        times = self._round_times(ir, timer, tree, (1,), (_cost_row(1, per_call, cost[1:]),))[1]
+        heads_1, verify_1 = round_cost.adjust(per_call, cost[1:], times)
+        tree, report = choose_tree(accuracy, [0.0, *verify_1], self.max_nodes, heads_1,
+                                   per_level=hydra)
+        self.report = {**report, "verify_cost": [round(c, 3) for c in cost[1:]],
+                       "round_overhead": _overhead(times), "batches": {}}
+        verified = min(tree.size + self.lookup, MAX_NODES)  # the tree and a chain: the costs kept
+        return tree, heads_1, times, [_cost_row(1, heads_1, verify_1[:verified])]
+
+    def _chain_costs(self, ir: IR, timer: Measurer, heads_1: float, times: dict) -> list:
+        """The costs of a round verifying a chain alone at each of ``BATCHES`` (with the
+        round's own work as measured at one row, ``times``)."""
+        rows = []
+        for b in BATCHES:
+            cost_b = timer.verify_cost(ir, min(1 + self.lookup, MAX_NODES), runs=5, batch=b)
+            _, verify_b = round_cost.adjust(0.0, cost_b[1:], times)
+            rows.append(_cost_row(b, heads_1, verify_b))
+        return rows
+
+    def _batch_trees(self, ir: IR, timer: Measurer, tree, accuracy: list, costs: list) -> tuple:
+        """``(batch_trees, their costs)``: at each of ``BATCHES`` the sub-tree of ``tree``
+        that pays best there, from rounds of ``tree`` measured at that batch size (each
+        reported in ``self.report["batches"]``)."""
+        hydra = self.ARCH == "hydra"
+        verified = min(tree.size + self.lookup, MAX_NODES)
+        by_batch = self._round_times(ir, timer, tree, BATCHES, tuple(costs))
+        batch_trees, rows = [], []
         for b in BATCHES:
             cost_b = timer.verify_cost(ir, verified, runs=5, batch=b)
             heads_b, verify_b = round_cost.adjust(
                 timer.heads_cost(ir, self.num_heads, hydra, runs=5, batch=b), cost_b[1:], by_batch[b])
             sub, rate = best_subtree(tree, accuracy, [0.0, *verify_b], heads_b, hydra)
             batch_trees.append((b, sub.paths))
-            costs.append((b, round(heads_b, 4), tuple(round(c, 4) for c in verify_b)))
+            rows.append(_cost_row(b, heads_b, verify_b))
             self.report["batches"][str(b)] = {"nodes": sub.size - 1, "predicted_speedup": rate,
                                               "verify_cost": [round(c, 3) for c in cost_b[1:]],
                                               "round_overhead": _overhead(by_batch[b])}
-        return tree, tuple(batch_trees), tuple(costs) if self.adapt else ()
+        return tuple(batch_trees), rows
+
+    def _round_times(self, ir: IR, timer: Measurer, tree, batches: tuple, costs: tuple) -> dict:
+        """Measured rounds of the drafted tree alone (not re-grown, no copied chain: the
+        tree's size is what the costs are indexed by) at each of ``batches``."""
+        vocab = ir.weight("medusa.vocab") if self.draft_vocab is not None else None
+        strategy = self._strategy(tree, costs=costs if self.adapt else ())
+        return timer.round_times(ir, replace(strategy, dynamic=0, lookup=0), batches, vocab)
+
+
+def _cost_row(batch: int, heads: float, verify) -> tuple:
+    """One row of ``TreeDecoding.costs``: ``(batch, heads' cost, verify costs)``, rounded."""
+    return batch, round(heads, 4), tuple(round(c, 4) for c in verify)
 
 
 def _overhead(times: dict) -> dict:
@@ -282,143 +316,3 @@ def checked_acceptance(who: str, acceptance: str, threshold, alpha) -> tuple:
                 or not math.isfinite(v):
             raise ValueError(f"{who}: {name} must be a number in (0, 1], got {v!r}")
     return acceptance, float(threshold), float(alpha)
-
-
-def lm_head(ir: IR):
-    """The LM head: a plain ``rw.linear`` on a stored weight whose output is the logits."""
-    (out,) = ir.graph.find_nodes(op="output")
-    node = out.args[0]
-    if not is_op(node, "linear") or node.args[1].op != "get_attr" or \
-            (len(node.args) > 2 and node.args[2] is not None):
-        shown = node.target if hasattr(node, "target") else type(node).__name__
-        raise PassError(f"draft heads share the LM head, which must be a plain linear without "
-                        f"bias producing the logits (run them before Int4Weights(lm_head=True)); "
-                        f"the graph returns {shown}")
-    return node
-
-
-def _add_weights(ir: IR, prefix: str, wb, vocab) -> None:
-    """The heads' weights as ``{prefix}.w{k}``, ``{prefix}.b{k}`` and their deeper blocks;
-    the draft vocabulary as ``medusa.vocab`` for both kinds (the runtime reads that name)."""
-    w, b, deep = wb
-    for k in range(len(w)):
-        ir.add_weight(f"{prefix}.w{k}", w[k].clone())
-        ir.add_weight(f"{prefix}.b{k}", b[k].clone())
-    _add_deep(ir, prefix, deep)
-    if vocab is not None:
-        ir.add_weight("medusa.vocab", vocab.to(w[0].device, torch.int64))
-
-
-def insert(ir: IR, head, wb, vocab, pass_name: str) -> None:
-    """Add the heads after ``head`` and return ``(logits, draft)``."""
-    w, b, deep = wb
-    g = ir.graph
-    x = head.args[0]
-    _add_weights(ir, "medusa", wb, vocab)
-    (out,) = g.find_nodes(op="output")
-    with g.inserting_before(out):
-        rows = []
-        for k in range(w.shape[0]):
-            wk, bk = g.get_attr(f"medusa.w{k}"), g.get_attr(f"medusa.b{k}")
-            a = _mark(call(ir, torch.ops.rw.linear.default, (x, wk, bk), f"medusa_{k}_linear"), k, pass_name)
-            s = _mark(call(ir, torch.ops.rw.silu.default, (a,), f"medusa_{k}_silu"), k, pass_name)
-            r = _mark(call(ir, torch.ops.aten.add.Tensor, (x, s), f"medusa_{k}"), k, pass_name)
-            r = _blocks(ir, r, k, deep, "medusa", lambda n, k=k: _mark(n, k, pass_name))
-            rows.append(_mark(call(ir, torch.ops.aten.unsqueeze.default, (r, -2), f"medusa_{k}_row"),
-                              k, pass_name))
-        stacked = _mark(call(ir, torch.ops.aten.cat.default, (rows, -2), "medusa_rows"), None, pass_name)
-        proj = head.args[1]
-        if vocab is not None:  # the LM head's rows of the draft vocabulary (folded at lowering)
-            proj = _mark(call(ir, torch.ops.aten.index_select.default,
-                              (proj, 0, g.get_attr("medusa.vocab")), "medusa_vocab_rows"), None, pass_name)
-        draft = _mark(call(ir, torch.ops.rw.linear.default, (stacked, proj), "medusa_logits"),
-                      None, pass_name)
-    out.args = ((head, draft),)
-
-
-def embedding_weight(ir: IR, lm: torch.Tensor):
-    """The get_attr node of the token embedding (``rw.embedding`` of the first input)."""
-    ids = next(iter(ir.graph.find_nodes(op="placeholder")), None)
-    for node in ir.graph.nodes:
-        if is_op(node, "embedding") and _source(node.args[0]) is ids and node.args[1].op == "get_attr":
-            e = ir.weight(node.args[1].target)
-            if e.shape[1] != lm.shape[1]:
-                break
-            return node.args[1]
-    raise PassError("Hydra heads read the model's token embedding: the graph has no "
-                    "rw.embedding of its input ids with the LM head's width")
-
-
-_VIEWS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default,
-          torch.ops.aten._unsafe_view.default, torch.ops.aten.clone.default,
-          torch.ops.aten.contiguous.default}
-
-
-def _source(node):
-    """``node`` before any view or copy of it (GPT-2 embeds ``input_ids.view(-1, S)``)."""
-    while getattr(node, "op", None) == "call_function" and node.target in _VIEWS:
-        node = node.args[0]
-    return node
-
-
-def insert_hydra(ir: IR, head, embed, wb, vocab, pass_name: str) -> None:
-    """Add Hydra's heads after ``head`` and return ``(logits, draft)``."""
-    w, b, deep = wb
-    g = ir.graph
-    x = head.args[0]
-    num = len(w)
-    ids = next(iter(g.find_nodes(op="placeholder")))
-    _add_weights(ir, "hydra", wb, vocab)
-    (out,) = g.find_nodes(op="output")
-    with g.inserting_before(out):
-        m = lambda n, k=None: _mark(n, k, pass_name)  # noqa: E731
-        path = m(call(ir, torch.ops.rw.next_tokens.default, (ids, num), "hydra_path"))
-        path.meta["draft_path"] = True  # the runtime's heads programs take it as an input
-        embedded = []
-        for j in range(num):
-            col = m(call(ir, torch.ops.aten.select.int, (path, -1, j), f"hydra_path_{j}"))
-            embedded.append(m(call(ir, torch.ops.rw.embedding.default, (col, embed), f"hydra_e{j}")))
-        proj = head.args[1]
-        if vocab is not None:
-            proj = m(call(ir, torch.ops.aten.index_select.default,
-                          (proj, 0, g.get_attr("medusa.vocab")), "medusa_vocab_rows"))
-        rows = []
-        for k in range(num):
-            wk, bk = g.get_attr(f"hydra.w{k}"), g.get_attr(f"hydra.b{k}")
-            cat = m(call(ir, torch.ops.aten.cat.default, ([x, *embedded[:k + 1]], -1), f"hydra_{k}_in"), k)
-            a = m(call(ir, torch.ops.rw.linear.default, (cat, wk, bk), f"hydra_{k}_linear"), k)
-            s = m(call(ir, torch.ops.rw.silu.default, (a,), f"hydra_{k}_silu"), k)
-            r = m(call(ir, torch.ops.aten.add.Tensor, (x, s), f"hydra_{k}"), k)
-            r = _blocks(ir, r, k, deep, "hydra", lambda n, k=k: m(n, k))
-            logits = m(call(ir, torch.ops.rw.linear.default, (r, proj), f"hydra_{k}_logits"), k)
-            logits.meta["head_logits"] = k
-            rows.append(m(call(ir, torch.ops.aten.unsqueeze.default, (logits, -2), f"hydra_{k}_row"), k))
-        draft = m(call(ir, torch.ops.aten.cat.default, (rows, -2), "hydra_logits"))
-    out.args = ((head, draft),)
-
-
-def _add_deep(ir: IR, arch: str, deep) -> None:
-    """The weights of the blocks after each head's first (``rewriter.drafts.heads.deepen``)."""
-    for l, (v, c) in enumerate(zip(*deep) if deep is not None else (), start=1):  # [K, H, H], [K, H]
-        for k in range(v.shape[0]):
-            ir.add_weight(f"{arch}.block{l}.w{k}", v[k].clone())
-            ir.add_weight(f"{arch}.block{l}.b{k}", c[k].clone())
-
-
-def _blocks(ir: IR, r, k: int, deep, arch: str, m):
-    """Head ``k``'s blocks after its first on ``r``: ``r + silu(linear(r, V, c))`` each."""
-    g = ir.graph
-    for l in range(1, 1 + (deep[0].shape[0] if deep is not None else 0)):
-        v, c = g.get_attr(f"{arch}.block{l}.w{k}"), g.get_attr(f"{arch}.block{l}.b{k}")
-        a = m(call(ir, torch.ops.rw.linear.default, (r, v, c), f"{arch}_{k}_block{l}_linear"))
-        s = m(call(ir, torch.ops.rw.silu.default, (a,), f"{arch}_{k}_block{l}_silu"))
-        r = m(call(ir, torch.ops.aten.add.Tensor, (r, s), f"{arch}_{k}_block{l}"))
-    return r
-
-
-def _mark(node, k, pass_name: str):
-    node.meta["role"] = ROLE
-    node.meta["pass"] = pass_name
-    if k is not None:
-        node.meta["head"] = k
-    return node

@@ -45,7 +45,8 @@ from rewriter.errors import PassError
 from rewriter.ir.core import IR
 from rewriter.ops import EAGLE_WEIGHTS
 from rewriter.ir.pass_manager import Pass
-from rewriter.passes.draft_heads import _mark, checked_acceptance, embedding_weight, lm_head
+from rewriter.passes.draft_graph import embedding_weight, lm_head, mark
+from rewriter.passes.draft_heads import checked_acceptance
 from rewriter.ir.nodes import call
 from rewriter.drafts.tree import MAX_NODES, MAX_RANK, make_tree
 
@@ -164,7 +165,7 @@ def insert_eagle(ir: IR, head, embed, draft, lm: torch.Tensor, pass_name: str,
     s = draft.shape
     (out,) = g.find_nodes(op="output")
     with g.inserting_before(out):
-        m = lambda n: _mark(n, 0, pass_name)  # noqa: E731
+        m = lambda n: mark(n, 0, pass_name)  # noqa: E731
         path = m(call(ir, torch.ops.rw.next_tokens.default, (ids, 1), "eagle_path"))
         path.meta["draft_path"] = True
         col = m(call(ir, torch.ops.aten.select.int, (path, -1, 0), "eagle_next"))

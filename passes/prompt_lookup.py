@@ -37,6 +37,7 @@ from rewriter.ir.pass_manager import Measurer, Pass
 from rewriter.measure import round_cost
 from rewriter.measure.calibrate import ShortContext
 from rewriter.drafts.tree import MAX_NODES
+from rewriter.passes.draft_graph import lm_head
 
 BATCHES = (1, 2, 4, 8)  # batch sizes whose costs are measured (a larger batch: the largest's)
 
@@ -55,7 +56,6 @@ class PromptLookup(Pass):
 
     def run(self, ir: IR, measurer: Optional[Measurer] = None) -> IR:
         check_undecided(ir, self)
-        from rewriter.passes.draft_heads import lm_head
         try:
             lm_head(ir)
         except PassError:

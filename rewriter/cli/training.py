@@ -79,7 +79,7 @@ def _training_model(path: str, dtype: Optional[str]):
     (its passes changed the model; train the checkpoint it came from), with a tokenizer
     (the training prompts are text)."""
     from rewriter.models.checkpoints import load_model
-    from rewriter.runtime.artifact import is_artifact
+    from rewriter.runtime.artifact_dir import is_artifact
     if is_artifact(path):
         raise ValueError(f"{path} is an artifact; training needs the checkpoint it was "
                          f"optimized from (a model directory, a .gguf file, or a named model)")

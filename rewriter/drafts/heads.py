@@ -121,6 +121,25 @@ def load(weights: Union[str, os.PathLike], want: Optional[str] = None) -> Heads:
     path = resolve(weights, want or "medusa")
     if not path.is_file():
         raise HeadsFileError(f"{path}: no such heads file")
+    meta, arch, w, b, counts, deep = _read(path)
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise HeadsFileError(f"{path}: not a {FORMAT} file of version {VERSION}")
+    why = _check_dtypes(arch, w, b, deep) or _check_shapes(arch, w, b) or _check_deep(deep, b)
+    if why:
+        raise HeadsFileError(f"{path}: {why}")
+    if not all(torch.isfinite(t).all() for t in
+               [*(w if arch == "hydra" else [w]), b, *(deep if deep is not None else ())]):
+        raise HeadsFileError(f"{path}: the weights hold NaN or infinite values")
+    vocab, probe, accuracy, trained = _metadata(path, meta, b.shape[0], counts)
+    if want is not None and arch != want:
+        raise HeadsFileError(f"{path}: holds {arch} heads, not {want} heads "
+                             f"({'HydraHeads' if arch == 'hydra' else 'MedusaHeads'} reads them)")
+    return Heads(w, b, vocab, probe, accuracy, trained, counts, arch, deep)
+
+
+def _read(path: Path) -> tuple:
+    """``(metadata, arch, w, b, counts, deep)`` as a heads file holds them, its architecture
+    known and its tensors' names the architecture's (their values not checked yet)."""
     from safetensors import safe_open
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -147,14 +166,12 @@ def load(weights: Union[str, os.PathLike], want: Optional[str] = None) -> Heads:
         raise
     except Exception as e:  # safetensors' own parse errors: a truncated or foreign file
         raise HeadsFileError(f"{path}: not a safetensors heads file ({e})") from None
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise HeadsFileError(f"{path}: not a {FORMAT} file of version {VERSION}")
-    why = _check_dtypes(arch, w, b, deep) or _check_shapes(arch, w, b) or _check_deep(deep, b)
-    if why:
-        raise HeadsFileError(f"{path}: {why}")
-    if not all(torch.isfinite(t).all() for t in
-               [*(w if arch == "hydra" else [w]), b, *(deep if deep is not None else ())]):
-        raise HeadsFileError(f"{path}: the weights hold NaN or infinite values")
+    return meta, arch, w, b, counts, deep
+
+
+def _metadata(path: Path, meta: dict, num_heads: int, counts: Optional[Tensor]) -> tuple:
+    """``(vocab, probe, accuracy, trained)`` from a heads file's metadata, checked, with the
+    token ``counts`` it holds against its vocabulary and ``accuracy`` against its heads."""
     try:
         vocab = int(meta["vocab"])
         probe = metadata_json(meta, "probe")
@@ -167,15 +184,12 @@ def load(weights: Union[str, os.PathLike], want: Optional[str] = None) -> Heads:
     why = counts_problem(counts, vocab)
     if why:
         raise HeadsFileError(f"{path}: {why}")
-    if accuracy and not (len(accuracy) == b.shape[0] and all(
+    if accuracy and not (len(accuracy) == num_heads and all(
             isinstance(a, list) and a and all(_prob(p) for p in a) and sum(a) <= 1 + 1e-6
             for a in accuracy)):
         raise HeadsFileError(f"{path}: accuracy must hold one list of rank probabilities "
                              f"(summing to at most 1) per head")
-    if want is not None and arch != want:
-        raise HeadsFileError(f"{path}: holds {arch} heads, not {want} heads "
-                             f"({'HydraHeads' if arch == 'hydra' else 'MedusaHeads'} reads them)")
-    return Heads(w, b, vocab, probe, accuracy, trained, counts, arch, deep)
+    return vocab, probe, accuracy, trained
 
 
 def _weight_names(arch: str, keys: set) -> Optional[list]:

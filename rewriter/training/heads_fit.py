@@ -23,7 +23,7 @@ import math
 import time
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -93,6 +93,16 @@ def heads_forward(h: Tensor, w, b: Tensor, embed: Optional[Tensor], path: Option
     return heads_file.apply_hydra(h, embed[path].to(h.dtype), w, b, deep)
 
 
+class _Samples(NamedTuple):
+    """A run's training positions and what each step reads of them: ``pairs`` ``[P, 2]``
+    (row, position), their ``targets`` ``[P, K]``, Hydra's ``path`` ``[P, K]`` and, for
+    ``loss="teacher"``, where the model's distributions are (``teacher_at`` ``[P, K]``)."""
+    pairs: Tensor
+    targets: Tensor
+    path: Optional[Tensor]
+    teacher_at: Optional[Tensor]
+
+
 def fit_heads(data: dict, lm_head: Tensor, embed: Optional[Tensor], num_heads: int, epochs: int,
               lr: float, batch: int, seed: int, work: Path, settings: dict, progress: bool,
               loss_kind: str = "tokens", init: Optional[heads_file.Heads] = None,
@@ -101,95 +111,26 @@ def fit_heads(data: dict, lm_head: Tensor, embed: Optional[Tensor], num_heads: i
     ends; Hydra's when ``embed`` is given), from ``init``'s weights or zero, resumed from the
     checkpoint in ``work`` that ``settings`` (the data's key) and these arguments made."""
     device = lm_head.device
-    hidden_size = lm_head.shape[1]
-    pairs = _samples(data, num_heads)
-    targets = head_targets(data, pairs, num_heads)
-    path = path_tokens(data, pairs, num_heads) if embed is not None else None
-    teacher_at = _teacher_positions(pairs, num_heads) if loss_kind == "teacher" else None
-    if embed is None:
-        w = torch.zeros(num_heads, hidden_size, hidden_size, device=device, requires_grad=True)
-        params = [w]
-    else:
-        w = [torch.zeros(hidden_size, hidden_size * (k + 2), device=device, requires_grad=True)
-             for k in range(num_heads)]
-        params = list(w)
-    b = torch.zeros(num_heads, hidden_size, device=device, requires_grad=True)
-    params.append(b)
-    deep = None
-    if blocks > 1:  # [B - 1, K, H, H], [B - 1, K, H]: zero, each block the identity at first
-        deep = (torch.zeros(blocks - 1, num_heads, hidden_size, hidden_size, device=device,
-                            requires_grad=True),
-                torch.zeros(blocks - 1, num_heads, hidden_size, device=device, requires_grad=True))
-        params += list(deep)
-    if init is not None:  # float32 master weights from the (bfloat16) file
-        with torch.no_grad():
-            for p, t in zip(params, (init.w if embed is not None else [init.w]) + [init.b]):
-                p.copy_(t.to(device, torch.float32))
-            if init.deep is not None:  # the start's blocks; those it lacks stay zero
-                for p, t in zip(deep, init.deep):
-                    p[:t.shape[0]] = t.to(device, torch.float32)
+    hydra = embed is not None
+    samples = _training_samples(data, num_heads, hydra, loss_kind)
+    w, b, deep, params = _zero_heads(num_heads, lm_head.shape[1], device, hydra, blocks)
+    if init is not None:
+        _start_from(init, params, deep, hydra)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    steps_per_epoch = math.ceil(len(pairs) / batch)
-    total = steps_per_epoch * epochs
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
+    total = math.ceil(len(samples.pairs) / batch) * epochs
+    sched = _schedule(opt, total)
     ckpt = work / "checkpoint.safetensors"
-    key = json.dumps({**settings, "num_heads": num_heads, "epochs": epochs, "lr": lr,
-                      "batch": batch, "arch": "medusa" if embed is None else "hydra",
-                      "samples": 2, **({"loss": loss_kind} if loss_kind != "tokens" else {}),
-                      **({"blocks": blocks} if blocks > 1 else {})},
-                     sort_keys=True)  # samples 2: rows end at their text's end
-    step, seconds, resumed_loss = 0, 0.0, float("nan")
-    saved = tensor_files.load(ckpt, "the training checkpoint", lambda m: m.get("settings") == key)
-    why = _checkpoint_problem(*saved, params, total) if saved is not None else None
-    if why is not None:  # from this run's settings, but not whole: train from the start
-        tensor_files.discard(ckpt, "the training checkpoint", why)
-    elif saved is not None:
-        state, meta = saved
-        with torch.no_grad():
-            for i, p in enumerate(params):
-                p.copy_(state[f"p{i}"])
-        opt_state = opt.state_dict()
-        opt_state["state"] = {i: {"step": state[f"step{i}"], "exp_avg": state[f"m{i}"].to(device),
-                                  "exp_avg_sq": state[f"v{i}"].to(device)}
-                              for i in range(len(params))}
-        opt.load_state_dict(opt_state)
-        step, seconds = int(meta["step"]), float(meta["seconds"])
-        resumed_loss = float(meta.get("loss", "nan"))
-        with warnings.catch_warnings():  # replaying the schedule, not skipping a step
-            warnings.simplefilter("ignore")
-            for _ in range(step):
-                sched.step()
+    key = _run_key(settings, num_heads=num_heads, epochs=epochs, lr=lr, batch=batch,
+                   hydra=hydra, loss_kind=loss_kind, blocks=blocks)
+    # a run resumed at its end trains no step: its loss is the checkpoint's
+    step, seconds, last_loss = _resume(ckpt, key, params, opt, sched, total)
     weight = torch.tensor([DECAY ** k for k in range(num_heads)], device=device)
     head = lm_head.to(torch.bfloat16) if device.type == "cpu" else lm_head
     bar = progress_bar(progress, total, "train heads", "step")
     bar.update(step)
     began = time.perf_counter()
-    last_loss = resumed_loss  # a run resumed at its end trains no step
-    order_epoch, order = None, None
-    while step < total:
-        epoch, at = divmod(step, steps_per_epoch)
-        if epoch != order_epoch:  # one permutation an epoch, seeded: a resumed run draws the same
-            order_epoch = epoch
-            order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(seed * 1000 + epoch))
-        idx = order[at * batch:(at + 1) * batch]
-        p = pairs[idx]
-        h = data["hidden"][p[:, 0], p[:, 1]].to(device).float()  # [b, H]
-        y = targets[idx].to(device)  # [b, K]
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            r = heads_forward(h, w, b, embed, path[idx].to(device) if path is not None else None,
-                              deep)  # [b, K, H]
-            logits = r @ head.t().to(r.dtype) if device.type != "cpu" else r.to(torch.bfloat16) @ head.t()
-        valid = (y != -100).float()
-        if teacher_at is None:
-            ce = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten(),
-                                                   ignore_index=-100, reduction="none").view_as(y)
-        else:
-            # the model's LM head in its own dtype: a float32 model's teacher is not rounded
-            probs = _teacher(data["hidden"], p[:, :1], teacher_at[idx], lm_head, device)  # [b, K, V]
-            ce = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), probs.flatten(0, 1),
-                                                   reduction="none").view_as(y)
-        loss = heads_loss(ce, valid, weight)
+    for idx in _batches(len(samples.pairs), batch, seed, step, total):
+        loss = _batch_loss(data, samples, idx, (w, b, deep), embed, lm_head, head, weight)
         optimizer_step(opt, sched, loss)
         step += 1
         last_loss = float(loss.detach())
@@ -199,11 +140,137 @@ def fit_heads(data: dict, lm_head: Tensor, embed: Optional[Tensor], num_heads: i
             _checkpoint(ckpt, params, opt, step, seconds + time.perf_counter() - began, key, last_loss)
     bar.close()
     seconds += time.perf_counter() - began
-    w = w.detach() if embed is None else [t.detach() for t in w]
+    w = [t.detach() for t in w] if hydra else w.detach()
     deep = tuple(t.detach() for t in deep) if deep is not None else None
-    return w, b.detach(), deep, {"steps": total, "epochs": epochs, "positions": len(pairs),
+    return w, b.detach(), deep, {"steps": total, "epochs": epochs, "positions": len(samples.pairs),
                                     "seconds_training": round(seconds, 1), "final_loss": round(last_loss, 4),
                                     "seed": seed, "lr": lr, "batch": batch}
+
+
+def _training_samples(data: dict, num_heads: int, hydra: bool, loss_kind: str) -> _Samples:
+    """The samples of ``data`` for ``num_heads`` heads: a path for Hydra's, the teacher's
+    positions for ``loss="teacher"``."""
+    pairs = _samples(data, num_heads)
+    return _Samples(pairs, head_targets(data, pairs, num_heads),
+                    path_tokens(data, pairs, num_heads) if hydra else None,
+                    _teacher_positions(pairs, num_heads) if loss_kind == "teacher" else None)
+
+
+def _zero_heads(num_heads: int, hidden_size: int, device, hydra: bool, blocks: int) -> tuple:
+    """``(w, b, deep, params)``: zero heads that learn (``params``: every tensor, in the
+    checkpoint's order), each block the identity at first."""
+    if hydra:
+        w = [torch.zeros(hidden_size, hidden_size * (k + 2), device=device, requires_grad=True)
+             for k in range(num_heads)]
+        params = list(w)
+    else:
+        w = torch.zeros(num_heads, hidden_size, hidden_size, device=device, requires_grad=True)
+        params = [w]
+    b = torch.zeros(num_heads, hidden_size, device=device, requires_grad=True)
+    params.append(b)
+    deep = None
+    if blocks > 1:  # [B - 1, K, H, H], [B - 1, K, H]
+        deep = (torch.zeros(blocks - 1, num_heads, hidden_size, hidden_size, device=device,
+                            requires_grad=True),
+                torch.zeros(blocks - 1, num_heads, hidden_size, device=device, requires_grad=True))
+        params += list(deep)
+    return w, b, deep, params
+
+
+def _start_from(init: heads_file.Heads, params: list, deep: Optional[tuple], hydra: bool) -> None:
+    """``params`` set to ``init``'s weights: float32 master weights from the (bfloat16) file;
+    the blocks the start lacks stay zero."""
+    with torch.no_grad():
+        for p, t in zip(params, (init.w if hydra else [init.w]) + [init.b]):
+            p.copy_(t.to(p.device, torch.float32))
+        if init.deep is not None:
+            for p, t in zip(deep, init.deep):
+                p[:t.shape[0]] = t.to(p.device, torch.float32)
+
+
+def _schedule(opt, total: int):
+    """The learning rate's schedule: a linear warm-up over 50 steps, then cosine decay to
+    zero at step ``total``."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
+
+
+def _run_key(settings: dict, *, num_heads: int, epochs: int, lr: float, batch: int,
+             hydra: bool, loss_kind: str, blocks: int) -> str:
+    """The key a checkpoint is saved under: only a run of the same data and arguments
+    resumes from it. (Keys of the defaults, "tokens" and one block, name neither: the
+    checkpoints of runs from before them still resume.)"""
+    return json.dumps({**settings, "num_heads": num_heads, "epochs": epochs, "lr": lr,
+                       "batch": batch, "arch": "hydra" if hydra else "medusa",
+                       "samples": 2, **({"loss": loss_kind} if loss_kind != "tokens" else {}),
+                       **({"blocks": blocks} if blocks > 1 else {})},
+                      sort_keys=True)  # samples 2: rows end at their text's end
+
+
+def _resume(ckpt: Path, key: str, params: list, opt, sched, total: int) -> tuple:
+    """``(step, seconds, loss)`` of the checkpoint of this run in ``ckpt``, whose weights,
+    moments and place in the schedule ``params``, ``opt`` and ``sched`` then hold; a run
+    with none (or one not whole: discarded) starts at ``(0, 0.0, nan)``."""
+    saved = tensor_files.load(ckpt, "the training checkpoint", lambda m: m.get("settings") == key)
+    why = _checkpoint_problem(*saved, params, total) if saved is not None else None
+    if why is not None:  # from this run's settings, but not whole: train from the start
+        tensor_files.discard(ckpt, "the training checkpoint", why)
+    if saved is None or why is not None:
+        return 0, 0.0, float("nan")
+    state, meta = saved
+    with torch.no_grad():
+        for i, p in enumerate(params):
+            p.copy_(state[f"p{i}"])
+    opt_state = opt.state_dict()
+    opt_state["state"] = {i: {"step": state[f"step{i}"], "exp_avg": state[f"m{i}"].to(p.device),
+                              "exp_avg_sq": state[f"v{i}"].to(p.device)}
+                          for i, p in enumerate(params)}
+    opt.load_state_dict(opt_state)
+    step = int(meta["step"])
+    with warnings.catch_warnings():  # replaying the schedule, not skipping a step
+        warnings.simplefilter("ignore")
+        for _ in range(step):
+            sched.step()
+    return step, float(meta["seconds"]), float(meta.get("loss", "nan"))
+
+
+def _batches(positions: int, batch: int, seed: int, step: int, total: int):
+    """The sample indices of steps ``step`` .. ``total - 1``: one permutation an epoch,
+    seeded, so a resumed run draws the batches it would have drawn."""
+    steps_per_epoch = math.ceil(positions / batch)
+    order_epoch, order = None, None
+    for s in range(step, total):
+        epoch, at = divmod(s, steps_per_epoch)
+        if epoch != order_epoch:
+            order_epoch = epoch
+            order = torch.randperm(positions, generator=torch.Generator().manual_seed(seed * 1000 + epoch))
+        yield order[at * batch:(at + 1) * batch]
+
+
+def _batch_loss(data: dict, samples: _Samples, idx: Tensor, heads: tuple, embed: Optional[Tensor],
+                lm_head: Tensor, head: Tensor, weight: Tensor) -> Tensor:
+    """The heads' loss on the samples ``idx``: ``heads`` ``(w, b, deep)`` under autocast,
+    through ``head`` (the LM head, bfloat16 on a CPU), against the target tokens or the
+    teacher (``lm_head`` as the model has it)."""
+    device = lm_head.device
+    w, b, deep = heads
+    p = samples.pairs[idx]
+    h = data["hidden"][p[:, 0], p[:, 1]].to(device).float()  # [b, H]
+    y = samples.targets[idx].to(device)  # [b, K]
+    path = samples.path[idx].to(device) if samples.path is not None else None
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        r = heads_forward(h, w, b, embed, path, deep)  # [b, K, H]
+        logits = r @ head.t().to(r.dtype) if device.type != "cpu" else r.to(torch.bfloat16) @ head.t()
+    valid = (y != -100).float()
+    if samples.teacher_at is None:
+        ce = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten(),
+                                               ignore_index=-100, reduction="none").view_as(y)
+    else:
+        # the model's LM head in its own dtype: a float32 model's teacher is not rounded
+        probs = _teacher(data["hidden"], p[:, :1], samples.teacher_at[idx], lm_head, device)  # [b, K, V]
+        ce = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), probs.flatten(0, 1),
+                                               reduction="none").view_as(y)
+    return heads_loss(ce, valid, weight)
 
 
 def heads_loss(ce: Tensor, valid: Tensor, weight: Tensor) -> Tensor:

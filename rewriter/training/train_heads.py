@@ -69,12 +69,7 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
     settings = _data_settings(model, data, rows, questions, prompts=prompts,
                               heldout_prompts=heldout_prompts, seed=seed,
                               prompt_tokens=prompt_tokens, new_tokens=new_tokens, chat=chat)
-    if start is not None and start[0].trained.get("settings") == _shown(settings):
-        raise ValueError(f"train_heads: init {init} was trained on this very data (the same "
-                         f"settings and seed; its token counts would be added twice, also "
-                         f"when deepening it): give another seed or more data")
-    # the training's own key (not the data's: a run from other heads reuses the data)
-    train_settings = {**settings, **({"init": start[1]} if start is not None else {})}
+    train_settings = _train_settings(init, start, settings)
     lm_head = model.get_output_embeddings().weight.detach()
     embed = model.get_input_embeddings().weight.detach() if arch == "hydra" else None
     # out's missing directories, made before hours of work (not found missing after them);
@@ -91,14 +86,35 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
                                             blocks)
         accuracy = rank_accuracy(sets["heldout"], lm_head, w, b, embed, deep=deep)
         report = {**trained, "seconds_data": data_seconds and round(data_seconds, 1),
-                  "settings": _shown(settings),
-                  "train_tokens": int((sets["train"]["end"] - sets["train"]["start"]).sum()),
-                  "heldout_top1": [round(a[0], 4) for a in accuracy],
-                  "heldout_top5": [round(sum(a[:5]), 4) for a in accuracy],
-                  "device": str(lm_head.device), "arch": arch, "loss": loss, "data": data,
-                  "blocks": blocks, **_init_report(init, arch, start)}
+                  "settings": _shown(settings), "train_tokens": _tokens(sets["train"]),
+                  **_accuracy_report(accuracy), "device": str(lm_head.device), "arch": arch,
+                  "loss": loss, "data": data, "blocks": blocks, **_init_report(init, arch, start)}
         _save(out, w, b, deep, lm_head, accuracy, report, counts, arch)
     return report
+
+
+def _train_settings(init, start, settings: dict) -> dict:
+    """The training's own key (not the data's: a run from other heads reuses the data): the
+    data's ``settings`` and the sha256 of the start (``init``, read as ``start``), which is
+    refused if trained on this very data (its token counts would be added twice)."""
+    if start is None:
+        return dict(settings)
+    if start[0].trained.get("settings") == _shown(settings):
+        raise ValueError(f"train_heads: init {init} was trained on this very data (the same "
+                         f"settings and seed; its token counts would be added twice, also "
+                         f"when deepening it): give another seed or more data")
+    return {**settings, "init": start[1]}
+
+
+def _tokens(rows: dict) -> int:
+    """The tokens a data set's rows train on (each row's, from its start to its end)."""
+    return int((rows["end"] - rows["start"]).sum())
+
+
+def _accuracy_report(accuracy: list) -> dict:
+    """Each head's held-out top-1 and top-5 accuracy, as the report shows them."""
+    return {"heldout_top1": [round(a[0], 4) for a in accuracy],
+            "heldout_top5": [round(sum(a[:5]), 4) for a in accuracy]}
 
 
 def _check_arguments(model, tokenizer, *, num_heads, prompts, heldout_prompts, prompt_tokens,
