@@ -9,9 +9,9 @@ import torch
 
 from rewriter.errors import PassError
 from rewriter.ir.core import IR
-from rewriter.ir.nodes import call, is_op
+from rewriter.ir.nodes import DRAFT_HEAD, call, is_op
 
-ROLE = "draft_head"
+ROLE = DRAFT_HEAD
 
 
 def lm_head(ir: IR):

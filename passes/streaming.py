@@ -29,9 +29,9 @@ from typing import Optional, Sequence
 
 from rewriter.errors import PassError
 from rewriter.ir.core import IR
-from rewriter.ops import MAX_INT, OPS, op_arguments
+from rewriter.ops import OPS, op_arguments
 from rewriter.ir.pass_manager import Pass
-from rewriter.values import context_length, is_int, within_context
+from rewriter.values import MAX_INT, context_length, is_int, within_context
 
 
 class StreamingAttention(Pass):

@@ -35,11 +35,11 @@ from typing import Optional, Sequence
 
 from rewriter.errors import PassError
 from rewriter.ir.core import IR
-from rewriter.ops import MAX_INT, OPS
+from rewriter.ops import OPS
 from rewriter.ir.pass_manager import Pass
 from rewriter.passes.whole_cache import (attention_args, attention_nodes, check_not_speculative,
                                          check_whole)
-from rewriter.values import context_length, is_int, within_context
+from rewriter.values import MAX_INT, context_length, is_int, within_context
 
 CALIBRATION_QUERIES = 32  # the last positions of each calibration prompt, taken as decode steps
 MAX_READ = 0.25  # with calibrate: a decode step reads at most this of dense attention's KV bytes

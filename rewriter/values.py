@@ -121,3 +121,10 @@ def path_problem(value) -> str | None:
     if not text.strip():
         return f"is empty ({text!r} would mean the current directory)"
     return None
+
+
+def shown(value, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters (then ``...``): a hostile file's value
+    named in an error without flooding it."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."

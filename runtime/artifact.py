@@ -4,7 +4,8 @@
                                "format_version": 2, "version_dir": "v-<16 hex>",
                                "manifest_sha256": sha256 of that version's manifest.json}
     DIR/v-<16 hex>/
-        manifest.json          versions, model config, passes, bytes and sha256 of each file
+        manifest.json          versions, model config, passes, where their timings were
+                               taken (measured_on), bytes and sha256 of each file
         ir.json                the IR as data (``rewriter.ir.serialize``) and the IR's info
         weights.safetensors    every weight once (tied weights are stored once and aliased)
         tokenizer.json         the tokenizer, when there is one

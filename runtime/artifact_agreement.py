@@ -19,7 +19,7 @@ from rewriter.decoding import TreeDecoding, strategy_of
 from rewriter.errors import ArtifactError
 from rewriter.ir.core import IR
 from rewriter.ops import OPS, op_arguments
-from rewriter.values import context_length
+from rewriter.values import context_length, shown
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _NAMES = {op: name for name, op in OPS.items()}
@@ -104,8 +104,8 @@ def _check_passes(ir: IR, manifest: dict, where) -> None:
                             f"which {where.ir} records as run (info fusions)")
     if "measured_on" in manifest and manifest["measured_on"] != ir.info.get("measured_on"):
         # absent: saved before manifests named it
-        raise ArtifactError(f"{where.manifest}: measured_on {manifest['measured_on']!r:.120} is "
-                            f"not what {where.ir} records ({ir.info.get('measured_on')!r:.120})")
+        raise ArtifactError(f"{where.manifest}: measured_on {shown(manifest['measured_on'], 120)} is "
+                            f"not what {where.ir} records ({shown(ir.info.get('measured_on'), 120)})")
     if ("skipped_layers" in ir.info) != ("LayerSkip" in names):
         raise ArtifactError(f"{where.manifest}: passes {sorted(names)} and the skipped layers "
                             f"{where.ir} records ({ir.info.get('skipped_layers')}) disagree")

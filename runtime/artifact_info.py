@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 from rewriter.decoding import check_record
-from rewriter.values import MAX_INT, depth
+from rewriter.values import MAX_INT, depth, shown
 
 REQUIRED = ("family", "causal_lm", "config", "inputs", "lift_report", "layers", "passes")
 OPTIONAL = ("fusions", "skipped_layers", "unlifted_attention", "unlifted_embeddings", "int4",
@@ -35,7 +35,7 @@ def check_info(info) -> None:
         if key in info:
             why = check(info[key])
             if why:
-                raise ValueError(f"{key} must be {why}, got {_short(info[key])}")
+                raise ValueError(f"{key} must be {why}, got {shown(info[key], 120)}")
     if info["causal_lm"]:
         check_lm_config(info["config"])
 
@@ -44,19 +44,19 @@ def check_lm_config(config: dict) -> None:
     """The config keys the runtime reads: the vocabulary, the context, eos and pad ids."""
     if not _is_int(config.get("vocab_size"), 1):
         raise ValueError(f"config vocab_size must be an integer >= 1, got "
-                         f"{_short(config.get('vocab_size'))}")
+                         f"{shown(config.get('vocab_size'), 120)}")
     for key in ("max_position_embeddings", "n_positions"):
         if config.get(key) is not None and not _is_int(config[key], 1):
             raise ValueError(f"config {key} must be null or an integer >= 1, got "
-                             f"{_short(config[key])}")
+                             f"{shown(config[key], 120)}")
     eos = config.get("eos_token_id")
     ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
     if not all(_is_int(i, 0) for i in ids):
         raise ValueError(f"config eos_token_id must be null, a token id or a list of token ids, "
-                         f"got {_short(eos)}")
+                         f"got {shown(eos, 120)}")
     pad = config.get("pad_token_id")
     if pad is not None and not _is_int(pad, 0):
-        raise ValueError(f"config pad_token_id must be null or a token id, got {_short(pad)}")
+        raise ValueError(f"config pad_token_id must be null or a token id, got {shown(pad, 120)}")
 
 
 def _is_int(v, low: int) -> bool:
@@ -100,7 +100,7 @@ def measured_on_ok(v) -> bool:
     """``v`` is a ``measured_on`` record: ``{backend, device, machine, passes}``."""
     return (isinstance(v, dict) and set(v) == {"backend", "device", "machine", "passes"}
             and all(isinstance(v[k], str) for k in ("backend", "device", "machine"))
-            and _list_of(lambda s: isinstance(s, str))(v["passes"]))
+            and _list_of(lambda s: isinstance(s, str))(v["passes"]) and bool(v["passes"]))
 
 
 def _why(check, what: str):
@@ -137,9 +137,6 @@ _CHECKS = {
 }
 
 
-def _short(value, limit: int = 120) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def measured_elsewhere(info: dict, backend: str, device) -> str | None:
@@ -147,14 +144,14 @@ def measured_elsewhere(info: dict, backend: str, device) -> str | None:
     and ``device`` (another backend, kind of device or machine), or None when they were
     taken where it runs (or nothing was timed)."""
     import torch
-    from rewriter.measure.machine import machine
+    from rewriter.measure.machine import device_name, timed_backend
     where = info.get("measured_on")
     if not where:
         return None
     device = torch.device(device)
-    here = torch.cuda.get_device_name(device) if device.type == "cuda" else machine()
+    here, timed = device_name(device), timed_backend(backend, device)
     there = where["device"].split(":")[0]  # a string as stored: not parsed by torch
-    if (where["backend"], there, where["machine"]) == (backend, device.type, here):
+    if (where["backend"], there, where["machine"]) == (timed, device.type, here):
         return None
     return (f"{', '.join(where['passes'])} chose its decoding by timings of the "
             f"{where['backend']} backend on {where['machine']} ({where['device']}); this engine "

@@ -30,6 +30,7 @@ from rewriter.ir.verify import verify
 
 from .artifact_agreement import check_agreement
 from .artifact_info import check_info
+from rewriter.values import shown
 
 
 class Paths(NamedTuple):
@@ -82,8 +83,8 @@ def _ir_from_data(ir_data, weights: dict, manifest: dict, where: Paths) -> IR:
     except VerificationError as e:
         raise ArtifactError(f"{where.ir}: {e}") from None
     if layer_spans(gm) != info["layers"]:
-        raise ArtifactError(f"{where.ir}: info layers {_short(info['layers'])} are not the "
-                            f"graph's layer spans {_short(layer_spans(gm))}")
+        raise ArtifactError(f"{where.ir}: info layers {shown(info['layers'], 120)} are not the "
+                            f"graph's layer spans {shown(layer_spans(gm), 120)}")
     check_agreement(ir, manifest, where)
     return ir
 
@@ -92,7 +93,7 @@ def _weights_by_name(names, stored: dict[str, torch.Tensor], where: Paths) -> di
     """IR weight name -> tensor; every stored tensor is used, every named one exists."""
     if not isinstance(names, dict) or not all(isinstance(v, str) for v in names.values()):
         raise ArtifactError(f"{where.ir}: weights must map weight names to stored tensor "
-                            f"names, got {_short(names)}")
+                            f"names, got {shown(names, 120)}")
     for name in names:
         try:
             check_weight_path(name)
@@ -115,7 +116,7 @@ def _check_inputs(ir: IR, where: Paths) -> None:
     specs = ir.info["inputs"]
     if ir.is_causal_lm and specs != lm_input_specs():
         raise ArtifactError(f"{where.ir}: info inputs of a causal LM must be {lm_input_specs()}, "
-                            f"got {_short(specs)}")
+                            f"got {shown(specs, 120)}")
     if len(placeholders) != len(specs):
         raise ArtifactError(f"{where.ir}: the graph has {len(placeholders)} inputs, info inputs "
                             f"describes {len(specs)}")
@@ -148,11 +149,11 @@ def _check_sizes(ir: IR, where: Paths) -> None:
             try:
                 numel = int(sympy.prod([_at_one_token(d) for d in shape]))
             except (TypeError, ValueError):  # a size in other symbols: data-dependent
-                raise ArtifactError(f"{where.ir}: node {n.name}: its size {_short(shape)} "
+                raise ArtifactError(f"{where.ir}: node {n.name}: its size {shown(shape, 120)} "
                                     f"depends on more than batch and sequence") from None
             if numel > limit:
                 raise ArtifactError(f"{where.ir}: node {n.name}: {numel} elements at one token "
-                                    f"(shape {_short(shape)}), more than {SIZE_FACTOR}x the "
+                                    f"(shape {shown(shape, 120)}), more than {SIZE_FACTOR}x the "
                                     f"largest weight: refused, it would exhaust memory")
 
 
@@ -177,6 +178,3 @@ def _few(names: list, limit: int = 3) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def _short(value, limit: int = 120) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."

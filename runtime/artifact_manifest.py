@@ -22,6 +22,7 @@ from rewriter.runtime.artifact_dir import (
 from rewriter.runtime.artifact_files import (
     check_file, kind, parse_json, read_bytes, read_tokenizer, sha256_bytes)
 from rewriter.runtime.artifact_info import measured_on_ok
+from rewriter.values import shown
 
 FORMAT_VERSION = 2
 
@@ -159,11 +160,11 @@ def _check_fields(path: Path, m: dict) -> None:
         if key not in m:
             raise ArtifactError(f"{path}: has no {key!r}")
         if not ok(m[key]):
-            raise ArtifactError(f"{path}: {key!r} must be {what}, got {_short(m[key])}")
+            raise ArtifactError(f"{path}: {key!r} must be {what}, got {shown(m[key])}")
     # optional: artifacts saved before it was recorded have none
     if m.get("measured_on") is not None and not measured_on_ok(m["measured_on"]):
         raise ArtifactError(f"{path}: 'measured_on' must be null or an object {{backend, device, "
-                            f"machine, passes}} of strings, got {_short(m['measured_on'])}")
+                            f"machine, passes}} of strings, got {shown(m['measured_on'])}")
 
 
 def listed_tokenizer(d: Path, manifest: dict):
@@ -172,7 +173,7 @@ def listed_tokenizer(d: Path, manifest: dict):
     named, files, where = manifest["tokenizer"], manifest["files"], d / MANIFEST
     if named not in (None, TOKENIZER_FILE):
         raise ArtifactError(f"{where}: tokenizer must be the listed {TOKENIZER_FILE} or null, "
-                            f"got {_short(named)}")
+                            f"got {shown(named)}")
     listed = TOKENIZER_FILE in files
     lacking = "the artifact has no tokenizer (save the model again with its tokenizer)"
     if named and not listed:
@@ -186,6 +187,3 @@ def listed_tokenizer(d: Path, manifest: dict):
     return read_tokenizer(d / TOKENIZER_FILE) if listed else None
 
 
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."

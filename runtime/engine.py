@@ -207,8 +207,17 @@ class Engine:
         static = self.static_decode if self.static_decode is not None else cuda
         g = Generation(programs, cache, batch, settings, settings.generator(device), self.stats,
                        static=static, cuda_graph=static and cuda, replays=self.replays)
+        try:
+            return batch, self._tokens(g, strategy, batch, settings, device)
+        except BaseException:  # a refusal before the first token: the cache is free again
+            g.release()
+            raise
+
+    def _tokens(self, g: Generation, strategy, batch: Batch, settings: GenerationSettings,
+                device) -> Iterator[Tensor]:
+        """The strategy's tokens, or plain decoding's where the speed guard chooses it."""
         if not strategy.speculative:
-            return batch, g.leased(strategy.tokens(g, self.trees))
+            return g.leased(strategy.tokens(g, self.trees))
         guard = self.guards.setdefault((batch.ids.shape[0], strategy.record), SpeedGuard())
         arm = guard.choose(settings.max_new_tokens) if self.fallback else ROUNDS
         steps = strategy.tokens(g, self.trees) if arm == ROUNDS else None
@@ -216,7 +225,7 @@ class Engine:
             arm = PLAIN
             self.stats.update(plain_generations=1)
             steps = plain_tokens(g)
-        return batch, guard.timed(g.leased(steps), arm, device)
+        return guard.timed(g.leased(steps), arm, device)
 
     def __call__(self, input_ids: Tensor, positions: Optional[Tensor] = None) -> Tensor:
         """Logits ``[B, S, vocab]`` of the whole IR, no cache (the reference semantics)."""

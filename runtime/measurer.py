@@ -17,7 +17,7 @@ import torch
 
 from rewriter.ir.core import IR
 from rewriter.measure.calibrate import prompt_length
-from rewriter.measure.machine import machine
+from rewriter.measure.machine import device_name
 from rewriter.measure.round_cost import NEW
 
 from .attention import Step
@@ -45,8 +45,8 @@ class RuntimeMeasurer:
         return f"RuntimeMeasurer({self.backend!r}, {str(self.device)!r})"
 
     def where(self) -> dict:
-        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else machine()
-        return {"backend": self.backend, "device": str(self.device), "machine": name}
+        return {"backend": self.backend, "device": str(self.device),
+                "machine": device_name(self.device)}
 
     def verify_cost(self, ir: IR, most: int, runs: int = 15, batch: int = 1) -> list[float]:
         _counts(most=most, runs=runs, batch=batch)

@@ -300,8 +300,9 @@ def test_the_manifest_pass_list_must_be_the_one_ir_json_records(art, passes):
     ({"backend": "torch", "device": 0}, r"'measured_on' must be null or an object"),
     ("cpu", r"'measured_on' must be null or an object")])
 def test_the_manifests_measured_on_is_the_one_ir_json_records(art, where, message):
-    """``rewriter info`` shows the manifest's ``measured_on``: it may not claim timings the
-    IR does not record, nor be malformed (an artifact saved before it was written has none)."""
+    """The manifest's ``measured_on`` (which ``rewriter info`` shows) may not claim timings
+    the IR does not record, nor be malformed: the loader refuses both (an artifact saved
+    before the field was written has none, and loads)."""
     edit(art, "manifest.json", lambda m: m.__setitem__("measured_on", where))
     refused(art, "manifest.json", message)
     edit(art, "manifest.json", lambda m: m.__delitem__("measured_on"))

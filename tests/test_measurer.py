@@ -133,3 +133,17 @@ def test_the_runtime_measurer_refuses_what_it_cannot_time(lifted):
     cost = RuntimeMeasurer("torch", "cpu").verify_cost(lifted, 2, runs=1)
     assert len(cost) == 3 and cost[1] == 1.0
 
+
+
+def test_a_triton_artifact_timed_with_torch_on_a_cpu_loads_here_without_a_warning(tmp_path, monkeypatch):
+    """On a CPU optimize times the torch kernels for backend='triton' (its interpreter's
+    costs match no engine): loading that artifact here is not "measured elsewhere"."""
+    pytest.importorskip("triton")
+    for name in ("verify_cost", "heads_cost", "round_times"):
+        monkeypatch.setattr(RuntimeMeasurer, name, lambda self, *a, name=name, **k:
+                            getattr(Flat(), name)(*a, **k))
+    model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
+    rewriter.optimize(model, passes=[PromptLookup(tokens=3)], backend="triton").save(tmp_path / "a")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        assert rewriter.load(tmp_path / "a").ir.info["measured_on"]["backend"] == "torch"

@@ -20,6 +20,7 @@ from rewriter.runtime.kv_cache import cache_table, describe
 from rewriter.runtime.measurer import RuntimeMeasurer
 from rewriter.api.traced import TracedModel, check_model
 from rewriter.values import check_flag, path_argument
+from rewriter.measure.machine import timed_backend
 
 
 class OptimizedModel(Engine):
@@ -133,10 +134,9 @@ def _tokenizer(model, example_inputs, tokenizer):
 
 
 def _measurer(backend: str, device) -> RuntimeMeasurer:
-    """The runtime's measurer for the engine's backend and device; Triton on a CPU runs in
-    its interpreter, whose costs match no real engine, so there the torch kernels are timed."""
-    on_gpu = torch.device(device).type == "cuda"
-    return RuntimeMeasurer(backend if on_gpu else "torch", device)
+    """The runtime's measurer for the engine's backend and device (``timed_backend``: the
+    torch kernels where Triton would run in its CPU interpreter)."""
+    return RuntimeMeasurer(timed_backend(backend, device), device)
 
 
 def _device(model: nn.Module | TracedModel) -> torch.device:

@@ -12,7 +12,7 @@ import torch
 from torch import fx
 
 from rewriter.ir.core import IR
-from rewriter.ir.nodes import call, is_op, linear_parts, mark
+from rewriter.ir.nodes import DRAFT_HEAD, call, is_op, linear_parts, mark
 from rewriter.maths.int4 import dequantize, quantize
 
 
@@ -26,7 +26,7 @@ def quantize_linears(ir: IR, group_size: int, lm_head: bool, pass_name: str) -> 
     for node in list(ir.graph.find_nodes(op="call_function", target=torch.ops.rw.linear.default)):
         x, w, b = linear_parts(node)
         weight = ir.weight(w.target) if w.op == "get_attr" else None
-        if node.meta.get("role") == "draft_head":
+        if node.meta.get("role") == DRAFT_HEAD:
             continue  # the heads stay as trained; they are small next to the model
         if (weight is None or weight.dim() != 2 or not weight.is_floating_point()
                 or weight.shape[1] % group_size or (node is head and not lm_head)):

@@ -1,7 +1,6 @@
 """Small helpers for rewriting graph nodes: matching an op, reading a linear's parts, and
-making a new node that carries the metadata of the one it replaces. Passes use them
-(``passes.fusion`` re-exports them), and so do the rewrites below the passes
-(``rewriter.ir.int4``)."""
+making a new node that carries the metadata of the one it replaces. Passes use them,
+and so do the rewrites below the passes (``rewriter.ir.int4``)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -10,6 +9,10 @@ from torch import fx
 
 from rewriter.ir.core import IR
 from rewriter.ops import OPS
+
+
+# ``meta["role"]`` of the draft heads' nodes: Int4Weights leaves them dense
+DRAFT_HEAD = "draft_head"
 
 
 def is_op(node, name: str) -> bool:

@@ -30,7 +30,8 @@ import re
 import torch
 from torch import fx
 
-from rewriter.ops import MAX_INT, OPS, check_arguments, short_name
+from rewriter.ops import OPS, check_arguments, short_name
+from rewriter.values import MAX_INT, shown
 
 OPERATORS = {f.__name__: f for f in (operator.getitem, operator.add, operator.sub, operator.mul,
                                      operator.floordiv, operator.truediv, operator.neg,
@@ -74,7 +75,7 @@ def graph_from_data(nodes: list[dict], weights: dict[str, torch.Tensor]) -> fx.G
     field): fx writes names, keyword names and weight paths into the Python source it
     generates and runs, so nothing that is not a plain identifier may reach it."""
     if not isinstance(nodes, list) or not nodes:
-        raise IRDataError(f"graph must be a non-empty list of nodes, got {_short(nodes)}")
+        raise IRDataError(f"graph must be a non-empty list of nodes, got {shown(nodes)}")
     _check_order(nodes)
     graph = fx.Graph()
     env: dict[str, fx.Node] = {}
@@ -106,7 +107,7 @@ def _add_node(graph: fx.Graph, d, env: dict, weights: dict) -> None:
     kwargs = {k: _decode(v, env, name, 0) for k, v in d.get("kwargs", {}).items()}
     if op in ("placeholder", "get_attr", "output") and (args if op != "output" else len(args) != 1):
         raise IRDataError(f"node {name}: a {op} node takes "
-                          f"{'one value' if op == 'output' else 'no arguments'}, got {_short(d['args'])}")
+                          f"{'one value' if op == 'output' else 'no arguments'}, got {shown(d['args'])}")
     if op != "call_function" and kwargs:
         raise IRDataError(f"node {name}: a {op} node takes no keyword arguments")
     if op == "output":
@@ -145,27 +146,27 @@ def _holds_nan(value) -> bool:
 def _check_fields(d, env: dict) -> tuple[str, str]:
     """(name, op) of a node dict whose every field has the type it must have."""
     if not isinstance(d, dict):
-        raise IRDataError(f"a node must be an object, got {_short(d)}")
+        raise IRDataError(f"a node must be an object, got {shown(d)}")
     name = d.get("name")
     if not is_identifier(name) or name in env or name in RESERVED_NAMES:
-        raise IRDataError(f"bad node name {_short(name)} (not a Python identifier, reserved, "
+        raise IRDataError(f"bad node name {shown(name)} (not a Python identifier, reserved, "
                           f"or repeated)")
     unknown = set(d) - NODE_KEYS
     if unknown:
         raise IRDataError(f"node {name}: unknown fields {sorted(unknown)}")
     op = d.get("op")
     if op not in NODE_KINDS:
-        raise IRDataError(f"node {name}: unsupported node kind {_short(op)}")
+        raise IRDataError(f"node {name}: unsupported node kind {shown(op)}")
     has_target = op in ("get_attr", "call_function")
     if has_target != ("target" in d) or (has_target and not isinstance(d["target"], str)):
         raise IRDataError(f"node {name}: a {op} node {'needs a target name' if has_target else 'has no target'}"
-                          f", got {_short(d.get('target'))}")
+                          f", got {shown(d.get('target'))}")
     if not isinstance(d.get("args", []), list):
-        raise IRDataError(f"node {name}: args must be a list, got {_short(d['args'])}")
+        raise IRDataError(f"node {name}: args must be a list, got {shown(d['args'])}")
     kwargs = d.get("kwargs", {})
     if not isinstance(kwargs, dict) or not all(map(is_identifier, kwargs)):
         raise IRDataError(f"node {name}: kwargs must be an object keyed by identifiers, got "
-                          f"{_short(kwargs)}")
+                          f"{shown(kwargs)}")
     _check_meta(d.get("meta", {}), name)
     return name, op
 
@@ -173,13 +174,13 @@ def _check_fields(d, env: dict) -> tuple[str, str]:
 def _check_meta(meta, node: str) -> None:
     if not isinstance(meta, dict) or set(meta) - set(META_KEYS):
         raise IRDataError(f"node {node}: meta must be an object with keys from {META_KEYS}, "
-                          f"got {_short(meta)}")
+                          f"got {shown(meta)}")
     layer = meta.get("layer", 0)
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer <= MAX_INT:
-        raise IRDataError(f"node {node}: meta layer must be an integer >= 0, got {_short(layer)}")
+        raise IRDataError(f"node {node}: meta layer must be an integer >= 0, got {shown(layer)}")
     for key in ("role", "pass"):
         if not isinstance(meta.get(key, ""), str):
-            raise IRDataError(f"node {node}: meta {key} must be a string, got {_short(meta[key])}")
+            raise IRDataError(f"node {node}: meta {key} must be a string, got {shown(meta[key])}")
 
 
 def is_identifier(name) -> bool:
@@ -196,7 +197,7 @@ def check_weight_path(path, node: str = "weights") -> None:
     parts = path.split(".") if isinstance(path, str) else [None]
     if not all(p is not None and (is_identifier(p) or p.isdigit()) and not p.startswith("_")
                and p not in _module_attributes() for p in parts):
-        raise IRDataError(f"node {node}: bad weight name {_short(path)}")
+        raise IRDataError(f"node {node}: bad weight name {shown(path)}")
 
 
 def _check_weight_tree(targets: set[str]) -> None:
@@ -214,9 +215,6 @@ def _module_attributes() -> frozenset:
     return frozenset(dir(fx.GraphModule(torch.nn.Module(), fx.Graph())))
 
 
-def _short(value, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def allowed_aten(op) -> bool:
@@ -307,15 +305,15 @@ def _decode(a, env: dict, node: str, depth: int):
     if isinstance(a, list):
         return [_decode(x, env, node, depth + 1) for x in a]
     if isinstance(a, int) and not isinstance(a, bool) and not -2**63 <= a < 2**63:
-        raise IRDataError(f"node {node}: integer {_short(a, 40)} is out of the 64-bit range")
+        raise IRDataError(f"node {node}: integer {shown(a, 40)} is out of the 64-bit range")
     if a is None or isinstance(a, (bool, int, float, str)):
         return a
     if not isinstance(a, dict) or len(a) != 1:
-        raise IRDataError(f"node {node}: malformed argument {_short(a)}")
+        raise IRDataError(f"node {node}: malformed argument {shown(a)}")
     (tag, v), = a.items()
     if tag == "node":
         if not isinstance(v, str) or v not in env:
-            raise IRDataError(f"node {node}: refers to {_short(v)}, which is not defined before it")
+            raise IRDataError(f"node {node}: refers to {shown(v)}, which is not defined before it")
         return env[v]
     if tag in ("tuple", "slice") and isinstance(v, list):
         items = [_decode(x, env, node, depth + 1) for x in v]
@@ -334,7 +332,7 @@ def _decode(a, env: dict, node: str, depth: int):
             raise IRDataError(f"node {node}: places a tensor on {v}, and this machine has no "
                               f"CUDA device")
         return torch.device(v)
-    raise IRDataError(f"node {node}: malformed {_short(tag)} argument {_short(v)}")
+    raise IRDataError(f"node {node}: malformed {shown(tag)} argument {shown(v)}")
 
 
 _DEVICE = re.compile(r"(cpu|cuda)(:[0-9]{1,3})?")  # not meta: it holds no values

@@ -31,7 +31,6 @@ from rewriter.ops.selection import (page_scores, pages_to_tokens, select_pages, 
 from rewriter.ops.eagle import EAGLE_WEIGHTS, eagle_layer
 from rewriter.ops.attributes import (ATTRIBUTES, CONTEXT_BOUNDED, check_arguments,
                                      check_context, op_arguments)
-from rewriter.values import MAX_INT  # passes bound their attributes by it
 
 __all__ = [
     "OPS", "REFERENCE", "ShapeError", "short_name",
@@ -41,5 +40,4 @@ __all__ = [
     "select_tokens", "select_pages", "with_recent", "page_scores", "pages_to_tokens",
     "top_tokens", "EAGLE_WEIGHTS", "eagle_layer",
     "ATTRIBUTES", "CONTEXT_BOUNDED", "check_context", "op_arguments", "check_arguments",
-    "MAX_INT",
 ]

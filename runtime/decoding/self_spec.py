@@ -17,7 +17,6 @@ from .speculative import speculative_loop
 from .checks import check_no_ring
 
 
-
 class SelfSpeculativeStrategy(Strategy):
     def programs(self, ir: IR, lowering) -> dict:
         """``draft``: the IR with the skip set bypassed (``rewriter.ir.skip``), its linears
@@ -38,8 +37,8 @@ class SelfSpeculativeStrategy(Strategy):
 
 def int4_draft(draft: IR) -> IR:
     """``draft`` (a copy: ``skipped`` makes one) with its linears' weights in 4 bits, groups
-    of 32, as the ``Int4Weights`` pass stores them (``rewriter.ir.int4``); the LM head stays
-    dense, as there."""
+    of ``DEFAULT_GROUP``, as the ``Int4Weights`` pass stores them (``rewriter.ir.int4``);
+    the LM head stays dense, as there."""
     try:
         info = quantize_linears(draft, DEFAULT_GROUP, lm_head=False, pass_name="Int4Weights")
     except (AttributeError, RuntimeError, TypeError, ValueError) as e:  # an artifact's odd names
