@@ -2,6 +2,8 @@
 acceptance, KV compaction), lossless greedy decoding on every family, ragged batches,
 EOS inside an accepted path, the sampling distribution, draft vocabularies, artifacts,
 the Triton backend, heads files and bad parameters."""
+import functools
+
 import pytest
 import torch
 
@@ -14,7 +16,8 @@ from rewriter.runtime.kv_cache import KVCache, cache_table
 from rewriter.decoding import check_record
 from rewriter.drafts.tree import Tree, best_subtree, choose_tree, expected_tokens, make_tree
 
-from conftest import CONFIGS, assert_same_distribution, make_model, oracle_drafts, varied_init
+from conftest import (CONFIGS, assert_same_distribution, make_model, oracle_drafts, traced_model,
+                      varied_init)
 
 IDS = torch.tensor([[3, 17, 42, 5, 99, 8, 64], [1, 2, 3, 4, 5, 6, 7]])
 RAGGED = [[3, 17, 42, 5, 99, 8, 64, 11, 12], [1, 2, 3], [50, 51, 52, 53, 54]]
@@ -27,8 +30,17 @@ WIDE = [[0], [1], [2], [3], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 def pair(config: str, tree=WIDE, **overrides):
     """(plain, medusa) optimized models of one seeded model; untrained heads (each guesses
     the LM head's token again), which random models' repetitive text often accepts."""
-    model = make_model(config, initializer_range=varied_init(config), **overrides)
-    return rewriter.optimize(model), rewriter.optimize(model, passes=[MedusaHeads(num_heads=3, tree=tree)])
+    _, traced = traced_model(config, initializer_range=varied_init(config), **overrides)
+    return rewriter.optimize(traced), rewriter.optimize(traced, passes=[MedusaHeads(num_heads=3, tree=tree)])
+
+
+@functools.cache
+def default_traced():
+    """The shipped model and tokenizer as ``from_pretrained("default")`` loads them, traced
+    once per test process: pipelines with its shipped heads optimize copies of the trace
+    (``generate`` reads the model's config only, not the checkpoint's chat settings)."""
+    from rewriter.models.checkpoints import load_hf_model, load_tokenizer
+    return rewriter.trace(load_hf_model("default"), tokenizer=load_tokenizer("default"))
 
 
 def random_heads(model, path, k=3, scale=0.05, seed=0, counts=True):
@@ -228,9 +240,9 @@ def test_trees_that_reach_the_end_of_the_cache_are_cut_short():
 
 def test_sampling_follows_the_models_distribution():
     """Two-sample chi-square on the second and third sampled tokens, 3000 rows each way."""
-    model = make_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)
-    plain = rewriter.optimize(model)
-    med = rewriter.optimize(model, passes=[MedusaHeads(num_heads=2, tree=[[0], [1], [2], [0, 0]])])
+    _, traced = traced_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)
+    plain = rewriter.optimize(traced)
+    med = rewriter.optimize(traced, passes=[MedusaHeads(num_heads=2, tree=[[0], [1], [2], [0, 0]])])
     ids = torch.tensor([[5, 9, 2]]).expand(3000, 3)
     kw = dict(max_new_tokens=3, do_sample=True, top_k=0, eos_token_id=[])
     a = plain.generate(ids, seed=1, **kw)
@@ -286,10 +298,10 @@ def test_typical_acceptance_on_hand_made_logits_accepts_what_greedy_would_not():
 
 # ---------------------------------------------------------------------------- heads, files, artifacts
 def test_trained_heads_files_draft_vocabularies_and_artifact_round_trip(tmp_path):
-    model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
+    model, traced = traced_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
     path = random_heads(model, tmp_path / "h.safetensors")
-    plain = rewriter.optimize(model)
-    med = rewriter.optimize(model, passes=[MedusaHeads(weights=str(path), draft_vocab=32, tree=WIDE)])
+    plain = rewriter.optimize(traced)
+    med = rewriter.optimize(traced, passes=[MedusaHeads(weights=str(path), draft_vocab=32, tree=WIDE)])
     vocab = med.ir.weight("medusa.vocab")
     assert vocab.shape == (32,) and "index_select" in str(med.ir)
     _, draft = med.ir.gm(IDS, torch.arange(7).expand(2, 7))
@@ -307,8 +319,8 @@ def test_trained_heads_files_draft_vocabularies_and_artifact_round_trip(tmp_path
 def test_the_ir_and_its_dumps_show_the_heads_and_their_programs(tmp_path):
     """The heads print as ops of their pass, the pass's dump and diff list them, and the
     dump's programs include the ones the tree rounds run."""
-    model = make_model("llama-gqa-3l")
-    med = rewriter.optimize(model, passes=[MedusaHeads(num_heads=2, tree=[[0], [0, 0]])])
+    med = rewriter.optimize(traced_model("llama-gqa-3l")[1],
+                            passes=[MedusaHeads(num_heads=2, tree=[[0], [0, 0]])])
     heads = [ln for ln in str(med.ir).splitlines() if ln.strip().startswith("%medusa_")]
     assert any("rw.silu" in ln for ln in heads) and all("# draft_head [MedusaHeads]" in ln for ln in heads)
     assert "return [%linear_21, %medusa_logits]" in str(med.ir)  # the heads' logits beside the model's
@@ -321,10 +333,10 @@ def test_the_ir_and_its_dumps_show_the_heads_and_their_programs(tmp_path):
 
 
 def test_auto_tree_comes_from_accuracies_and_measured_cost(tmp_path):
-    model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
+    model, traced = traced_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
     path = random_heads(model, tmp_path / "h.safetensors")
     p = MedusaHeads(weights=str(path), max_nodes=6)
-    med = rewriter.optimize(model, passes=[p])
+    med = rewriter.optimize(traced, passes=[p])
     assert 1 <= len(med.ir.info["decoding"]["tree"]) <= 6
     assert p.report["expected_tokens"] > 1 and p.lookup == 4  # the default beside the auto tree
     assert len(p.report["verify_cost"]) == 7 + 4  # a round of the largest tree and a chain
@@ -372,18 +384,18 @@ def test_bad_parameters_and_conflicts_are_refused(tmp_path):
                           ({"num_heads": 2, "posterior_alpha": float("nan")}, "posterior_alpha")):
         with pytest.raises(ValueError, match=match):
             MedusaHeads(**kwargs)
-    model = make_model("llama-gqa-3l")
+    _, traced = traced_model("llama-gqa-3l")
     with pytest.raises(PassError, match="already has a decoding strategy"):
-        rewriter.optimize(model, passes=[SelfSpeculative(skip_layers=[1]), MedusaHeads(num_heads=2)])
+        rewriter.optimize(traced, passes=[SelfSpeculative(skip_layers=[1]), MedusaHeads(num_heads=2)])
     with pytest.raises(PassError, match="already has a decoding strategy"):
-        rewriter.optimize(model, passes=[MedusaHeads(num_heads=2), SelfSpeculative(skip_layers=[1])])
+        rewriter.optimize(traced, passes=[MedusaHeads(num_heads=2), SelfSpeculative(skip_layers=[1])])
     assert isinstance(from_spec("medusa_heads:num_heads=2,tree=[[0],[0,0]]"), MedusaHeads)
 
 
 def test_the_triton_backend_gives_the_same_tokens():
-    model = make_model("llama-gqa-3l", initializer_range=0.2, num_hidden_layers=2)
-    plain = rewriter.optimize(model)
-    med = rewriter.optimize(model, passes=[MedusaHeads(num_heads=2, tree=[[0], [1], [0, 0]])],
+    _, traced = traced_model("llama-gqa-3l", initializer_range=0.2, num_hidden_layers=2)
+    plain = rewriter.optimize(traced)
+    med = rewriter.optimize(traced, passes=[MedusaHeads(num_heads=2, tree=[[0], [1], [0, 0]])],
                             backend="triton")
     kw = dict(max_new_tokens=6, eos_token_id=[])
     assert torch.equal(med.generate(RAGGED[:2], **kw), plain.generate(RAGGED[:2], **kw))
@@ -391,8 +403,8 @@ def test_the_triton_backend_gives_the_same_tokens():
 
 
 def test_the_default_model_with_its_shipped_heads_is_lossless_and_accepts():
-    plain = rewriter.from_pretrained("default")
-    med = rewriter.from_pretrained("default", passes=[MedusaHeads(weights="default", tree=DEEP)])
+    plain = rewriter.optimize(default_traced())
+    med = rewriter.optimize(default_traced(), passes=[MedusaHeads(weights="default", tree=DEEP)])
     ids = [plain.tokenizer.encode("def main(").ids, plain.tokenizer.encode("import os\n").ids]
     assert torch.equal(med.generate(ids, max_new_tokens=48), plain.generate(ids, max_new_tokens=48))
     s = med.stats
@@ -500,9 +512,9 @@ def test_records_that_disagree_with_the_graphs_draft_vocabulary_are_refused(tmp_
     from rewriter.errors import RewriterError
     from rewriter.runtime.decoding import strategy_for
     from rewriter.runtime.programs import build_programs
-    model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
+    model, traced = traced_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
     path = random_heads(model, tmp_path / "h.safetensors")
-    big = rewriter.optimize(model, passes=[MedusaHeads(weights=str(path), draft_vocab=500, tree=WIDE)])
+    big = rewriter.optimize(traced, passes=[MedusaHeads(weights=str(path), draft_vocab=500, tree=WIDE)])
     assert big.ir.info["decoding"]["draft_vocab"] == 128  # the whole vocabulary: recorded as such
     big.ir.info["decoding"]["draft_vocab"] = None  # the graph still trims through medusa.vocab
     with pytest.raises(RewriterError, match="come together"):
@@ -578,10 +590,10 @@ def test_batch_trees_give_larger_batches_a_sub_tree_and_stay_lossless(tmp_path):
 def test_hydra_batch_trees_draft_only_their_levels(tmp_path):
     from rewriter.passes import HydraHeads
     from test_hydra_heads import hydra_heads
-    model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
+    model, traced = traced_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
     path = hydra_heads(model, tmp_path / "h.safetensors")
-    plain = rewriter.optimize(model)
-    hyd = rewriter.optimize(model, passes=[HydraHeads(weights=str(path), tree=WIDE)])
+    plain = rewriter.optimize(traced)
+    hyd = rewriter.optimize(traced, passes=[HydraHeads(weights=str(path), tree=WIDE)])
     _check_batch_trees(hyd, plain, 3)
 
 
@@ -599,14 +611,14 @@ def test_auto_tree_gives_larger_batches_the_sub_trees_their_costs_pay_for(tmp_pa
     2 verify cheaply, 4 dearly, 8 so dearly that nothing pays)."""
     from rewriter.runtime.measurer import RuntimeMeasurer
     from conftest import fixed_round_work
-    model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
+    model, traced = traced_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
     path = random_heads(model, tmp_path / "h.safetensors")
     fixed_round_work(monkeypatch)  # the programs' costs alone, as set here
     slope = {1: 0.0, 2: 0.0, 4: 0.3, 8: 5.0}
     monkeypatch.setattr(RuntimeMeasurer, "verify_cost", lambda self, ir, most, runs=15, batch=1:
                         [0.0] + [1.0 + slope[batch] * s for s in range(most)])
     monkeypatch.setattr(RuntimeMeasurer, "heads_cost", lambda *a, **k: 0.0)
-    med = rewriter.optimize(model, passes=[MedusaHeads(weights=str(path), max_nodes=6)])
+    med = rewriter.optimize(traced, passes=[MedusaHeads(weights=str(path), max_nodes=6)])
     record = med.ir.info["decoding"]
     trees = dict((b, sub) for b, sub in record["batch_trees"])
     assert len(record["tree"]) == 6 and trees[2] == record["tree"]
@@ -615,9 +627,9 @@ def test_auto_tree_gives_larger_batches_the_sub_trees_their_costs_pay_for(tmp_pa
     slope[1] = 5.0
     monkeypatch.setattr(RuntimeMeasurer, "heads_cost", lambda *a, **k: 0.5)
     p = MedusaHeads(weights=str(path), max_nodes=6)
-    med = rewriter.optimize(model, passes=[p])
+    med = rewriter.optimize(traced, passes=[p])
     assert p.report["predicted_speedup"] < 1
     assert med.ir.info["decoding"]["batch_trees"] == [[1, []]]
-    plain = rewriter.optimize(model)
+    plain = rewriter.optimize(traced)
     assert torch.equal(med.generate(IDS[:1], **KW), plain.generate(IDS[:1], **KW))
     assert med.stats["head_passes"] == 0 and med.stats["forward_passes"] == KW["max_new_tokens"]

@@ -22,7 +22,7 @@ from rewriter.passes import (DuoAttention, FuseQKV, FuseRoPE, LayerSkip, SelfSpe
 from rewriter.runtime.kv_cache import cache_table, ring_part
 
 from artifact_tools import artifact_files, reseal
-from conftest import make_model, reference_greedy
+from conftest import reference_greedy, traced_model
 
 GOLDEN = Path(__file__).parent / "golden"
 ROWS = [[3, 17, 42, 5, 99, 8, 64, 7, 9, 11, 13, 2], [1, 2, 3], [50, 60, 70, 80, 90]]
@@ -30,8 +30,9 @@ KW = dict(max_new_tokens=14, eos_token_id=[])
 MIXED = [[0.9, 0.1], [0.1, 0.2], [0.9, 0.8]]  # layer 0 split, layer 1 streams, layer 2 full
 
 
-def _model(config="llama-gqa-3l", **kw):
-    return make_model(config, initializer_range=0.2, **kw)
+def _model(config="llama-gqa-3l"):
+    """The trace of ``config`` (traced once per process; each pipeline optimizes a copy)."""
+    return traced_model(config, initializer_range=0.2)[1]
 
 
 def duo(model, gates=MIXED, sinks=2, window=4, extra=(), **kw):
@@ -54,9 +55,9 @@ def test_the_ir_shows_the_gates_and_the_split():
 
 @pytest.mark.parametrize("config", ["llama-gqa-3l", "qwen2-hd20-2l", "llama-hd24-2l"])
 def test_the_split_runtime_equals_the_whole_sequence_graph(config):
-    model = _model(config)
-    heads = model.config.num_key_value_heads
-    layers = model.config.num_hidden_layers
+    hf, model = traced_model(config, initializer_range=0.2)
+    heads = hf.config.num_key_value_heads
+    layers = hf.config.num_hidden_layers
     gates = [[0.9 if (h + i) % 2 == 0 else 0.1 for h in range(heads)] for i in range(layers)]
     opt = duo(model, gates)
     assert any(s.full_heads for s in cache_table(opt.ir.gm).values())

@@ -12,7 +12,7 @@ from rewriter.errors import PassError, RewriterError
 from rewriter.passes import EagleDraft, HydraHeads, from_spec
 from rewriter.passes.eagle_draft import budget_tree
 
-from conftest import assert_same_distribution, make_model, random_draft, varied_init
+from conftest import assert_same_distribution, make_model, random_draft, traced_model, varied_init
 
 RAGGED = [[3, 17, 42, 5, 99, 8, 64, 11, 12], [1, 2, 3], [50, 51, 52, 53, 54]]
 KW = dict(max_new_tokens=24, eos_token_id=[])
@@ -75,9 +75,9 @@ def taught(default, tmp_path_factory):
 
 
 def test_the_op_in_the_ir_is_the_layer_teacher_forced(tmp_path):
-    model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
+    model, traced = traced_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
     path = random_draft(model, tmp_path / "d.safetensors", scale=20.0)
-    opt = rewriter.optimize(model, passes=[EagleDraft(weights=str(path))])
+    opt = rewriter.optimize(traced, passes=[EagleDraft(weights=str(path))])
     text = str(opt.ir)
     assert "eagle_layer" in text and "eagle.q_proj" in text
     assert {f"eagle.{a}" for a, _ in rewriter.ops.EAGLE_WEIGHTS} <= set(opt.ir.weights())
@@ -185,9 +185,8 @@ def test_an_end_of_sequence_inside_an_accepted_path(taught, default):
 
 @pytest.mark.parametrize("config", ["llama-gqa-3l", "qwen2-mqa-3l", "mistral-window-3l", "gpt2-3l"])
 def test_random_drafts_are_lossless_on_model_families(config, tmp_path):
-    model = make_model(config, initializer_range=varied_init(config))
+    model, traced = traced_model(config, initializer_range=varied_init(config))
     path = random_draft(model, tmp_path / "d.safetensors")
-    traced = rewriter.trace(model)  # one trace, two pipelines
     plain = rewriter.optimize(traced)
     opt = rewriter.optimize(traced, passes=[EagleDraft(weights=str(path), nodes=6, depth=3)])
     opt.fallback = False
@@ -197,9 +196,8 @@ def test_random_drafts_are_lossless_on_model_families(config, tmp_path):
 
 def test_sampling_follows_the_models_distribution(tmp_path):
     """Two-sample chi-square on the second and third sampled tokens, 3000 rows each way."""
-    model = make_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)
+    model, traced = traced_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)
     path = random_draft(model, tmp_path / "d.safetensors")
-    traced = rewriter.trace(model)  # one trace, two pipelines
     plain = rewriter.optimize(traced)
     opt = rewriter.optimize(traced, passes=[EagleDraft(weights=str(path), nodes=6, depth=2)])
     opt.fallback = False
@@ -227,9 +225,8 @@ def test_artifact_round_trip(taught, default, tmp_path):
 
 
 def test_the_triton_backend_gives_the_same_tokens(tmp_path):
-    model = make_model("llama-gqa-3l", initializer_range=0.2, num_hidden_layers=2)
+    model, traced = traced_model("llama-gqa-3l", initializer_range=0.2, num_hidden_layers=2)
     path = random_draft(model, tmp_path / "d.safetensors")
-    traced = rewriter.trace(model)  # one trace, two pipelines
     plain = rewriter.optimize(traced)
     opt = rewriter.optimize(traced, passes=[EagleDraft(weights=str(path), nodes=4, depth=2)],
                             backend="triton")
@@ -283,10 +280,9 @@ def test_its_repr_names_every_setting(tmp_path):
 
 
 def test_a_draft_for_another_model_is_refused(tmp_path):
-    model = make_model("llama-gqa-3l")
+    model, traced = traced_model("llama-gqa-3l")
     other = make_model("llama-gqa-3l", seed=1)
     path = random_draft(other, tmp_path / "d.safetensors")
-    traced = rewriter.trace(model)  # one trace, two pipelines
     with pytest.raises(PassError, match="another model"):
         rewriter.optimize(traced, passes=[EagleDraft(weights=str(path))])
     with pytest.raises(PassError, match="already has a decoding strategy"):
@@ -296,8 +292,7 @@ def test_a_draft_for_another_model_is_refused(tmp_path):
 
 def test_hostile_records_and_graphs_are_refused(tmp_path):
     from rewriter.decoding import check_record
-    model = make_model("llama-gqa-3l")
-    traced = rewriter.trace(model)  # one trace, three pipelines
+    model, traced = traced_model("llama-gqa-3l")
     opt = rewriter.optimize(traced, passes=[EagleDraft(weights=str(random_draft(model, tmp_path / "d.safetensors")))])
     r = dict(opt.ir.info["decoding"])
     assert check_record(r) is None
@@ -453,14 +448,14 @@ def test_a_padded_rows_draft_cache_is_its_prompts_alone(taught, default, monkeyp
 def repeating(tmp_path_factory):
     """(model, trace, params, shape, path): a 16-token model whose random text repeats,
     traced once, and a seeded random draft for it (with counts) saved at ``path``."""
-    model = make_model("llama-gqa-3l", vocab_size=16, initializer_range=0.2)
+    model, traced = traced_model("llama-gqa-3l", vocab_size=16, initializer_range=0.2)
     h = model.config.hidden_size
     shape = eagle.Shape(h, 4, 2, 2 * h)
     p = {k: v * 5 if v.dim() == 2 else v for k, v in eagle.init(shape, torch.Generator().manual_seed(0)).items()}
     path = tmp_path_factory.mktemp("repeating") / "d.safetensors"
     eagle_file.made(p, shape, model.get_output_embeddings().weight.detach(),
                     counts=torch.arange(16)).save(path)
-    return model, rewriter.trace(model), p, shape, path
+    return model, traced, p, shape, path
 
 
 @pytest.mark.parametrize("mode", ["greedy", "sampled", "typical", "lookup", "trimmed"])

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import rewriter
-from conftest import make_model
+from conftest import make_model, traced_model
 from rewriter.passes import LayerSkip
 from test_frontend import TinyMLP
 
@@ -43,17 +43,17 @@ class BreaksIR(rewriter.Pass):
 
 
 def test_failing_pass_error_names_the_pass_and_the_passes_before_it():
-    model = make_model("llama-gqa-3l")
+    _, traced = traced_model("llama-gqa-3l")
     with pytest.raises(rewriter.PassError) as err:
-        rewriter.optimize(model, passes=[LayerSkip(layers=[1]), Explodes()])
+        rewriter.optimize(traced, passes=[LayerSkip(layers=[1]), Explodes()])
     assert "pass Explodes() failed: boom" in str(err.value)
     assert "passes before it: lift, LayerSkip(layers=[1])" in str(err.value)
 
 
 def test_pass_leaving_a_broken_ir_is_caught_by_verification():
-    model = make_model("llama-gqa-3l")
+    _, traced = traced_model("llama-gqa-3l")
     with pytest.raises(rewriter.PassError, match=r"BreaksIR\(\) left an IR that does not verify"):
-        rewriter.optimize(model, passes=[BreaksIR()])
+        rewriter.optimize(traced, passes=[BreaksIR()])
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -71,19 +71,19 @@ def test_bad_layer_skip_parameters_raise_value_error(kwargs, message):
 
 
 def test_layer_index_out_of_range_raises_value_error():
-    model = make_model("llama-gqa-3l")
+    _, traced = traced_model("llama-gqa-3l")
     with pytest.raises(ValueError, match=r"layer 7 is out of range; the model has layers 0..2"):
-        rewriter.optimize(model, passes=[LayerSkip(layers=[7])])
+        rewriter.optimize(traced, passes=[LayerSkip(layers=[7])])
 
 
 def test_skipping_every_layer_raises_value_error():
-    model = make_model("llama-gqa-3l")
+    _, traced = traced_model("llama-gqa-3l")
     with pytest.raises(ValueError, match=r"would skip every layer"):
-        rewriter.optimize(model, passes=[LayerSkip(layers=[0, 1, 2])])
+        rewriter.optimize(traced, passes=[LayerSkip(layers=[0, 1, 2])])
 
 
 def test_unknown_backend_and_non_pass_raise():
-    model = make_model("llama-gqa-3l")
+    model = make_model("llama-gqa-3l")  # a module: both are refused before it is traced
     with pytest.raises(ValueError, match="unknown backend 'tpu'; available: torch"):
         rewriter.optimize(model, backend="tpu")
     with pytest.raises(TypeError, match=r"passes\[0\] is 'layer_skip', not a rewriter Pass"):

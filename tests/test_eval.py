@@ -8,7 +8,7 @@ from rewriter.models.checkpoints import load_hf_model, load_tokenizer
 from rewriter.api.eval import EvalSettings, agreement, cost, evaluate, format_table
 from rewriter.passes import LayerSkip
 
-from conftest import make_model
+from conftest import traced_model
 
 SMALL = EvalSettings(ppl_chunks=2, ppl_length=128, prompts=3, prompt_length=24, new_tokens=12,
                      passkey_lengths=(256,), passkey_depths=(0.5,), passkey_trials=2,
@@ -45,7 +45,7 @@ def test_skipping_the_middle_layers_scores_worse(default):
 
 
 def test_cost_counters_match_hand_counts():
-    opt = rewriter.optimize(make_model("llama-gqa-3l"), passes=[LayerSkip(layers=[1])])
+    opt = rewriter.optimize(traced_model("llama-gqa-3l")[1], passes=[LayerSkip(layers=[1])])
     opt.generate(torch.zeros(3, 5, dtype=torch.long), max_new_tokens=10, eos_token_id=[])
     # one prefill + nine decode calls, each over the whole batch, two layers each
     assert dict(opt.stats) == {"forward_passes": 10, "layer_evals": 20, "tokens": 10}
@@ -57,9 +57,8 @@ def test_cost_counters_match_hand_counts():
 
 def test_the_table_shows_what_a_decode_step_reads():
     from rewriter.passes import SelfSpeculative, TidalDecode
-    model = make_model("llama-gqa-3l")
+    _, traced = traced_model("llama-gqa-3l")
     prompt = torch.zeros(1, 5, dtype=torch.long)
-    traced = rewriter.trace(model)  # one trace, 2 pipelines
     tidal = rewriter.optimize(traced, passes=[TidalDecode(selection_layers=[0], top_k=9)])
     c = cost(tidal, prompt, 4, runs=1)
     # layer 0 reads the whole cache, layers 1 and 2 their top 9 and the query

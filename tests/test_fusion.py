@@ -4,6 +4,7 @@ numerically lossless against the unfused IR on every family it applies to.
 Regenerate the golden files after an intended change with
 ``REWRITER_UPDATE_GOLDEN=1 pytest tests/test_fusion.py``, and read the diff.
 """
+import functools
 import os
 from pathlib import Path
 
@@ -13,18 +14,31 @@ import torch
 import rewriter
 from rewriter.passes import FuseAddRMSNorm, FuseQKV, FuseRoPE, FuseSwiGLU, LayerSkip
 
-from conftest import CONFIGS, assert_close_rel, make_model, varied_init
+from conftest import CONFIGS, assert_close_rel, traced_model, varied_init
 
 GOLDEN = Path(__file__).parent / "golden"
 PASSES = {"fuse_qkv": FuseQKV, "fuse_swiglu": FuseSwiGLU, "fuse_add_rms_norm": FuseAddRMSNorm,
           "fuse_rope": FuseRoPE}
 IDS = torch.tensor([[3, 17, 42, 5, 99, 8, 64], [1, 2, 3, 4, 5, 6, 7]])
+GENERATE = dict(max_new_tokens=16, eos_token_id=[])
+
+
+def varied(config):
+    """The trace of ``config`` with weights large enough for varied greedy continuations."""
+    return traced_model(config, initializer_range=varied_init(config))[1]
+
+
+@functools.cache
+def unfused(config):
+    """The unfused pipeline's logits and greedy tokens for ``IDS``: the reference every
+    fusion of ``config`` must equal (computed once, only read)."""
+    base = rewriter.optimize(varied(config))
+    return base(IDS), base.generate(IDS, **GENERATE)
 
 
 @pytest.mark.parametrize("name", sorted(PASSES))
 def test_before_and_after_match_the_golden_text(name):
-    model = make_model("llama-gqa-3l", num_hidden_layers=1)
-    traced = rewriter.trace(model)  # one trace, 2 pipelines
+    traced = traced_model("llama-gqa-3l", num_hidden_layers=1)[1]
     before = str(rewriter.optimize(traced).ir)
     after = str(rewriter.optimize(traced, passes=[PASSES[name]()]).ir)
     text = f"### before\n{before}\n\n### after {PASSES[name].__name__}()\n{after}\n"
@@ -37,19 +51,16 @@ def test_before_and_after_match_the_golden_text(name):
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 @pytest.mark.parametrize("name", sorted(PASSES))
 def test_each_fusion_is_lossless(config, name):
-    model = make_model(config, initializer_range=varied_init(config))
-    traced = rewriter.trace(model)  # one trace, 2 pipelines
-    base = rewriter.optimize(traced)
-    opt = rewriter.optimize(traced, passes=[PASSES[name]()])
-    assert_close_rel(opt(IDS), base(IDS), rel=1e-5)
-    kw = dict(max_new_tokens=16, eos_token_id=[])
-    assert torch.equal(opt.generate(IDS, **kw), base.generate(IDS, **kw))
+    opt = rewriter.optimize(varied(config), passes=[PASSES[name]()])
+    logits, tokens = unfused(config)
+    assert_close_rel(opt(IDS), logits, rel=1e-5)
+    assert torch.equal(opt.generate(IDS, **GENERATE), tokens)
 
 
 def test_fusions_find_what_each_family_has():
     counts = {}
     for config in ("llama-gqa-3l", "gpt2-3l"):
-        opt = rewriter.optimize(make_model(config), passes=[p() for p in PASSES.values()])
+        opt = rewriter.optimize(traced_model(config)[1], passes=[p() for p in PASSES.values()])
         counts[config] = opt.ir.info["fusions"]
     # every RMSNorm but the first and the final one: 2 per layer - 1
     assert counts["llama-gqa-3l"] == {"FuseQKV": 3, "FuseSwiGLU": 3, "FuseAddRMSNorm": 5,
@@ -59,7 +70,7 @@ def test_fusions_find_what_each_family_has():
 
 
 def test_fused_weights_replace_the_originals():
-    opt = rewriter.optimize(make_model("llama-gqa-3l"), passes=[FuseQKV(), FuseSwiGLU()])
+    opt = rewriter.optimize(traced_model("llama-gqa-3l")[1], passes=[FuseQKV(), FuseSwiGLU()])
     names = set(opt.ir.weights())
     assert "model.layers.0.self_attn.qkv_proj.weight" in names
     assert "model.layers.0.mlp.gate_up_proj.weight" in names
@@ -70,25 +81,24 @@ def test_fused_weights_replace_the_originals():
 
 
 def test_all_fusions_with_layer_skip_save_and_load(tmp_path):
-    model = make_model("qwen2-mqa-3l", initializer_range=0.2)
+    traced = traced_model("qwen2-mqa-3l", initializer_range=0.2)[1]
     passes = [LayerSkip(layers=[1]), FuseQKV(), FuseSwiGLU(), FuseAddRMSNorm()]
-    traced = rewriter.trace(model)  # one trace, 2 pipelines
     opt = rewriter.optimize(traced, passes=passes)
     ref = rewriter.optimize(traced, passes=[LayerSkip(layers=[1])])
-    kw = dict(max_new_tokens=16, eos_token_id=[])
-    assert torch.equal(opt.generate(IDS, **kw), ref.generate(IDS, **kw))
+    assert torch.equal(opt.generate(IDS, **GENERATE), ref.generate(IDS, **GENERATE))
     opt.save(tmp_path / "a")
-    assert torch.equal(rewriter.load(tmp_path / "a").generate(IDS, **kw), opt.generate(IDS, **kw))
+    loaded = rewriter.load(tmp_path / "a")
+    assert torch.equal(loaded.generate(IDS, **GENERATE), opt.generate(IDS, **GENERATE))
 
 
 def test_fused_ir_keeps_its_layer_spans():
-    model = make_model("llama-gqa-3l")
-    traced = rewriter.trace(model)  # one trace, 2 pipelines
+    traced = traced_model("llama-gqa-3l")[1]
     plain = rewriter.optimize(traced).ir
     fused = rewriter.optimize(traced, passes=[p() for p in PASSES.values()]).ir
     assert [s["index"] for s in fused.layers] == [s["index"] for s in plain.layers] == [0, 1, 2]
 
 
 def test_layer_skip_after_fuse_add_rms_norm_is_refused():
+    traced = traced_model("llama-gqa-3l")[1]
     with pytest.raises(rewriter.PassError, match="must run before FuseAddRMSNorm"):
-        rewriter.optimize(make_model("llama-gqa-3l"), passes=[FuseAddRMSNorm(), LayerSkip(layers=[1])])
+        rewriter.optimize(traced, passes=[FuseAddRMSNorm(), LayerSkip(layers=[1])])

@@ -6,10 +6,9 @@ import torch
 
 import rewriter
 from rewriter.drafts import heads as heads_file
-from rewriter.errors import PassError
 from rewriter.passes import HydraHeads, MedusaHeads, from_spec
 
-from conftest import assert_same_distribution, make_model, oracle_drafts, varied_init
+from conftest import assert_same_distribution, oracle_drafts, traced_model, varied_init
 
 IDS = torch.tensor([[3, 17, 42, 5, 99, 8, 64], [1, 2, 3, 4, 5, 6, 7]])
 RAGGED = [[3, 17, 42, 5, 99, 8, 64, 11, 12], [1, 2, 3], [50, 51, 52, 53, 54]]
@@ -36,8 +35,9 @@ def hydra_heads(model, path, k=3, scale=0.05, seed=0, blocks=1, arch="hydra"):
 
 
 def model_and_file(tmp_path, config="llama-gqa-3l", **kw):
-    model = make_model(config, initializer_range=varied_init(config))
-    return model, hydra_heads(model, tmp_path / "h.safetensors", **kw)
+    """(model, its shared trace, a seeded heads file for it) of ``config`` with varied weights."""
+    model, traced = traced_model(config, initializer_range=varied_init(config))
+    return model, traced, hydra_heads(model, tmp_path / "h.safetensors", **kw)
 
 
 def test_next_tokens_shifts_the_input():
@@ -48,8 +48,8 @@ def test_next_tokens_shifts_the_input():
 
 
 def test_the_heads_in_the_ir_compute_hydras_math(tmp_path):
-    model, path = model_and_file(tmp_path)
-    hy = rewriter.optimize(model, passes=[HydraHeads(weights=str(path), tree=WIDE)])
+    model, traced, path = model_and_file(tmp_path)
+    hy = rewriter.optimize(traced, passes=[HydraHeads(weights=str(path), tree=WIDE)])
     text = str(hy.ir)
     assert "rw.next_tokens" in text and "hydra_2_linear" in text
     logits, draft = hy.ir.gm(IDS, torch.arange(7).expand(2, 7))
@@ -65,12 +65,12 @@ def test_the_heads_in_the_ir_compute_hydras_math(tmp_path):
 def test_deeper_heads_compute_their_math_stay_lossless_and_round_trip(arch, tmp_path):
     """Heads of 3 blocks: two more residual blocks after each head's first, in the IR, in
     the lowered head programs and in an artifact."""
-    model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
+    model, traced = traced_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
     path = hydra_heads(model, tmp_path / "h.safetensors", blocks=3, arch=arch)
     heads = heads_file.load(path, arch)
     assert heads.blocks == 3 and heads.deep[0].shape[:2] == (2, 3)
     cls = HydraHeads if arch == "hydra" else MedusaHeads
-    opt = rewriter.optimize(model, passes=[cls(weights=str(path), tree=WIDE)])
+    opt = rewriter.optimize(traced, passes=[cls(weights=str(path), tree=WIDE)])
     assert f"{arch}_2_block2_linear" in str(opt.ir)
     _, draft = opt.ir.gm(IDS, torch.arange(7).expand(2, 7))
     out = model(IDS, output_hidden_states=True)
@@ -85,7 +85,7 @@ def test_deeper_heads_compute_their_math_stay_lossless_and_round_trip(arch, tmp_
     want = r @ model.lm_head.weight.t()
     assert torch.allclose(draft, want, atol=1e-4)
     assert not torch.allclose(draft, shallow @ model.lm_head.weight.t(), atol=1e-2)  # the blocks count
-    plain = rewriter.optimize(model)
+    plain = rewriter.optimize(traced)
     assert torch.equal(opt.generate(RAGGED, **KW), plain.generate(RAGGED, **KW))
     assert opt.stats["rounds"] > 0
     opt.save(tmp_path / "a")
@@ -108,8 +108,8 @@ def test_deeper_heads_compute_their_math_stay_lossless_and_round_trip(arch, tmp_
 
 def test_drafting_level_by_level_fills_each_node_from_its_parents_path(tmp_path):
     """Every node's token is its rank among head d's guesses on the path down to its parent."""
-    model, path = model_and_file(tmp_path, scale=0.5)
-    hy = rewriter.optimize(model, passes=[HydraHeads(weights=str(path), tree=WIDE)])
+    model, traced, path = model_and_file(tmp_path, scale=0.5)
+    hy = rewriter.optimize(traced, passes=[HydraHeads(weights=str(path), tree=WIDE)])
     heads = heads_file.load(path, "hydra")
     from collections import Counter
     from rewriter.drafts.tree import make_tree
@@ -141,9 +141,9 @@ def test_drafting_level_by_level_fills_each_node_from_its_parents_path(tmp_path)
 
 @pytest.mark.parametrize("config", ["llama-gqa-3l", "qwen2-mqa-3l", "mistral-window-3l", "gpt2-3l"])
 def test_greedy_tokens_equal_plain_greedy(config, tmp_path):
-    model, path = model_and_file(tmp_path, config)
-    plain = rewriter.optimize(model)
-    hy = rewriter.optimize(model, passes=[HydraHeads(weights=str(path), tree=WIDE)])
+    _, traced, path = model_and_file(tmp_path, config)
+    plain = rewriter.optimize(traced)
+    hy = rewriter.optimize(traced, passes=[HydraHeads(weights=str(path), tree=WIDE)])
     assert torch.equal(hy.generate(IDS, **KW), plain.generate(IDS, **KW))
     together = hy.generate(RAGGED, **KW)
     for i, row in enumerate(RAGGED):
@@ -163,19 +163,19 @@ def sampled(plain, hy, prompt: list[int], rows: int = 3000, new: int = 3):
 def test_untrained_heads_accept_and_sampling_follows_the_model():
     """Zero heads guess the LM head's token again, which random models' repetitive text
     often accepts; sampled tokens against plain sampling, two-sample chi-square."""
-    model = make_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)
-    plain = rewriter.optimize(model)
-    hy = rewriter.optimize(model, passes=[HydraHeads(num_heads=2, tree=[[0], [1], [2], [0, 0]])])
+    _, traced = traced_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)
+    plain = rewriter.optimize(traced)
+    hy = rewriter.optimize(traced, passes=[HydraHeads(num_heads=2, tree=[[0], [1], [2], [0, 0]])])
     a, b = sampled(plain, hy, [5, 9, 2])
     assert hy.stats["accepted"] > 0
     assert_same_distribution(a, b, (4, 5), 48)
 
 
 def test_draft_vocabulary_artifact_round_trip_and_auto_tree(tmp_path):
-    model, path = model_and_file(tmp_path)
-    plain = rewriter.optimize(model)
+    _, traced, path = model_and_file(tmp_path)
+    plain = rewriter.optimize(traced)
     p = HydraHeads(weights=str(path), draft_vocab=32, max_nodes=6)
-    hy = rewriter.optimize(model, passes=[p])
+    hy = rewriter.optimize(traced, passes=[p])
     assert hy.ir.info["decoding"]["drafter"] == "hydra" and 1 <= len(hy.ir.info["decoding"]["tree"]) <= 6
     assert torch.equal(hy.generate(RAGGED, **KW), plain.generate(RAGGED, **KW))
     hy.save(tmp_path / "a")
@@ -187,7 +187,7 @@ def test_draft_vocabulary_artifact_round_trip_and_auto_tree(tmp_path):
 
 
 def test_heads_files_name_their_architecture_and_bad_ones_are_refused(tmp_path):
-    model, path = model_and_file(tmp_path)
+    _, _, path = model_and_file(tmp_path)
     with pytest.raises(ValueError, match="holds hydra heads"):
         MedusaHeads(weights=str(path))
     from safetensors.torch import load_file, save_file
@@ -224,8 +224,7 @@ def test_heads_files_name_their_architecture_and_bad_ones_are_refused(tmp_path):
 
 def test_a_graph_that_uses_next_tokens_for_its_logits_is_refused():
     """rw.next_tokens reads later positions: a cached step cannot run it."""
-    model = make_model("llama-gqa-3l")
-    eng = rewriter.optimize(model)
+    eng = rewriter.optimize(traced_model("llama-gqa-3l")[1])
     ir = eng.ir
     g = ir.graph
     (out,) = g.find_nodes(op="output")
@@ -245,18 +244,19 @@ def test_a_graph_that_uses_next_tokens_for_its_logits_is_refused():
 
 
 def test_the_triton_backend_gives_the_same_tokens(tmp_path):
-    model = make_model("llama-gqa-3l", initializer_range=0.2, num_hidden_layers=2)
+    model, traced = traced_model("llama-gqa-3l", initializer_range=0.2, num_hidden_layers=2)
     path = hydra_heads(model, tmp_path / "h.safetensors", k=2)
-    plain = rewriter.optimize(model)
-    hy = rewriter.optimize(model, passes=[HydraHeads(weights=str(path), tree=[[0], [1], [0, 0]])],
+    plain = rewriter.optimize(traced)
+    hy = rewriter.optimize(traced, passes=[HydraHeads(weights=str(path), tree=[[0], [1], [0, 0]])],
                            backend="triton")
     kw = dict(max_new_tokens=6, eos_token_id=[])
     assert torch.equal(hy.generate(RAGGED[:2], **kw), plain.generate(RAGGED[:2], **kw))
 
 
 def test_the_default_model_with_its_shipped_hydra_heads_is_lossless_and_accepts():
-    plain = rewriter.from_pretrained("default")
-    hy = rewriter.from_pretrained("default", passes=[HydraHeads(weights="default", tree=DEEP)])
+    from test_draft_heads import default_traced
+    plain = rewriter.optimize(default_traced())
+    hy = rewriter.optimize(default_traced(), passes=[HydraHeads(weights="default", tree=DEEP)])
     ids = [plain.tokenizer.encode("def main(").ids, plain.tokenizer.encode("import os\n").ids]
     assert torch.equal(hy.generate(ids, max_new_tokens=48), plain.generate(ids, max_new_tokens=48))
     s = hy.stats
@@ -266,9 +266,9 @@ def test_the_default_model_with_its_shipped_hydra_heads_is_lossless_and_accepts(
 def test_right_drafts_are_accepted_whole(tmp_path, monkeypatch):
     """The Hydra engine's rounds with drafts that are right (an oracle in place of the
     heads' guesses): whole chains accepted, plain greedy's tokens."""
-    model, path = model_and_file(tmp_path)
-    plain = rewriter.optimize(model)
-    hy = rewriter.optimize(model, passes=[HydraHeads(weights=str(path), tree=WIDE)])
+    _, traced, path = model_and_file(tmp_path)
+    plain = rewriter.optimize(traced)
+    hy = rewriter.optimize(traced, passes=[HydraHeads(weights=str(path), tree=WIDE)])
     ref = plain.generate(RAGGED, **KW)
     oracle_drafts(monkeypatch, ref[:, -24:].tolist(), 128)
     assert torch.equal(hy.generate(RAGGED, **KW), ref)

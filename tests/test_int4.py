@@ -10,7 +10,7 @@ from rewriter.passes import FuseQKV, FuseSwiGLU, Int4Weights, LayerSkip, from_sp
 from rewriter.runtime.kernels import int4_cpu_tables, linear_int4_cpu
 
 from artifact_tools import reseal, version_dir
-from conftest import assert_close_rel, make_model
+from conftest import assert_close_rel, make_model, traced_model
 
 IDS = torch.tensor([[3, 17, 42, 5, 99, 8, 64], [1, 2, 3, 4, 5, 6, 7]])
 GENERATE = dict(max_new_tokens=12, eos_token_id=[])
@@ -65,8 +65,7 @@ def test_int4_is_lossless_on_weights_already_on_the_grid(config):
 
 
 def test_int4_on_ordinary_weights_is_lossy_and_says_by_how_much():
-    model = make_model("llama-gqa-3l", initializer_range=0.2)
-    traced = rewriter.trace(model)  # one trace, 2 pipelines
+    _, traced = traced_model("llama-gqa-3l", initializer_range=0.2)
     opt = rewriter.optimize(traced, passes=[Int4Weights()])
     info = opt.ir.info["int4"]
     assert 0 < info["max_abs_error"] < info["max_abs_weight"] / 15  # under one step of 15
@@ -84,8 +83,7 @@ def reference_greedy(opt, ids, new: int) -> torch.Tensor:
 
 
 def test_lm_head_stays_dense_unless_asked():
-    model = make_model("llama-gqa-3l")
-    traced = rewriter.trace(model)  # one trace, 2 pipelines
+    _, traced = traced_model("llama-gqa-3l")
     kept = rewriter.optimize(traced, passes=[Int4Weights()])
     assert "lm_head.weight" in kept.ir.weights()
     taken = rewriter.optimize(traced, passes=[Int4Weights(group_size=64, lm_head=True)])
@@ -123,9 +121,9 @@ def test_bfloat16_programs_use_the_cpu_kernel_and_float32_ones_a_dense_copy():
 
 
 def test_int4_composes_with_fusions_and_layer_skip_and_round_trips(tmp_path):
-    model = make_model("llama-gqa-3l", initializer_range=0.2)
+    _, traced = traced_model("llama-gqa-3l", initializer_range=0.2)
     passes = [LayerSkip(layers=[1]), FuseQKV(), FuseSwiGLU(), Int4Weights()]
-    opt = rewriter.optimize(model, passes=passes)
+    opt = rewriter.optimize(traced, passes=passes)
     assert opt.ir.info["int4"]["linears"] == 2 * 4  # qkv, o, gate_up, down in 2 layers
     opt.save(tmp_path / "a")
     loaded = rewriter.load(tmp_path / "a")
@@ -147,15 +145,15 @@ def test_bad_parameters_are_refused():
 
 
 def test_a_model_with_nothing_to_quantize_is_a_pass_error():
-    model = make_model("llama-hd24-2l", hidden_size=72, intermediate_size=120)  # no multiple of 256
+    _, traced = traced_model("llama-hd24-2l", hidden_size=72, intermediate_size=120)  # no multiple of 256
     with pytest.raises(PassError, match="no linear whose in-features are a multiple of 256"):
-        rewriter.optimize(model, passes=[Int4Weights(group_size=256)])
+        rewriter.optimize(traced, passes=[Int4Weights(group_size=256)])
 
 
 @pytest.mark.parametrize("what", ["codes_dtype", "codes_width", "scales_shape"])
 def test_tampered_int4_weights_in_an_artifact_are_refused(tmp_path, what):
     from safetensors.torch import load_file, save_file
-    opt = rewriter.optimize(make_model("llama-gqa-3l"), passes=[Int4Weights()])
+    opt = rewriter.optimize(traced_model("llama-gqa-3l")[1], passes=[Int4Weights()])
     opt.save(tmp_path / "a")
     path = version_dir(tmp_path / "a") / "weights.safetensors"
     weights = load_file(path)

@@ -3,16 +3,16 @@ import pytest
 import torch
 
 import rewriter
-from conftest import CONFIGS, assert_close_rel, drop_layers, hf_logits, make_model
+from conftest import CONFIGS, assert_close_rel, drop_layers, hf_logits, traced_model
 from rewriter.passes import LayerSkip
 from rewriter.passes.layer_skip import kept_positions
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_skipping_layers_equals_hf_with_layers_deleted(name):
-    model = make_model(name)
+    model, traced = traced_model(name)
     skip = {1}
-    opt = rewriter.optimize(model, passes=[LayerSkip(layers=sorted(skip))])
+    opt = rewriter.optimize(traced, passes=[LayerSkip(layers=sorted(skip))])
     reference = drop_layers(model, skip)
     for b, s in [(1, 5), (2, 11)]:
         ids = torch.randint(0, model.config.vocab_size, (b, s))
@@ -20,8 +20,7 @@ def test_skipping_layers_equals_hf_with_layers_deleted(name):
 
 
 def test_skipped_layers_leave_no_nodes_and_no_weights():
-    model = make_model("llama-gqa-3l")
-    traced = rewriter.trace(model)  # one trace, 2 pipelines
+    model, traced = traced_model("llama-gqa-3l")
     opt = rewriter.optimize(traced, passes=[LayerSkip(layers=[1])])
     ir = opt.ir
     assert {n.meta.get("layer") for n in ir.ops()} - {None} == {0, 2}
@@ -35,8 +34,8 @@ def test_skipped_layers_leave_no_nodes_and_no_weights():
 
 
 def test_speedup_keeps_first_last_and_spreads_the_rest():
-    model = make_model("llama-gqa-3l", num_hidden_layers=7)
-    opt = rewriter.optimize(model, passes=[LayerSkip(speedup=2.0)])
+    model, traced = traced_model("llama-gqa-3l", num_hidden_layers=7)
+    opt = rewriter.optimize(traced, passes=[LayerSkip(speedup=2.0)])
     kept = [s["index"] for s in opt.ir.layers]
     assert kept == [0, 2, 4, 6]  # round(7 / 2) = 4 kept
     ids = torch.randint(0, 128, (1, 8))
@@ -62,16 +61,16 @@ def test_kept_positions_follow_the_unified_layer_skipping_rule(num_layers, speed
 
 
 def test_two_layer_skips_compose():
-    model = make_model("llama-gqa-3l", num_hidden_layers=6)
-    opt = rewriter.optimize(model, passes=[LayerSkip(layers=[1]), LayerSkip(layers=[3, 4])])
+    model, traced = traced_model("llama-gqa-3l", num_hidden_layers=6)
+    opt = rewriter.optimize(traced, passes=[LayerSkip(layers=[1]), LayerSkip(layers=[3, 4])])
     assert [s["index"] for s in opt.ir.layers] == [0, 2, 5]
     ids = torch.randint(0, 128, (2, 9))
     assert_close_rel(opt(ids), hf_logits(drop_layers(model, {1, 3, 4}), ids))
 
 
 def test_pass_is_recorded_with_its_parameters():
-    model = make_model("llama-gqa-3l")
-    opt = rewriter.optimize(model, passes=[LayerSkip(speedup=1.5)])
+    _, traced = traced_model("llama-gqa-3l")
+    opt = rewriter.optimize(traced, passes=[LayerSkip(speedup=1.5)])
     assert repr(opt.passes[0]) == "LayerSkip(speedup=1.5)"
     assert opt.history[0]["pass"] == "LayerSkip"
     assert opt.history[0]["params"] == {"layers": None, "speedup": 1.5}

@@ -228,12 +228,12 @@ def test_an_engine_with_packed_weights_copies_and_reads_weights_written_later(mo
 
 def test_float32_programs_are_not_packed_nor_measured(monkeypatch):
     import rewriter
-    from conftest import make_model
+    from conftest import traced_model
     monkeypatch.delenv(packed_linear.ENV, raising=False)
     monkeypatch.setattr(packed_linear, "_PAYS", {})
     monkeypatch.setattr(packed_linear, "_machine_ok", lambda: True)  # as if any machine could
     monkeypatch.setattr(packed_linear, "_probe", lambda: pytest.fail("measured"))
-    opt = rewriter.optimize(make_model("llama-gqa-3l"))
+    opt = rewriter.optimize(traced_model("llama-gqa-3l")[1])  # lowered here: patched
     assert packed_linear.linear_packed not in _targets(lower(opt.ir, False, "torch", {}))
 
 
@@ -265,11 +265,11 @@ def test_an_engine_reads_weights_written_or_replaced_after_lowering():
 def test_generations_do_not_lower_again():
     """Nothing a generation writes is a weight: the programs are lowered once."""
     import rewriter
-    from conftest import make_model
+    from conftest import traced_model
     from rewriter.passes import HydraHeads
-    model = make_model("llama-gqa-3l")
+    _, traced = traced_model("llama-gqa-3l")
     for passes in ([], [HydraHeads(num_heads=2, tree=[[0], [1], [0, 0]])]):
-        opt = rewriter.optimize(model, passes=passes)
+        opt = rewriter.optimize(traced, passes=passes)
         programs = opt._lowered()
         for _ in range(2):
             opt.generate([[3, 4, 5], [6, 7, 8]], max_new_tokens=5, eos_token_id=[])

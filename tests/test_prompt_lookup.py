@@ -10,14 +10,19 @@ from rewriter.decoding import check_record
 from rewriter.errors import PassError, RewriterError
 from rewriter.passes import HydraHeads, PromptLookup, StreamingAttention, from_spec
 
-from conftest import assert_same_distribution, make_model, varied_init
+from conftest import assert_same_distribution, traced_model, varied_init
 from test_hydra_heads import KW, RAGGED, sampled
 from test_tree_lookup import repeating
 
 
 def pair(config="llama-gqa-3l", **kw):
-    model = make_model(config, initializer_range=varied_init(config))
-    return rewriter.optimize(model), rewriter.optimize(model, passes=[PromptLookup(**kw)])
+    _, traced = traced_model(config, initializer_range=varied_init(config))
+    return rewriter.optimize(traced), rewriter.optimize(traced, passes=[PromptLookup(**kw)])
+
+
+def looping():
+    """The trace of a model whose text loops (a small vocabulary, small weights)."""
+    return traced_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)[1]
 
 
 @pytest.mark.parametrize("config", ["llama-gqa-3l", "qwen2-mqa-3l", "gpt2-3l"])
@@ -37,9 +42,9 @@ def test_greedy_tokens_equal_plain_greedy_and_copies_are_accepted(config, adapt)
 
 
 def test_an_end_of_sequence_inside_a_copied_chain_and_the_cache_end():
-    model = make_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)
-    plain = rewriter.optimize(model)
-    pl = rewriter.optimize(model, passes=[PromptLookup(tokens=6, adapt=False)])
+    traced = looping()
+    plain = rewriter.optimize(traced)
+    pl = rewriter.optimize(traced, passes=[PromptLookup(tokens=6, adapt=False)])
     ids = repeating(plain, [[5, 9, 2, 5, 9, 2, 5, 9], [7, 7, 7, 7]])
     eos = int(plain.generate(ids, max_new_tokens=30, eos_token_id=[])[0, -20])
     kw = dict(max_new_tokens=30, eos_token_id=[eos], pad_token_id=0)
@@ -51,9 +56,9 @@ def test_an_end_of_sequence_inside_a_copied_chain_and_the_cache_end():
 
 
 def test_sampling_follows_the_model():
-    model = make_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)
-    plain = rewriter.optimize(model)
-    pl = rewriter.optimize(model, passes=[PromptLookup(tokens=3, adapt=False)])
+    traced = looping()
+    plain = rewriter.optimize(traced)
+    pl = rewriter.optimize(traced, passes=[PromptLookup(tokens=3, adapt=False)])
     a, b = sampled(plain, pl, [5, 9, 2, 5, 9], new=6)  # "5 9" repeats: a chain is copied
     assert pl.stats["accepted"] > 0 and pl.stats["copied"] > 0
     assert_same_distribution(a, b, (6, 7), 48)
@@ -100,18 +105,18 @@ def test_bad_parameters_and_conflicts_are_named():
             PromptLookup(tokens=bad)
     with pytest.raises(ValueError, match="adapt"):
         PromptLookup(adapt="yes")
-    model = make_model("llama-gqa-3l")
+    _, traced = traced_model("llama-gqa-3l")
     with pytest.raises(PassError, match="already has a decoding strategy"):
-        rewriter.optimize(model, passes=[HydraHeads(num_heads=2, tree=[[0]]), PromptLookup()])
+        rewriter.optimize(traced, passes=[HydraHeads(num_heads=2, tree=[[0]]), PromptLookup()])
     with pytest.raises(RewriterError, match="sink"):
-        rewriter.optimize(model, passes=[StreamingAttention(sinks=2, window=8),
+        rewriter.optimize(traced, passes=[StreamingAttention(sinks=2, window=8),
                                          PromptLookup(adapt=False)])
 
 
 def test_the_triton_backend_gives_the_same_tokens():
-    model = make_model("llama-gqa-3l", initializer_range=0.2, num_hidden_layers=2)
-    plain = rewriter.optimize(model)
-    pl = rewriter.optimize(model, passes=[PromptLookup(tokens=3, adapt=False)], backend="triton")
+    _, traced = traced_model("llama-gqa-3l", initializer_range=0.2, num_hidden_layers=2)
+    plain = rewriter.optimize(traced)
+    pl = rewriter.optimize(traced, passes=[PromptLookup(tokens=3, adapt=False)], backend="triton")
     ids = repeating(plain, [[5, 6, 7, 5, 6, 7, 5], [9, 3, 9, 3]], 16)
     kw = dict(max_new_tokens=8, eos_token_id=[])
     assert torch.equal(pl.generate(ids, **kw), plain.generate(ids, **kw))
@@ -119,9 +124,9 @@ def test_the_triton_backend_gives_the_same_tokens():
 
 
 def test_on_text_that_loops_the_chain_is_kept_and_where_it_cannot_pay_it_rests():
-    model = make_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)  # text loops
-    plain = rewriter.optimize(model)
-    pl = rewriter.optimize(model, passes=[PromptLookup()])
+    traced = looping()
+    plain = rewriter.optimize(traced)
+    pl = rewriter.optimize(traced, passes=[PromptLookup()])
     pl.fallback = False  # the chain's own rests, not the timed guard's (test_speed_guard)
     # what verifying 1-5 tokens costs, fixed: the pass's timings at optimize() follow the
     # machine's load (a busy CI machine measured chains that paid less)
@@ -148,12 +153,13 @@ def test_the_default_model_and_an_int4_lm_head():
     from rewriter.models.checkpoints import default_model
     from rewriter.passes import Int4Weights
     model, tok = default_model()
-    plain = rewriter.optimize(model)
-    pl = rewriter.optimize(model, passes=[PromptLookup()])  # its text loops with a period of 2
+    traced = rewriter.trace(model)  # one trace, 2 pipelines
+    plain = rewriter.optimize(traced)
+    pl = rewriter.optimize(traced, passes=[PromptLookup()])  # its text loops with a period of 2
     encoded = tok.encode("def fibonacci(n):")
     ids = [getattr(encoded, "ids", encoded)]
     assert torch.equal(pl.generate(ids, **KW), plain.generate(ids, **KW))
-    small = make_model("llama-gqa-3l")
+    _, small = traced_model("llama-gqa-3l")
     for passes in ([Int4Weights(lm_head=True), PromptLookup(adapt=False)],
                    [PromptLookup(adapt=False), Int4Weights(lm_head=True)]):
         with pytest.raises(PassError, match="LM head"):
@@ -164,9 +170,9 @@ def one_row_ends():
     """Plain and ``PromptLookup(adapt=False)`` engines on a model whose text loops, two rows,
     the padded width, the rows' free text ``[2, width + 40]``, the tokens row 1 writes, and
     an end of sequence that row 0 writes soon and row 1 never."""
-    model = make_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)  # text loops
-    plain = rewriter.optimize(model)
-    pl = rewriter.optimize(model, passes=[PromptLookup(adapt=False)])
+    traced = looping()
+    plain = rewriter.optimize(traced)
+    pl = rewriter.optimize(traced, passes=[PromptLookup(adapt=False)])
     ids = repeating(plain, [[5, 9, 2] * 4, [7, 3] * 6], 12)
     width = max(map(len, ids))
     free = plain.generate(ids, max_new_tokens=40, eos_token_id=[])

@@ -13,14 +13,15 @@ from rewriter.ops import OPS, REFERENCE
 from rewriter.passes import (FuseQKV, FuseRoPE, LayerSkip, Quest, SelfSpeculative,
                              StreamingAttention, TidalDecode, DuoAttention, from_spec)
 
-from conftest import make_model, reference_greedy, traced_model
+from conftest import reference_greedy, traced_model
 
 ROWS = [[3, 17, 42, 5, 99, 8, 64, 7, 9, 11, 13, 2], [1, 2, 3], [50, 60, 70, 80, 90]]
 KW = dict(max_new_tokens=12, eos_token_id=[])
 
 
 def _model(config="llama-gqa-3l"):
-    return make_model(config, initializer_range=0.2)
+    """The trace of ``config`` (traced once per process; each pipeline optimizes a copy)."""
+    return traced_model(config, initializer_range=0.2)[1]
 
 
 def test_each_layer_selects_its_own_pages_in_the_ir():
@@ -48,8 +49,7 @@ def test_the_reference_picks_the_pages_with_the_highest_bound():
 
 @pytest.mark.parametrize("config", ["llama-gqa-3l", "qwen2-hd20-2l"])
 def test_a_budget_covering_every_token_equals_dense(config):
-    model = _model(config)
-    traced = rewriter.trace(model)  # one trace, 2 pipelines
+    traced = _model(config)
     dense = rewriter.optimize(traced)
     quest = rewriter.optimize(traced, passes=[Quest(page=4, budget=128, dense_layers=0)])  # the context
     assert torch.equal(quest.generate(ROWS, **KW), dense.generate(ROWS, **KW))

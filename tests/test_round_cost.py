@@ -15,7 +15,7 @@ from rewriter.decoding import strategy_of
 from rewriter.errors import RewriterError
 from rewriter.passes import HydraHeads, MedusaHeads
 
-from conftest import fixed_round_work, make_model, varied_init
+from conftest import fixed_round_work, traced_model, varied_init
 from test_draft_heads import random_heads
 
 
@@ -29,9 +29,9 @@ def test_program_costs_move_into_plain_steps_with_the_rounds_own_work_added():
 @pytest.mark.parametrize("cls", [MedusaHeads, HydraHeads])
 def test_both_loops_are_timed_and_the_record_is_left_as_it_was(cls, tmp_path):
     from test_hydra_heads import hydra_heads
-    model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
+    model, traced = traced_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
     path = (hydra_heads if cls is HydraHeads else random_heads)(model, tmp_path / "h.safetensors")
-    med = rewriter.optimize(model, passes=[cls(weights=str(path), tree=[[0], [1], [0, 0]])])
+    med = rewriter.optimize(traced, passes=[cls(weights=str(path), tree=[[0], [1], [0, 0]])])
     record = med.ir.info.pop("decoding")  # as the pass has it: no record yet
     s = strategy_of({"decoding": record})
     times = tuning.round_times(med.ir, s, (1, 3), new=8)
@@ -55,9 +55,9 @@ def test_both_loops_are_timed_and_the_record_is_left_as_it_was(cls, tmp_path):
 def test_static_loops_time_their_programs_as_whole_replays(tmp_path, monkeypatch):
     # the path a GPU takes (there each replay is a CUDA graph): here without the graph
     from rewriter.runtime.replay import Replay
-    model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
+    model, traced = traced_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
     path = random_heads(model, tmp_path / "h.safetensors")
-    med = rewriter.optimize(model, passes=[MedusaHeads(weights=str(path), tree=[[0], [1], [0, 0]])])
+    med = rewriter.optimize(traced, passes=[MedusaHeads(weights=str(path), tree=[[0], [1], [0, 0]])])
     s = strategy_of({"decoding": med.ir.info.pop("decoding")})
     names = []
     real = Replay.__init__
@@ -80,8 +80,8 @@ def test_static_loops_time_their_programs_as_whole_replays(tmp_path, monkeypatch
 def test_short_contexts_time_shorter_prompts_or_name_the_problem(config, key, tmp_path, monkeypatch):
     from rewriter.errors import PassError
     # the programs' own timings, at short contexts, and their errors
-    model = make_model(config, initializer_range=varied_init(config), **{key: 40})
-    ir = rewriter.optimize(model).ir
+    model, traced = traced_model(config, initializer_range=varied_init(config), **{key: 40})
+    ir = rewriter.optimize(traced).ir
     assert len(timing.verify_cost(ir, 33, runs=1)) == 34  # positions 7 .. 39
     with pytest.raises(PassError, match="a step of 40 tokens needs a context of more than 40"):
         timing.verify_cost(ir, 40, runs=1)
@@ -91,14 +91,14 @@ def test_short_contexts_time_shorter_prompts_or_name_the_problem(config, key, tm
     monkeypatch.setattr(RuntimeMeasurer, "heads_cost", lambda *a, **k: 0.0)
     path = random_heads(model, tmp_path / "h.safetensors")
     with pytest.raises(PassError, match="needs a context of more than .* the model has 40"):
-        rewriter.optimize(model, passes=[MedusaHeads(weights=str(path), max_nodes=6)])
+        rewriter.optimize(traced, passes=[MedusaHeads(weights=str(path), max_nodes=6)])
     # 80 positions: the timed prompts are cut short of 64 tokens to fit
-    model = make_model(config, initializer_range=varied_init(config), **{key: 80})
+    model, traced = traced_model(config, initializer_range=varied_init(config), **{key: 80})
     path = random_heads(model, tmp_path / "h80.safetensors")
-    med = rewriter.optimize(model, passes=[MedusaHeads(weights=str(path), max_nodes=6)])
+    med = rewriter.optimize(traced, passes=[MedusaHeads(weights=str(path), max_nodes=6)])
     ids = torch.tensor([[3, 17, 42, 5]])
     kw = dict(max_new_tokens=8, eos_token_id=[])
-    assert torch.equal(med.generate(ids, **kw), rewriter.optimize(model).generate(ids, **kw))
+    assert torch.equal(med.generate(ids, **kw), rewriter.optimize(traced).generate(ids, **kw))
 
 
 def test_timings_past_the_records_bounds_are_clamped():
@@ -116,17 +116,17 @@ def _fake_costs(monkeypatch, fixed: float):
 
 
 def test_a_rounds_own_work_that_eats_the_gain_makes_the_pass_decode_plainly(monkeypatch, tmp_path):
-    model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
+    model, traced = traced_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
     path = random_heads(model, tmp_path / "h.safetensors")
     calls = _fake_costs(monkeypatch, fixed=0.0)
-    cheap = rewriter.optimize(model, passes=[MedusaHeads(weights=str(path), max_nodes=8)])
+    cheap = rewriter.optimize(traced, passes=[MedusaHeads(weights=str(path), max_nodes=8)])
     record = cheap.ir.info["decoding"]
     assert len(record["tree"]) >= 2 and record["batch_trees"][0][0] == 2
     assert [b for _, b in calls] == [(1,), (2, 4, 8)]  # then the chosen tree at every batch
     assert record["adapt"]["costs"][0][2][:3] == pytest.approx([1.0, 1.02, 1.04])
 
     calls = _fake_costs(monkeypatch, fixed=1.5)  # heads guessing .5/.3 cannot pay for that
-    dear = rewriter.optimize(model, passes=[MedusaHeads(weights=str(path), max_nodes=8)])
+    dear = rewriter.optimize(traced, passes=[MedusaHeads(weights=str(path), max_nodes=8)])
     record = dear.ir.info["decoding"]
     assert record["batch_trees"] == [[1, []]]
     assert record["adapt"]["costs"][0][2][0] == pytest.approx(2.5)
@@ -134,4 +134,4 @@ def test_a_rounds_own_work_that_eats_the_gain_makes_the_pass_decode_plainly(monk
     assert [b for _, b in calls] == [(1,)]  # nothing pays at one row: no batch is measured
     ids = torch.tensor([[3, 17, 42, 5]])
     assert torch.equal(dear.generate(ids, max_new_tokens=6, eos_token_id=[]),
-                       rewriter.optimize(model).generate(ids, max_new_tokens=6, eos_token_id=[]))
+                       rewriter.optimize(traced).generate(ids, max_new_tokens=6, eos_token_id=[]))

@@ -28,11 +28,6 @@ NEW = 48
 
 
 @pytest.fixture(scope="module")
-def opt():
-    return rewriter.from_pretrained("smollm2")
-
-
-@pytest.fixture(scope="module")
 def hf():
     return rg.load_gguf_model("smollm2"), rg.load_gguf_tokenizer("smollm2")
 
@@ -43,6 +38,34 @@ def traced(hf):
     ``from_pretrained("smollm2")`` gives it: each pipeline below optimizes a copy of this
     trace, as ``from_pretrained("smollm2", passes)`` would after a trace of its own."""
     return rewriter.trace(*hf)
+
+
+@pytest.fixture(scope="module")
+def opt(traced):
+    """``from_pretrained("smollm2")``'s engine, from the shared trace: it optimizes the same
+    model and tokenizer (test_from_pretrained_optimizes_the_gguf_model_and_tokenizer), and
+    a second trace of the 135M model would cost half a minute."""
+    return rewriter.optimize(traced)
+
+
+def test_from_pretrained_optimizes_the_gguf_model_and_tokenizer(hf, monkeypatch):
+    from rewriter.api import pretrained
+    seen = {}
+
+    def optimize(model, passes, **kwargs):  # what from_pretrained would trace, not traced
+        seen.update(model=model, passes=passes, **kwargs)
+        return "engine"
+    monkeypatch.setattr(pretrained, "optimize", optimize)
+    assert rewriter.from_pretrained("smollm2") == "engine"
+    model, tok = hf
+    assert sorted(seen) == ["model", "passes", "tokenizer"] and list(seen["passes"]) == []
+    assert type(seen["model"]) is type(model) and not seen["model"].training
+    assert seen["model"].config.to_dict() == model.config.to_dict()
+    weights, ref = seen["model"].state_dict(), model.state_dict()
+    assert weights.keys() == ref.keys()
+    assert all(v.dtype == torch.float32 and torch.equal(v, ref[k]) for k, v in weights.items())
+    assert seen["tokenizer"].get_vocab() == tok.get_vocab()
+    assert seen["tokenizer"].chat_template == tok.chat_template
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from rewriter.passes import FuseAddRMSNorm, FuseQKV, LayerSkip, SelfSpeculative,
 from rewriter.runtime.attention import Step
 from rewriter.runtime.kv_cache import KVCache, cache_table
 
-from conftest import CONFIGS, make_model, varied_init
+from conftest import CONFIGS, make_model, traced_model, varied_init
 
 IDS = torch.tensor([[3, 17, 42, 5, 99, 8, 64], [1, 2, 3, 4, 5, 6, 7]])
 RAGGED = [[3, 17, 42, 5, 99, 8, 64, 11, 12], [1, 2, 3], [50, 51, 52, 53, 54]]
@@ -19,9 +19,8 @@ KW = dict(max_new_tokens=24, eos_token_id=[])
 
 def pair(config: str, **spec):
     """(plain, self-speculative) optimized models of one seeded model."""
-    model = make_model(config, initializer_range=varied_init(config))
+    _, traced = traced_model(config, initializer_range=varied_init(config))
     spec = {"skip_layers": [1], "threshold": 0.0, **spec}
-    traced = rewriter.trace(model)  # one trace, 2 pipelines
     return rewriter.optimize(traced), rewriter.optimize(traced, passes=[SelfSpeculative(**spec)])
 
 
@@ -98,8 +97,7 @@ def test_drafts_that_reach_the_end_of_the_cache_are_cut_short():
 def test_sampling_follows_the_models_distribution():
     """Two-sample chi-square test on the second sampled token (the first the acceptance
     rule decides), 3000 independent rows each way, a 48-token vocabulary."""
-    model = make_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)
-    traced = rewriter.trace(model)  # one trace, 2 pipelines
+    _, traced = traced_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)
     plain = rewriter.optimize(traced)
     spec = rewriter.optimize(traced, passes=[SelfSpeculative(skip_layers=[1, 2], threshold=0.0)])
     ids = torch.tensor([[5, 9, 2]]).expand(3000, 3)
@@ -157,7 +155,7 @@ def test_a_draft_program_writes_exactly_the_caches_of_the_layers_it_runs():
 
 
 def test_after_layer_skip_the_caches_keep_their_layer_ids():
-    opt = rewriter.optimize(make_model("llama-gqa-3l"), passes=[LayerSkip(layers=[1])])
+    opt = rewriter.optimize(traced_model("llama-gqa-3l")[1], passes=[LayerSkip(layers=[1])])
     assert sorted(cache_table(opt.ir.gm)) == [0, 2]
     assert opt.kv_bytes_per_token() == 2 * 2 * (2 * 16) * 4  # 2 layers, K and V, 2 heads x 16, f32
 
@@ -196,9 +194,9 @@ def test_a_tampered_or_stale_decoding_record_is_refused(tmp_path):
         ({**spec.ir.info["decoding"], "skip_layers": [99]}, "layer 99"),
         ({**spec.ir.info["decoding"], "strategy": "plain"}, "self_speculative"),
         ({**spec.ir.info["decoding"], "max_draft": 99}, "max_draft")))
-    model = make_model("llama-gqa-3l")
+    _, traced = traced_model("llama-gqa-3l")
     with pytest.raises(PassError, match="layer 1 is not in the model"):  # a later pass removed it
-        rewriter.optimize(model, passes=[SelfSpeculative(skip_layers=[1]), LayerSkip(layers=[1])])
+        rewriter.optimize(traced, passes=[SelfSpeculative(skip_layers=[1]), LayerSkip(layers=[1])])
 
 
 def test_artifact_round_trip_keeps_the_strategy(tmp_path):
@@ -211,8 +209,7 @@ def test_artifact_round_trip_keeps_the_strategy(tmp_path):
 
 
 def test_the_triton_backend_gives_the_same_tokens():
-    model = make_model("llama-gqa-3l", initializer_range=0.2, num_hidden_layers=2)
-    traced = rewriter.trace(model)  # one trace, 2 pipelines
+    _, traced = traced_model("llama-gqa-3l", initializer_range=0.2, num_hidden_layers=2)
     plain = rewriter.optimize(traced)
     spec = rewriter.optimize(traced, passes=[SelfSpeculative(skip_layers=[1], threshold=0.0)],
                              backend="triton")
@@ -229,7 +226,7 @@ def test_bad_parameters_and_skip_sets_are_refused():
                    {"calibrate": [[1]]}, {"calibrate": "text"}):
         with pytest.raises(ValueError):
             SelfSpeculative(**kwargs)
-    traced = rewriter.trace(make_model("llama-gqa-3l"))  # one trace, seven pipelines
+    _, traced = traced_model("llama-gqa-3l")  # one trace, seven pipelines
     for passes, match in (([SelfSpeculative(skip_layers=[3])], "layer 3 is not in the model"),
                           ([SelfSpeculative(skip_layers=[0, 1, 2])], "skips every layer"),
                           ([SelfSpeculative(skip_layers=[1], skip_mlp=[1])], "also has a sub-layer"),
@@ -283,7 +280,7 @@ def test_a_4_bit_draft_gives_plain_greedy_tokens_and_reads_4_bit_weights():
     weights (here dequantized: float32), the verifying programs the model's own; with no
     skip set and with one."""
     import copy
-    for skip in ({}, {"skip_mlp": [2]}):
+    for skip in ({}, {"skip_mlp": [2]}):  # untraced on purpose: optimize leaves the model alone
         model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
         before = copy.deepcopy(model.state_dict())
         plain = rewriter.optimize(copy.deepcopy(model))  # weights of its own
@@ -303,8 +300,7 @@ def test_a_4_bit_draft_gives_plain_greedy_tokens_and_reads_4_bit_weights():
 
 
 def test_a_4_bit_draft_goes_with_fused_adds_and_norms_when_it_skips_nothing():
-    model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
-    traced = rewriter.trace(model)  # one trace, 3 pipelines
+    _, traced = traced_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
     spec = rewriter.optimize(traced, passes=[FuseQKV(), FuseAddRMSNorm(), SelfSpeculative(
         draft_weights="int4", threshold=0.0)])
     assert torch.equal(spec.generate(RAGGED, **KW), rewriter.optimize(traced).generate(RAGGED, **KW))
@@ -346,7 +342,7 @@ def test_a_4_bit_draft_survives_an_artifact_and_bad_settings_are_refused(tmp_pat
         with pytest.raises(ValueError):
             SelfSpeculative(**kwargs)
     with pytest.raises(RewriterError, match="draft_weights='int4'.*nothing to quantize"):
-        rewriter.optimize(make_model("llama-gqa-3l"),  # the model's linears are 4-bit already
+        rewriter.optimize(traced_model("llama-gqa-3l")[1],  # the linears are 4-bit already
                           passes=[Int4Weights(), SelfSpeculative(draft_weights="int4")])
     assert from_spec("self_speculative:draft_weights=int4").params()["draft_weights"] == "int4"
 
@@ -357,7 +353,7 @@ def test_a_4_bit_draft_of_weights_it_cannot_name_is_a_clear_error():
     from rewriter.errors import RewriterError
     from rewriter.ir.skip import skipped
     from rewriter.runtime.decoding.self_spec import int4_draft
-    ir = rewriter.optimize(make_model("llama-gqa-3l")).ir
+    ir = rewriter.optimize(traced_model("llama-gqa-3l")[1]).ir
     node = next(n for n in ir.graph.find_nodes(op="get_attr") if n.target.endswith("q_proj.weight"))
     ir.add_weight("flatw", ir.weight(node.target))
     node.target = "flatw"

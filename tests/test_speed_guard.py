@@ -10,7 +10,7 @@ import rewriter
 from rewriter.passes import PromptLookup
 from rewriter.runtime.speed_guard import PLAIN, ROUNDS, SpeedGuard
 
-from conftest import make_model, varied_init
+from conftest import traced_model, varied_init
 from test_tree_lookup import repeating
 
 LONG = 32  # max_new_tokens of a generation long enough to time
@@ -156,8 +156,7 @@ def work_clock(engine):
 
 
 def test_the_engine_falls_back_to_plain_steps_where_rounds_cost_more_and_the_output_is_the_same():
-    model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
-    traced = rewriter.trace(model)  # one trace, 2 pipelines
+    _, traced = traced_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
     plain = rewriter.optimize(traced)
     pl = rewriter.optimize(traced, passes=[PromptLookup(tokens=4, adapt=False)])
     assert pl.fallback  # the default
@@ -176,8 +175,7 @@ def test_the_engine_falls_back_to_plain_steps_where_rounds_cost_more_and_the_out
 
 
 def test_the_engine_keeps_the_rounds_where_they_cost_less_and_not_at_all_without_fallback():
-    model = make_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)  # text loops
-    traced = rewriter.trace(model)  # one trace, 2 pipelines
+    _, traced = traced_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)  # text loops
     plain = rewriter.optimize(traced)
     pl = rewriter.optimize(traced, passes=[PromptLookup(tokens=4, adapt=False)])
     strategy = rewriter.decoding.strategy_of(pl.ir.info)
@@ -196,16 +194,15 @@ def test_the_engine_keeps_the_rounds_where_they_cost_less_and_not_at_all_without
 
 @pytest.mark.parametrize("fallback", [True, False])
 def test_plain_decoding_has_no_guard(fallback):
-    model = make_model("llama-gqa-3l")
-    plain = rewriter.optimize(model)
+    plain = rewriter.optimize(traced_model("llama-gqa-3l")[1])
     plain.fallback = fallback
     plain.generate([[1, 2, 3]], max_new_tokens=LONG)
     assert plain.guards == {} and "plain_generations" not in plain.stats
 
 
 def test_a_strategy_resting_is_timed_as_plain_steps_and_each_batch_size_has_its_guard(monkeypatch):
-    model = make_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)
-    pl = rewriter.optimize(model, passes=[PromptLookup(tokens=4, adapt=False)])
+    _, traced = traced_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)
+    pl = rewriter.optimize(traced, passes=[PromptLookup(tokens=4, adapt=False)])
     strategy = rewriter.decoding.strategy_of(pl.ir.info)
     kw = dict(max_new_tokens=LONG, eos_token_id=[])
     pl.generate([[5, 9, 2] * 4], **kw)
@@ -221,7 +218,7 @@ def test_a_strategy_resting_is_timed_as_plain_steps_and_each_batch_size_has_its_
 
 @pytest.mark.parametrize("value", ["false", 0, None, 1.0])
 def test_fallback_is_true_or_false(value):
-    engine = rewriter.optimize(make_model("llama-gqa-3l"))
+    engine = rewriter.optimize(traced_model("llama-gqa-3l")[1])
     with pytest.raises(ValueError, match="fallback must be True or False"):
         engine.fallback = value
     assert engine.fallback is True

@@ -16,12 +16,12 @@ from rewriter.errors import PassError, RewriterError
 from rewriter.ops import OPS
 from rewriter.passes import FuseQKV, FuseRoPE, MedusaHeads, SelfSpeculative, StreamingAttention
 from rewriter.passes import from_spec
-from rewriter.runtime.kv_cache import KVCache, cache_table
+from rewriter.runtime.kv_cache import cache_table
 from rewriter.ops import sink_attention
 from rewriter.runtime.ring_cache import (_step_mask, sink_layout, sink_sdpa, slot_contents,
                                          visible)
 
-from conftest import make_model, reference_greedy, traced_model
+from conftest import reference_greedy, traced_model
 
 GOLDEN = Path(__file__).parent / "golden"
 ROWS = [[3, 17, 42, 5, 99, 8, 64, 7, 9, 11, 13, 2], [1, 2, 3], [50, 60, 70, 80, 90]]
@@ -29,8 +29,8 @@ KW = dict(max_new_tokens=14, eos_token_id=[])
 
 
 def test_the_ir_shows_sinks_and_window_on_every_attention():
-    model = make_model("llama-gqa-3l", num_hidden_layers=1)
-    after = str(rewriter.optimize(model, passes=[StreamingAttention(sinks=4, window=8)]).ir)
+    _, traced = traced_model("llama-gqa-3l", num_hidden_layers=1)
+    after = str(rewriter.optimize(traced, passes=[StreamingAttention(sinks=4, window=8)]).ir)
     text = f"### after StreamingAttention(sinks=4, window=8)\n{after}\n"
     path = GOLDEN / "streaming_attention.txt"
     if os.environ.get("REWRITER_UPDATE_GOLDEN"):
@@ -41,8 +41,7 @@ def test_the_ir_shows_sinks_and_window_on_every_attention():
 
 @pytest.mark.parametrize("config", ["llama-gqa-3l", "mistral-window-3l", "qwen2-hd20-2l"])
 def test_a_window_covering_the_sequence_equals_dense_attention(config):
-    model = make_model(config, initializer_range=0.2)
-    traced = rewriter.trace(model)  # one trace, 3 pipelines
+    _, traced = traced_model(config, initializer_range=0.2)
     dense = rewriter.optimize(traced)
     # sinks=0: a native sliding window (Mistral) stays exactly what it was; sinks + window
     # the whole context (128), the most it may be
@@ -56,8 +55,7 @@ def test_a_window_covering_the_sequence_equals_dense_attention(config):
 @pytest.mark.parametrize("config,sinks,window", [("llama-gqa-3l", 2, 4), ("llama-gqa-3l", 0, 3),
                                                  ("qwen2-hd20-2l", 4, 5), ("mistral-window-3l", 1, 6)])
 def test_the_ring_equals_the_masked_whole_sequence_graph(config, sinks, window):
-    model = make_model(config, initializer_range=0.2)
-    traced = rewriter.trace(model)  # one trace, 2 pipelines
+    _, traced = traced_model(config, initializer_range=0.2)
     opt = rewriter.optimize(traced, passes=[StreamingAttention(sinks=sinks, window=window)])
     dense = rewriter.optimize(traced)
     got = opt.generate(ROWS, **KW)
@@ -67,8 +65,7 @@ def test_the_ring_equals_the_masked_whole_sequence_graph(config, sinks, window):
 
 
 def test_the_ring_is_bounded_and_generation_runs_past_the_context_length():
-    model = make_model("llama-gqa-3l", initializer_range=0.2, max_position_embeddings=32)
-    traced = rewriter.trace(model)  # one trace, 2 pipelines
+    _, traced = traced_model("llama-gqa-3l", initializer_range=0.2, max_position_embeddings=32)
     dense = rewriter.optimize(traced)
     with pytest.raises(ValueError, match="context length"):
         dense.generate([ROWS[0]], max_new_tokens=40)
@@ -83,8 +80,8 @@ def test_the_ring_is_bounded_and_generation_runs_past_the_context_length():
 
 
 def test_learned_positions_still_end_at_the_context_length():
-    model = make_model("gpt2-3l", initializer_range=0.2)
-    opt = rewriter.optimize(model, passes=[StreamingAttention(sinks=1, window=4)])
+    _, traced = traced_model("gpt2-3l", initializer_range=0.2)
+    opt = rewriter.optimize(traced, passes=[StreamingAttention(sinks=1, window=4)])
     with pytest.raises(ValueError, match="context length"):
         opt.generate([[1, 2, 3]], max_new_tokens=opt.max_len, eos_token_id=[])
 
@@ -220,8 +217,8 @@ def test_layers_and_the_command_line_spec():
 
 
 def test_a_sinks_attribute_without_a_window_is_refused_when_verified():
-    model = make_model("llama-gqa-3l", initializer_range=0.2)
-    opt = rewriter.optimize(model)
+    _, traced = traced_model("llama-gqa-3l", initializer_range=0.2)
+    opt = rewriter.optimize(traced)  # its IR is a copy: changing it leaves the trace alone
     node = next(iter(opt.ir.gm.graph.find_nodes(op="call_function", target=OPS["attention"])))
     node.kwargs = {**node.kwargs, "sinks": 2}  # the model has no window
     from rewriter.ir.verify import verify
@@ -270,8 +267,8 @@ def test_cache_positions_make_the_output_independent_of_how_far_the_sinks_lie(fu
 
 
 def test_a_ring_never_allocates_more_than_the_sequence_needs():
-    model = make_model("llama-gqa-3l", initializer_range=0.2, max_position_embeddings=128)
-    traced = rewriter.trace(model)  # one trace, 3 pipelines
+    # a context of 128 positions: the config's own
+    _, traced = traced_model("llama-gqa-3l", initializer_range=0.2)
     opt = rewriter.optimize(traced, passes=[StreamingAttention(sinks=4, window=124)])  # > 32 tokens
     dense = rewriter.optimize(traced)
     kw = dict(max_new_tokens=20, eos_token_id=[])
@@ -291,7 +288,7 @@ def test_scores_through_the_ring_equal_the_masked_graph():
 
 
 def test_only_streaming_positions_may_outgrow_the_context():
-    model = make_model("llama-gqa-3l", initializer_range=0.2, max_position_embeddings=32)
-    opt = rewriter.optimize(model, passes=[StreamingAttention(sinks=2, window=6, positions="original")])
+    _, traced = traced_model("llama-gqa-3l", initializer_range=0.2, max_position_embeddings=32)
+    opt = rewriter.optimize(traced, passes=[StreamingAttention(sinks=2, window=6, positions="original")])
     with pytest.raises(ValueError, match="context length"):
         opt.generate([ROWS[0]], max_new_tokens=40, eos_token_id=[])

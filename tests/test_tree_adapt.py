@@ -15,7 +15,7 @@ from rewriter.runtime.decoding.tree.rounds import TreeRounds
 from rewriter.runtime.decoding.tree.shape import Counts
 from rewriter.drafts.tree import MAX_RANK, Tree, best_subtree, make_tree
 
-from conftest import make_model, varied_init
+from conftest import traced_model, varied_init
 from test_draft_heads import IDS, WIDE, random_heads
 
 PRIOR = [[0.6, 0.2, 0.1, 0.05], [0.5, 0.2], [0.5]]
@@ -227,16 +227,16 @@ def adaptive(med, prior, costs):
 @pytest.mark.parametrize("arch", ["medusa", "hydra"])
 def test_a_tree_that_does_not_pay_on_this_text_is_dropped_and_the_tokens_stay_greedys(arch, tmp_path):
     from test_hydra_heads import hydra_heads
-    model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
+    model, traced = traced_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
     path = (hydra_heads if arch == "hydra" else random_heads)(model, tmp_path / "h.safetensors")
     cls = HydraHeads if arch == "hydra" else MedusaHeads
-    plain = rewriter.optimize(model)
-    fixed = rewriter.optimize(model, passes=[cls(weights=str(path), tree=WIDE)])
+    plain = rewriter.optimize(traced)
+    fixed = rewriter.optimize(traced, passes=[cls(weights=str(path), tree=WIDE)])
     kw = dict(max_new_tokens=48, eos_token_id=[])
     ref = plain.generate(IDS, **kw)
     assert torch.equal(fixed.generate(IDS, **kw), ref)
     sure = [[1.0], [1.0], [1.0]]  # the prior promises every guess; verifying costs a lot
-    med = adaptive(rewriter.optimize(model, passes=[cls(weights=str(path), tree=WIDE)]), sure,
+    med = adaptive(rewriter.optimize(traced, passes=[cls(weights=str(path), tree=WIDE)]), sure,
                    [[1, 0.2, [1.0 + 0.3 * s for s in range(9)]]])
     med.stats.clear()
     assert torch.equal(med.generate(IDS, **kw), ref)
@@ -278,9 +278,9 @@ def test_heads_that_guess_right_here_keep_the_nodes_a_doubtful_prior_would_drop(
 def test_the_pass_records_accuracies_and_costs_and_artifacts_keep_them(tmp_path, monkeypatch):
     from test_round_cost import _fake_costs
     _fake_costs(monkeypatch, fixed=0.1)  # timings that never say "no tree pays"
-    model = make_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
+    model, traced = traced_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
     path = random_heads(model, tmp_path / "h.safetensors")
-    med = rewriter.optimize(model, passes=[MedusaHeads(weights=str(path), max_nodes=6)])
+    med = rewriter.optimize(traced, passes=[MedusaHeads(weights=str(path), max_nodes=6)])
     record = med.ir.info["decoding"]
     adapt = record["adapt"]
     assert [c[0] for c in adapt["costs"]] == [1, 2, 4, 8]
@@ -290,7 +290,7 @@ def test_the_pass_records_accuracies_and_costs_and_artifacts_keep_them(tmp_path,
     assert s.costs_at(1)[1][0] == pytest.approx(1.1)  # the program and the round's own work
     med.save(tmp_path / "a")
     assert rewriter.load(tmp_path / "a").ir.info["decoding"] == record
-    off = rewriter.optimize(model, passes=[MedusaHeads(weights=str(path), max_nodes=6, adapt=False)])
+    off = rewriter.optimize(traced, passes=[MedusaHeads(weights=str(path), max_nodes=6, adapt=False)])
     assert "adapt" not in off.ir.info["decoding"]
     with pytest.raises(ValueError, match="adapt must be True or False"):
         MedusaHeads(weights=str(path), adapt="yes")

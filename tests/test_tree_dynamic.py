@@ -12,7 +12,7 @@ from rewriter.decoding import check_record
 from rewriter.passes import HydraHeads, MedusaHeads, from_spec
 from rewriter.runtime.decoding.tree.dynamic import grow
 
-from conftest import assert_same_distribution, make_model
+from conftest import assert_same_distribution, traced_model
 from test_draft_heads import random_heads
 from test_hydra_heads import IDS, KW, RAGGED, WIDE, model_and_file, sampled
 
@@ -122,10 +122,9 @@ def test_ties_keep_parents_before_children_and_small_budgets():
 
 @pytest.mark.parametrize("cls", [HydraHeads, MedusaHeads])
 def test_greedy_tokens_equal_plain_greedy(cls, tmp_path):
-    model, path = model_and_file(tmp_path)
+    model, traced, path = model_and_file(tmp_path)
     if cls is MedusaHeads:
         path = random_heads(model, tmp_path / "m.safetensors")
-    traced = rewriter.trace(model)  # one trace, 2 pipelines
     plain = rewriter.optimize(traced)
     hy = rewriter.optimize(traced, passes=[cls(weights=str(path), tree=WIDE, dynamic=2)])
     assert hy.ir.info["decoding"]["dynamic"] == 2
@@ -139,10 +138,10 @@ def test_greedy_tokens_equal_plain_greedy(cls, tmp_path):
 def test_sampling_follows_the_model(tmp_path):
     """Seeded heads with peaked guesses: trees of more than one level, re-shaped."""
     from test_hydra_heads import hydra_heads
-    model = make_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)
-    plain = rewriter.optimize(model)
+    model, traced = traced_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)
+    plain = rewriter.optimize(traced)
     path = hydra_heads(model, tmp_path / "h.safetensors", k=2, scale=0.5)
-    hy = rewriter.optimize(model, passes=[HydraHeads(weights=str(path), tree=[[0], [1], [2], [0, 0]],
+    hy = rewriter.optimize(traced, passes=[HydraHeads(weights=str(path), tree=[[0], [1], [2], [0, 0]],
                                                      dynamic=2)])
     a, b = sampled(plain, hy, [5, 9, 2])
     assert hy.stats["accepted"] > 0
@@ -150,8 +149,8 @@ def test_sampling_follows_the_model(tmp_path):
 
 
 def test_the_artifact_keeps_it_and_bad_values_are_refused(tmp_path):
-    model, path = model_and_file(tmp_path)
-    hy = rewriter.optimize(model, passes=[HydraHeads(weights=str(path), tree=WIDE, dynamic=3)])
+    _, traced, path = model_and_file(tmp_path)
+    hy = rewriter.optimize(traced, passes=[HydraHeads(weights=str(path), tree=WIDE, dynamic=3)])
     hy.save(tmp_path / "a")
     loaded = rewriter.load(tmp_path / "a")
     assert loaded.ir.info["decoding"]["dynamic"] == 3
@@ -172,9 +171,8 @@ def refuses(key: str, record: dict) -> None:
 def triton_pair(tmp_path, **kw):
     """(plain, Hydra heads with ``kw`` on the Triton backend) of a small seeded model."""
     from test_hydra_heads import hydra_heads
-    model = make_model("llama-gqa-3l", initializer_range=0.2, num_hidden_layers=2)
+    model, traced = traced_model("llama-gqa-3l", initializer_range=0.2, num_hidden_layers=2)
     path = hydra_heads(model, tmp_path / "h.safetensors", k=2)
-    traced = rewriter.trace(model)  # one trace, 2 pipelines
     return rewriter.optimize(traced), rewriter.optimize(traced, passes=[
         HydraHeads(weights=str(path), tree=[[0], [1], [0, 0]], **kw)], backend="triton")
 

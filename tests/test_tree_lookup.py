@@ -13,7 +13,7 @@ from rewriter.runtime.decoding.tree.lookup import (LOOKUP, NGRAM, ChainLength, C
                                                    with_chain)
 from rewriter.drafts.tree import Tree, make_tree, monotone
 
-from conftest import assert_same_distribution, fixed_round_work, make_model, varied_init
+from conftest import assert_same_distribution, fixed_round_work, traced_model, varied_init
 from test_draft_heads import random_heads
 from test_hydra_heads import IDS, KW, RAGGED, WIDE, model_and_file, sampled
 from test_tree_dynamic import refuses, triton_pair
@@ -59,17 +59,18 @@ def test_the_chain_hangs_below_the_root_in_depth_order():
 
 
 def optimized(tmp_path, cls, config="llama-gqa-3l", **kw):
-    model, path = model_and_file(tmp_path, config)
+    """(the shared trace of ``config``, an engine of ``cls`` heads over it with ``kw``)."""
+    model, traced, path = model_and_file(tmp_path, config)
     if cls is MedusaHeads:
         path = random_heads(model, tmp_path / "m.safetensors")
-    return model, rewriter.optimize(model, passes=[cls(weights=str(path), tree=WIDE, **kw)])
+    return traced, rewriter.optimize(traced, passes=[cls(weights=str(path), tree=WIDE, **kw)])
 
 
 @pytest.mark.parametrize("cls,config", [(HydraHeads, "llama-gqa-3l"), (MedusaHeads, "qwen2-mqa-3l"),
                                         (HydraHeads, "gpt2-3l")])
 def test_greedy_tokens_equal_plain_greedy_and_the_copies_are_accepted(cls, config, tmp_path):
-    model, hy = optimized(tmp_path, cls, config, lookup=4)
-    plain = rewriter.optimize(model)
+    traced, hy = optimized(tmp_path, cls, config, lookup=4)
+    plain = rewriter.optimize(traced)
     looping = [[5, 6, 7, 8] * 4, [9, 3] * 6]  # text that repeats: copies the model may accept
     for prompts in (IDS, RAGGED, looping):
         together = hy.generate(prompts, **KW)
@@ -95,9 +96,9 @@ def test_an_end_of_sequence_and_the_cache_end_with_copied_chains():
     """Rows whose chains are accepted end at an end of sequence as plain decoding does; at
     the cache's end a round is cut to the room left (a ragged batch: the row whose text
     loops accepts more a round than the other)."""
-    model = make_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)
-    plain = rewriter.optimize(model)
-    hy = rewriter.optimize(model, passes=[HydraHeads(num_heads=2, tree=[[0], [1], [0, 0]], lookup=6)])
+    _, traced = traced_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)
+    plain = rewriter.optimize(traced)
+    hy = rewriter.optimize(traced, passes=[HydraHeads(num_heads=2, tree=[[0], [1], [0, 0]], lookup=6)])
     ids = repeating(plain, [[5, 9, 2, 5, 9, 2, 5, 9], [7, 7, 7, 7]])
     ref = plain.generate(ids, max_new_tokens=30, eos_token_id=[])
     eos = int(ref[0, -20])  # a token the first row produces: its end of sequence
@@ -113,9 +114,9 @@ def test_an_end_of_sequence_and_the_cache_end_with_copied_chains():
 
 
 def test_sampling_follows_the_model():
-    model = make_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)
-    plain = rewriter.optimize(model)
-    hy = rewriter.optimize(model, passes=[HydraHeads(num_heads=2, tree=[[0], [1], [0, 0]], lookup=3)])
+    _, traced = traced_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)
+    plain = rewriter.optimize(traced)
+    hy = rewriter.optimize(traced, passes=[HydraHeads(num_heads=2, tree=[[0], [1], [0, 0]], lookup=3)])
     # "5 9" repeats: chains are copied, and verified (rounds left to make past the first)
     a, b = sampled(plain, hy, [5, 9, 2, 5, 9], new=6)
     assert hy.stats["accepted"] > 0 and hy.stats["copied"] > 0
@@ -123,7 +124,7 @@ def test_sampling_follows_the_model():
 
 
 def test_static_rounds_and_the_artifact_keep_it(tmp_path):
-    model, hy = optimized(tmp_path, HydraHeads, lookup=3, dynamic=2)
+    _, hy = optimized(tmp_path, HydraHeads, lookup=3, dynamic=2)
     assert hy.ir.info["decoding"]["lookup"] == 3
     eager = hy.generate(RAGGED, **KW)
     hy.static_decode = True
@@ -146,9 +147,9 @@ def test_the_triton_backend_gives_the_same_tokens(tmp_path):
 @pytest.mark.parametrize("dynamic", [0, 2])
 def test_with_the_adaptive_tree_the_tokens_stay_greedys_and_the_heads_are_counted(dynamic, tmp_path):
     from test_tree_adapt import adaptive
-    model, path = model_and_file(tmp_path)
-    plain = rewriter.optimize(model)
-    med = adaptive(rewriter.optimize(model, passes=[
+    _, traced, path = model_and_file(tmp_path)
+    plain = rewriter.optimize(traced)
+    med = adaptive(rewriter.optimize(traced, passes=[
         HydraHeads(weights=str(path), tree=WIDE, lookup=4, dynamic=dynamic)]),
         [[0.5, 0.2, 0.1], [0.4, 0.1], [0.4, 0.1]], [[1, 0.01, [1.0 + 0.01 * s for s in range(12)]]])
     prompts = repeating(plain, RAGGED)
@@ -161,10 +162,10 @@ def test_a_round_verifies_at_most_64_tokens(monkeypatch):
     """A 63-node tree leaves no room for a chain (the Triton tree kernels take 64 tokens)."""
     import itertools
     from rewriter.runtime.decoding.tree.rounds import TreeRounds
-    model = make_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)
-    plain = rewriter.optimize(model)
+    _, traced = traced_model("llama-gqa-3l", vocab_size=48, initializer_range=0.08)
+    plain = rewriter.optimize(traced)
     paths = [list(p) for d in (1, 2) for p in itertools.product(range(8), repeat=d)][:63]
-    hy = rewriter.optimize(model, passes=[MedusaHeads(num_heads=2, tree=paths, lookup=4)])
+    hy = rewriter.optimize(traced, passes=[MedusaHeads(num_heads=2, tree=paths, lookup=4)])
     sizes, chained = [], TreeRounds._chain
 
     def chain(self):
@@ -251,27 +252,28 @@ def chains_pass(tmp_path, monkeypatch, slope: float, lookup: int = 4, **model_kw
     """A pass whose measured costs (set here) find that no heads' tree pays at any batch
     size (a heads call costs 5 steps), and verifying one more token costs ``slope`` steps."""
     from rewriter.runtime.measurer import RuntimeMeasurer
-    model = make_model("llama-gqa-3l", **(model_kw or dict(initializer_range=varied_init("llama-gqa-3l"))))
+    model, traced = traced_model("llama-gqa-3l", **(model_kw or dict(
+        initializer_range=varied_init("llama-gqa-3l"))))
     path = random_heads(model, tmp_path / "h.safetensors")
     fixed_round_work(monkeypatch)
     monkeypatch.setattr(RuntimeMeasurer, "verify_cost", lambda self, ir, most, runs=15, batch=1:
                         [0.0] + [1.0 + slope * s for s in range(most)])
     monkeypatch.setattr(RuntimeMeasurer, "heads_cost", lambda *a, **k: 5.0)
     p = MedusaHeads(weights=str(path), max_nodes=6, lookup=lookup)
-    return model, p, rewriter.optimize(model, passes=[p])
+    return traced, p, rewriter.optimize(traced, passes=[p])
 
 
 def test_where_no_tree_pays_rounds_verify_the_copied_chain_alone(tmp_path, monkeypatch):
     """Text that repeats strongly: the chain is kept and the next generation copies too."""
     # small weights and vocabulary: text that loops from the start
-    model, p, med = chains_pass(tmp_path, monkeypatch, slope=0.01, vocab_size=48,
+    traced, p, med = chains_pass(tmp_path, monkeypatch, slope=0.01, vocab_size=48,
                                 initializer_range=0.08)
     record = med.ir.info["decoding"]
     assert p.report["predicted_speedup"] < 1 and record["batch_trees"] == [[1, []]]
     costs = record["adapt"]["costs"]  # at one row, a round of the tree and the chain
     assert [c[0] for c in costs] == [1, 2, 4, 8] and len(costs[0][2]) == len(record["tree"]) + 1 + 4
     assert all(len(c[2]) == 1 + 4 for c in costs[1:])  # larger batches: the chain alone
-    plain = rewriter.optimize(model)
+    plain = rewriter.optimize(traced)
     ids = repeating(plain, [[5, 9, 2] * 4, [7, 3] * 6, [4, 4, 8] * 3], 12)
     kw = dict(max_new_tokens=40, eos_token_id=[])
     assert torch.equal(med.generate(ids, **kw), plain.generate(ids, **kw))
@@ -286,9 +288,9 @@ def test_where_no_tree_pays_rounds_verify_the_copied_chain_alone(tmp_path, monke
 def test_a_chain_that_costs_more_than_it_adds_is_dropped(tmp_path, monkeypatch):
     """Each verified token costs 10 steps: no chain can pay. The first rounds verify the
     whole chain; once scored, none; the next generation starts with none."""
-    model, p, med = chains_pass(tmp_path, monkeypatch, slope=10.0)
+    traced, p, med = chains_pass(tmp_path, monkeypatch, slope=10.0)
     med.fallback = False  # the chain's own rests, not the timed guard's (test_speed_guard)
-    plain = rewriter.optimize(model)
+    plain = rewriter.optimize(traced)
     ids = repeating(plain, RAGGED)
     kw = dict(max_new_tokens=32, eos_token_id=[])
     assert torch.equal(med.generate(ids, **kw), plain.generate(ids, **kw))

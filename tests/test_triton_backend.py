@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 import rewriter  # noqa: E402
 from rewriter.passes import FuseAddRMSNorm, FuseQKV, FuseRoPE, FuseSwiGLU, LayerSkip  # noqa: E402
 
-from conftest import make_model  # noqa: E402
+from conftest import make_model, traced_model  # noqa: E402
 
 FUSIONS = [FuseQKV, FuseSwiGLU, FuseAddRMSNorm, FuseRoPE]
 ROWS = [[3, 17, 42, 5, 99, 8, 64], [1, 2, 3], [50, 60, 70, 80, 90]]
@@ -19,9 +19,8 @@ ROWS = [[3, 17, 42, 5, 99, 8, 64], [1, 2, 3], [50, 60, 70, 80, 90]]
 @pytest.mark.parametrize("config,fused", [("llama-gqa-3l", True), ("llama-gqa-3l", False),
                                           ("mistral-window-3l", True), ("qwen2-hd20-2l", True)])
 def test_triton_greedy_tokens_equal_torch(config, fused):
-    model = make_model(config, initializer_range=0.2)
+    _, traced = traced_model(config, initializer_range=0.2)
     passes = [p() for p in FUSIONS] if fused else []
-    traced = rewriter.trace(model)  # one trace, 2 pipelines
     ref = rewriter.optimize(traced, passes=passes)
     tri = rewriter.optimize(traced, passes=passes, backend="triton")
     kw = dict(max_new_tokens=12, eos_token_id=[])
@@ -29,8 +28,8 @@ def test_triton_greedy_tokens_equal_torch(config, fused):
 
 
 def test_triton_artifact_round_trip(tmp_path):
-    model = make_model("llama-gqa-3l", initializer_range=0.2)
-    tri = rewriter.optimize(model, passes=[LayerSkip(layers=[1]), FuseQKV()], backend="triton")
+    _, traced = traced_model("llama-gqa-3l", initializer_range=0.2)
+    tri = rewriter.optimize(traced, passes=[LayerSkip(layers=[1]), FuseQKV()], backend="triton")
     tri.save(tmp_path / "a")
     loaded = rewriter.load(tmp_path / "a")
     assert loaded.backend == "triton"
@@ -42,7 +41,7 @@ def test_triton_artifact_round_trip(tmp_path):
 def test_triton_on_a_cpu_without_the_interpreter_is_refused(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
-        rewriter.optimize(make_model("llama-gqa-3l"), backend="triton")
+        rewriter.optimize(make_model("llama-gqa-3l"), backend="triton")  # refused before a trace
 
 
 @pytest.mark.gpu
@@ -57,8 +56,7 @@ def test_triton_on_cuda_matches_torch_on_cuda():
 
 
 def test_pointwise_groups_run_as_generated_kernels_and_are_dumped(tmp_path):
-    model = make_model("gpt2-3l", initializer_range=0.5)
-    traced = rewriter.trace(model)  # one trace, 2 pipelines
+    _, traced = traced_model("gpt2-3l", initializer_range=0.5)
     ref = rewriter.optimize(traced)
     tri = rewriter.optimize(traced, backend="triton")
     kw = dict(max_new_tokens=8, eos_token_id=[])
@@ -76,8 +74,8 @@ def test_pointwise_groups_run_as_generated_kernels_and_are_dumped(tmp_path):
 
 def test_stored_kernels_run_only_with_trust_code(tmp_path):
     from artifact_tools import reseal, version_dir
-    model = make_model("gpt2-3l", initializer_range=0.5)
-    tri = rewriter.optimize(model, backend="triton")
+    _, traced = traced_model("gpt2-3l", initializer_range=0.5)
+    tri = rewriter.optimize(traced, backend="triton")
     tri.save(tmp_path / "a")
     kernels = sorted((version_dir(tmp_path / "a") / "kernels").glob("pointwise_*_add.py"))
     assert kernels, "the artifact stores its generated kernels"
@@ -93,8 +91,8 @@ def test_stored_kernels_run_only_with_trust_code(tmp_path):
 
 
 def test_triton_static_decode_steps_give_the_same_tokens():
-    model = make_model("mistral-window-3l", initializer_range=0.2)
-    tri = rewriter.optimize(model, passes=[p() for p in FUSIONS], backend="triton")
+    _, traced = traced_model("mistral-window-3l", initializer_range=0.2)
+    tri = rewriter.optimize(traced, passes=[p() for p in FUSIONS], backend="triton")
     kw = dict(max_new_tokens=8, eos_token_id=[])
     want = tri.generate(ROWS, **kw)
     tri.static_decode = True
