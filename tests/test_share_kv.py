@@ -94,7 +94,7 @@ def plain_cache_bytes(plain) -> int:
 def test_the_verifier_refuses_what_the_cache_could_not_serve():
     opt = rewriter.optimize(_trace(), passes=[ShareKV(sources={2: 0})])
     ir = opt.ir
-    reader, owner, other = _attention(ir, 2), _attention(ir, 0), _attention(ir, 1)
+    reader, other = _attention(ir, 2), _attention(ir, 1)
 
     def refused(change, message):
         saved = (reader.args, dict(reader.kwargs))
