@@ -156,22 +156,37 @@ def read_bytes(gm: fx.GraphModule, dtype: torch.dtype, tokens: int) -> int:
             p = op_arguments("select_pages", tuple(sel.args), dict(sel.kwargs))
             selected[args["layer"]] = p["budget"] // p["page"] * p["page"] + p["recent"] + 1
             bounds[args["layer"]] = 2 * -(-tokens // p["page"])  # max and min, per page
+    table = cache_table(gm)
+    reads = {i: _cache_reads(i, s, dtype, tokens, selected, scored, bounds)
+             for i, s in table.items()}
+    # a layer reading another's cache (ShareKV) reads it again: sharing saves memory, not
+    # reads (each layer's attention loads the K/V it attends to)
+    return sum(reads.values()) + sum(reads[owner] for owner in _kv_sources(gm))
+
+
+def _cache_reads(i: int, s: CacheSpec, dtype: torch.dtype, tokens: int, selected: dict,
+                 scored: set, bounds: dict) -> int:
+    """``read_bytes``'s count for cache ``i`` (its owner's read)."""
     total = 0
-    for i, s in cache_table(gm).items():
-        per_head = s.bytes_per_token(dtype) // s.num_kv_heads  # K and V of one token
-        for key, heads, _ in s.parts(tokens):  # a DuoAttention layer: full heads and a ring
-            ring = s.bounded or key == ring_part(i)
-            if ring:
-                read = min(tokens, s.sinks + s.window)
-            else:  # a sliding window (Mistral's layers; a split layer's is its ring's) or a selection
-                window = s.window if s.window is not None and not s.ring else tokens
-                read = min(tokens, window, selected.get(i, tokens))
-            if i in scored:  # every key, and the values of the selection
-                total += per_head // 2 * heads * (tokens + read)
-            else:
-                total += per_head * heads * read
-        total += per_head // 2 * s.num_kv_heads * bounds.get(i, 0)  # [pages, D] bounds, twice
-    return total
+    per_head = s.bytes_per_token(dtype) // s.num_kv_heads  # K and V of one token
+    for key, heads, _ in s.parts(tokens):  # a DuoAttention layer: full heads and a ring
+        ring = s.bounded or key == ring_part(i)
+        if ring:
+            read = min(tokens, s.sinks + s.window)
+        else:  # a sliding window (Mistral's layers; a split layer's is its ring's) or a selection
+            window = s.window if s.window is not None and not s.ring else tokens
+            read = min(tokens, window, selected.get(i, tokens))
+        if i in scored:  # every key, and the values of the selection
+            total += per_head // 2 * heads * (tokens + read)
+        else:
+            total += per_head * heads * read
+    return total + per_head // 2 * s.num_kv_heads * bounds.get(i, 0)  # [pages, D] bounds, twice
+
+
+def _kv_sources(gm: fx.GraphModule) -> list[int]:
+    """The owner each reading attention op of ``gm`` reads (``kv_source``), once per reader."""
+    return [p["kv_source"] for p in map(attention_params, gm.graph.find_nodes(
+        op="call_function", target=OPS["attention"])) if p["kv_source"] is not None]
 
 
 def describe(table: dict[int, CacheSpec], dtype: torch.dtype) -> dict:

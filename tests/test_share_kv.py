@@ -168,3 +168,11 @@ def test_artifacts_and_pass_specs_round_trip(tmp_path):
     assert sources(back.ir.graph) == {2: 0}
     assert torch.equal(back.generate(IDS, max_new_tokens=8), opt.generate(IDS, max_new_tokens=8))
     assert back.kv_bytes_per_token() == opt.kv_bytes_per_token()
+
+
+def test_each_reader_reads_its_owners_cache_again():
+    """Sharing saves memory, not reads: a decode step's KV reads are the model's."""
+    plain = rewriter.optimize(_trace())
+    opt = rewriter.optimize(_trace(), passes=[ShareKV(every=2)])
+    assert opt.kv_read_bytes(100) == plain.kv_read_bytes(100) > 0
+    assert opt.kv_bytes_per_token() * 3 == plain.kv_bytes_per_token() * 2
