@@ -176,3 +176,19 @@ def test_each_reader_reads_its_owners_cache_again():
     opt = rewriter.optimize(_trace(), passes=[ShareKV(every=2)])
     assert opt.kv_read_bytes(100) == plain.kv_read_bytes(100) > 0
     assert opt.kv_bytes_per_token() * 3 == plain.kv_bytes_per_token() * 2
+
+
+def test_the_similarity_of_a_layer_with_itself_and_with_its_owner_is_one():
+    """``kv_similarity`` over a shared model: a reader's keys and values are its owner's
+    (1 off the diagonal there), every layer is itself (1 on it), the other pairs less."""
+    from rewriter.measure.kv_similarity import distance, layer_kv, similarity
+    opt = rewriter.optimize(_trace(), passes=[ShareKV(sources={2: 0})])
+    kv = layer_kv(opt.ir, IDS)
+    assert sorted(kv) == [0, 1, 2] and kv[0][0].shape == (2, 8, 2, 16)
+    keys, values = similarity(kv)
+    assert torch.allclose(keys.diagonal(), torch.ones(3)) and torch.allclose(values[0, 2], torch.tensor(1.0))
+    assert torch.allclose(keys, keys.T) and keys[0, 1] < 0.99 and values[1, 2] < 0.99
+    far = distance(kv)
+    assert far[0, 2] == 0 and far[0, 1] > 0 and torch.equal(far, far.T)
+    with pytest.raises(ValueError, match=r"ids must be a \[B, T\] tensor"):
+        layer_kv(opt.ir, torch.tensor([1, 2]))
