@@ -12,7 +12,12 @@ the runtime allocates one cache per owner, written by the owner alone
 - ``sources={r: o, ...}``: an explicit map (a calibration's result, e.g. KVSharer's);
 - ``every=k``: Cross-Layer Attention's groups of ``k`` adjacent layers, the lowest of each
   owning (CLA2 is ``every=2``);
-- ``last=n``: the last ``n`` layers read the last layer before them, as Gemma 3n does.
+- ``last=n``: the last ``n`` layers read the last layer before them, as Gemma 3n does;
+- ``calibrate=prompts, budget=n``: up to ``n`` readers found by a search on the model's
+  own text (``rewriter.measure.kv_sharer``: ``rule="kvsharer"``, the paper's order, or
+  ``"measured"``), each kept while the final hidden states keep a mean cosine of
+  ``threshold`` with the model's; the map found becomes ``sources`` (``report`` holds
+  every pair tried).
 
 Lossy on a model not trained for it (the readers' own K/V are gone): measure it
 (``benchmarks/kv_sharing.py``). Rings (StreamingAttention, DuoAttention) and token
@@ -20,26 +25,31 @@ selections (TidalDecode, Quest) do not share: the verifier refuses them by name.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
-from torch import fx
-
-from rewriter.errors import PassError, VerificationError
+from rewriter.errors import PassError
 from rewriter.ir.core import IR
 from rewriter.ir.pass_manager import Pass
-from rewriter.ir.sharing import attention_by_layer, check_sharing
-from rewriter.ops import MAX_INT, OPS, op_arguments
-from rewriter.values import is_int
+from rewriter.ir.sharing import attention_by_layer, share
+from rewriter.measure.kv_sharer import RULES, search
+from rewriter.ops import MAX_INT
+from rewriter.measure.calibrate import calibration_batch
+from rewriter.values import check_prompts, is_int
 
 
 class ShareKV(Pass):
     def __init__(self, sources: Optional[dict] = None, every: Optional[int] = None,
-                 last: Optional[int] = None):
-        given = [name for name, v in (("sources", sources), ("every", every), ("last", last))
-                 if v is not None]
+                 last: Optional[int] = None, calibrate: Optional[Sequence] = None,
+                 budget: Optional[int] = None, threshold: float = 0.95, rule: str = "measured"):
+        given = [name for name, v in (("sources", sources), ("every", every), ("last", last),
+                                      ("calibrate", calibrate)) if v is not None]
         if len(given) != 1:
-            raise ValueError(f"ShareKV: give exactly one of sources={{reader: owner}}, every=k "
-                             f"or last=n, got {', '.join(given) or 'none'}")
+            raise ValueError(f"ShareKV: give exactly one of sources={{reader: owner}}, every=k, "
+                             f"last=n or calibrate=prompts, got {', '.join(given) or 'none'}")
+        _check_search(calibrate, budget, threshold, rule)
+        self.calibrate = check_prompts("ShareKV", calibrate) if calibrate is not None else None
+        self.budget, self.threshold, self.rule = budget, float(threshold), rule
+        self.report: Optional[dict] = None
         if every is not None and (not is_int(every) or not 2 <= every <= MAX_INT):
             raise ValueError(f"ShareKV: every must be an integer >= 2 (layers a group), got {every!r}")
         if last is not None and (not is_int(last) or not 1 <= last <= MAX_INT):
@@ -47,6 +57,13 @@ class ShareKV(Pass):
         self.sources = _checked_sources(sources) if sources is not None else None
         self.every = int(every) if every is not None else None
         self.last = int(last) if last is not None else None
+
+    def __repr__(self) -> str:
+        shown = {k: v for k, v in self.params().items() if v is not None and
+                 (self.calibrate is not None or k not in ("threshold", "rule"))}
+        if self.calibrate is not None:
+            shown["calibrate"] = f"<{len(self.calibrate)} prompts>"
+        return f"ShareKV({', '.join(f'{k}={v}' if k == 'calibrate' else f'{k}={v!r}' for k, v in shown.items())})"
 
     def run(self, ir: IR) -> IR:
         by_layer = attention_by_layer(ir.graph)
@@ -58,13 +75,10 @@ class ShareKV(Pass):
         if ir.info.get("decoding") is not None:
             raise PassError(f"{self!r} must run before the speculative strategy "
                             f"({ir.info['decoding']['strategy']}), which times the model as it is")
-        for reader, owner in sorted(self.pairs(sorted(by_layer)).items()):
-            _share(by_layer[reader], by_layer[owner], self)
-        try:  # heads, head size, window, rings, selections: named here, as this pass's
-            check_sharing(ir)
-        except VerificationError as e:
-            raise PassError(f"{self!r}: {e}") from None
-        ir.prune()  # the readers' K/V projections and their weights
+        if self.calibrate is not None:  # the search's map, kept as the explicit one
+            self.sources, self.report = search(ir, calibration_batch(ir, self.calibrate),
+                                               self.budget, self.threshold, self.rule)
+        share(ir, self.pairs(sorted(by_layer)), repr(self))
         return ir
 
     def pairs(self, layers: list[int]) -> dict[int, int]:
@@ -84,6 +98,20 @@ class ShareKV(Pass):
         return {r: owner for r in layers[-self.last:]}
 
 
+def _check_search(calibrate, budget, threshold, rule) -> None:
+    """The calibrated search's settings (``rewriter.measure.kv_sharer``)."""
+    if (calibrate is None) != (budget is None):
+        raise ValueError("ShareKV: calibrate=prompts and budget=n (layers that may read "
+                         "another's cache) come together")
+    if budget is not None and (not is_int(budget) or not 1 <= budget <= MAX_INT):
+        raise ValueError(f"ShareKV: budget must be an integer >= 1, got {budget!r}")
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) \
+            or not -1 <= threshold <= 1:
+        raise ValueError(f"ShareKV: threshold must be a cosine in [-1, 1], got {threshold!r}")
+    if rule not in RULES:
+        raise ValueError(f"ShareKV: rule must be one of {', '.join(RULES)}, got {rule!r}")
+
+
 def _checked_sources(sources) -> dict[int, int]:
     """``{reader: owner}`` with integer layers (JSON keys arrive as digit strings), each
     owner earlier than its reader and owning its cache."""
@@ -101,37 +129,3 @@ def _checked_sources(sources) -> dict[int, int]:
         raise ValueError(f"ShareKV: layer {chained[0]} both reads another's cache and is read: "
                          f"map its readers to its owner ({pairs[chained[0]]})")
     return pairs
-
-
-def _share(node, owner, p: Pass) -> None:
-    """``node`` reads ``owner``'s cache: the owner's k, v (and rotary tables) as its inputs."""
-    args = op_arguments("attention", tuple(node.args), dict(node.kwargs))
-    own = op_arguments("attention", tuple(owner.args), dict(owner.kwargs))
-    if args["kv_source"] is not None:
-        raise PassError(f"{p!r}: layer {args['layer']} reads layer {args['kv_source']}'s "
-                        f"cache already")
-    if (args["cos"] is None) != (own["cos"] is None):
-        raise PassError(f"{p!r}: layers {own['layer']} and {args['layer']} rotate k in different "
-                        f"places (FuseRoPE fused one of them): run ShareKV before FuseRoPE")
-    if args["cos"] is not None and (args["cos"], args["sin"]) != (own["cos"], own["sin"]):
-        raise PassError(f"{p!r}: layers {own['layer']} and {args['layer']} rotate by different "
-                        f"tables")
-    if _projection(args["k"]) is not None and _projection(args["k"]) is _projection(args["q"]):
-        raise PassError(f"{p!r}: layer {args['layer']}'s K and V come out of one projection "
-                        f"with its queries (GPT-2's c_attn): dropping them would not drop "
-                        f"any weight, and this pass does not split projections")
-    kept = {k: v for k, v in args.items() if k not in ("q", "k", "v") and v is not None}
-    node.args = (args["q"], own["k"], own["v"])
-    node.kwargs = {**kept, "kv_source": own["layer"]}
-    node.meta.pop("val", None)  # other inputs now
-    node.meta["pass"] = p.name
-
-
-def _projection(node):
-    """The linear op ``node`` comes out of, through reshapes, splits and rotations (their
-    first input), or None."""
-    while isinstance(node, fx.Node) and node.op == "call_function":
-        if node.target in (OPS["linear"], OPS["linear_int4"]):
-            return node
-        node = node.args[0] if node.args else None
-    return None

@@ -192,3 +192,23 @@ def test_the_similarity_of_a_layer_with_itself_and_with_its_owner_is_one():
     assert far[0, 2] == 0 and far[0, 1] > 0 and torch.equal(far, far.T)
     with pytest.raises(ValueError, match=r"ids must be a \[B, T\] tensor"):
         layer_kv(opt.ir, torch.tensor([1, 2]))
+
+
+@pytest.mark.parametrize("rule", ["kvsharer", "measured"])
+def test_a_calibrated_search_keeps_pairs_while_the_hidden_states_stay_close(rule):
+    """Each kept pair passed the threshold, the final cosine is the search's own, and a
+    threshold of 1 keeps nothing a reader changes; the map found is the pass's."""
+    prompts = [[5, 9, 14, 2, 7, 30, 11, 4, 8, 19, 3], [3, 3, 8, 1, 60, 12, 9, 2, 77, 5, 6]]
+    p = ShareKV(calibrate=prompts, budget=2, threshold=0.0, rule=rule)
+    opt = rewriter.optimize(_trace(), passes=[p])
+    assert sources(opt.ir.graph) == p.sources and 1 <= len(p.sources) <= 2
+    assert all(t["kept"] == (t["cosine"] >= 0.0) for t in p.report["tried"])
+    assert all(owner < reader for reader, owner in p.sources.items())
+    strict = ShareKV(calibrate=prompts, budget=2, threshold=1.0, rule=rule)
+    rewriter.optimize(_trace(), passes=[strict])
+    assert strict.sources == {} and all(not t["kept"] for t in strict.report["tried"])
+    assert "calibrate=<2 prompts>" in repr(p)
+    with pytest.raises(ValueError, match="come together"):
+        ShareKV(calibrate=prompts)
+    with pytest.raises(ValueError, match="rule must be one of"):
+        ShareKV(calibrate=prompts, budget=1, rule="closest")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from rewriter.errors import VerificationError
+from rewriter.errors import PassError, VerificationError
 from rewriter.ir.core import IR
 from rewriter.ops import OPS, op_arguments
 
@@ -80,3 +80,51 @@ def _check_pair(node: fx.Node, args: dict, owner: fx.Node, own: dict, order: dic
 
 def _args(node: fx.Node) -> dict:
     return op_arguments("attention", tuple(node.args), dict(node.kwargs))
+
+
+def share(ir: IR, pairs: dict[int, int], who: str) -> None:
+    """Rewrite ``ir`` so each reader of ``pairs`` (``{reader: owner}``, layer ids) reads its
+    owner's cache, then drop what the readers no longer compute (their K/V projections and
+    weights); ``PassError`` (naming ``who``) for what cannot share."""
+    by_layer = attention_by_layer(ir.graph)
+    for reader, owner in sorted(pairs.items()):
+        _share(by_layer[reader], by_layer[owner], who)
+    try:  # heads, head size, window, rings, selections: named as the pass's own refusal
+        check_sharing(ir)
+    except VerificationError as e:
+        raise PassError(f"{who}: {e}") from None
+    ir.prune()
+
+
+def _share(node: fx.Node, owner: fx.Node, who: str) -> None:
+    """``node`` reads ``owner``'s cache: the owner's k, v (and rotary tables) as its inputs."""
+    args = op_arguments("attention", tuple(node.args), dict(node.kwargs))
+    own = op_arguments("attention", tuple(owner.args), dict(owner.kwargs))
+    if args["kv_source"] is not None:
+        raise PassError(f"{who}: layer {args['layer']} reads layer {args['kv_source']}'s "
+                        f"cache already")
+    if (args["cos"] is None) != (own["cos"] is None):
+        raise PassError(f"{who}: layers {own['layer']} and {args['layer']} rotate k in different "
+                        f"places (FuseRoPE fused one of them): run ShareKV before FuseRoPE")
+    if args["cos"] is not None and (args["cos"], args["sin"]) != (own["cos"], own["sin"]):
+        raise PassError(f"{who}: layers {own['layer']} and {args['layer']} rotate by different "
+                        f"tables")
+    if _projection(args["k"]) is not None and _projection(args["k"]) is _projection(args["q"]):
+        raise PassError(f"{who}: layer {args['layer']}'s K and V come out of one projection "
+                        f"with its queries (GPT-2's c_attn): dropping them would not drop "
+                        f"any weight, and this pass does not split projections")
+    kept = {k: v for k, v in args.items() if k not in ("q", "k", "v") and v is not None}
+    node.args = (args["q"], own["k"], own["v"])
+    node.kwargs = {**kept, "kv_source": own["layer"]}
+    node.meta.pop("val", None)  # other inputs now
+    node.meta["pass"] = "ShareKV"
+
+
+def _projection(node):
+    """The linear op ``node`` comes out of, through reshapes, splits and rotations (their
+    first input), or None."""
+    while isinstance(node, fx.Node) and node.op == "call_function":
+        if node.target in (OPS["linear"], OPS["linear_int4"]):
+            return node
+        node = node.args[0] if node.args else None
+    return None
