@@ -212,3 +212,15 @@ def test_a_calibrated_search_keeps_pairs_while_the_hidden_states_stay_close(rule
         ShareKV(calibrate=prompts)
     with pytest.raises(ValueError, match="rule must be one of"):
         ShareKV(calibrate=prompts, budget=1, rule="closest")
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_triton_backend_gives_the_torch_tokens(fused):
+    """Under the interpreter: the owner's kernel writes (rotating K in it with FuseRoPE),
+    the reader's kernels read only."""
+    pytest.importorskip("triton")
+    passes = lambda: [*([FuseRoPE()] if fused else []), ShareKV(every=2)]  # noqa: E731
+    torch_side = rewriter.optimize(_trace(), passes=passes())
+    tri = rewriter.optimize(_trace(), passes=passes(), backend="triton")
+    assert (_attention(tri.ir, 1).kwargs.get("cos") is not None) == fused
+    assert torch.equal(tri.generate(IDS, max_new_tokens=5), torch_side.generate(IDS, max_new_tokens=5))
