@@ -31,10 +31,9 @@ from rewriter.errors import PassError
 from rewriter.ir.core import IR
 from rewriter.ir.pass_manager import Pass
 from rewriter.ir.sharing import attention_by_layer, share
-from rewriter.measure.kv_sharer import RULES, search
-from rewriter.ops import MAX_INT
 from rewriter.measure.calibrate import calibration_batch
-from rewriter.values import check_prompts, is_int
+from rewriter.measure.kv_sharer import RULES, search
+from rewriter.values import MAX_INT, check_prompts, is_int
 
 
 class ShareKV(Pass):
