@@ -24,6 +24,7 @@ from rewriter.passes.layer_skip import LayerSkip
 from rewriter.passes.prompt_lookup import PromptLookup
 from rewriter.passes.quest import Quest
 from rewriter.passes.self_speculative import SelfSpeculative
+from rewriter.passes.share_kv import ShareKV
 from rewriter.passes.streaming import StreamingAttention
 from rewriter.passes.tidal_decode import TidalDecode
 
@@ -32,11 +33,12 @@ PASSES = {"layer_skip": LayerSkip, "fuse_qkv": FuseQKV, "fuse_swiglu": FuseSwiGL
           "self_speculative": SelfSpeculative, "medusa_heads": MedusaHeads,
           "hydra_heads": HydraHeads, "eagle_draft": EagleDraft, "prompt_lookup": PromptLookup,
           "streaming_attention": StreamingAttention,
-          "tidal_decode": TidalDecode, "duo_attention": DuoAttention, "quest": Quest}
+          "tidal_decode": TidalDecode, "duo_attention": DuoAttention, "quest": Quest,
+          "share_kv": ShareKV}
 
 __all__ = ["LayerSkip", "FuseQKV", "FuseSwiGLU", "FuseAddRMSNorm", "FuseRoPE", "Int4Weights", "SelfSpeculative", "MedusaHeads", "HydraHeads",
            "EagleDraft",
-           "PromptLookup", "StreamingAttention", "TidalDecode", "DuoAttention", "Quest", "PASSES",
+           "PromptLookup", "StreamingAttention", "TidalDecode", "DuoAttention", "Quest", "ShareKV", "PASSES",
            "from_spec", "to_spec"]
 
 

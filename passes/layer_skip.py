@@ -12,6 +12,7 @@ import math
 from typing import Sequence
 
 from rewriter.errors import PassError
+from rewriter.ir.sharing import readers_of
 from rewriter.ir.core import IR
 from rewriter.ops import OPS
 from rewriter.ir.pass_manager import Pass
@@ -65,6 +66,12 @@ class LayerSkip(Pass):
                             f"one whose cache the token selection reads")
         spans = {s["index"]: s for s in ir.layers}
         skip = self.choose(sorted(spans))
+        read = {o: [r for r in rs if r not in skip] for o, rs in readers_of(ir.graph, skip).items()}
+        read = {o: rs for o, rs in read.items() if rs}
+        if read:
+            owner = min(read)
+            raise PassError(f"{self!r}: layer {owner} owns the KV cache that layers {read[owner]} "
+                            f"read (ShareKV): it cannot be removed while they stay")
         bypass = {}  # skipped layer's output -> the stream that now flows past it
         for index in skip:  # ascending, so a run of skipped layers chains through
             out, inp = ir.node(spans[index]["output"]), ir.node(spans[index]["input"])

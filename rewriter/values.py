@@ -128,3 +128,14 @@ def shown(value, limit: int = 80) -> str:
     named in an error without flooding it."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def check_prompts(owner: str, prompts) -> list[list[int]]:
+    """``prompts`` as a list of token-id lists (at least 2 ids each); ``ValueError`` naming
+    ``owner`` otherwise (text, a flat list, negative or non-integer ids)."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)) or not prompts \
+            or not all(isinstance(p, (list, tuple)) and len(p) >= 2
+                       and all(type(t) is int and t >= 0 for t in p) for p in prompts):
+        raise ValueError(f"{owner}: calibrate must be a list of token-id lists (at least 2 "
+                         f"ids each)")
+    return [list(p) for p in prompts]

@@ -145,8 +145,9 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, spec: CacheSpe
         q, k = KERNELS["rope"](q, cos, sin, head_dim), KERNELS["rope"](k, cos, sin, head_dim)
     b, s, _ = q.shape
     k_cache, v_cache = step.cache.k[spec.id], step.cache.v[spec.id]
-    write_kv(step, k_cache, v_cache, k.view(b, s, num_kv_heads, head_dim).transpose(1, 2),
-             v.view(b, s, num_kv_heads, head_dim).transpose(1, 2))  # [B, Hkv, S, D]
+    if spec.write:  # else another layer's cache, written by its owner (ShareKV)
+        write_kv(step, k_cache, v_cache, k.view(b, s, num_kv_heads, head_dim).transpose(1, 2),
+                 v.view(b, s, num_kv_heads, head_dim).transpose(1, 2))  # [B, Hkv, S, D]
     if spec.page is not None:  # Quest: the bounds of the pages just written
         refresh_bounds(step, spec.id, spec.page, k_cache)
     qh = q.view(b, s, num_heads, head_dim).transpose(1, 2)  # [B, Hq, S, D]

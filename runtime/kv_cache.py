@@ -24,8 +24,9 @@ from rewriter.ops import ATTRIBUTES, OPS, op_arguments
 
 # The attention op's non-tensor arguments, read from its schema (``rewriter.ops``).
 ATTENTION_PARAMS = tuple(ATTRIBUTES["attention"])
-# ``gates`` only records why DuoAttention split a layer: no cache depends on it.
-CACHE_PARAMS = tuple(k for k in ATTENTION_PARAMS if k not in ("layer", "gates"))
+# ``gates`` only records why DuoAttention split a layer: no cache depends on it;
+# ``kv_source`` names the cache (``CacheSpec.id``) of a layer that shares another's.
+CACHE_PARAMS = tuple(k for k in ATTENTION_PARAMS if k not in ("layer", "gates", "kv_source"))
 
 
 def ring_part(cache_id: int) -> tuple:
@@ -35,7 +36,8 @@ def ring_part(cache_id: int) -> tuple:
 
 @dataclass(frozen=True)
 class CacheSpec:
-    """One attention op's cache: ``id`` is its ``layer`` attribute."""
+    """One attention op's cache: ``id`` is its ``layer`` attribute, or the layer whose
+    cache it reads (``kv_source``)."""
     id: int
     num_heads: int
     num_kv_heads: int
@@ -46,6 +48,10 @@ class CacheSpec:
     sinks: Optional[int] = None
     full_heads: Optional[tuple] = None  # DuoAttention: KV heads kept whole beside the ring
     page: Optional[int] = None  # Quest: per-page key bounds (max, min) kept beside the cache
+    # False for a layer reading a cache another op of its program writes (ShareKV):
+    # set by lowering, per program (a draft that skips the owner leaves its first reader
+    # to write the same k and v)
+    write: bool = True
 
     @property
     def ring(self) -> bool:
@@ -94,10 +100,13 @@ def attention_params(node: fx.Node) -> dict:
 
 
 def cache_table(gm: fx.GraphModule) -> dict[int, CacheSpec]:
-    """``{id: CacheSpec}`` for every ``rw.attention`` of ``gm``, in graph order."""
+    """``{id: CacheSpec}`` for every ``rw.attention`` of ``gm`` that owns its cache, in
+    graph order (a layer reading another's, ``kv_source``, allocates nothing)."""
     table: dict[int, CacheSpec] = {}
     for n in gm.graph.find_nodes(op="call_function", target=OPS["attention"]):
         p = attention_params(n)
+        if p["kv_source"] is not None:
+            continue
         if p["layer"] in table:
             raise RewriterError(f"{n.name}: two attention ops name cache {p['layer']} (their "
                                 f"layer attribute); each layer's attention needs its own")
@@ -117,7 +126,7 @@ def cache_spec(node: fx.Node) -> CacheSpec:
                                       dict(select.kwargs))["page"]
     if params["full_heads"] is not None:
         params["full_heads"] = tuple(params["full_heads"])
-    return CacheSpec(id=p["layer"], **params)
+    return CacheSpec(id=p["layer"] if p["kv_source"] is None else p["kv_source"], **params)
 
 
 def read_bytes(gm: fx.GraphModule, dtype: torch.dtype, tokens: int) -> int:
@@ -147,22 +156,37 @@ def read_bytes(gm: fx.GraphModule, dtype: torch.dtype, tokens: int) -> int:
             p = op_arguments("select_pages", tuple(sel.args), dict(sel.kwargs))
             selected[args["layer"]] = p["budget"] // p["page"] * p["page"] + p["recent"] + 1
             bounds[args["layer"]] = 2 * -(-tokens // p["page"])  # max and min, per page
+    table = cache_table(gm)
+    reads = {i: _cache_reads(i, s, dtype, tokens, selected, scored, bounds)
+             for i, s in table.items()}
+    # a layer reading another's cache (ShareKV) reads it again: sharing saves memory, not
+    # reads (each layer's attention loads the K/V it attends to)
+    return sum(reads.values()) + sum(reads[owner] for owner in _kv_sources(gm))
+
+
+def _cache_reads(i: int, s: CacheSpec, dtype: torch.dtype, tokens: int, selected: dict,
+                 scored: set, bounds: dict) -> int:
+    """``read_bytes``'s count for cache ``i`` (its owner's read)."""
     total = 0
-    for i, s in cache_table(gm).items():
-        per_head = s.bytes_per_token(dtype) // s.num_kv_heads  # K and V of one token
-        for key, heads, _ in s.parts(tokens):  # a DuoAttention layer: full heads and a ring
-            ring = s.bounded or key == ring_part(i)
-            if ring:
-                read = min(tokens, s.sinks + s.window)
-            else:  # a sliding window (Mistral's layers; a split layer's is its ring's) or a selection
-                window = s.window if s.window is not None and not s.ring else tokens
-                read = min(tokens, window, selected.get(i, tokens))
-            if i in scored:  # every key, and the values of the selection
-                total += per_head // 2 * heads * (tokens + read)
-            else:
-                total += per_head * heads * read
-        total += per_head // 2 * s.num_kv_heads * bounds.get(i, 0)  # [pages, D] bounds, twice
-    return total
+    per_head = s.bytes_per_token(dtype) // s.num_kv_heads  # K and V of one token
+    for key, heads, _ in s.parts(tokens):  # a DuoAttention layer: full heads and a ring
+        ring = s.bounded or key == ring_part(i)
+        if ring:
+            read = min(tokens, s.sinks + s.window)
+        else:  # a sliding window (Mistral's layers; a split layer's is its ring's) or a selection
+            window = s.window if s.window is not None and not s.ring else tokens
+            read = min(tokens, window, selected.get(i, tokens))
+        if i in scored:  # every key, and the values of the selection
+            total += per_head // 2 * heads * (tokens + read)
+        else:
+            total += per_head * heads * read
+    return total + per_head // 2 * s.num_kv_heads * bounds.get(i, 0)  # [pages, D] bounds, twice
+
+
+def _kv_sources(gm: fx.GraphModule) -> list[int]:
+    """The owner each reading attention op of ``gm`` reads (``kv_source``), once per reader."""
+    return [p["kv_source"] for p in map(attention_params, gm.graph.find_nodes(
+        op="call_function", target=OPS["attention"])) if p["kv_source"] is not None]
 
 
 def describe(table: dict[int, CacheSpec], dtype: torch.dtype) -> dict:

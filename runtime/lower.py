@@ -12,6 +12,7 @@ The program is an ``fx.GraphModule`` over the same weights, with
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 import os
 
@@ -56,6 +57,7 @@ def lower(ir: IR, last_only: bool, backend: str = "torch",
     step = graph.placeholder("step")
     order, generated = list(ir.graph.nodes), []
     cast = _table_caster(graph, env)
+    written: set[int] = set()  # the caches an attention of this program writes already
     if backend == "triton":  # pointwise groups no template covers become generated kernels
         from rewriter.codegen.partition import pointwise_groups, schedule
         order = schedule(ir.gm, pointwise_groups(ir.gm))
@@ -65,7 +67,8 @@ def lower(ir: IR, last_only: bool, backend: str = "torch",
         elif node.op == "output":
             graph.output(_output(ir, graph, env, last_only, hidden))
         else:
-            env[node] = _lower_node(graph, node, env, step, backend, table, attention, cast)
+            env[node] = _lower_node(graph, node, env, step, backend, table, attention, cast,
+                                    written)
     graph.eliminate_dead_code()
     if any(n.target is table["next_tokens"] for n in graph.nodes):
         # later positions' tokens: right on a whole sequence, wrong in a cached step
@@ -93,13 +96,13 @@ def _output(ir: IR, graph: fx.Graph, env: dict, last_only: bool, hidden: bool | 
 
 
 def _lower_node(graph: fx.Graph, node: fx.Node, env: dict, step: fx.Node, backend: str,
-                table: dict, attention, cast) -> fx.Node:
+                table: dict, attention, cast, written: set) -> fx.Node:
     """``node``'s copy in the program: an ``rw`` op calls its kernel, attention and the
     token selections read the cache through ``step``."""
     new = graph.node_copy(node, lambda n: env[n])
     name = SHORT.get(node.target) if node.op == "call_function" else None
     if name == "attention":
-        _lower_attention(new, node, env, step, backend, attention, cast)
+        _lower_attention(new, node, env, step, backend, attention, cast, written)
     elif name in SELECTIONS:  # reads its layer's cache: the step is an input
         kernel, keywords = SELECTIONS[name]
         p = op_arguments(name, tuple(node.args), dict(node.kwargs))
@@ -123,10 +126,12 @@ SELECTIONS = {
 
 
 def _lower_attention(new: fx.Node, node: fx.Node, env: dict, step: fx.Node, backend: str,
-                     attention, cast) -> None:
+                     attention, cast, written: set) -> None:
     """``rw.attention`` -> ``attention(step, q, k, v, spec, ...)`` on its layer's cache:
     ``spec`` its attributes as one ``CacheSpec`` (a constant of the program, see
-    ``_spec_constants``), the sink positions, selection and rope tables by keyword."""
+    ``_spec_constants``), the sink positions, selection and rope tables by keyword. Of the
+    ops sharing a cache, the first in ``written`` order writes it: the owner, or, in a
+    draft that skips the owner, its first reader (the same k and v, ``ir.sharing``)."""
     params = attention_params(node)
     # by name, whether an artifact passed them by position or by keyword
     bound = op_arguments("attention", tuple(node.args), dict(node.kwargs))
@@ -134,7 +139,11 @@ def _lower_attention(new: fx.Node, node: fx.Node, env: dict, step: fx.Node, back
         raise RewriterError(f"{node.name}: the runtime needs causal attention")
     new.target = attention
     q, k, v = (env[a] for a in node.args[:3])
-    new.args = (step, q, k, v, cache_spec(node))
+    spec = cache_spec(node)
+    if spec.id in written:  # a shared cache (ShareKV): its first op in the program writes it
+        spec = dataclasses.replace(spec, write=False)
+    written.add(spec.id)
+    new.args = (step, q, k, v, spec)
     kwargs = {}
     if params["sinks"] is not None and bound["rotary"] is not None:
         kwargs["rotary"] = env[bound["rotary"]]  # StreamingLLM's sink positions

@@ -50,7 +50,9 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, spec: CacheSpe
     b, s, _ = q.shape
     k_cache, v_cache = step.cache.k[spec.id], step.cache.v[spec.id]
     split = lambda x: x.view(b, s, num_kv_heads, head_dim).transpose(1, 2)  # noqa: E731  [B, Hkv, S, D]
-    if cos is not None:  # q is rotated inside the attention kernel
+    if not spec.write:  # another layer's cache, written by its owner (ShareKV)
+        pass
+    elif cos is not None:  # q is rotated inside the attention kernel
         rope_into_cache(k, cos, sin, head_dim, k_cache, step.start,
                         v=v, v_cache=v_cache)  # K rotated and V, one launch
     else:

@@ -78,7 +78,8 @@ ATTRIBUTES: dict[str, dict[str, callable]] = {
     "attention": {"layer": _int(0), "num_heads": _int(1), "num_kv_heads": _int(1),
                   "head_dim": _int(1), "scale": _finite_positive, "causal": _bool,
                   "window": _optional(_int(1)), "sinks": _optional(_int(0)),
-                  "full_heads": _optional(_head_list), "gates": _optional(_gate_list)},
+                  "full_heads": _optional(_head_list), "gates": _optional(_gate_list),
+                  "kv_source": _optional(_int(0))},
 }
 
 # Token counts the runtime sizes a layer's state by: a ring's slots and sink layout
@@ -163,6 +164,9 @@ def _check_attention(bound: dict) -> None:
     if bound["sinks"] is not None and bound["window"] is None:
         raise ValueError(f"rw.attention: sinks={bound['sinks']} needs a window (the sinks are "
                          "kept beside the last window keys)")
+    if bound["kv_source"] is not None and bound["kv_source"] == bound["layer"]:
+        raise ValueError(f"rw.attention: kv_source={bound['kv_source']} is its own layer: an "
+                         f"owner names no source")
     if bound["select"] is not None and bound["sinks"] is not None:
         raise ValueError("rw.attention: select (TidalDecode) and sinks (a ring cache) do not "
                          "go together: the ring has dropped what a selection may name")
