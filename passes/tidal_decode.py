@@ -37,7 +37,8 @@ from rewriter.errors import PassError
 from rewriter.ir.core import IR
 from rewriter.ops import OPS
 from rewriter.ir.pass_manager import Pass
-from rewriter.passes.whole_cache import (attention_args, attention_nodes, check_not_speculative,
+from rewriter.ir.nodes import attention_args
+from rewriter.passes.whole_cache import (attention_nodes, check_not_speculative,
                                          check_whole)
 from rewriter.values import MAX_INT, context_length, is_int, within_context
 

@@ -6,12 +6,8 @@ from torch import fx
 
 from rewriter.errors import PassError
 from rewriter.ir.core import IR
-from rewriter.ops import OPS, op_arguments
-
-
-def attention_args(n: fx.Node) -> dict:
-    """An ``rw.attention`` node's arguments by name."""
-    return op_arguments("attention", tuple(n.args), dict(n.kwargs))
+from rewriter.ir.nodes import attention_args
+from rewriter.ops import OPS
 
 
 def attention_nodes(ir: IR) -> list[fx.Node]:

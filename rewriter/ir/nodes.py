@@ -8,7 +8,7 @@ from typing import Optional
 from torch import fx
 
 from rewriter.ir.core import IR
-from rewriter.ops import OPS
+from rewriter.ops import OPS, op_arguments
 
 
 # ``meta["role"]`` of the draft heads' nodes: Int4Weights leaves them dense
@@ -38,3 +38,8 @@ def mark(node: fx.Node, like: fx.Node, pass_name: str) -> fx.Node:
 def call(ir: IR, target, args: tuple, name: str) -> fx.Node:
     """A call_function node with a readable name (fx adds ``_1``, ``_2``... when taken)."""
     return ir.graph.create_node("call_function", target, args, name=name)
+
+
+def attention_args(node: fx.Node) -> dict:
+    """An ``rw.attention`` node's arguments by name, defaults filled in."""
+    return op_arguments("attention", tuple(node.args), dict(node.kwargs))

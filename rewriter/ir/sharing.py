@@ -11,7 +11,8 @@ from torch import fx
 
 from rewriter.errors import PassError, VerificationError
 from rewriter.ir.core import IR
-from rewriter.ops import OPS, op_arguments
+from rewriter.ir.nodes import attention_args
+from rewriter.ops import OPS
 
 # what the owner's cache is made of: a reader must see the same
 SAME_INPUTS = ("k", "v", "cos", "sin")
@@ -23,14 +24,14 @@ UNSHARED = ("sinks", "full_heads", "select", "rotary")
 
 def attention_by_layer(graph: fx.Graph) -> dict[int, fx.Node]:
     """``{layer: its rw.attention node}``."""
-    return {_args(n)["layer"]: n for n in graph.find_nodes(op="call_function",
+    return {attention_args(n)["layer"]: n for n in graph.find_nodes(op="call_function",
                                                            target=OPS["attention"])}
 
 
 def sources(graph: fx.Graph) -> dict[int, int]:
     """``{reader layer: owner layer}`` of every attention op that reads another's cache."""
-    return {layer: _args(n)["kv_source"] for layer, n in attention_by_layer(graph).items()
-            if _args(n)["kv_source"] is not None}
+    return {layer: attention_args(n)["kv_source"] for layer, n in attention_by_layer(graph).items()
+            if attention_args(n)["kv_source"] is not None}
 
 
 def readers_of(graph: fx.Graph, owners) -> dict[int, list[int]]:
@@ -49,14 +50,14 @@ def check_sharing(ir: IR) -> None:
     by_layer = attention_by_layer(ir.graph)
     order = {n: i for i, n in enumerate(ir.graph.nodes)}
     for layer, node in by_layer.items():
-        args = _args(node)
+        args = attention_args(node)
         if args["kv_source"] is None:
             continue
         owner = by_layer.get(args["kv_source"])
         if owner is None:
             raise VerificationError(f"{node.name}: kv_source={args['kv_source']} names no "
                                     f"attention (layers {sorted(by_layer)})")
-        _check_pair(node, args, owner, _args(owner), order)
+        _check_pair(node, args, owner, attention_args(owner), order)
 
 
 def _check_pair(node: fx.Node, args: dict, owner: fx.Node, own: dict, order: dict) -> None:
@@ -78,10 +79,6 @@ def _check_pair(node: fx.Node, args: dict, owner: fx.Node, own: dict, order: dic
                                     f"owner's ({shown(own[key])})")
 
 
-def _args(node: fx.Node) -> dict:
-    return op_arguments("attention", tuple(node.args), dict(node.kwargs))
-
-
 def share(ir: IR, pairs: dict[int, int], who: str) -> None:
     """Rewrite ``ir`` so each reader of ``pairs`` (``{reader: owner}``, layer ids) reads its
     owner's cache, then drop what the readers no longer compute (their K/V projections and
@@ -98,8 +95,7 @@ def share(ir: IR, pairs: dict[int, int], who: str) -> None:
 
 def _share(node: fx.Node, owner: fx.Node, who: str) -> None:
     """``node`` reads ``owner``'s cache: the owner's k, v (and rotary tables) as its inputs."""
-    args = op_arguments("attention", tuple(node.args), dict(node.kwargs))
-    own = op_arguments("attention", tuple(owner.args), dict(owner.kwargs))
+    args, own = attention_args(node), attention_args(owner)
     if args["kv_source"] is not None:
         raise PassError(f"{who}: layer {args['layer']} reads layer {args['kv_source']}'s "
                         f"cache already")
