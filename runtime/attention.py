@@ -148,7 +148,9 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, spec: CacheSpe
     if spec.write:  # else another layer's cache, written by its owner (ShareKV)
         write_kv(step, k_cache, v_cache, k.view(b, s, num_kv_heads, head_dim).transpose(1, 2),
                  v.view(b, s, num_kv_heads, head_dim).transpose(1, 2))  # [B, Hkv, S, D]
-    if spec.page is not None:  # Quest: the bounds of the pages just written
+    if spec.page is not None and not spec.read_after:
+        # Quest: the bounds of the pages just written, by the last op reading the cache
+        # (the selections before it score the pages as they were)
         refresh_bounds(step, spec.id, spec.page, k_cache)
     qh = q.view(b, s, num_heads, head_dim).transpose(1, 2)  # [B, Hq, S, D]
     if select is not None:  # TidalDecode: the selected tokens and this one

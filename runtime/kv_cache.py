@@ -52,6 +52,11 @@ class CacheSpec:
     # set by lowering, per program (a draft that skips the owner leaves its first reader
     # to write the same k and v)
     write: bool = True
+    # True where a later op of the program reads this cache too (ShareKV): a ring's
+    # multi-token step keeps what it attended to for them (``runtime.ring_cache``), and
+    # Quest's page bounds take the step's keys at the last op (the readers' selections,
+    # like the owner's, score the pages as they were before the step)
+    read_after: bool = False
 
     @property
     def ring(self) -> bool:
@@ -189,10 +194,12 @@ def _kv_sources(gm: fx.GraphModule) -> list[int]:
         op="call_function", target=OPS["attention"])) if p["kv_source"] is not None]
 
 
-def describe(table: dict[int, CacheSpec], dtype: torch.dtype) -> dict:
-    """The table as JSON-able data (dumps, ``rewriter info``): ``bytes_per_token`` counts
-    the caches that grow with the sequence, ``bounded_bytes`` what the rings hold at most."""
+def describe(table: dict[int, CacheSpec], dtype: torch.dtype, readers: Optional[dict] = None) -> dict:
+    """The table as JSON-able data (dumps): ``bytes_per_token`` counts the caches that grow
+    with the sequence, ``bounded_bytes`` what the rings hold at most, ``readers`` the
+    layers that read each shared cache (``{owner: [readers]}``, ``ir.sharing.readers_of``)."""
     return {"dtype": str(dtype).removeprefix("torch."),
+            "readers": {str(o): r for o, r in (readers or {}).items()},
             "bytes_per_token": sum(s.bytes_per_token(dtype) * (s.num_kv_heads - s.ring_heads)
                                    // s.num_kv_heads + (s.bytes_per_token(dtype) // s.page
                                                         if s.page else 0)

@@ -57,7 +57,9 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, spec: CacheSpe
                         v=v, v_cache=v_cache)  # K rotated and V, one launch
     else:
         write_kv(step, k_cache, v_cache, split(k), split(v))
-    if page is not None:  # Quest: the bounds of the pages just written
+    if page is not None and not spec.read_after:
+        # Quest: the bounds of the pages just written, by the last op reading the cache
+        # (the selections before it score the pages as they were)
         refresh_bounds(step, spec.id, page, k_cache)
     start = step.pad if step.pad is not None else step.once("zeros", lambda: _zeros(b, q.device))
     if s == 1 and step.tree is None and not step.per_row:
