@@ -140,7 +140,7 @@ def _lower_attention(new: fx.Node, node: fx.Node, env: dict, step: fx.Node, back
     new.target = attention
     q, k, v = (env[a] for a in node.args[:3])
     spec = cache_spec(node)
-    if spec.id in written:  # a shared cache (ShareKV): its first op in the program writes it
+    if spec.id in written and spec.merge is None:  # a shared cache (ShareKV): its first op writes it
         spec = dataclasses.replace(spec, write=False)
     written.add(spec.id)
     new.args = (step, q, k, v, spec)
