@@ -143,7 +143,9 @@ class _Writers:
         first = spec.id not in self.written
         self.written.add(spec.id)
         self.left[spec.id] -= 1
-        return dataclasses.replace(spec, write=first, read_after=self.left[spec.id] > 0)
+        # a merged pair's second layer (MiniCache) writes too: it merges its K/V in
+        return dataclasses.replace(spec, write=first or spec.merge is not None,
+                                   read_after=self.left[spec.id] > 0)
 
 
 def _lower_attention(new: fx.Node, node: fx.Node, env: dict, step: fx.Node, backend: str,

@@ -8,6 +8,7 @@ from torch import fx
 
 from rewriter.errors import VerificationError
 from rewriter.ir.core import IR
+from rewriter.ir.merging import check_merging
 from rewriter.ir.sharing import cache_of, check_sharing
 from rewriter.ops import OPS, check_arguments, check_context, op_arguments
 from rewriter.values import context_length
@@ -25,6 +26,7 @@ def verify(ir: IR, shapes: bool = True) -> None:
     for n in ir.graph.nodes:
         _check_node(ir, n, shapes)
     check_sharing(ir)
+    check_merging(ir)
     if not shapes:
         return
     seen = set()
