@@ -21,6 +21,7 @@ from rewriter.passes.fuse_rope import FuseRoPE
 from rewriter.passes.fuse_swiglu import FuseSwiGLU
 from rewriter.passes.int4_weights import Int4Weights
 from rewriter.passes.layer_skip import LayerSkip
+from rewriter.passes.minicache import MiniCache
 from rewriter.passes.prompt_lookup import PromptLookup
 from rewriter.passes.quest import Quest
 from rewriter.passes.self_speculative import SelfSpeculative
@@ -34,11 +35,11 @@ PASSES = {"layer_skip": LayerSkip, "fuse_qkv": FuseQKV, "fuse_swiglu": FuseSwiGL
           "hydra_heads": HydraHeads, "eagle_draft": EagleDraft, "prompt_lookup": PromptLookup,
           "streaming_attention": StreamingAttention,
           "tidal_decode": TidalDecode, "duo_attention": DuoAttention, "quest": Quest,
-          "share_kv": ShareKV}
+          "share_kv": ShareKV, "minicache": MiniCache}
 
 __all__ = ["LayerSkip", "FuseQKV", "FuseSwiGLU", "FuseAddRMSNorm", "FuseRoPE", "Int4Weights", "SelfSpeculative", "MedusaHeads", "HydraHeads",
            "EagleDraft",
-           "PromptLookup", "StreamingAttention", "TidalDecode", "DuoAttention", "Quest", "ShareKV", "PASSES",
+           "PromptLookup", "StreamingAttention", "TidalDecode", "DuoAttention", "Quest", "ShareKV", "MiniCache", "PASSES",
            "from_spec", "to_spec"]
 
 

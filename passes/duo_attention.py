@@ -16,6 +16,8 @@ In the IR every attention op shows its ``gates``; a layer whose heads all stream
 ``sinks`` and ``window`` (a whole ring), a layer with both kinds ``full_heads=[...]`` too,
 and the KV-cache runtime keeps that layer in two caches: the full heads' and the others'
 ring (``runtime.duo_cache``). A layer whose heads are all full is left as it was.
+A layer reading another's cache (``ShareKV``) has no cache of its own to split: it takes
+its owner's split, and ``sparsity`` counts the heads of the owners alone.
 
 Speculative strategies roll rejected tokens back by length, which a ring cannot do, and
 TidalDecode selects from whole caches: both are refused beside it, as with
@@ -30,6 +32,7 @@ from typing import Optional, Union
 from rewriter.drafts import duo_gates
 from rewriter.errors import PassError
 from rewriter.ir.core import IR
+from rewriter.ir.sharing import sources
 from rewriter.ops import OPS, op_arguments
 from rewriter.ir.pass_manager import Pass
 from rewriter.passes.streaming import ring_attention_nodes, rotary_frequencies
@@ -97,8 +100,7 @@ class DuoAttention(Pass):
                        window=self.window)
         for n in nodes:
             self._check_fits(n, op_arguments("attention", tuple(n.args), dict(n.kwargs)))
-        full = self.full_heads(sorted(op_arguments("attention", tuple(n.args), dict(n.kwargs))
-                                      ["layer"] for n in nodes))
+        full = self._follow_owners(ir, nodes)
         for n in nodes:
             args = op_arguments("attention", tuple(n.args), dict(n.kwargs))
             layer = args["layer"]
@@ -116,6 +118,18 @@ class DuoAttention(Pass):
                     n.kwargs = {**n.kwargs, "rotary": freq}
             n.meta.pop("val", None)
         return ir
+
+    def _follow_owners(self, ir: IR, nodes: list) -> list[list[int]]:
+        """``full_heads`` chosen among the layers that own their cache (a sparsity counts
+        their heads), and each layer reading another's cache (``ShareKV``) split as its
+        owner: they read one cache."""
+        readers = sources(ir.graph)
+        full = self.full_heads(sorted(layer for layer in (
+            op_arguments("attention", tuple(n.args), dict(n.kwargs))["layer"] for n in nodes)
+            if layer not in readers))
+        for reader, owner in readers.items():
+            full[reader] = full[owner]
+        return full
 
     def _check_model(self, ir: IR) -> None:
         """The gates cover the model's layers (all of them, also after LayerSkip) and, when

@@ -14,7 +14,9 @@ The KV-cache runtime keeps the whole cache and, beside it, each page's bounds, u
 keys are written (``runtime.page_selection``); it selects at decode only (a prompt is
 attended densely, as Quest does), so a decode step reads the bounds and ``budget`` tokens
 per KV head instead of the whole cache. The whole-sequence graph selects at every position,
-so it is the reference for decode steps. Windows, sink caches, TidalDecode and speculative
+so it is the reference for decode steps. A layer reading another's cache (``ShareKV``)
+selects its own pages, by its own queries, from its owner's pages and bounds, and stays
+dense when its owner does. Windows, sink caches, TidalDecode and speculative
 strategies are refused beside it, and it runs before ``FuseRoPE`` (it reads rotated keys).
 A selection is ``budget + recent`` tokens wide, at most the model's context length.
 """
@@ -25,6 +27,7 @@ from rewriter.ir.core import IR
 from rewriter.ops import OPS
 from rewriter.ir.pass_manager import Pass
 from rewriter.ir.nodes import attention_args
+from rewriter.ir.sharing import cache_of
 from rewriter.passes.whole_cache import (attention_nodes, check_not_speculative,
                                          check_whole)
 from rewriter.values import MAX_INT, context_length, is_int, within_context
@@ -56,11 +59,11 @@ class Quest(Pass):
         # a selection is budget + recent tokens wide (rewriter.ops.select_pages)
         within_context(self.name, context_length(ir.info.get("config", {})), budget=self.budget,
                        recent=self.recent)
-        for n in nodes[self.dense_layers:]:
+        for n in self._selecting(nodes):
             args = attention_args(n)
             with ir.graph.inserting_before(n):
                 selection = ir.graph.call_function(OPS["select_pages"], (args["q"], args["k"]), {
-                    "layer": args["layer"], "num_heads": args["num_heads"],
+                    "layer": cache_of(args), "num_heads": args["num_heads"],
                     "num_kv_heads": args["num_kv_heads"], "head_dim": args["head_dim"],
                     "page": self.page, "budget": self.budget,
                     **({"recent": self.recent} if self.recent else {})})
@@ -68,3 +71,10 @@ class Quest(Pass):
             n.kwargs = {**n.kwargs, "select": selection}
             n.meta.pop("val", None)
         return ir
+
+    def _selecting(self, nodes: list) -> list:
+        """The attention ops that select: all but the first ``dense_layers``, and a layer
+        reading another's cache (``ShareKV``) exactly when its owner does (it selects from
+        the owner's pages and bounds)."""
+        dense = {attention_args(n)["layer"] for n in nodes[:self.dense_layers]}
+        return [n for n in nodes if cache_of(attention_args(n)) not in dense]

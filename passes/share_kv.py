@@ -25,8 +25,9 @@ adapted to this map (``share_kv_weights``): a file made for another map or model
 refused by name.
 
 Lossy on a model not trained for it (the readers' own K/V are gone): measure it
-(``benchmarks/kv_sharing.py``). Rings (StreamingAttention, DuoAttention) and token
-selections (TidalDecode, Quest) do not share: the verifier refuses them by name.
+(``benchmarks/kv_sharing.py``). The sparse caches come after it and follow the owners: a
+reader keeps its owner's ring (StreamingAttention, DuoAttention's heads) and selects its
+own Quest pages from its owner's; TidalDecode's reused selections are refused.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from typing import Optional, Sequence, Union
 
 from rewriter.errors import PassError
 from rewriter.ir.core import IR
+from rewriter.ir.nodes import attention_args
 from rewriter.ir.pass_manager import Pass
 from rewriter.ir.sharing import attention_by_layer, share
 from rewriter.measure.calibrate import calibration_batch
@@ -83,6 +85,10 @@ class ShareKV(Pass):
         if ir.info.get("fusions", {}).get("FuseQKV"):
             raise PassError(f"{self!r} must run before FuseQKV: a fused projection would keep "
                             f"computing the readers' K and V with their queries")
+        if any(attention_args(n)[k] is not None for n in by_layer.values()
+               for k in ("sinks", "select")):
+            raise PassError(f"{self!r} must run before StreamingAttention, DuoAttention, Quest "
+                            f"and TidalDecode: a reader's sparse cache follows its owner's")
         if ir.info.get("decoding") is not None:
             raise PassError(f"{self!r} must run before the speculative strategy "
                             f"({ir.info['decoding']['strategy']}), which times the model as it is")

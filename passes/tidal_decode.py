@@ -38,6 +38,7 @@ from rewriter.ir.core import IR
 from rewriter.ops import OPS
 from rewriter.ir.pass_manager import Pass
 from rewriter.ir.nodes import attention_args
+from rewriter.ir.sharing import sources
 from rewriter.passes.whole_cache import (attention_nodes, check_not_speculative,
                                          check_whole)
 from rewriter.values import MAX_INT, context_length, is_int, within_context
@@ -98,6 +99,9 @@ class TidalDecode(Pass):
 
     def run(self, ir: IR) -> IR:
         check_not_speculative(self, ir)
+        if sources(ir.graph):
+            raise PassError(f"{self!r} cannot follow ShareKV: a layer reusing a selection "
+                            f"made on another layer's cache would read a third's")
         nodes = attention_nodes(ir)
         layers = [attention_args(n)["layer"] for n in nodes]
         # before any calibration: it would measure for minutes, then refuse

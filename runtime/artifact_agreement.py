@@ -2,8 +2,8 @@
 ``ArtifactError`` naming both sides, instead of an IndexError (or wrong tokens) later.
 
 - ``manifest.json``'s model section against the IR: family, config, layer count,
-  parameter count, the dtype of the weights; its pass list and ``measured_on`` against
-  those ``ir.json`` records and against what the passes left in ``info`` (fusion counts,
+  parameter count, the dtype of the weights; its pass list, ``measured_on`` and
+  ``kv_sharing`` against those ``ir.json`` records and against what the passes left in ``info`` (fusion counts,
   skipped layers);
 - the weights' dtypes: one floating dtype for the model (RoPE frequencies may differ);
 - the config against the graph: vocabulary size against the token embedding's rows and
@@ -18,6 +18,7 @@ from torch import fx
 from rewriter.decoding import TreeDecoding, strategy_of
 from rewriter.errors import ArtifactError
 from rewriter.ir.core import IR
+from rewriter.ir.sharing import sources
 from rewriter.ops import OPS, op_arguments
 from rewriter.values import context_length, shown
 
@@ -106,6 +107,10 @@ def _check_passes(ir: IR, manifest: dict, where) -> None:
         # absent: saved before manifests named it
         raise ArtifactError(f"{where.manifest}: measured_on {shown(manifest['measured_on'], 120)} is "
                             f"not what {where.ir} records ({shown(ir.info.get('measured_on'), 120)})")
+    shared = {str(r): o for r, o in sorted(sources(ir.graph).items())}
+    if "kv_sharing" in manifest and manifest["kv_sharing"] != shared:  # absent: saved before
+        raise ArtifactError(f"{where.manifest}: kv_sharing {shown(manifest['kv_sharing'], 120)} "
+                            f"is not the sharing of {where.ir}'s attention ({shown(shared, 120)})")
     if ("skipped_layers" in ir.info) != ("LayerSkip" in names):
         raise ArtifactError(f"{where.manifest}: passes {sorted(names)} and the skipped layers "
                             f"{where.ir} records ({ir.info.get('skipped_layers')}) disagree")

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from rewriter.errors import ArtifactError
+from rewriter.ir.sharing import sources
 from rewriter.version import __version__
 from rewriter.runtime.artifact_dir import (
     FORMAT, MANIFEST, POINTER, TEXT_FILE, TOKENIZER_FILE, VERSION_DIR, is_artifact)
@@ -43,6 +44,8 @@ def manifest_of(engine, files: dict, has_tokenizer: bool) -> dict:
         "backend": engine.backend,
         "passes": engine.pass_specs,
         "measured_on": engine.ir.info.get("measured_on"),  # whose timings chose the decoding
+        # which layer reads which layer's KV cache (ShareKV), for ``rewriter info``
+        "kv_sharing": {str(r): o for r, o in sorted(sources(engine.ir.graph).items())},
         "tokenizer": TOKENIZER_FILE if has_tokenizer else None,
         "files": files,
     }
@@ -165,6 +168,15 @@ def _check_fields(path: Path, m: dict) -> None:
     if m.get("measured_on") is not None and not measured_on_ok(m["measured_on"]):
         raise ArtifactError(f"{path}: 'measured_on' must be null or an object {{backend, device, "
                             f"machine, passes}} of strings, got {shown(m['measured_on'])}")
+    if m.get("kv_sharing") is not None and not _is_sharing(m["kv_sharing"]):
+        raise ArtifactError(f"{path}: 'kv_sharing' must be null or an object {{reader layer: "
+                            f"owner layer}}, got {shown(m['kv_sharing'])}")
+
+
+def _is_sharing(x) -> bool:
+    """``{"reader": owner}``: a layer id as a string of digits, the owner's as an integer."""
+    return isinstance(x, dict) and all(
+        isinstance(r, str) and re.fullmatch("[0-9]{1,18}", r) is not None and _is_int(o) for r, o in x.items())
 
 
 def listed_tokenizer(d: Path, manifest: dict):

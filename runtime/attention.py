@@ -19,6 +19,7 @@ from rewriter.maths.sdpa import sdpa
 from .duo_cache import split_attention
 from .kernels import KERNELS
 from .kv_cache import CacheSpec, KVCache
+from .merged_cache import merged_attention
 from .page_selection import refresh_bounds
 from .ring_cache import ring_attention
 from .token_selection import selected_attention
@@ -134,8 +135,10 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, spec: CacheSpe
 
     q ``[B, S, Hq*D]``, k/v ``[B, S, Hkv*D]`` -> ``[B, S, Hq*D]``; with ``cos``/``sin``
     (``FuseRoPE``) q and k are rotated here first. With ``spec.sinks`` the cache is a ring
-    (``runtime.ring_cache``).
+    (``runtime.ring_cache``); with ``spec.merge`` a MiniCache pair's (``runtime.merged_cache``).
     """
+    if spec.merge is not None:  # MiniCache: restored K/V, attended here
+        return merged_attention(step, q, k, v, spec, cos, sin, dense_attention)
     if spec.full_heads is not None:  # DuoAttention: full heads here, the others in a ring
         return split_attention(cached_attention, step, q, k, v, spec, cos, sin, rotary)
     if spec.sinks is not None:
@@ -148,18 +151,26 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, spec: CacheSpe
     if spec.write:  # else another layer's cache, written by its owner (ShareKV)
         write_kv(step, k_cache, v_cache, k.view(b, s, num_kv_heads, head_dim).transpose(1, 2),
                  v.view(b, s, num_kv_heads, head_dim).transpose(1, 2))  # [B, Hkv, S, D]
-    if spec.page is not None:  # Quest: the bounds of the pages just written
+    if spec.page is not None and not spec.read_after:
+        # Quest: the bounds of the pages just written, by the last op reading the cache
+        # (the selections before it score the pages as they were)
         refresh_bounds(step, spec.id, spec.page, k_cache)
     qh = q.view(b, s, num_heads, head_dim).transpose(1, 2)  # [B, Hq, S, D]
     if select is not None:  # TidalDecode: the selected tokens and this one
         out = selected_attention(step, qh, k_cache, v_cache, select, spec.scale,
                                  num_heads != num_kv_heads)
         return out.transpose(1, 2).reshape(b, s, num_heads * head_dim)  # [B, 1, Hq*D]
-    keys = k_cache[:, :, :step.end]  # [B, Hkv, end, D]
-    values = v_cache[:, :, :step.end]
+    return dense_attention(step, q, k_cache[:, :, :step.end], v_cache[:, :, :step.end], spec)
+
+
+def dense_attention(step: Step, q: Tensor, keys: Tensor, values: Tensor, spec: CacheSpec) -> Tensor:
+    """q ``[B, S, Hq*D]`` over keys/values ``[B, Hkv, end, D]`` under the step's mask ->
+    ``[B, S, Hq*D]``."""
+    b, s, _ = q.shape
+    qh = q.view(b, s, spec.num_heads, spec.head_dim).transpose(1, 2)  # [B, Hq, S, D]
     out = sdpa(qh, keys, values, attn_mask=step.mask(spec.window), scale=spec.scale,
-               enable_gqa=num_heads != num_kv_heads)
-    return out.transpose(1, 2).reshape(b, s, num_heads * head_dim)  # [B, S, Hq*D]
+               enable_gqa=spec.num_heads != spec.num_kv_heads)
+    return out.transpose(1, 2).reshape(b, s, spec.num_heads * spec.head_dim)  # [B, S, Hq*D]
 
 
 def write_kv(step: Step, k_cache: Optional[Tensor], v_cache: Tensor, k: Optional[Tensor],

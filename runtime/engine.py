@@ -204,7 +204,8 @@ class Engine:
         strategy = strategy_for(self.ir)  # (runtime.decoding)
         cache = self._cache_for(batch.ids.shape[0], need + strategy.cache_slack())
         cuda = device.type == "cuda"
-        static = self.static_decode if self.static_decode is not None else cuda
+        # a merged cache (MiniCache) decodes from host starts: not replayed by default
+        static = self.static_decode if self.static_decode is not None else cuda and not cache.merged
         g = Generation(programs, cache, batch, settings, settings.generator(device), self.stats,
                        static=static, cuda_graph=static and cuda, replays=self.replays)
         try:

@@ -9,10 +9,13 @@ that lowering, the allocator, ``kv_bytes_per_token``, artifacts and dumps read.
 Each cache is ``[batch, kv_heads, max_len, head_dim]`` for K and for V, written in place at
 each row's positions (``runtime.attention.write_kv``). A ``DuoAttention`` layer whose KV
 heads are split keeps two: its full heads under its id, its streaming heads' ring under
-``ring_part(id)``.
+``ring_part(id)``. A ``MiniCache`` pair keeps one: its merged directions under its first
+layer's id, with its magnitudes and retained tokens beside them (``KVCache.merged``,
+``runtime.merged_cache``).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
@@ -25,8 +28,10 @@ from rewriter.ops import ATTRIBUTES, OPS, op_arguments
 # The attention op's non-tensor arguments, read from its schema (``rewriter.ops``).
 ATTENTION_PARAMS = tuple(ATTRIBUTES["attention"])
 # ``gates`` only records why DuoAttention split a layer: no cache depends on it;
-# ``kv_source`` names the cache (``CacheSpec.id``) of a layer that shares another's.
-CACHE_PARAMS = tuple(k for k in ATTENTION_PARAMS if k not in ("layer", "gates", "kv_source"))
+# ``kv_source`` names the cache (``CacheSpec.id``) of a layer that shares another's;
+# ``merge_with``/``merge`` become a merged pair's id, ``merge`` and ``second``.
+CACHE_PARAMS = tuple(k for k in ATTENTION_PARAMS
+                     if k not in ("layer", "gates", "kv_source", "merge_with", "merge"))
 
 
 def ring_part(cache_id: int) -> tuple:
@@ -52,6 +57,14 @@ class CacheSpec:
     # set by lowering, per program (a draft that skips the owner leaves its first reader
     # to write the same k and v)
     write: bool = True
+    # True where a later op of the program reads this cache too (ShareKV): a ring's
+    # multi-token step keeps what it attended to for them (``runtime.ring_cache``), and
+    # Quest's page bounds take the step's keys at the last op (the readers' selections,
+    # like the owner's, score the pages as they were before the step)
+    read_after: bool = False
+    # MiniCache: the pair's (t, gamma, retain), and whether this is its second layer
+    merge: Optional[tuple] = None
+    second: bool = False
 
     @property
     def ring(self) -> bool:
@@ -81,6 +94,27 @@ class CacheSpec:
                     (ring_part(self.id), self.ring_heads, ring)]
         return [(self.id, self.num_kv_heads, max_len)]
 
+    def side_slots(self, max_len: int) -> int:
+        """A merged pair's side buffer: retained tokens per row and KV head."""
+        return math.ceil(round(self.merge[2] * max_len, 6)) if self.merge else 0
+
+    def merge_parts(self, max_len: int) -> list[tuple]:
+        """``(name, shape after the batch, dtype or None for the cache's)`` of what a
+        merged pair keeps beside its directions (``parts``), ``[]`` for other caches."""
+        if self.merge is None:
+            return []
+        h, d, c = self.num_kv_heads, self.head_dim, self.side_slots(max_len)
+        return [("magnitude", (h, max_len, 4), None),  # |K|, |V| of the first layer, the second's
+                ("side", (h, c, 4, d), None),  # retained tokens' K, V of both layers
+                ("side_at", (h, c), torch.int64),  # their positions, -1 where free
+                ("retained", (h,), torch.int64),  # side slots in use
+                ("overflow", (h,), torch.int64),  # tokens merged because the buffer was full
+                ("distance", (h, 2), torch.float32)]  # running min and max angular distance
+
+    def merge_bytes(self, max_len: int, dtype: torch.dtype) -> int:
+        return sum(math.prod(shape) * (kind or dtype).itemsize
+                   for _, shape, kind in self.merge_parts(max_len))
+
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes one slot of every head holds (K and V)."""
         return 2 * self.num_kv_heads * self.head_dim * dtype.itemsize
@@ -89,8 +123,8 @@ class CacheSpec:
         """Bytes this cache holds for one sequence of ``tokens`` tokens."""
         per_head = 2 * self.head_dim * dtype.itemsize
         bounds = per_head * self.num_kv_heads * -(-tokens // self.page) if self.page else 0
-        return bounds + sum(per_head * heads * min(tokens, slots)
-                            for _, heads, slots in self.parts(tokens))
+        return bounds + self.merge_bytes(tokens, dtype) + sum(
+            per_head * heads * min(tokens, slots) for _, heads, slots in self.parts(tokens))
 
 
 def attention_params(node: fx.Node) -> dict:
@@ -101,11 +135,12 @@ def attention_params(node: fx.Node) -> dict:
 
 def cache_table(gm: fx.GraphModule) -> dict[int, CacheSpec]:
     """``{id: CacheSpec}`` for every ``rw.attention`` of ``gm`` that owns its cache, in
-    graph order (a layer reading another's, ``kv_source``, allocates nothing)."""
+    graph order (a layer reading another's, ``kv_source``, and a merged pair's second
+    layer allocate nothing)."""
     table: dict[int, CacheSpec] = {}
     for n in gm.graph.find_nodes(op="call_function", target=OPS["attention"]):
         p = attention_params(n)
-        if p["kv_source"] is not None:
+        if p["kv_source"] is not None or _second(p):
             continue
         if p["layer"] in table:
             raise RewriterError(f"{n.name}: two attention ops name cache {p['layer']} (their "
@@ -126,6 +161,9 @@ def cache_spec(node: fx.Node) -> CacheSpec:
                                       dict(select.kwargs))["page"]
     if params["full_heads"] is not None:
         params["full_heads"] = tuple(params["full_heads"])
+    if p["merge_with"] is not None:  # MiniCache: the pair's cache is its first layer's
+        return CacheSpec(id=min(p["layer"], p["merge_with"]), merge=tuple(p["merge"]),
+                         second=p["merge_with"] < p["layer"], **params)
     return CacheSpec(id=p["layer"] if p["kv_source"] is None else p["kv_source"], **params)
 
 
@@ -180,26 +218,48 @@ def _cache_reads(i: int, s: CacheSpec, dtype: torch.dtype, tokens: int, selected
             total += per_head // 2 * heads * (tokens + read)
         else:
             total += per_head * heads * read
+    if s.merge is not None:  # a layer's magnitudes (K and V) beside the directions
+        total += 2 * s.num_kv_heads * dtype.itemsize * min(tokens, s.window or tokens)
     return total + per_head // 2 * s.num_kv_heads * bounds.get(i, 0)  # [pages, D] bounds, twice
 
 
 def _kv_sources(gm: fx.GraphModule) -> list[int]:
-    """The owner each reading attention op of ``gm`` reads (``kv_source``), once per reader."""
-    return [p["kv_source"] for p in map(attention_params, gm.graph.find_nodes(
-        op="call_function", target=OPS["attention"])) if p["kv_source"] is not None]
+    """The owner each reading attention op of ``gm`` reads (``kv_source``), once per
+    reader, and a merged pair's first layer once for its second (MiniCache)."""
+    params = list(map(attention_params, gm.graph.find_nodes(op="call_function",
+                                                            target=OPS["attention"])))
+    return [p["kv_source"] for p in params if p["kv_source"] is not None] + \
+        [p["merge_with"] for p in params if _second(p)]
 
 
-def describe(table: dict[int, CacheSpec], dtype: torch.dtype) -> dict:
-    """The table as JSON-able data (dumps, ``rewriter info``): ``bytes_per_token`` counts
-    the caches that grow with the sequence, ``bounded_bytes`` what the rings hold at most."""
+def _second(p: dict) -> bool:
+    """Whether attention arguments ``p`` are a merged pair's second layer's (MiniCache)."""
+    return p["merge_with"] is not None and p["merge_with"] < p["layer"]
+
+
+def describe(table: dict[int, CacheSpec], dtype: torch.dtype, readers: Optional[dict] = None) -> dict:
+    """The table as JSON-able data (dumps): ``bytes_per_token`` counts the caches that grow
+    with the sequence, ``bounded_bytes`` what the rings hold at most, ``readers`` the
+    layers that read each shared cache (``{owner: [readers]}``, ``ir.sharing.readers_of``)."""
     return {"dtype": str(dtype).removeprefix("torch."),
+            "readers": {str(o): r for o, r in (readers or {}).items()},
             "bytes_per_token": sum(s.bytes_per_token(dtype) * (s.num_kv_heads - s.ring_heads)
                                    // s.num_kv_heads + (s.bytes_per_token(dtype) // s.page
                                                         if s.page else 0)
-                                   for s in table.values()),
+                                   + _merged_per_token(s, dtype) for s in table.values()),
             "bounded_bytes": sum(s.bytes_per_token(dtype) * s.ring_heads // s.num_kv_heads
                                  * (s.sinks + s.window + 1) for s in table.values() if s.ring),
             "caches": [asdict(s) for s in table.values()]}
+
+
+def _merged_per_token(s: CacheSpec, dtype: torch.dtype) -> int:
+    """A merged pair's bytes per token beside its directions: two layers' magnitudes and
+    the side buffer's share (``retain`` of a slot, both layers' K and V and a position),
+    rounded down; the pair's counters (a few bytes a row) are left out."""
+    if s.merge is None:
+        return 0
+    h, item = s.num_kv_heads, dtype.itemsize
+    return int(4 * h * item + s.merge[2] * h * (4 * s.head_dim * item + 8))
 
 
 def bounded(table: dict[int, CacheSpec]) -> bool:
@@ -241,10 +301,17 @@ class KVCache:
         # Quest's per-page key bounds (max, min) ``[B, Hkv, pages, D]`` by cache id, made by
         # the first write of a layer with a page selection (runtime.page_selection)
         self.bounds: dict = {}
+        # MiniCache: each merged pair's magnitudes, side buffer and counters by cache id
+        # (``CacheSpec.merge_parts``, ``runtime.merged_cache``)
+        self.merged = {s.id: {name: torch.zeros((batch, *shape), dtype=kind or dtype, device=device)
+                              for name, shape, kind in s.merge_parts(max_len)}
+                       for s in table.values() if s.merge is not None}
 
     def move(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy slot ``src[i]`` of row ``rows[i]`` to its slot ``dst[i]`` in every cache, K
         and V (``[n]`` each; every source read before any target is written)."""
+        if self.merged:
+            raise RewriterError("a merged cache (MiniCache) cannot move tokens between slots")
         for _, kb, vb in self.blocks:
             for block in (kb, vb):
                 block[:, rows, :, dst] = block[:, rows, :, src]  # [n moves, caches, Hkv, D]
@@ -278,8 +345,9 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         bounds = [t for pair in self.bounds.values() for t in pair]
+        merged = [t for parts in self.merged.values() for t in parts.values()]
         return sum(t.numel() * t.element_size()
-                   for t in [*self.k.values(), *self.v.values(), *bounds])
+                   for t in [*self.k.values(), *self.v.values(), *bounds, *merged])
 
     def bytes_per_token(self) -> int:
         """Cache bytes one token of one sequence occupies, over all caches."""

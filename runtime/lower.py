@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import os
+from collections import Counter
 
 import torch
 from torch import fx
@@ -57,7 +58,7 @@ def lower(ir: IR, last_only: bool, backend: str = "torch",
     step = graph.placeholder("step")
     order, generated = list(ir.graph.nodes), []
     cast = _table_caster(graph, env)
-    written: set[int] = set()  # the caches an attention of this program writes already
+    written = _Writers(ir.gm)
     if backend == "triton":  # pointwise groups no template covers become generated kernels
         from rewriter.codegen.partition import pointwise_groups, schedule
         order = schedule(ir.gm, pointwise_groups(ir.gm))
@@ -96,7 +97,7 @@ def _output(ir: IR, graph: fx.Graph, env: dict, last_only: bool, hidden: bool | 
 
 
 def _lower_node(graph: fx.Graph, node: fx.Node, env: dict, step: fx.Node, backend: str,
-                table: dict, attention, cast, written: set) -> fx.Node:
+                table: dict, attention, cast, written: "_Writers") -> fx.Node:
     """``node``'s copy in the program: an ``rw`` op calls its kernel, attention and the
     token selections read the cache through ``step``."""
     new = graph.node_copy(node, lambda n: env[n])
@@ -125,13 +126,34 @@ SELECTIONS = {
 }
 
 
+class _Writers:
+    """Which attention op of a program writes each cache: the first that names it (the
+    owner, or, in a draft that skips the owner, its first reader: the same k and v,
+    ``ir.sharing``); the others read it (``CacheSpec.write``), and each knows whether a
+    later one reads it too (``CacheSpec.read_after``)."""
+
+    def __init__(self, gm: fx.GraphModule):
+        self.left = Counter(cache_spec(n).id for n in gm.graph.find_nodes(
+            op="call_function", target=OPS["attention"]))  # ops yet to lower, per cache
+        self.written: set = set()
+
+    def spec(self, node: fx.Node) -> CacheSpec:
+        """``node``'s cache attributes as this program lowers them (in graph order)."""
+        spec = cache_spec(node)
+        first = spec.id not in self.written
+        self.written.add(spec.id)
+        self.left[spec.id] -= 1
+        # a merged pair's second layer (MiniCache) writes too: it merges its K/V in
+        return dataclasses.replace(spec, write=first or spec.merge is not None,
+                                   read_after=self.left[spec.id] > 0)
+
+
 def _lower_attention(new: fx.Node, node: fx.Node, env: dict, step: fx.Node, backend: str,
-                     attention, cast, written: set) -> None:
+                     attention, cast, written: _Writers) -> None:
     """``rw.attention`` -> ``attention(step, q, k, v, spec, ...)`` on its layer's cache:
     ``spec`` its attributes as one ``CacheSpec`` (a constant of the program, see
-    ``_spec_constants``), the sink positions, selection and rope tables by keyword. Of the
-    ops sharing a cache, the first in ``written`` order writes it: the owner, or, in a
-    draft that skips the owner, its first reader (the same k and v, ``ir.sharing``)."""
+    ``_spec_constants``), the sink positions, selection and rope tables by keyword; of the
+    ops sharing a cache, ``written`` says which writes it."""
     params = attention_params(node)
     # by name, whether an artifact passed them by position or by keyword
     bound = op_arguments("attention", tuple(node.args), dict(node.kwargs))
@@ -139,10 +161,7 @@ def _lower_attention(new: fx.Node, node: fx.Node, env: dict, step: fx.Node, back
         raise RewriterError(f"{node.name}: the runtime needs causal attention")
     new.target = attention
     q, k, v = (env[a] for a in node.args[:3])
-    spec = cache_spec(node)
-    if spec.id in written:  # a shared cache (ShareKV): its first op in the program writes it
-        spec = dataclasses.replace(spec, write=False)
-    written.add(spec.id)
+    spec = written.spec(node)
     new.args = (step, q, k, v, spec)
     kwargs = {}
     if params["sinks"] is not None and bound["rotary"] is not None:

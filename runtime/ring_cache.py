@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from rewriter.errors import RewriterError
 from rewriter.ops import REFERENCE
 from rewriter.maths.mask import visible as attention_visible
 from rewriter.maths.sdpa import sdpa
@@ -64,7 +65,8 @@ def ring_attention(step, q: Tensor, k: Tensor, v: Tensor, spec, cos: Optional[Te
     if s == 1:
         # One token: written first, then read with the ring. It overwrites only the key a
         # window behind it, which it would not see anyway.
-        _write(k_ring, v_ring, new_k, new_v, r_new, first + 1, sinks, window, size)
+        if spec.write:  # else written by the owner this step (ShareKV)
+            _write(k_ring, v_ring, new_k, new_v, r_new, first + 1, sinks, window, size)
         held = step.once(("ring_held", window, sinks),
                          lambda: slot_contents(first + 1, sinks, window, size))  # [B, C]
         mask = step.once(("ring_decode", window, sinks),
@@ -78,16 +80,35 @@ def ring_attention(step, q: Tensor, k: Tensor, v: Tensor, spec, cos: Optional[Te
     else:
         # Several tokens: an early one may need a key a later one overwrites, so they read
         # the ring as it was plus the step's own keys, and are written after.
-        keys = torch.cat([k_ring[:, :, :size], new_k], dim=2)  # [B, Hkv, C + S, D]
-        values = torch.cat([v_ring[:, :, :size], new_v], dim=2)
+        keys, values = _step_keys(step, spec, k_ring, v_ring, new_k, new_v, size)
         mask = step.once(("ring_step", window, sinks), lambda: _step_mask(first, r_new, sinks,
                                                                           window, size))
         held = step.once(("ring_step_held", window, sinks), lambda: torch.cat(
             [slot_contents(first, sinks, window, size), r_new], dim=1))  # [B, C + S]
         out = _attend(step, qh, keys, values, mask, scale, gqa, rotary, held, r_new, sinks,
                       window, head_dim)
-        _write(k_ring, v_ring, new_k, new_v, r_new, first + s, sinks, window, size)
+        if spec.write:
+            _write(k_ring, v_ring, new_k, new_v, r_new, first + s, sinks, window, size)
     return out.transpose(1, 2).reshape(b, s, num_heads * head_dim)  # [B, S, Hq*D]
+
+
+def _step_keys(step, spec, k_ring: Tensor, v_ring: Tensor, new_k: Tensor, new_v: Tensor,
+               size: int) -> tuple[Tensor, Tensor]:
+    """What a multi-token step attends to: the ring as it was, then the step's own K/V
+    ``[B, Hkv, C + S, D]``. A ring other layers read (``ShareKV``) keeps them for the
+    step, made by its writer: its readers run after the write, which may have overwritten
+    keys the step's early tokens see."""
+    def make():
+        return (torch.cat([k_ring[:, :, :size], new_k], dim=2),  # [B, Hkv, C + S, D]
+                torch.cat([v_ring[:, :, :size], new_v], dim=2))
+    if spec.write and not spec.read_after:
+        return make()
+    return step.once(("ring_keys", spec.id), make if spec.write else lambda: _unwritten(spec))
+
+
+def _unwritten(spec):
+    raise RewriterError(f"the ring of cache {spec.id} is read before its owner wrote this "
+                        f"step's keys: the owner's attention must run first")
 
 
 def _attend(step, qh: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float,

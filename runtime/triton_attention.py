@@ -10,10 +10,11 @@ from rewriter.codegen.decode_attention import decode_attention
 from rewriter.codegen.prefill_attention import prefill_attention, tree_bits
 from rewriter.codegen.rope import rope_into_cache
 
-from .attention import Step, write_kv
+from .attention import Step, dense_attention, write_kv
 from .attention import cached_attention as torch_cached_attention
 from .duo_cache import split_attention
 from .kv_cache import CacheSpec
+from .merged_cache import merged_attention
 from .page_selection import refresh_bounds
 from .ring_cache import ring_attention
 from .token_selection import selection_index
@@ -35,7 +36,10 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, spec: CacheSpe
     position lists, so it reads those keys only. A sink + window ring (``StreamingAttention``,
     DuoAttention's streaming heads) runs its one-token steps through the decode kernel too,
     over the ring's visible slots, the sinks scored by the query rotated back; its writes
-    and longer steps are the torch path's (``runtime.ring_cache``)."""
+    and longer steps are the torch path's (``runtime.ring_cache``). A MiniCache pair's
+    K/V are restored by torch (``runtime.merged_cache``) and attended by the kernels."""
+    if spec.merge is not None:
+        return merged_attention(step, q, k, v, spec, cos, sin, _restored_attention)
     if spec.full_heads is not None:  # DuoAttention: full heads here, the others in a ring
         return split_attention(cached_attention, step, q, k, v, spec, cos, sin, rotary,
                                kernel=decode_attention)
@@ -57,7 +61,9 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, spec: CacheSpe
                         v=v, v_cache=v_cache)  # K rotated and V, one launch
     else:
         write_kv(step, k_cache, v_cache, split(k), split(v))
-    if page is not None:  # Quest: the bounds of the pages just written
+    if page is not None and not spec.read_after:
+        # Quest: the bounds of the pages just written, by the last op reading the cache
+        # (the selections before it score the pages as they were)
         refresh_bounds(step, spec.id, page, k_cache)
     start = step.pad if step.pad is not None else step.once("zeros", lambda: _zeros(b, q.device))
     if s == 1 and step.tree is None and not step.per_row:
@@ -70,6 +76,23 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, spec: CacheSpe
     tree = step.once("tree_bits", lambda: tree_bits(step.tree)) if step.tree is not None else None
     return prefill_attention(q, k_cache, v_cache, num_heads, scale, q_start=step.start,
                              start=start, window=window or 0, cos=cos, sin=sin, tree=tree)
+
+
+def _restored_attention(step: Step, q: Tensor, keys: Tensor, values: Tensor,
+                        spec: CacheSpec) -> Tensor:
+    """q ``[B, S, Hq*D]`` (rotated) over restored keys/values ``[B, Hkv, end, D]`` by the
+    decode or prefill kernel -> ``[B, S, Hq*D]``; a tree under a window by torch."""
+    if step.tree is not None and spec.window is not None:
+        return dense_attention(step, q, keys, values, spec)
+    b, s, _ = q.shape
+    start = step.pad if step.pad is not None else step.once("zeros", lambda: _zeros(b, q.device))
+    if s == 1 and step.tree is None:
+        out = decode_attention(q.view(b, spec.num_heads, spec.head_dim), keys, values, step.end,
+                               spec.scale, start=start, window=spec.window or 0)
+        return out.view(b, 1, spec.num_heads * spec.head_dim)
+    tree = step.once("tree_bits", lambda: tree_bits(step.tree)) if step.tree is not None else None
+    return prefill_attention(q, keys, values, spec.num_heads, spec.scale, q_start=step.start,
+                             start=start, window=spec.window or 0, tree=tree)
 
 
 def _zeros(b: int, device) -> Tensor:

@@ -116,8 +116,8 @@ def test_the_verifier_refuses_what_the_cache_could_not_serve():
         check_sharing(both)
 
 
-def test_rings_selections_and_fused_projections_are_refused_by_name():
-    with pytest.raises(PassError, match="sinks: KV sharing is refused with rings"):
+def test_sparse_caches_first_and_fused_projections_are_refused_by_name():
+    with pytest.raises(PassError, match="must run before StreamingAttention"):
         rewriter.optimize(_trace(), passes=[StreamingAttention(sinks=2, window=8), ShareKV(every=2)])
     with pytest.raises(PassError, match="before FuseQKV"):
         rewriter.optimize(_trace(), passes=[FuseQKV(), ShareKV(every=2)])

@@ -14,6 +14,7 @@ from rewriter.ir.core import IR
 from rewriter.ir.dump import Dumper
 from rewriter.ir.verify import verify
 from rewriter.ir.pass_manager import Pass, run_pipeline
+from rewriter.ir.sharing import readers_of
 from rewriter.runtime.chat import split_tokenizer
 from rewriter.runtime.engine import BACKENDS, Engine
 from rewriter.runtime.kv_cache import cache_table, describe
@@ -45,7 +46,8 @@ class OptimizedModel(Engine):
         if self.ir.is_causal_lm and self._programs is not None:  # the code that runs
             for name, code in self.programs().items():
                 dumper.write_text(f"programs/{name}.py", code.strip() + "\n")
-            table = describe(cache_table(self.ir.gm), self._dtype())
+            caches = cache_table(self.ir.gm)
+            table = describe(caches, self._dtype(), readers_of(self.ir.graph, caches))
             dumper.write_text("programs/caches.json", json.dumps(table, indent=1) + "\n")
         if self.backend == "triton" and self.ir.is_causal_lm:
             for name, source in self.kernel_sources(templates=True).items():

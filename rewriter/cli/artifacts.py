@@ -84,6 +84,7 @@ def cmd_info(args) -> int:
             ["passes", ", ".join(_pass_text(p) for p in m["passes"]) or "none"],
             ["backend", m["backend"]],
             *_measured_row(m.get("measured_on")),
+            *_sharing_row(m.get("kv_sharing")),
             ["tokenizer", m["tokenizer"] or "none"],
             ["format", f"{m['format']} v{m['format_version']}, created {m['created']}"],
             ["versions", ", ".join(f"{k} {v}" for k, v in m["versions"].items() if v)]]
@@ -99,6 +100,17 @@ def _measured_row(where: Optional[dict]) -> list:
         return []
     return [["measured on", f"{where['backend']} backend, {where['device']} ({where['machine']}) "
                             f"by {', '.join(where['passes'])}"]]
+
+
+def _sharing_row(sharing: Optional[dict]) -> list:
+    """The row naming the layers that read another layer's KV cache (ShareKV)."""
+    if not sharing:
+        return []
+    by_owner: dict = {}
+    for reader, owner in sharing.items():
+        by_owner.setdefault(owner, []).append(int(reader))
+    return [["KV sharing", "; ".join(f"layers {', '.join(map(str, sorted(r)))} read layer "
+                                     f"{o}'s cache" for o, r in sorted(by_owner.items()))]]
 
 
 def _engine(path: str, trust_code: bool, backend: Optional[str], dtype: Optional[str] = None):

@@ -4,6 +4,12 @@ layer reads that layer's cache (Cross-Layer Attention, KVSharer) and writes none
 The reader takes the owner's own k and v nodes (and its rotary tables, when the rotation
 happens inside the op), so the whole-sequence graph computes exactly what the runtime
 reads from the owner's cache. ``check_sharing`` keeps that true after every pass.
+
+A shared cache may be a sparse one: a reader of a ring (StreamingAttention, DuoAttention)
+keeps the same sinks, window and heads as its owner, and a reader of a Quest cache selects
+its own pages by its own queries from the owner's pages and bounds (its ``select_pages``
+names the owner's cache). TidalDecode's token selections are refused: a layer reusing
+another's selection would read a third layer's cache.
 """
 from __future__ import annotations
 
@@ -12,20 +18,23 @@ from torch import fx
 from rewriter.errors import PassError, VerificationError
 from rewriter.ir.core import IR
 from rewriter.ir.nodes import attention_args
-from rewriter.ops import OPS
+from rewriter.ops import OPS, op_arguments
 
 # what the owner's cache is made of: a reader must see the same
-SAME_INPUTS = ("k", "v", "cos", "sin")
-SAME_CACHE = ("num_kv_heads", "head_dim", "causal", "window")
-# a ring overwrites slots its readers might still need, and a selection reads its own
-# layer's cache bounds (refused, not approximated)
-UNSHARED = ("sinks", "full_heads", "select", "rotary")
+SAME_INPUTS = ("k", "v", "cos", "sin", "rotary")
+SAME_CACHE = ("num_kv_heads", "head_dim", "causal", "window", "sinks", "full_heads")
 
 
 def attention_by_layer(graph: fx.Graph) -> dict[int, fx.Node]:
     """``{layer: its rw.attention node}``."""
     return {attention_args(n)["layer"]: n for n in graph.find_nodes(op="call_function",
                                                            target=OPS["attention"])}
+
+
+def cache_of(args: dict) -> int:
+    """The cache an attention op (its ``attention_args``) reads: its own layer's, or the
+    owner's it shares."""
+    return args["layer"] if args["kv_source"] is None else args["kv_source"]
 
 
 def sources(graph: fx.Graph) -> dict[int, int]:
@@ -67,16 +76,38 @@ def _check_pair(node: fx.Node, args: dict, owner: fx.Node, own: dict, order: dic
                                 f"owner itself")
     if order[owner] > order[node]:
         raise VerificationError(f"{where}, which runs later: the owner writes first")
-    for key in UNSHARED:
-        for side in (args, own):
-            if side[key] is not None:
-                raise VerificationError(f"{where}, and layer {side['layer']} has {key}: KV "
-                                        f"sharing is refused with rings and token selections")
+    for side in (args, own):
+        if _selection(side) == "select_tokens":
+            raise VerificationError(f"{where}, and layer {side['layer']} has a TidalDecode "
+                                    f"selection: KV sharing is refused with token selections")
+    if _pages(args) != _pages(own):
+        raise VerificationError(f"{where}, but its Quest pages ({_pages(args)}) are not the "
+                                f"owner's ({_pages(own)}): a reader selects from its owner's")
+    if _pages(args) is not None and _select_args(args)["layer"] != own["layer"]:
+        raise VerificationError(f"{where}, but its page selection names cache "
+                                f"{_select_args(args)['layer']}")
     for key in SAME_CACHE + SAME_INPUTS:
         if args[key] != own[key]:
             shown = (lambda v: v.name if isinstance(v, fx.Node) else v)
             raise VerificationError(f"{where}, but its {key} ({shown(args[key])}) is not the "
                                     f"owner's ({shown(own[key])})")
+
+
+def _selection(args: dict):
+    """The short name of the attention's selection op, or None."""
+    sel = args["select"]
+    return None if sel is None else next((k for k in ("select_tokens", "select_pages")
+                                          if sel.target is OPS[k]), "another op")
+
+
+def _select_args(args: dict) -> dict:
+    sel = args["select"]
+    return op_arguments(_selection(args), tuple(sel.args), dict(sel.kwargs))
+
+
+def _pages(args: dict):
+    """The page size of a Quest selection (its cache keeps per-page bounds), or None."""
+    return _select_args(args)["page"] if _selection(args) == "select_pages" else None
 
 
 def share(ir: IR, pairs: dict[int, int], who: str) -> None:

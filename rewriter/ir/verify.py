@@ -8,7 +8,8 @@ from torch import fx
 
 from rewriter.errors import VerificationError
 from rewriter.ir.core import IR
-from rewriter.ir.sharing import check_sharing
+from rewriter.ir.merging import check_merging
+from rewriter.ir.sharing import cache_of, check_sharing
 from rewriter.ops import OPS, check_arguments, check_context, op_arguments
 from rewriter.values import context_length
 
@@ -25,6 +26,7 @@ def verify(ir: IR, shapes: bool = True) -> None:
     for n in ir.graph.nodes:
         _check_node(ir, n, shapes)
     check_sharing(ir)
+    check_merging(ir)
     if not shapes:
         return
     seen = set()
@@ -117,12 +119,13 @@ def _check_sparse_inputs(ir: IR, n: fx.Node) -> None:
 
 
 def _check_page_selection(ir: IR, n: fx.Node, args: dict, select: fx.Node) -> None:
-    """Quest: the pages come from this attention's own q and k, its layer and KV heads (the
-    runtime reads this layer's page bounds), and the op is used by this attention only."""
+    """Quest: the pages come from this attention's own q and k, its cache (the runtime reads
+    that cache's page bounds: its owner's, for a layer sharing another's) and KV heads, and
+    the op is used by this attention only."""
     sel = op_arguments("select_pages", tuple(select.args), dict(select.kwargs))
-    if (sel["q"], sel["k"]) != (args["q"], args["k"]) or sel["layer"] != args["layer"] \
+    if (sel["q"], sel["k"]) != (args["q"], args["k"]) or sel["layer"] != cache_of(args) \
             or sel["num_kv_heads"] != args["num_kv_heads"] or list(select.users) != [n] \
             or args["cos"] is not None:
         raise VerificationError(f"{select.name}: it must read {n.name}'s own rotated q and k "
-                                f"(layer {args['layer']}, {args['num_kv_heads']} KV heads) and "
+                                f"(cache {cache_of(args)}, {args['num_kv_heads']} KV heads) and "
                                 f"feed that attention only")

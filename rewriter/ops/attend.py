@@ -41,7 +41,7 @@ def default_scale(head_dim: int) -> float:
 
 def _attention_fake(q, k, v, layer, num_heads, num_kv_heads, head_dim, scale, causal=True,
                     window=None, cos=None, sin=None, sinks=None, rotary=None, select=None,
-                    full_heads=None, gates=None, kv_source=None):
+                    full_heads=None, gates=None, kv_source=None, merge_with=None, merge=None):
     q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
     _need(q.dim() == 3 and q.shape[-1] == q_width, "attention",
           f"q {_dims(q)} is not [B, S, num_heads * head_dim = {q_width}]")
@@ -60,7 +60,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, layer: int, num_heads: int, num_k
               cos: Optional[Tensor] = None, sin: Optional[Tensor] = None,
               sinks: Optional[int] = None, rotary: Optional[Tensor] = None,
               select: Optional[Tensor] = None, full_heads: Optional[list[int]] = None,
-              gates: Optional[list[float]] = None, kv_source: Optional[int] = None) -> Tensor:
+              gates: Optional[list[float]] = None, kv_source: Optional[int] = None,
+              merge_with: Optional[int] = None, merge: Optional[list[float]] = None) -> Tensor:
     """Scaled dot-product attention of one decoder layer; the op that owns the KV cache.
 
     q ``[B, S, Hq*D]``, k/v ``[B, S, Hkv*D]`` -> ``[B, S, Hq*D]``. Query heads are grouped
@@ -77,7 +78,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, layer: int, num_heads: int, num_k
     gates) changes nothing: it records why the heads were split, for the IR and artifacts.
     ``layer`` names the cache slot. ``kv_source`` (``ShareKV``) names another layer
     whose cache this one reads (k and v are then that layer's own inputs, so the reference
-    computes what the runtime reads); the runtime writes nothing for it. With
+    computes what the runtime reads); the runtime writes nothing for it. ``merge_with``
+    (``MiniCache``) names the adjacent layer whose cache this one's is merged with, and
+    ``merge`` holds the pair's ``[t, gamma, retain]`` (``runtime.merged_cache``): the merge
+    is a property of the runtime's cache, so this op still computes exact attention. With
     ``cos``/``sin`` (``FuseRoPE``), q and k are rotated first, exactly as ``rope`` does, so a
     backend can rotate K in the kernel that writes it into the cache.
     """

@@ -52,6 +52,14 @@ def _gate_list(v):
         return "a non-empty list of numbers in [0, 1]"
 
 
+def _merge_settings(v):
+    """MiniCache's ``[t, gamma, retain]``: SLERP's t, the retention share, the side
+    buffer's capacity as a share of the sequence (``runtime.merged_cache``)."""
+    if not isinstance(v, (list, tuple)) or len(v) != 3 or any(
+            isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x <= 1 for x in v):
+        return "[t, gamma, retain], three numbers in [0, 1]"
+
+
 def _optional(rule):
     def check(v):
         return None if v is None else rule(v) and f"None or {rule(v)}"
@@ -79,7 +87,8 @@ ATTRIBUTES: dict[str, dict[str, callable]] = {
                   "head_dim": _int(1), "scale": _finite_positive, "causal": _bool,
                   "window": _optional(_int(1)), "sinks": _optional(_int(0)),
                   "full_heads": _optional(_head_list), "gates": _optional(_gate_list),
-                  "kv_source": _optional(_int(0))},
+                  "kv_source": _optional(_int(0)), "merge_with": _optional(_int(0)),
+                  "merge": _optional(_merge_settings)},
 }
 
 # Token counts the runtime sizes a layer's state by: a ring's slots and sink layout
@@ -167,6 +176,10 @@ def _check_attention(bound: dict) -> None:
     if bound["kv_source"] is not None and bound["kv_source"] == bound["layer"]:
         raise ValueError(f"rw.attention: kv_source={bound['kv_source']} is its own layer: an "
                          f"owner names no source")
+    if (bound["merge_with"] is None) != (bound["merge"] is None) \
+            or bound["merge_with"] is not None and bound["merge_with"] == bound["layer"]:
+        raise ValueError(f"rw.attention: merge_with={bound['merge_with']} and merge="
+                         f"{bound['merge']} come together and name another layer (MiniCache)")
     if bound["select"] is not None and bound["sinks"] is not None:
         raise ValueError("rw.attention: select (TidalDecode) and sinks (a ring cache) do not "
                          "go together: the ring has dropped what a selection may name")
