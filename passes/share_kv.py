@@ -19,6 +19,11 @@ the runtime allocates one cache per owner, written by the owner alone
   ``threshold`` with the model's; the map found becomes ``sources`` (``report`` holds
   every pair tried).
 
+``weights=FILE`` (or ``"default"``, the shipped default model's CLA2) then loads the
+owners' K/V projections (and readers' query projections) that ``rewriter train-share``
+adapted to this map (``share_kv_weights``): a file made for another map or model is
+refused by name.
+
 Lossy on a model not trained for it (the readers' own K/V are gone): measure it
 (``benchmarks/kv_sharing.py``). The sparse caches come after it and follow the owners: a
 reader keeps its owner's ring (StreamingAttention, DuoAttention's heads) and selects its
@@ -26,7 +31,8 @@ own Quest pages from its owner's; TidalDecode's reused selections are refused.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import os
+from typing import Optional, Sequence, Union
 
 from rewriter.errors import PassError
 from rewriter.ir.core import IR
@@ -35,13 +41,15 @@ from rewriter.ir.pass_manager import Pass
 from rewriter.ir.sharing import attention_by_layer, share
 from rewriter.measure.calibrate import calibration_batch
 from rewriter.measure.kv_sharer import RULES, search
-from rewriter.values import MAX_INT, check_prompts, is_int
+from rewriter.passes.share_kv_weights import SHIPPED, load_into
+from rewriter.values import MAX_INT, check_prompts, is_int, path_problem
 
 
 class ShareKV(Pass):
     def __init__(self, sources: Optional[dict] = None, every: Optional[int] = None,
                  last: Optional[int] = None, calibrate: Optional[Sequence] = None,
-                 budget: Optional[int] = None, threshold: float = 0.95, rule: str = "measured"):
+                 budget: Optional[int] = None, threshold: float = 0.95, rule: str = "measured",
+                 weights: Optional[Union[str, os.PathLike]] = None):
         given = [name for name, v in (("sources", sources), ("every", every), ("last", last),
                                       ("calibrate", calibrate)) if v is not None]
         if len(given) != 1:
@@ -58,6 +66,10 @@ class ShareKV(Pass):
         self.sources = _checked_sources(sources) if sources is not None else None
         self.every = int(every) if every is not None else None
         self.last = int(last) if last is not None else None
+        if weights is not None and path_problem(weights) is not None:
+            raise ValueError(f"ShareKV: weights must be a file's path or a shipped name "
+                             f"({', '.join(SHIPPED)}), got {weights!r:.200}")
+        self.weights = os.fspath(weights) if weights is not None else None
 
     def __repr__(self) -> str:
         shown = {k: v for k, v in self.params().items() if v is not None and
@@ -83,7 +95,10 @@ class ShareKV(Pass):
         if self.calibrate is not None:  # the search's map, kept as the explicit one
             self.sources, self.report = search(ir, calibration_batch(ir, self.calibrate),
                                                self.budget, self.threshold, self.rule)
-        share(ir, self.pairs(sorted(by_layer)), repr(self))
+        pairs = self.pairs(sorted(by_layer))
+        share(ir, pairs, repr(self))
+        if self.weights is not None:  # after the share: the owners' weights are the ones kept
+            load_into(ir, self.weights, pairs, repr(self))
         return ir
 
     def pairs(self, layers: list[int]) -> dict[int, int]:

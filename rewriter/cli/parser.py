@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from rewriter.cli.artifacts import cmd_info, cmd_ir, cmd_optimize, cmd_run
-from rewriter.cli.training import cmd_train_eagle, cmd_train_gates, cmd_train_heads
+from rewriter.cli.training import cmd_train_eagle, cmd_train_gates, cmd_train_heads, cmd_train_share
 
 MODEL_HELP = ("a Hugging Face checkpoint directory (config.json + safetensors), a .gguf file "
               "(or a directory holding one), 'smollm2' (SmolLM2-135M-Instruct from the "
@@ -33,6 +33,7 @@ def parser() -> argparse.ArgumentParser:
     _add_train_heads(sub)
     _add_train_gates(sub)
     _add_train_eagle(sub)
+    _add_train_share(sub)
     return p
 
 
@@ -174,6 +175,45 @@ def _add_train_gates(sub) -> None:
                    help="the frozen model's dtype while calibrating")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     g.set_defaults(func=cmd_train_gates)
+
+
+def _add_train_share(sub) -> None:
+    """``train-share``: adapt a model to KV sharing across layers."""
+    s = sub.add_parser("train-share", help="adapt a model to KV sharing (ShareKV) by distillation",
+                       description="Share the KV cache as ShareKV does, then train only what "
+                                   "sharing changes (the owners' K/V projections; with "
+                                   "--queries the readers' query projections) to match the "
+                                   "model as it is on corpus text; writes a weights file for "
+                                   "ShareKV(..., weights=OUT) with held-out perplexity before "
+                                   "and after. Seeded; resumes from --work-dir (OUT.work).")
+    s.add_argument("model", help=MODEL_HELP)
+    s.add_argument("--out", required=True, help="weights file to write (.safetensors)")
+    which = s.add_mutually_exclusive_group(required=True)
+    which.add_argument("--every", type=int, help="CLA groups of K adjacent layers (2: CLA2)")
+    which.add_argument("--last", type=int, help="the last N layers read the one before them")
+    which.add_argument("--sources", help='an explicit map as JSON: \'{"3": 2, "5": 4}\'')
+    s.add_argument("--init", choices=("mean", "owner"), default="mean",
+                   help="owners start from their group's mean K/V weights (MLKV) or their own")
+    s.add_argument("--queries", action="store_true",
+                   help="also train the readers' query projections")
+    s.add_argument("--steps", type=int, default=300)
+    s.add_argument("--lr", type=float, default=1e-3)
+    s.add_argument("--batch", type=int, default=4, help="rows per step")
+    s.add_argument("--length", type=int, default=256, help="tokens per row")
+    s.add_argument("--rows", type=int, default=1024, help="corpus rows to draw batches from")
+    s.add_argument("--passkey", type=float, default=0.0,
+                   help="fraction of the rows that are pass-key prompts (retrieval practice)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--work-dir", default=None, help="checkpoint directory (default OUT.work)")
+    s.add_argument("--eval-chunks", type=int, default=4,
+                   help="held-out chunks per corpus (code, prose) for the perplexity")
+    s.add_argument("--eval-length", type=int, default=256, help="tokens per held-out chunk")
+    s.add_argument("--save-dtype", choices=DTYPES, default="float32",
+                   help="dtype of the tensors written")
+    s.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="the model's dtype while training")
+    s.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    s.set_defaults(func=cmd_train_share)
 
 
 def _add_train_eagle(sub) -> None:

@@ -1,4 +1,4 @@
-"""The training commands: train-heads, train-gates, train-eagle."""
+"""The training commands: train-heads, train-gates, train-eagle, train-share."""
 from __future__ import annotations
 
 import json
@@ -53,6 +53,42 @@ def cmd_train_eagle(args) -> int:
         train_eagle(model, tokenizer, settings, device)
     print(f"saved: {Path(args.out) / DRAFT}")
     return 0
+
+
+def cmd_train_share(args) -> int:
+    from rewriter.training.train_share import check_paths, check_settings, train_share
+    device = _training_device(args.device)  # what is checked here fails before the model loads
+    settings = dict(init=args.init, queries=args.queries, steps=args.steps, lr=args.lr,
+                    batch=args.batch, length=args.length, rows=args.rows, seed=args.seed,
+                    passkey=args.passkey,
+                    eval_chunks=args.eval_chunks, eval_length=args.eval_length,
+                    dtype=args.save_dtype, save_every=25)
+    check_settings(**settings)
+    check_paths(args.out, args.work_dir)
+    sharing = dict(every=args.every, last=args.last, sources=_json_map(args.sources))
+    from rewriter.passes import ShareKV
+    ShareKV(**sharing)  # a bad map fails before the model loads
+    model, tokenizer = _training_model(args.model, args.dtype)
+    import rewriter
+    with one_line_warnings():
+        traced = rewriter.trace(model.to(device), tokenizer=tokenizer)
+        report = train_share(traced, tokenizer, args.out, **sharing, **settings,
+                             work_dir=args.work_dir, progress=bars())
+    report.pop("kl_history")  # in the file's metadata; the screen gets its summary
+    print(json.dumps(report, indent=1))
+    print(f"saved: {args.out}")
+    return 0
+
+
+def _json_map(text: Optional[str]):
+    """``--sources``' JSON map, or None."""
+    if text is None:
+        return None
+    from rewriter.values import parse_json
+    try:
+        return parse_json(text)
+    except ValueError as e:
+        raise ValueError(f"--sources must be a JSON map like '{{\"3\": 2}}': {e}") from None
 
 
 def _training_device(name: Optional[str]) -> str:
