@@ -109,8 +109,9 @@ def _sharing_row(sharing: Optional[dict]) -> list:
     by_owner: dict = {}
     for reader, owner in sharing.items():
         by_owner.setdefault(owner, []).append(int(reader))
-    return [["KV sharing", "; ".join(f"layers {', '.join(map(str, sorted(r)))} read layer "
-                                     f"{o}'s cache" for o, r in sorted(by_owner.items()))]]
+    return [["KV sharing", "; ".join(
+        (f"layers {', '.join(map(str, sorted(r)))} read" if len(r) > 1 else f"layer {r[0]} reads")
+        + f" layer {o}'s cache" for o, r in sorted(by_owner.items()))]]
 
 
 def _engine(path: str, trust_code: bool, backend: Optional[str], dtype: Optional[str] = None):
