@@ -10,7 +10,7 @@ for the pairs of adjacent attention layers from ``start`` (default: the middle o
 changes in the IR, which still computes exact attention: the runtime keeps each pair as
 one merged cache (``runtime.merged_cache``: one SLERP-merged direction per token and KV
 head, each layer's magnitudes, the most distinct tokens retained in a side buffer of
-``retain`` times the sequence's slots), so the loss shows through the runtime
+at most ``retain`` times a row's tokens), so the loss shows through the runtime
 (``Engine.score``, ``generate``). Training-free, and lossy on models whose adjacent layers
 differ (``docs/kv_sharing.md``: measure it).
 

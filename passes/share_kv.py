@@ -89,6 +89,9 @@ class ShareKV(Pass):
                for k in ("sinks", "select")):
             raise PassError(f"{self!r} must run before StreamingAttention, DuoAttention, Quest "
                             f"and TidalDecode: a reader's sparse cache follows its owner's")
+        if any(attention_args(n)["merge_with"] is not None for n in by_layer.values()):
+            raise PassError(f"{self!r} cannot follow MiniCache: a merged pair's cache holds "
+                            f"merged directions, not one layer's keys and values")
         if ir.info.get("decoding") is not None:
             raise PassError(f"{self!r} must run before the speculative strategy "
                             f"({ir.info['decoding']['strategy']}), which times the model as it is")

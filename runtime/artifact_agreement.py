@@ -108,7 +108,8 @@ def _check_passes(ir: IR, manifest: dict, where) -> None:
         raise ArtifactError(f"{where.manifest}: measured_on {shown(manifest['measured_on'], 120)} is "
                             f"not what {where.ir} records ({shown(ir.info.get('measured_on'), 120)})")
     shared = {str(r): o for r, o in sorted(sources(ir.graph).items())}
-    if "kv_sharing" in manifest and manifest["kv_sharing"] != shared:  # absent: saved before
+    if manifest.get("kv_sharing") is not None and manifest["kv_sharing"] != shared:
+        # absent or null: saved before manifests named it
         raise ArtifactError(f"{where.manifest}: kv_sharing {shown(manifest['kv_sharing'], 120)} "
                             f"is not the sharing of {where.ir}'s attention ({shown(shared, 120)})")
     if ("skipped_layers" in ir.info) != ("LayerSkip" in names):

@@ -32,7 +32,10 @@ distance ``W / pi`` in [0, 1], the larger of its K's and its V's, per row and KV
 position 0), and a token is retained when ``d >= gamma * d_min + (1 - gamma) * d_max``,
 i.e. it lies in the top ``gamma`` share of the range. ``gamma = 1`` retains every token,
 and with ``retain = 1`` (a side slot per token) the pair gives the model's own attention:
-that is the setting that keeps every token. When the buffer is full a token merges
+that is the setting that keeps every token (exactly in float32: in a lower precision the
+first layer attends to its step's own tokens as stored, direction times magnitude). A row
+retains at most ``retain`` times its tokens so far (the buffer holds that share of the
+allocated length, so a longer cache, reused, changes nothing); past it a token merges
 anyway and ``overflow`` counts it. (xKV's re-implementation keeps originals of the
 *close* tokens instead; not done here.)
 
@@ -139,7 +142,11 @@ def _merge(step, spec: CacheSpec, kh: Tensor, vh: Tensor) -> None:
     step.cache.v[spec.id][:, :, start:end] = ev
     store["magnitude"][:, :, start:end, 2] = mk
     store["magnitude"][:, :, start:end, 3] = mv
-    _to_side(store, keep, torch.stack([k1, v1, kh, vh], dim=3), start)  # [B, Hkv, S, 4, D]
+    # each row retains at most retain x its tokens so far: the same tokens whatever the
+    # allocated cache (a longer one, reused, has a larger buffer)
+    tokens = end - step.pad if step.pad is not None else torch.full((1,), end, device=kh.device)
+    cap = torch.ceil(tokens.double() * spec.merge[2] - 1e-9).long()[:, None, None]  # [B or 1, 1, 1]
+    _to_side(store, keep, torch.stack([k1, v1, kh, vh], dim=3), start, cap)  # [B, Hkv, S, 4, D]
 
 
 def retention(distance: Tensor, d: Tensor, real: Tensor, gamma: float) -> Tensor:
@@ -153,12 +160,13 @@ def retention(distance: Tensor, d: Tensor, real: Tensor, gamma: float) -> Tensor
     return real & (d >= threshold[..., None])
 
 
-def _to_side(store: dict, keep: Tensor, originals: Tensor, start: int) -> None:
+def _to_side(store: dict, keep: Tensor, originals: Tensor, start: int, cap: Tensor) -> None:
     """Retained tokens (``keep`` ``[B, Hkv, S]``) into the next free side slots of their row
-    and head, ``originals`` ``[B, Hkv, S, 4, D]``; past the capacity they stay merged."""
+    and head, ``originals`` ``[B, Hkv, S, 4, D]``; past the row's ``cap`` ``[B or 1, 1, 1]``
+    (or the buffer) they stay merged."""
     side, at = store["side"], store["side_at"]
     slot = store["retained"][..., None] + keep.long().cumsum(-1) - 1  # [B, Hkv, S]
-    fits = keep & (slot < side.shape[2])
+    fits = keep & (slot < side.shape[2]) & (slot < cap)
     store["overflow"] += (keep & ~fits).sum(-1)
     store["retained"] += fits.sum(-1)
     b, h, j = fits.nonzero(as_tuple=True)

@@ -130,18 +130,31 @@ def test_the_cache_holds_the_papers_merge_and_restores_by_its_formula():
 
 
 def test_a_full_side_buffer_merges_the_rest_and_counts_them():
-    """Capacity ceil(retain * max_len) slots per row and head: the first retained tokens
-    (in position order) fill them, the others merge and ``overflow`` counts them; a step
-    that starts earlier forgets what was retained from there on."""
+    """A row retains at most ceil(retain * its tokens so far) (the buffer holds that share of
+    the allocated length): the first retained tokens (in position order) take the slots, the
+    others merge and ``overflow`` counts them; a step that starts earlier forgets what was
+    retained from there on."""
     torch.manual_seed(1)
-    specs, cache = _pair(gamma=1.0, retain=0.125, max_len=32)  # every token wants a slot; 4 fit
-    kv = [(torch.randn(2, 10, 16), torch.randn(2, 10, 16)) for _ in range(2)]
-    _run_pair(specs, cache, 0, kv)
+    specs, cache = _pair(gamma=1.0, retain=0.25, max_len=32)  # every token wants a slot
+    kv = [(torch.randn(2, 16, 16), torch.randn(2, 16, 16)) for _ in range(2)]
+    _run_pair(specs, cache, 0, [(k[:, :10], v[:, :10]) for k, v in kv])  # 10 tokens: 3 fit
     store = cache.merged[0]
-    assert (store["retained"] == 4).all() and (store["overflow"] == 6).all()
-    assert (store["side_at"] == torch.arange(4)).all()
-    _run_pair(specs, cache, 2, [(k[:, :3], v[:, :3]) for k, v in kv])  # rewritten from 2
-    assert (store["side_at"] == torch.arange(4)).all() and (store["overflow"] == 6 + 1).all()
+    assert (store["retained"] == 3).all() and (store["overflow"] == 7).all()
+    assert (store["side_at"][..., :3] == torch.arange(3)).all()
+    _run_pair(specs, cache, 2, [(k[:, :14], v[:, :14]) for k, v in kv])  # from 2, 16 tokens: 4
+    assert (store["side_at"][..., :4] == torch.arange(4)).all()
+    assert (store["retained"] == 4).all() and (store["overflow"] == 7 + 12).all()
+
+
+def test_the_tokens_do_not_depend_on_the_cache_a_call_finds():
+    """A longer request allocates a longer cache (and side buffer), which the next call
+    reuses: retention is bounded by each row's own tokens, so the same call gives the same
+    tokens on either cache."""
+    fresh = rewriter.optimize(_trace(), passes=[MiniCache(gamma=1, retain=0.05)])
+    reused = rewriter.optimize(_trace(), passes=[MiniCache(gamma=1, retain=0.05)])
+    reused.generate(IDS, max_new_tokens=120, eos_token_id=[])  # a longer cache, kept
+    want = fresh.generate(IDS, max_new_tokens=40, eos_token_id=[])
+    assert torch.equal(reused.generate(IDS, max_new_tokens=40, eos_token_id=[]), want)
 
 
 def test_a_step_started_on_the_device_is_refused():
@@ -218,6 +231,11 @@ def test_rings_sharing_and_speculation_are_refused_by_name():
         rewriter.optimize(_trace(), passes=[StreamingAttention(sinks=2, window=8), MiniCache()])
     with pytest.raises(PassError, match="MiniCache is refused with a shared cache"):
         rewriter.optimize(_trace(), passes=[ShareKV(sources={2: 0}), MiniCache()])
+    # a merged layer whose cache another reads: the reader would take directions for K/V
+    with pytest.raises(PassError, match=r"layers \[2\] read its cache \(ShareKV\)"):
+        rewriter.optimize(_trace(), passes=[ShareKV(sources={2: 0}), MiniCache(start=0)])
+    with pytest.raises(PassError, match="cannot follow MiniCache"):
+        rewriter.optimize(_trace(), passes=[MiniCache(start=0), ShareKV(sources={2: 0})])
     with pytest.raises((PassError, VerificationError), match="refuses the speculative strategy"):
         rewriter.optimize(_trace(), passes=[MiniCache(), SelfSpeculative(skip_layers=[0])])
     with pytest.raises(PassError, match="refuses the speculative strategy"):

@@ -36,7 +36,7 @@ def default():
 def trained(default, tmp_path_factory):
     """A finished CLA2 run (``init="mean"``): its file, report and work directory."""
     out = tmp_path_factory.mktemp("share") / "cla2.safetensors"
-    report = train_share(default[2], default[1], out, every=2, **FAST)
+    report = train_share(default[2], default[1], out, every=2, init="mean", **FAST)
     return out, report
 
 
@@ -121,9 +121,9 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_result(default, trained
 
     monkeypatch.setattr("rewriter.training.train_share.distill_loss", fails_at_step_five)
     with pytest.raises(KeyboardInterrupt):
-        train_share(default[2], default[1], out, every=2, **FAST)
+        train_share(default[2], default[1], out, every=2, init="mean", **FAST)
     monkeypatch.setattr("rewriter.training.train_share.distill_loss", loss)
-    report = train_share(default[2], default[1], out, every=2, **FAST)
+    report = train_share(default[2], default[1], out, every=2, init="mean", **FAST)
     assert report["resumed_at"] == 4  # the checkpoint of step 4 (every 2 steps)
     assert report["kl_history"] == trained[1]["kl_history"]
     got, _ = _tensors(out)
@@ -249,3 +249,13 @@ def test_the_command_refuses_an_out_that_is_another_kind_of_file(tmp_path, capsy
     other.write_text("mine")
     assert main(["train-share", "default", "--out", str(other), "--every", "2"]) == 2
     assert "rewriter: error:" in capsys.readouterr().err and other.read_text() == "mine"
+
+
+@pytest.mark.parametrize("name", ["length", "eval_length"])
+def test_lengths_past_the_context_are_refused_before_training(default, tmp_path, name):
+    """The default model holds 1024 tokens: rows of more would train positions it never
+    saw (and its evaluation would refuse them only after the file was written)."""
+    out = tmp_path / "x.safetensors"
+    with pytest.raises(ValueError, match=rf"{name} 1100 is past the model's context length \(1024\)"):
+        train_share(default[2], default[1], out, every=2, **{**FAST, name: 1100})
+    assert not out.exists() and not (tmp_path / "x.safetensors.work").exists()

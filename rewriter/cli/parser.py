@@ -192,8 +192,9 @@ def _add_train_share(sub) -> None:
     which.add_argument("--every", type=int, help="CLA groups of K adjacent layers (2: CLA2)")
     which.add_argument("--last", type=int, help="the last N layers read the one before them")
     which.add_argument("--sources", help='an explicit map as JSON: \'{"3": 2, "5": 4}\'')
-    s.add_argument("--init", choices=("mean", "owner"), default="mean",
-                   help="owners start from their group's mean K/V weights (MLKV) or their own")
+    s.add_argument("--init", choices=("mean", "owner"), default="owner",
+                   help="owners start from their own K/V weights (better on the default model) "
+                        "or their group's mean (MLKV's recipe)")
     s.add_argument("--queries", action="store_true",
                    help="also train the readers' query projections")
     s.add_argument("--steps", type=int, default=300)

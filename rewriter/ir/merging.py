@@ -13,7 +13,7 @@ from torch import fx
 from rewriter.errors import PassError, VerificationError
 from rewriter.ir.core import IR
 from rewriter.ir.nodes import attention_args
-from rewriter.ir.sharing import attention_by_layer
+from rewriter.ir.sharing import attention_by_layer, readers_of
 
 # what one stored direction serves: both layers must have the same
 SAME_CACHE = ("num_kv_heads", "head_dim", "causal", "window", "merge")
@@ -49,6 +49,10 @@ def check_merging(ir: IR) -> None:
         if other is None:
             raise VerificationError(f"{where}, which has no attention (layers {layers})")
         _check_pair(where, args, attention_args(other), layers, order[node] < order[other])
+        read = readers_of(ir.graph, [layer])
+        if read:  # they would read merged directions as K and V
+            raise VerificationError(f"{where}, and layers {read[layer]} read its cache "
+                                    f"(ShareKV): MiniCache is refused with a shared cache")
         if ir.info.get("decoding") is not None:
             raise VerificationError(f"{where}: MiniCache refuses the speculative strategy "
                                     f"{ir.info['decoding'].get('strategy')!r} (a rollback "

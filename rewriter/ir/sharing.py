@@ -54,8 +54,8 @@ def readers_of(graph: fx.Graph, owners) -> dict[int, list[int]]:
 
 def check_sharing(ir: IR) -> None:
     """Each reader's owner is an attention op earlier in the graph that owns its cache,
-    has the same KV heads, head size and window, and hands the reader its own k, v and
-    rotary tables; neither side keeps a ring or a selection."""
+    has the same KV heads, head size, window, ring and Quest pages, and hands the reader
+    its own k, v and rotary tables; neither side selects TidalDecode's tokens."""
     by_layer = attention_by_layer(ir.graph)
     order = {n: i for i, n in enumerate(ir.graph.nodes)}
     for layer, node in by_layer.items():

@@ -38,13 +38,14 @@ from rewriter.passes import ShareKV
 from rewriter.passes import share_kv_weights as weights_file
 from rewriter.training.share_program import distill_loss, inputs, program
 from rewriter.training.train_share_state import checkpoint, resume
+from rewriter.values import context_length
 
 INITS = ("mean", "owner")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def train_share(traced, tokenizer, out: Union[str, os.PathLike], every: Optional[int] = None,
-                last: Optional[int] = None, sources: Optional[dict] = None, init: str = "mean",
+                last: Optional[int] = None, sources: Optional[dict] = None, init: str = "owner",
                 queries: bool = False, steps: int = 300, lr: float = 1e-3, batch: int = 4,
                 length: int = 256, rows: int = 1024, passkey: float = 0.0, seed: int = 0,
                 work_dir: Optional[Union[str, os.PathLike]] = None, eval_chunks: int = 4,
@@ -56,6 +57,11 @@ def train_share(traced, tokenizer, out: Union[str, os.PathLike], every: Optional
                    rows=rows, passkey=passkey, seed=seed, eval_chunks=eval_chunks, eval_length=eval_length,
                    dtype=dtype, save_every=save_every)
     share = ShareKV(sources=sources, every=every, last=last)  # ValueError for a bad map
+    context = context_length(traced.ir.info.get("config", {}))
+    for name, n in (("length", length), ("eval_length", eval_length)):
+        if n > context:  # positions the model never saw; the evaluation would refuse them last
+            raise ValueError(f"train_share: {name} {n} is past the model's context length "
+                             f"({context})")
     if tokenizer is None:
         raise ValueError("train_share: the model has no tokenizer; the training rows are text")
     out, work = check_paths(out, work_dir)
@@ -84,7 +90,7 @@ def train_share(traced, tokenizer, out: Union[str, os.PathLike], every: Optional
 def check_settings(*, init, queries, steps, lr, batch, length, rows, seed, eval_chunks,
                    eval_length, dtype, save_every, passkey=0.0) -> None:
     """A ``ValueError`` naming the first setting no model could train with (checked before
-    the model loads; the lengths against its context later)."""
+    the model loads; the lengths against its context when it has)."""
     if init not in INITS:
         raise ValueError(f"train_share: init must be one of {', '.join(INITS)}, got {init!r}")
     if dtype not in DTYPES:
