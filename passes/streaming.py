@@ -70,9 +70,8 @@ class StreamingAttention(Pass):
             native = args["window"]
             window = self.window if native is None else min(native, self.window)
             n.args = tuple(n.args[:3])  # q, k, v; every attribute by name from here
-            kept = {k: v for k, v in args.items()  # the defaults cos/sin=None stay unsaid
-                    if k not in ("q", "k", "v") and not (k in ("cos", "sin", "rotary", "select", "full_heads",
-                                                               "gates", "kv_source") and v is None)}
+            kept = {k: v for k, v in args.items()  # None (every optional's default) unsaid
+                    if k not in ("q", "k", "v") and v is not None}
             n.kwargs = {**kept, "window": window, "sinks": self.sinks}
             freq = rotary_frequencies(n, args) if self.positions == "cache" else None
             if freq is not None:

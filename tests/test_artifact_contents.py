@@ -198,7 +198,7 @@ def test_bad_attention_attributes_are_refused(art, index, value, problem):
 
 
 @pytest.mark.parametrize("change, problem", [
-    (lambda args: args + [None] * 9, r"takes 18 arguments, got 19"),
+    (lambda args: args + [None] * 11, r"takes 20 arguments, got 21"),
     (lambda args: args + [None, None, -1], r"sinks must be None or an integer in \[0"),
     (lambda args: args[:9] + [None, None, None, 4], r"sinks=4 needs a window"),
     (lambda args: args[:7], r"missing argument 'scale'"),
