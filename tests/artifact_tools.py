@@ -72,3 +72,15 @@ def _entry(path: Path) -> dict:
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def saved_and_loaded(opt, path, ids, new: int = 8):
+    """``opt`` saved at ``path`` and loaded back: the copy gives the same greedy tokens on
+    ``ids`` and holds the same KV bytes per token. Returns the copy."""
+    import torch
+    import rewriter
+    opt.save(path)
+    back = rewriter.load(path)
+    assert torch.equal(back.generate(ids, max_new_tokens=new), opt.generate(ids, max_new_tokens=new))
+    assert back.kv_bytes_per_token() == opt.kv_bytes_per_token()
+    return back
