@@ -27,6 +27,7 @@ from rewriter.passes.quest import Quest
 from rewriter.passes.self_speculative import SelfSpeculative
 from rewriter.passes.share_kv import ShareKV
 from rewriter.passes.streaming import StreamingAttention
+from rewriter.passes.tensor_parallel import TensorParallel
 from rewriter.passes.tidal_decode import TidalDecode
 
 PASSES = {"layer_skip": LayerSkip, "fuse_qkv": FuseQKV, "fuse_swiglu": FuseSwiGLU,
@@ -35,11 +36,11 @@ PASSES = {"layer_skip": LayerSkip, "fuse_qkv": FuseQKV, "fuse_swiglu": FuseSwiGL
           "hydra_heads": HydraHeads, "eagle_draft": EagleDraft, "prompt_lookup": PromptLookup,
           "streaming_attention": StreamingAttention,
           "tidal_decode": TidalDecode, "duo_attention": DuoAttention, "quest": Quest,
-          "share_kv": ShareKV, "minicache": MiniCache}
+          "share_kv": ShareKV, "minicache": MiniCache, "tensor_parallel": TensorParallel}
 
 __all__ = ["LayerSkip", "FuseQKV", "FuseSwiGLU", "FuseAddRMSNorm", "FuseRoPE", "Int4Weights", "SelfSpeculative", "MedusaHeads", "HydraHeads",
            "EagleDraft",
-           "PromptLookup", "StreamingAttention", "TidalDecode", "DuoAttention", "Quest", "ShareKV", "MiniCache", "PASSES",
+           "PromptLookup", "StreamingAttention", "TidalDecode", "DuoAttention", "Quest", "ShareKV", "MiniCache", "TensorParallel", "PASSES",
            "from_spec", "to_spec"]
 
 

@@ -13,11 +13,12 @@ from __future__ import annotations
 import math
 
 from rewriter.decoding import check_record
+from rewriter.ops.attributes import MAX_WORLD
 from rewriter.values import MAX_INT, depth, shown
 
 REQUIRED = ("family", "causal_lm", "config", "inputs", "lift_report", "layers", "passes")
 OPTIONAL = ("fusions", "skipped_layers", "unlifted_attention", "unlifted_embeddings", "int4",
-            "decoding", "medusa", "measured_on")
+            "decoding", "medusa", "measured_on", "tensor_parallel")
 DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16",
           "float32", "float64")
 MAX_CONFIG_DEPTH = 32  # Hugging Face configs nest 3 or 4 deep (text_config, rope_parameters)
@@ -133,6 +134,9 @@ _CHECKS = {
     "medusa": _why(lambda v: isinstance(v, dict) and _config(v), "an object (how the heads were made)"),
     "measured_on": _why(measured_on_ok, "an object {backend, device, machine, passes} of strings "
                         "(passes: a list)"),
+    "tensor_parallel": _why(lambda v: isinstance(v, dict) and set(v) == {"world_size"}
+                            and _is_int(v["world_size"], 2) and v["world_size"] <= MAX_WORLD,
+                            f"an object {{world_size}}, an integer in [2, {MAX_WORLD}]"),
     "int4": _why(_int4_record, "an object {linears, group_size, max_abs_error, max_abs_weight}"),
 }
 

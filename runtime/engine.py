@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from rewriter.ir.core import IR
+from rewriter.ir.shard import shard
 
 from . import artifact
 from .chat import Messages, TextConfig, answer_text, chat_prompt, split_tokenizer
@@ -33,6 +34,7 @@ from .generate import Batch, prepare, score_loop
 from .inputs import check_length, check_positions, check_prefix, check_token_ids, token_count
 from .kv_cache import KVCache, cache_table, read_bytes, unbounded_length
 from .lower import program_code
+from .collectives import check_same_program, this_rank, world
 from .programs import build_programs, kernel_files, lowering_key
 from .replay import Replays
 from .settings import PREFILL_CHUNK, GenerationSettings, token_ids
@@ -78,6 +80,9 @@ class Engine:
         # cache and the programs they hold stay the same (a weight written or replaced
         # since lowering makes new programs and drops them: ``_lowered``).
         self.replays = Replays()
+        # This rank's shard of a split model, with the lowering key of the IR it was cut
+        # from (``_program_ir``).
+        self._shard = None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -201,7 +206,7 @@ class Engine:
         batch = prepare(input_ids, attention_mask, settings.pad_token_id, device)
         need = self._check(batch.ids, settings.max_new_tokens)
         programs = self._lowered()  # before the cache: an IR it refuses gets none
-        strategy = strategy_for(self.ir)  # (runtime.decoding)
+        strategy = strategy_for(self._program_ir())  # (runtime.decoding)
         cache = self._cache_for(batch.ids.shape[0], need + strategy.cache_slack())
         cuda = device.type == "cuda"
         # a merged cache (MiniCache) decodes from host starts: not replayed by default
@@ -220,7 +225,10 @@ class Engine:
         if not strategy.speculative:
             return g.leased(strategy.tokens(g, self.trees))
         guard = self.guards.setdefault((batch.ids.shape[0], strategy.record), SpeedGuard())
-        arm = guard.choose(settings.max_new_tokens) if self.fallback else ROUNDS
+        # ranks timing their own steps could choose apart and wait on each other: a split
+        # model keeps the strategy's rounds (``runtime.collectives``)
+        timed = self.fallback and world(self.ir) is None
+        arm = guard.choose(settings.max_new_tokens) if timed else ROUNDS
         steps = strategy.tokens(g, self.trees) if arm == ROUNDS else None
         if steps is None:  # the guard's choice, or the strategy's own (no rounds pay here)
             arm = PLAIN
@@ -266,8 +274,9 @@ class Engine:
         if self._programs is None or self._programs_key != key:
             self._programs = None  # a failed lowering leaves none behind
             self.replays.clear()  # they call the old programs
-            self._programs = build_programs(self.ir, self.backend, self.trusted_kernels,
-                                            strategy_for(self.ir))
+            run = self._program_ir()
+            self._programs = build_programs(run, self.backend, self.trusted_kernels,
+                                            strategy_for(run))
             self._programs_key = key
         return self._programs
 
@@ -276,7 +285,7 @@ class Engine:
         the KV cache, which a copy makes afresh on first use (lowered programs may hold
         packed weights, ``runtime.packed_linear``, which cannot be copied)."""
         state = dict(self.__dict__)
-        state.update(_programs=None, _programs_key=None, _cache=None, replays=None)
+        state.update(_programs=None, _programs_key=None, _cache=None, replays=None, _shard=None)
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -287,11 +296,18 @@ class Engine:
         """Lower the step programs now, so that their errors surface here (``optimize`` and
         ``load`` call it). An IR the cache cannot run still gives logits when called; its
         ``generate`` raises the reason."""
-        if self.ir.is_causal_lm:
-            try:
+        if not self.ir.is_causal_lm:
+            return
+        try:
+            if world(self.ir) is not None and not _distributed():
+                # the ranks run elsewhere: each rank's programs are built here and dropped
+                for rank in range(world(self.ir)):
+                    piece = shard(self.ir, rank)
+                    build_programs(piece, self.backend, self.trusted_kernels, strategy_for(piece))
+            else:
                 self._lowered()
-            except UncacheableError:
-                pass
+        except UncacheableError:
+            pass
 
     def programs(self) -> dict[str, str]:
         """Name -> the Python code of each step program the runtime runs (``prefill``,
@@ -308,11 +324,25 @@ class Engine:
             self._cache = None  # free the old one before allocating
             self.replays.bind(None)  # they hold it too
             length = min(self.max_len, -(-need // 256) * 256)
-            if need > length and unbounded_length(self.ir.gm):  # past the context: rings only
+            run = self._program_ir()  # a rank of a split model caches its own heads
+            if need > length and unbounded_length(run.gm):  # past the context: rings only
                 length = -(-need // 256) * 256
-            self._cache = KVCache(cache_table(self.ir.gm), batch, length, dtype, device)
+            self._cache = KVCache(cache_table(run.gm), batch, length, dtype, device)
             self.replays.bind(self._cache)
         return self._cache
+
+    def _program_ir(self) -> IR:
+        """The IR the step programs run: this rank's shard of a model ``TensorParallel``
+        split (``rewriter.ir.shard``, made again when the whole IR changes, after checking
+        every rank holds the same IR), else the IR itself."""
+        if world(self.ir) is None:
+            return self.ir
+        key = lowering_key(self.ir)
+        if getattr(self, "_shard", None) is None or self._shard[0] != key:
+            rank = this_rank(self.ir)
+            check_same_program(str(self.ir))
+            self._shard = (key, shard(self.ir, rank))
+        return self._shard[1]
 
     def _first_weight(self) -> Tensor:
         """The largest floating-point weight: its dtype and device are the model's (small
@@ -329,3 +359,7 @@ class Engine:
     def __repr__(self) -> str:
         return f"Engine({self.ir.summary()}, passes={[p['name'] for p in self.pass_specs]})"
 
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_initialized()

@@ -27,6 +27,7 @@ from rewriter.maths.int4 import dequantize
 from rewriter.ops import OPS, op_arguments
 
 from .attention import cached_attention
+from .collectives import with_collectives
 from .kernels import KERNELS, int4_cpu_ok, int4_cpu_tables, linear_int4_cpu, linear_t
 from .kv_cache import CacheSpec, attention_params, cache_spec
 from . import memory, packed_linear
@@ -49,6 +50,7 @@ def lower(ir: IR, last_only: bool, backend: str = "torch",
     ``kernel_sources`` (name -> source) replaces generated kernels' sources: an artifact's
     stored kernels, used only when its loader said ``trust_code=True``."""
     table, attention = kernel_table(backend)
+    table = with_collectives(ir, table)  # a rank's sums over ranks
     if not ir.is_causal_lm:
         raise RewriterError("the KV-cache runtime runs causal language models only; "
                             "call the optimized module directly instead")

@@ -16,7 +16,7 @@ resolve op names through it, never through ``eval``.
 The modules: ``registry`` (the tables, ``_register``, ``ShapeError``), ``dense``
 (embedding, projections, activations), ``norms``, ``positions`` (RoPE), ``attend`` (the
 attention op and its masks), ``selection`` (TidalDecode's and Quest's selections), ``eagle``
-(the EAGLE draft layer) and ``attributes`` (the rules for every op's non-tensor arguments).
+(the EAGLE draft layer), ``collective`` (tensor parallelism's sums) and ``attributes`` (the rules for every op's non-tensor arguments).
 No module is named after an op, so ``rewriter.ops.<op>`` is always the op. Importing this
 package registers every op.
 """
@@ -29,6 +29,7 @@ from rewriter.ops.attend import (attention, attention_mask, default_scale, selec
 from rewriter.ops.selection import (page_scores, pages_to_tokens, select_pages, select_tokens,
                                     top_tokens, with_recent)
 from rewriter.ops.eagle import EAGLE_WEIGHTS, eagle_layer
+from rewriter.ops.collective import all_reduce, all_reduce_add_rms_norm
 from rewriter.ops.attributes import (ATTRIBUTES, CONTEXT_BOUNDED, check_arguments,
                                      check_context, op_arguments)
 
@@ -38,6 +39,6 @@ __all__ = [
     "rms_norm", "layer_norm", "add_rms_norm", "rotary", "rope",
     "attention", "attention_mask", "selected_mask", "sink_attention", "default_scale",
     "select_tokens", "select_pages", "with_recent", "page_scores", "pages_to_tokens",
-    "top_tokens", "EAGLE_WEIGHTS", "eagle_layer",
+    "top_tokens", "EAGLE_WEIGHTS", "eagle_layer", "all_reduce", "all_reduce_add_rms_norm",
     "ATTRIBUTES", "CONTEXT_BOUNDED", "check_context", "op_arguments", "check_arguments",
 ]

@@ -15,6 +15,9 @@ from rewriter.ops.registry import OPS
 from rewriter.values import MAX_INT, within_context
 
 
+MAX_WORLD = 1024  # ranks of one tensor-parallel model: more is a mistake, not a cluster
+
+
 def _int(low: int, high: int = MAX_INT):
     def check(v):
         if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
@@ -70,6 +73,9 @@ ATTRIBUTES: dict[str, dict[str, callable]] = {
     "rms_norm": {"eps": _finite_positive},
     "layer_norm": {"eps": _finite_positive},
     "add_rms_norm": {"eps": _finite_positive},
+    "all_reduce": {"world_size": _int(2, MAX_WORLD)},
+    "all_reduce_add_rms_norm": {"eps": _finite_positive, "world_size": _int(2, MAX_WORLD),
+                                "two_shot_tokens": _int(1)},
     "gelu": {"approximate": _one_of("none", "tanh")},
     "rotary": {"scaling": _finite_positive},
     "rope": {"head_dim": _int(1)},

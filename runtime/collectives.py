@@ -1,0 +1,137 @@
+"""The sums over ranks of a tensor-parallel model, on ``torch.distributed``.
+
+``rw.all_reduce`` lowers to the functional all-reduce (``_c10d_functional``, the ops
+``torch.compile`` and DTensor emit: a pure graph, a result to wait on), and
+``rw.all_reduce_add_rms_norm`` to one of two forms, chosen per call from shapes alone, so
+every rank chooses alike without a word between them:
+
+- *reference*: all-reduce, then the backend's fused add + RMSNorm on every token;
+- *two-shot* (from ``two_shot_tokens`` tokens up, and at least one token per rank):
+  reduce-scatter over tokens, add + RMSNorm of this rank's share of the tokens, all-gather
+  of the normed rows and the new residual (TensorRT-LLM's two-shot kernel, vLLM's
+  sequence-parallel rewrite, TokenWeave's split, here on plain collectives).
+
+The ranks are the default process group's (``torch.distributed.init_process_group``, which
+``rewriter run --tp`` calls with a timeout); its size must be the model's ``world_size``.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch import Tensor
+
+from rewriter.errors import RewriterError
+from rewriter.ir.core import IR
+
+_C10D = torch.ops._c10d_functional
+
+
+def world(ir: IR) -> int | None:
+    """The ranks ``ir`` is split over (``TensorParallel``), or None."""
+    tp = ir.info.get("tensor_parallel")
+    return tp["world_size"] if tp else None
+
+
+def this_rank(ir: IR) -> int:
+    """This process's rank in the default group, checked against the ranks ``ir`` is split
+    for: a model split for 2 run by 1 or 4 processes is refused by name."""
+    size = world(ir)
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RewriterError(
+            f"this model is split over {size} ranks (TensorParallel(world_size={size})): "
+            f"run it in {size} processes, e.g. `rewriter run ARTIFACT --tp {size}` or "
+            f"`torchrun --nproc-per-node {size} ...` with torch.distributed.init_process_group "
+            f"called first")
+    if dist.get_world_size() != size:
+        raise RewriterError(f"this model is split over {size} ranks, but the process group "
+                            f"has {dist.get_world_size()}")
+    return dist.get_rank()
+
+
+def with_collectives(ir: IR, table: dict) -> dict:
+    """``table`` (op name -> kernel) with the sums over ranks of a rank's IR as collectives;
+    a whole IR (the pass's result, not one rank's shard) cannot be lowered."""
+    tp = ir.info.get("tensor_parallel")
+    if tp is None:
+        return table
+    if "rank" not in tp:
+        raise RewriterError(f"this IR holds whole weights for {tp['world_size']} ranks; each "
+                            f"rank lowers its own shard (rewriter.ir.shard.shard)")
+    add_norm = table["add_rms_norm"]
+
+    def fused(x, residual, weight, eps, world_size, two_shot_tokens):
+        return all_reduce_add_rms_norm(x, residual, weight, eps, world_size, two_shot_tokens,
+                                       tp["rank"], add_norm)
+    return {**table, "all_reduce": all_reduce, "all_reduce_add_rms_norm": fused}
+
+
+def _group() -> str:
+    import torch.distributed as dist
+    return dist.group.WORLD.group_name
+
+
+def all_reduce(x: Tensor, world_size: int) -> Tensor:
+    """The sum of ``x`` over the ranks."""
+    return _C10D.wait_tensor(_C10D.all_reduce(x.contiguous(), "sum", _group()))
+
+
+def two_shot(tokens: int, world_size: int, two_shot_tokens: int) -> bool:
+    """The rule every rank applies to the same shapes: two-shot from ``two_shot_tokens``
+    tokens, when every rank gets at least one."""
+    return tokens >= two_shot_tokens and tokens >= world_size
+
+
+def all_reduce_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                            world_size: int, two_shot_tokens: int, rank: int,
+                            add_norm) -> tuple[Tensor, Tensor]:
+    """``add_norm(sum over ranks of x, residual, weight, eps)`` -> (normed, new residual),
+    in the form ``two_shot`` picks."""
+    hidden = x.shape[-1]
+    tokens = x.numel() // hidden
+    if not two_shot(tokens, world_size, two_shot_tokens):
+        return add_norm(all_reduce(x, world_size), residual, weight, eps)
+    share = -(-tokens // world_size)  # rows per rank, the last padded
+    pad = share * world_size - tokens
+    rows = x.reshape(tokens, hidden)  # [T, H]
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros(pad, hidden)])  # [T + pad, H]
+    mine = _C10D.wait_tensor(_C10D.reduce_scatter_tensor(rows.contiguous(), "sum", world_size,
+                                                         _group()))  # [share, H]
+    start = rank * share
+    res = residual.reshape(tokens, hidden)[start:start + share]  # [<= share, H]
+    if res.shape[0] < share:
+        res = torch.cat([res, res.new_zeros(share - res.shape[0], hidden)])
+    normed, total = add_norm(mine, res, weight, eps)  # [share, H] each
+    if normed.dtype == total.dtype:  # one gather of [normed | total]
+        both = _gather(torch.cat([normed, total], dim=-1), world_size)[:tokens]  # [T, 2H]
+        normed, total = both[:, :hidden], both[:, hidden:]
+    else:
+        normed, total = (_gather(t, world_size)[:tokens] for t in (normed, total))
+    return normed.reshape(x.shape), total.reshape(x.shape)
+
+
+def _gather(t: Tensor, world_size: int) -> Tensor:
+    return _C10D.wait_tensor(_C10D.all_gather_into_tensor(t.contiguous(), world_size, _group()))
+
+
+def check_same_program(text: str) -> None:
+    """Every rank runs the same IR, or none runs: ranks that lowered different programs
+    (a pass that chose by timing, run on each rank) would wait on each other's collectives
+    until the timeout. One all-gather of a digest, at lowering."""
+    import torch.distributed as dist
+    digest = torch.tensor(list(hashlib.sha256(text.encode()).digest()), dtype=torch.uint8)
+    device = _device()
+    gathered = _gather(digest.to(device), dist.get_world_size()).view(-1, digest.numel())
+    differ = [r for r in range(gathered.shape[0]) if not torch.equal(gathered[r], gathered[0])]
+    if differ:
+        raise RewriterError(f"ranks {differ} hold a different IR than rank 0: every rank must "
+                            f"run the same optimized model (load one artifact on every rank)")
+
+
+def _device() -> torch.device:
+    import torch.distributed as dist
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

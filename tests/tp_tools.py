@@ -1,0 +1,29 @@
+"""Launching the tensor-parallel tests' ranks: ``torch.distributed.run`` starts
+``tp_worker.py`` in two processes (gloo on 127.0.0.1), bounded by a timeout, and their
+results come back per rank."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from safetensors.torch import load_file
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LAUNCH_TIMEOUT = 600  # seconds: two ranks on a busy 2-core machine, far past a normal run
+
+
+def launch(tmp_path, names: list[str], world: int = 2, timeout: int = LAUNCH_TIMEOUT,
+           extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``tp_worker.py`` on ``world`` ranks for the scenarios ``names``; ends by itself."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}
+    env.pop("PYTEST_XDIST_WORKER_COUNT", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={world}", "--max-restarts=0", "--monitor-interval=0.1",
+           os.path.join(HERE, "tp_worker.py"), str(tmp_path), *names]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
+                          cwd=HERE)
+
+
+def rank_results(tmp_path, world: int = 2) -> list[dict]:
+    return [load_file(os.path.join(tmp_path, f"rank{r}.safetensors")) for r in range(world)]

@@ -1,0 +1,35 @@
+"""One rank of the tensor-parallel tests: launched by ``torch.distributed.run`` (two
+processes, gloo on 127.0.0.1, see ``tp_tools.launch``), it builds each scenario's model
+as the test process does, runs it split over the ranks, and writes what it got (greedy
+tokens, the runtime's log-probabilities) to ``OUT/rank<r>.safetensors``.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/tp_worker.py OUT s1 s2 ...
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+torch.set_num_threads(1)  # two ranks share the machine's cores
+
+
+def main(out: str, names: list[str]) -> None:
+    import tp_scenarios
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    results = {}
+    for name in names:
+        results.update({f"{name}.{k}": v for k, v in tp_scenarios.run_split(name).items()})
+    from safetensors.torch import save_file
+    save_file({k: v.contiguous() for k, v in results.items()},
+              os.path.join(out, f"rank{rank}.safetensors"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
