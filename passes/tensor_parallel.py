@@ -24,7 +24,7 @@ from rewriter.errors import PassError
 from rewriter.ir.core import IR
 from rewriter.ir.nodes import call, mark
 from rewriter.ir.pass_manager import Pass
-from rewriter.ir.shard import plan, row_projections, summed
+from rewriter.ir.shard import plan, row_projections
 from rewriter.ops.attributes import MAX_WORLD
 from rewriter.values import is_int
 
