@@ -16,6 +16,7 @@ from rewriter.passes.draft_heads import HydraHeads, MedusaHeads
 from rewriter.passes.duo_attention import DuoAttention
 from rewriter.passes.eagle_draft import EagleDraft
 from rewriter.passes.fuse_add_rms_norm import FuseAddRMSNorm
+from rewriter.passes.fuse_all_reduce_rms_norm import FuseAllReduceRMSNorm
 from rewriter.passes.fuse_qkv import FuseQKV
 from rewriter.passes.fuse_rope import FuseRoPE
 from rewriter.passes.fuse_swiglu import FuseSwiGLU
@@ -36,11 +37,13 @@ PASSES = {"layer_skip": LayerSkip, "fuse_qkv": FuseQKV, "fuse_swiglu": FuseSwiGL
           "hydra_heads": HydraHeads, "eagle_draft": EagleDraft, "prompt_lookup": PromptLookup,
           "streaming_attention": StreamingAttention,
           "tidal_decode": TidalDecode, "duo_attention": DuoAttention, "quest": Quest,
-          "share_kv": ShareKV, "minicache": MiniCache, "tensor_parallel": TensorParallel}
+          "share_kv": ShareKV, "minicache": MiniCache, "tensor_parallel": TensorParallel,
+          "fuse_all_reduce_rms_norm": FuseAllReduceRMSNorm}
 
 __all__ = ["LayerSkip", "FuseQKV", "FuseSwiGLU", "FuseAddRMSNorm", "FuseRoPE", "Int4Weights", "SelfSpeculative", "MedusaHeads", "HydraHeads",
            "EagleDraft",
-           "PromptLookup", "StreamingAttention", "TidalDecode", "DuoAttention", "Quest", "ShareKV", "MiniCache", "TensorParallel", "PASSES",
+           "PromptLookup", "StreamingAttention", "TidalDecode", "DuoAttention", "Quest", "ShareKV", "MiniCache", "TensorParallel",
+           "FuseAllReduceRMSNorm", "PASSES",
            "from_spec", "to_spec"]
 
 

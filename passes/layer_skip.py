@@ -13,6 +13,7 @@ from typing import Sequence
 
 from rewriter.errors import PassError
 from rewriter.ir.sharing import readers_of
+from rewriter.ir.skip import layer_joining_fusion
 from rewriter.ir.core import IR
 from rewriter.ops import OPS
 from rewriter.ir.pass_manager import Pass
@@ -58,8 +59,9 @@ class LayerSkip(Pass):
         if not ir.layers:
             raise PassError(f"{self!r} needs decoder layers, and the frontend found none in "
                             f"this {ir.info.get('family', 'model')}")
-        if ir.info.get("fusions", {}).get("FuseAddRMSNorm"):
-            raise PassError(f"{self!r} must run before FuseAddRMSNorm: a fused add + norm "
+        joined = layer_joining_fusion(ir)
+        if joined:
+            raise PassError(f"{self!r} must run before {joined}: a fused add + norm "
                             f"joins two layers, so neither can be skipped alone")
         if any(ir.graph.find_nodes(op="call_function", target=OPS["select_tokens"])):
             raise PassError(f"{self!r} must run before TidalDecode: a skipped layer may be the "

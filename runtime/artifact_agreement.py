@@ -201,6 +201,7 @@ def _check_attention(ir: IR, where) -> None:
 
 
 _EPS = {"rms_norm": ("rms_norm_eps",), "add_rms_norm": ("rms_norm_eps",),
+        "all_reduce_add_rms_norm": ("rms_norm_eps",),
         "layer_norm": ("layer_norm_epsilon", "layer_norm_eps")}
 
 

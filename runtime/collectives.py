@@ -11,6 +11,12 @@ every rank chooses alike without a word between them:
   of the normed rows and the new residual (TensorRT-LLM's two-shot kernel, vLLM's
   sequence-parallel rewrite, TokenWeave's split, here on plain collectives).
 
+``two_shot_tokens=None`` leaves the threshold to the device the ranks run on
+(``TWO_SHOT_FROM``): on CUDA two-shot above 128 tokens (TensorRT-LLM's rule), on CPUs never
+(with gloo the two-shot form took 1.5-3.8x the reference's time at 8-2048 tokens of width
+576: two collectives cost more than the add + norm they save; docs/tensor_parallel.md).
+The ranks of a group run on one kind of device, so every rank reads the same entry.
+
 The ranks are the default process group's (``torch.distributed.init_process_group``, which
 ``rewriter run --tp`` calls with a timeout); its size must be the model's ``world_size``.
 """
@@ -77,20 +83,30 @@ def all_reduce(x: Tensor, world_size: int) -> Tensor:
     return _C10D.wait_tensor(_C10D.all_reduce(x.contiguous(), "sum", _group()))
 
 
-def two_shot(tokens: int, world_size: int, two_shot_tokens: int) -> bool:
+# device type -> the fewest tokens the two-shot form runs on when the IR leaves it open
+# (``two_shot_tokens=None``); a device not listed never runs it. CUDA: TensorRT-LLM's
+# ``kOneShotMaxToken = 128`` (one-shot up to 128 tokens, two-shot above).
+TWO_SHOT_FROM = {"cuda": 129}
+
+
+def two_shot(tokens: int, world_size: int, two_shot_tokens: int | None, device_type: str) -> bool:
     """The rule every rank applies to the same shapes: two-shot from ``two_shot_tokens``
-    tokens, when every rank gets at least one."""
-    return tokens >= two_shot_tokens and tokens >= world_size
+    tokens (None: from ``TWO_SHOT_FROM[device_type]``, or never), when every rank gets at
+    least one."""
+    least = TWO_SHOT_FROM.get(device_type) if two_shot_tokens is None else two_shot_tokens
+    return least is not None and tokens >= least and tokens >= world_size
 
 
 def all_reduce_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
-                            world_size: int, two_shot_tokens: int, rank: int,
+                            world_size: int, two_shot_tokens: int | None, rank: int,
                             add_norm) -> tuple[Tensor, Tensor]:
     """``add_norm(sum over ranks of x, residual, weight, eps)`` -> (normed, new residual),
-    in the form ``two_shot`` picks."""
+    in the form ``two_shot`` picks. Tokens are every row of ``x`` (batch and sequence
+    flattened); a count that does not divide by the ranks is padded with zero rows, whose
+    norm is 0 (eps > 0), and cut off after the gather."""
     hidden = x.shape[-1]
     tokens = x.numel() // hidden
-    if not two_shot(tokens, world_size, two_shot_tokens):
+    if not two_shot(tokens, world_size, two_shot_tokens, x.device.type):
         return add_norm(all_reduce(x, world_size), residual, weight, eps)
     share = -(-tokens // world_size)  # rows per rank, the last padded
     pad = share * world_size - tokens

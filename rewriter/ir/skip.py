@@ -81,8 +81,16 @@ def check_skip_set(ir: IR, layers, attention, mlp, empty_ok: bool = False) -> No
         raise PassError("the skip set is empty: the draft would be the model itself")
     if len(whole) == len(present):
         raise PassError("the skip set skips every layer: the draft would not use the model")
-    if (layers or attention or mlp) and ir.info.get("fusions", {}).get("FuseAddRMSNorm"):
-        raise PassError("run it before FuseAddRMSNorm: a fused add + norm joins two layers, "
-                        "so neither can be skipped alone")
+    joined = layer_joining_fusion(ir)
+    if (layers or attention or mlp) and joined:
+        raise PassError(f"run it before {joined}: a fused add + norm joins two layers, "
+                        f"so neither can be skipped alone")
     for i in sorted(set(attention) | set(mlp)):
         residual_adds(ir, i)
+
+
+def layer_joining_fusion(ir: IR) -> str | None:
+    """The name of a fusion that ran on ``ir`` and made ops that belong to two layers (an
+    add + norm across a layer border, alone or with the sum over ranks before it)."""
+    done = ir.info.get("fusions", {})
+    return next((p for p in ("FuseAddRMSNorm", "FuseAllReduceRMSNorm") if done.get(p)), None)

@@ -75,7 +75,7 @@ ATTRIBUTES: dict[str, dict[str, callable]] = {
     "add_rms_norm": {"eps": _finite_positive},
     "all_reduce": {"world_size": _int(2, MAX_WORLD)},
     "all_reduce_add_rms_norm": {"eps": _finite_positive, "world_size": _int(2, MAX_WORLD),
-                                "two_shot_tokens": _int(1)},
+                                "two_shot_tokens": _optional(_int(1))},
     "gelu": {"approximate": _one_of("none", "tanh")},
     "rotary": {"scaling": _finite_positive},
     "rope": {"head_dim": _int(1)},

@@ -10,6 +10,8 @@ collectives over the ranks (``runtime.collectives``).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from torch import Tensor
 
 from rewriter.ops.norms import _add_rms_norm_fake
@@ -29,9 +31,10 @@ def _fused_fake(x, residual, weight, eps, world_size, two_shot_tokens):
 
 @_register(fake=_fused_fake)
 def all_reduce_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
-                            world_size: int, two_shot_tokens: int) -> tuple[Tensor, Tensor]:
+                            world_size: int, two_shot_tokens: Optional[int]) -> tuple[Tensor, Tensor]:
     """``add_rms_norm(all_reduce(x), residual, weight, eps)``: the sum over ranks, the
     residual add and the norm after it as one op (``FuseAllReduceRMSNorm``). Ranks run it
     as all-reduce then add+norm, or from ``two_shot_tokens`` tokens up as reduce-scatter
-    over tokens, add+norm of this rank's tokens, all-gather (``runtime.collectives``)."""
+    over tokens, add+norm of this rank's tokens, all-gather (``runtime.collectives``);
+    ``None`` leaves the threshold to the rule for the device the ranks run on."""
     return REFERENCE["add_rms_norm"](x, residual, weight, eps)
