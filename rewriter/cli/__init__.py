@@ -3,6 +3,7 @@
     rewriter optimize <hf-checkpoint-dir | model.gguf | smollm2 | default> --pass layer_skip:speedup=1.5 --out DIR
     rewriter run DIR --prompt "..." --max-new-tokens 64
     rewriter run smollm2 --chat "What is the capital of France?"
+    rewriter run DIR --tp 2 --prompt "..."        # a TensorParallel split, on 2 ranks
     rewriter ir DIR
     rewriter info DIR
 
@@ -25,6 +26,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = parser().parse_args(argv)
     except UsageError as e:
         return _fail(str(e))
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what --tp's ranks run again
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # our own bars cover loading; one bar at a time
     from rewriter.errors import RewriterError
@@ -34,13 +36,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return status
     except BrokenPipeError:
         return _closed_stdout()
-    except (RewriterError, ValueError) as e:
-        return _fail(str(e))
-    except OSError as e:  # files the user named: missing, unwritable, under a regular file
-        return _fail(_os_error_text(e))
+    except (RewriterError, ValueError, OSError) as e:
+        return _fail(error_text(e))
     except KeyboardInterrupt:
         print("rewriter: interrupted", file=sys.stderr)
         return 130
+
+
+def error_text(e: BaseException):
+    """What ``rewriter: error:`` says of ``e``, or None for an exception that is a bug."""
+    from rewriter.errors import RewriterError
+    if isinstance(e, (RewriterError, ValueError)):
+        return str(e)
+    if isinstance(e, OSError):  # files the user named: missing, unwritable, under a regular file
+        return _os_error_text(e)
+    return None
 
 
 def _fail(message: str) -> int:

@@ -30,12 +30,28 @@ def cmd_optimize(args) -> int:
 
 
 def cmd_run(args) -> int:
+    from rewriter.cli import tensor_parallel as tp
+    from rewriter.runtime.process_group import launched
     from rewriter.runtime.settings import GenerationSettings
     kw = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
               prefill_chunk=args.prefill_chunk)
     GenerationSettings(**kw)  # bad parameters fail before the model loads
     ids = _parse_ids(args.ids) if args.ids is not None else None
+    if args.tp > 1 and args.model not in NAMED_MODELS and not Path(args.model).exists():
+        raise FileNotFoundError(f"{args.model}: no such artifact or checkpoint")  # before ranks
+    tp.check_split(args.model, args.tp, args.do_sample, args.seed is not None)
+    if args.tp == 1:
+        _generate(args, kw, ids, sys.stdout)
+        return 0
+    if not launched():  # start the ranks; each runs this command again, as a rank
+        tp.launch(args.tp, tp.rank_argv(args.argv))
+        return 0
+    return tp.run_rank(args, lambda out: _generate(args, kw, ids, out))
+
+
+def _generate(args, kw: dict, ids: Optional[list[int]], out) -> list[int]:
+    """Generate as ``args`` say, written to ``out``; the new tokens."""
     engine = _engine(args.model, args.trust_code, args.backend, args.dtype)
     tok = engine.tokenizer
     echo = args.chat is None  # a chat prints the answer only, not the templated prompt
@@ -47,22 +63,23 @@ def cmd_run(args) -> int:
             raise ValueError(f"{args.model} has no tokenizer; give --ids instead of --prompt")
         ids = tok.encode(utf8_text("--prompt", args.prompt)).ids
     if args.no_stream:
-        out = engine.generate([ids], progress=bars(), **kw)[0, len(ids):].tolist()
-        print((_text(tok, ids) if echo else "") + _text(tok, out))
-        return 0
+        shown = bars() and out is sys.stdout
+        new = engine.generate([ids], progress=shown, **kw)[0, len(ids):].tolist()
+        out.write((_text(tok, ids) if echo else "") + _text(tok, new) + "\n")
+        return new
     steps = engine.stream([ids], **kw)  # checks the prompt and settings: nothing printed yet
     if echo:
-        sys.stdout.write(_text(tok, ids))
+        out.write(_text(tok, ids))
     new: list[int] = []
     shown = ""
     for token in steps:
         new.append(int(token[0]))
         text = _text(tok, new)  # decode the whole tail: byte-level pieces join up later
-        sys.stdout.write(text[len(shown):] if text.startswith(shown) else text)
-        sys.stdout.flush()
+        out.write(text[len(shown):] if text.startswith(shown) else text)
+        out.flush()
         shown = text
-    sys.stdout.write("\n")
-    return 0
+    out.write("\n")
+    return new
 
 
 def cmd_ir(args) -> int:

