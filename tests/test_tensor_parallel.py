@@ -91,3 +91,13 @@ def test_two_ranks_on_gloo_match_one_process(tmp_path):
             torch.testing.assert_close(r[f"{name}.logprobs"], whole["logprobs"], rtol=1e-5,
                                        atol=1e-5, msg=name)
         assert torch.equal(ranks[0][f"{name}.logprobs"], ranks[1][f"{name}.logprobs"]), name
+
+
+def test_info_names_the_ranks_a_split_artifact_runs_on(tmp_path):
+    import subprocess
+    import sys
+    opt = rewriter.optimize(make_model("llama-gqa-3l"), passes=[TensorParallel(2)])
+    opt.save(tmp_path / "tp2")
+    out = subprocess.run([sys.executable, "-m", "rewriter", "info", str(tmp_path / "tp2")],
+                         capture_output=True, text=True, timeout=300).stdout
+    assert f"split over 2 ranks: rewriter run {tmp_path / 'tp2'} --tp 2" in out

@@ -102,6 +102,7 @@ def cmd_info(args) -> int:
             ["backend", m["backend"]],
             *_measured_row(m.get("measured_on")),
             *_sharing_row(m.get("kv_sharing")),
+            *_split_row(args.model),
             ["tokenizer", m["tokenizer"] or "none"],
             ["format", f"{m['format']} v{m['format_version']}, created {m['created']}"],
             ["versions", ", ".join(f"{k} {v}" for k, v in m["versions"].items() if v)]]
@@ -117,6 +118,17 @@ def _measured_row(where: Optional[dict]) -> list:
         return []
     return [["measured on", f"{where['backend']} backend, {where['device']} ({where['machine']}) "
                             f"by {', '.join(where['passes'])}"]]
+
+
+def _split_row(model: str) -> list:
+    """The row saying how many ranks a split artifact (TensorParallel) runs on."""
+    from rewriter.cli.tensor_parallel import split_of
+    world = split_of(model)
+    if world is None:
+        return []
+    if world == -1:
+        return [["tensor parallel", "a TensorParallel pass without a world_size"]]
+    return [["tensor parallel", f"split over {world} ranks: rewriter run {model} --tp {world}"]]
 
 
 def _sharing_row(sharing: Optional[dict]) -> list:
