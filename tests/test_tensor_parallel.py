@@ -11,7 +11,7 @@ from rewriter.ir.shard import ShardError, shard, split_units
 from rewriter.passes import TensorParallel, from_spec
 
 from conftest import assert_close_rel, hf_logits, make_model
-from tp_scenarios import SCENARIOS, run_whole
+from tp_scenarios import run_whole
 from tp_tools import launch, rank_results
 
 
@@ -80,7 +80,7 @@ def test_split_model_without_ranks_says_how_to_run_it():
 def test_two_ranks_on_gloo_match_one_process(tmp_path):
     """Two processes on 127.0.0.1: the same greedy tokens on every rank and as one process,
     log-probabilities within float32 rounding (sums in another order)."""
-    names = list(SCENARIOS)
+    names = ["llama", "uneven", "qwen2", "gpt2"]  # the split alone; other files test the rest
     done = launch(tmp_path, names)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     ranks = rank_results(tmp_path)
