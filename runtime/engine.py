@@ -122,7 +122,11 @@ class Engine:
     def kv_bytes_per_token(self, tokens: Optional[int] = None) -> int:
         """KV-cache bytes per token of one sequence of ``tokens`` tokens (default: the
         context length), all caches, K and V: what is allocated, so a sink + window ring
-        counts its slots, not the sequence's length."""
+        counts its slots, not the sequence's length. A model that ``TensorParallel``
+        splits reports the whole model's, every rank's share together (comparable with
+        the model unsplit, and known in one process); each rank holds its own KV heads'
+        share (``cache_table(shard(ir, rank).gm)``, ``rewriter.ir.shard``). So does
+        ``kv_read_bytes``."""
         tokens = token_count("kv_bytes_per_token", self.max_len if tokens is None else tokens)
         dtype = self._dtype()
         return sum(s.bytes_for(tokens, dtype) for s in cache_table(self.ir.gm).values()) // tokens

@@ -80,7 +80,7 @@ def test_split_model_without_ranks_says_how_to_run_it():
 def test_two_ranks_on_gloo_match_one_process(tmp_path):
     """Two processes on 127.0.0.1: the same greedy tokens on every rank and as one process,
     log-probabilities within float32 rounding (sums in another order)."""
-    names = ["llama", "uneven", "qwen2", "gpt2"]
+    names = ["llama", "uneven", "qwen2", "gpt2"]  # the split alone; other files test the rest
     done = launch(tmp_path, names)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     ranks = rank_results(tmp_path)

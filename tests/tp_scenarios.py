@@ -3,6 +3,9 @@ built alike by the test process (whole, on one process) and by each rank
 (``tp_worker.py``, split), so the two can be compared."""
 from __future__ import annotations
 
+import os
+import tempfile
+
 import torch
 
 import conftest
@@ -48,6 +51,96 @@ SCENARIOS.update({
 # passes that need the split: the one-process run leaves them out with it
 SPLIT_ONLY = ("tensor_parallel", _FUSE)
 
+# ---- composition: TensorParallel with every other pass (tests/test_tensor_parallel_compose.py)
+TP = "tensor_parallel:world_size=2"
+UNEVEN = dict(hidden_size=72, num_attention_heads=9, num_key_value_heads=3, intermediate_size=96)
+FUSIONS = ["fuse_qkv", "fuse_swiglu", "fuse_add_rms_norm", "fuse_rope"]
+DUO = "duo_attention:sinks=2,window=4,gates="
+# layer 0: rank 0 keeps only KV head 0 (full), rank 1 only head 1 (streaming)
+DUO_GATES = "[[0.9,0.1],[0.1,0.2],[0.9,0.8]]"
+# 3 KV heads, ranks keep 0-1 and 2: mixed + full, mixed + streaming, full + streaming
+DUO_UNEVEN = "[[0.9,0.1,0.9],[0.1,0.9,0.1],[0.9,0.9,0.1]]"
+MEDUSA = "medusa_heads:num_heads=2,tree=[[0],[0,0],[1]]"
+
+
+def _eagle(before: bool):
+    """EagleDraft from a seeded random draft file (made alike in every process), before or
+    after the split; the draft layer stays whole on every rank."""
+    def build(model, split: bool):
+        from rewriter.passes import EagleDraft
+        with tempfile.TemporaryDirectory() as d:
+            path = conftest.random_draft(model, os.path.join(d, "draft.safetensors"))
+            draft = [EagleDraft(weights=str(path), nodes=6, expand=2, depth=3)]
+            tp = [from_spec(TP)] * split
+            return rewriter.optimize(model, passes=draft + tp if before else tp + draft)
+    return build
+
+
+def _draft_heads(arch: str):
+    """MedusaHeads / HydraHeads from a seeded random heads file, replicated on every rank."""
+    def build(model, split: bool):
+        from test_hydra_heads import hydra_heads
+        with tempfile.TemporaryDirectory() as d:
+            path = hydra_heads(model, os.path.join(d, "heads.safetensors"), k=2, arch=arch)
+            heads = from_spec(f"{arch}_heads:weights={path},tree=[[0],[1],[0,0],[0,1]]")
+            return rewriter.optimize(model, passes=[from_spec(TP)] * split + [heads])
+    return build
+
+
+def _artifact(model, split: bool):
+    """The split model saved by the test process (``TP_COMPOSE_ARTIFACT``: whole weights and
+    the pass), loaded by every rank; one process runs the same passes without the split."""
+    if split:
+        return rewriter.load(os.environ["TP_COMPOSE_ARTIFACT"])
+    return rewriter.optimize(model, passes=[from_spec("fuse_qkv"), from_spec("fuse_swiglu")])
+
+
+def _triton(model, split: bool):
+    specs = [TP] * split + ["fuse_add_rms_norm"]
+    return rewriter.optimize(model, passes=[from_spec(s) for s in specs], backend="triton")
+
+
+SCENARIOS.update({
+    "fuse_qkv_after": ("llama-gqa-3l", {}, [TP, "fuse_qkv"]),
+    "fuse_qkv_before": ("llama-gqa-3l", UNEVEN, ["fuse_qkv", TP]),
+    "fuse_swiglu_before": ("llama-gqa-3l", {}, ["fuse_swiglu", TP]),
+    "fuse_swiglu_after": ("llama-gqa-3l", UNEVEN, [TP, "fuse_swiglu"]),
+    "fuse_add_rms_norm": ("llama-gqa-3l", {}, [TP, "fuse_add_rms_norm"]),
+    "fuse_rope": ("llama-gqa-3l", {}, ["fuse_rope", TP]),
+    "fusions_before": ("llama-gqa-3l", UNEVEN, [*FUSIONS, TP]),
+    "fusions_after": ("qwen2-hd20-2l", {}, [TP, *FUSIONS]),
+    # the MLP's 3 (5) groups of 32 split 2 + 1 (3 + 2), each rank's heads one (two) groups
+    "int4_before": ("llama-gqa-3l", {}, ["int4_weights:group_size=32", TP]),
+    "int4_after": ("llama-gqa-3l", dict(hidden_size=128, intermediate_size=160),
+                   [TP, "int4_weights:group_size=32"]),
+    "layer_skip_before": ("llama-gqa-3l", {}, ["layer_skip:layers=[1]", TP]),
+    "layer_skip_after": ("llama-gqa-3l", {}, [TP, "layer_skip:layers=[1]"]),
+    "self_speculative": ("llama-gqa-3l", {}, [TP, "self_speculative:skip_layers=[1]"]),
+    "self_speculative_before": ("llama-gqa-3l", UNEVEN, ["self_speculative:skip_layers=[1]", TP]),
+    "medusa": ("llama-gqa-3l", {}, _draft_heads("medusa")),
+    "medusa_untrained_before": ("llama-gqa-3l", UNEVEN, [MEDUSA, TP]),
+    "hydra": ("llama-gqa-3l", UNEVEN, _draft_heads("hydra")),
+    "eagle": ("llama-gqa-3l", {}, _eagle(before=False)),
+    "eagle_before": ("llama-gqa-3l", UNEVEN, _eagle(before=True)),
+    "prompt_lookup": ("llama-gqa-3l", {}, [TP, "prompt_lookup:adapt=false"]),
+    "streaming": ("llama-gqa-3l", {}, [TP, "streaming_attention:sinks=2,window=4"]),
+    "streaming_before": ("gpt2-3l", {}, ["streaming_attention:sinks=2,window=4", TP]),
+    "duo": ("llama-gqa-3l", {}, [TP, DUO + DUO_GATES]),
+    "duo_uneven": ("llama-gqa-3l", UNEVEN, [DUO + DUO_UNEVEN, TP]),
+    # layer 1 reads layer 0's cache; on rank 0 both keep only a full head
+    "duo_share_kv": ("llama-gqa-3l", {}, ["share_kv:every=2", DUO + DUO_GATES, TP]),
+    "quest": ("llama-gqa-3l", {}, [TP, "quest:page=4,budget=8,dense_layers=1"]),
+    "tidal_decode": ("llama-gqa-3l", UNEVEN, ["tidal_decode:selection_layers=[1],top_k=4", TP]),
+    "share_kv": ("llama-gqa-3l", {}, [TP, "share_kv:every=2"]),
+    "share_kv_before": ("llama-gqa-3l", UNEVEN, ["share_kv:every=2", TP]),
+    "minicache": ("llama-gqa-3l", {}, [TP, "minicache"]),
+    "minicache_before": ("llama-gqa-3l", UNEVEN, ["minicache", TP]),
+    "artifact": ("llama-gqa-3l", UNEVEN, _artifact),
+    "triton": ("llama-gqa-3l", dict(num_hidden_layers=2), _triton),
+})
+# ---- end of composition
+
+
 
 def prompts(vocab: int, shape: tuple[int, int] = (2, 11)) -> torch.Tensor:
     g = torch.Generator().manual_seed(7)
@@ -62,6 +155,8 @@ def build(name: str, split: bool):
     """The scenario's engine: with ``split`` every pass, else the passes without the split."""
     config, overrides, specs = SCENARIOS[name][:3]
     model = conftest.make_model(config, **overrides)
+    if callable(specs):  # a scenario that builds its own engine: specs(model, split)
+        return specs(model, split), model
     passes = [from_spec(s) for s in specs if split or not s.startswith(SPLIT_ONLY)]
     backend = options(name).get("backend", "torch")
     return rewriter.optimize(model, passes=passes, backend=backend), model

@@ -64,6 +64,11 @@ class Pass:
             raise PassError(f"{self!r} times programs to choose its strategy and needs a "
                             f"measurer: rewriter.optimize() gives one, run_pipeline(..., "
                             f"measurer=...) too")
+        if "tensor_parallel" in ir.info:  # one process cannot run it; ranks would time apart
+            raise PassError(f"{self!r} times programs to choose, and a model TensorParallel "
+                            f"split runs only on its ranks (each timing its own would choose "
+                            f"apart): run {self.name} before TensorParallel, or give it its "
+                            f"choice so that it need not time")
         before = ir.info.get("measured_on") or {"passes": []}
         ir.info["measured_on"] = {**measurer.where(), "passes": [*before["passes"], self.name]}
         return measurer

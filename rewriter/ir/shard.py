@@ -86,8 +86,53 @@ def row_projections(ir: IR) -> list[fx.Node]:
 
 def summed(ir: IR) -> list[fx.Node]:
     """The row-parallel projections of a split IR: the inputs of its sums over ranks."""
-    return [n.args[0] for n in ir.graph.nodes
+    return [n.args[0] for n in _sums(ir)]
+
+
+def _sums(ir: IR) -> list[fx.Node]:
+    return [n for n in ir.graph.nodes
             if n.op == "call_function" and short_name(n.target)[3:] in ROW_SUMS]
+
+
+def check_split(ir: IR) -> None:
+    """A split IR's sums agree with its ``info["tensor_parallel"]`` (an IR with sums and no
+    split recorded, or sums over another number of ranks, would run other arithmetic than
+    the model's), and every rank's split can still be made: a pass after
+    ``TensorParallel`` that changed what lies between the projections is refused here, by
+    name, rather than on the ranks. ``ShardError`` says which and why."""
+    tp = ir.info.get("tensor_parallel")
+    sums = _sums(ir)
+    _check_sums(tp, sums)
+    if tp is None or "rank" in tp:
+        return  # not split, or one rank's shard: already cut
+    world, rows = tp["world_size"], summed(ir)
+    for row in rows:  # a partial sum read anywhere but by its sum would leak a rank's part
+        if not _is_linear(row) or any(u not in sums for u in row.users):
+            raise ShardError(f"{row.name} is summed over ranks but is not a projection read "
+                             f"by its sum alone: {[u.name for u in row.users]}")
+    for rank in range(world):
+        try:
+            plan(ir, rows, rank, world)
+        except ShardError as e:
+            raise ShardError(f"TensorParallel(world_size={world}): {e}") from None
+
+
+def _check_sums(tp, sums: list[fx.Node]) -> None:
+    if tp is None:
+        if sums:
+            raise ShardError(f"{sums[0].name} sums over ranks, but the IR records no tensor-"
+                             f"parallel split (info 'tensor_parallel'): only TensorParallel "
+                             f"inserts sums")
+        return
+    world = tp["world_size"]
+    if not sums:
+        raise ShardError(f"the IR records a split over {world} ranks (info 'tensor_parallel') "
+                         f"but sums over none: it would run each rank's part alone")
+    for n in sums:
+        size = op_arguments(short_name(n.target)[3:], tuple(n.args), dict(n.kwargs))["world_size"]
+        if size != world:
+            raise ShardError(f"{n.name} sums over {size} ranks, but the IR is split over "
+                             f"{world} (info 'tensor_parallel')")
 
 
 def plan(ir: IR, rows: list[fx.Node], rank: int, world: int) -> RankPlan:
@@ -138,8 +183,10 @@ class _Walk:
             if is_op(node, "linear_int4"):
                 align = math.lcm(align, op_arguments("linear_int4", node.args, node.kwargs)["group_size"], 2)
         if width % align or width // align < self.p.world:
+            why = " (4-bit groups of Int4Weights)" if align > 1 else ""
             raise ShardError(f"{row.name} (layer {row.meta.get('layer')}): {width} features "
-                             f"do not split into {self.p.world} shares of whole blocks of {align}")
+                             f"do not split into {self.p.world} shares of whole blocks of "
+                             f"{align}{why}")
         u0, u1 = split_units(width // align, self.p.world)[self.p.rank]
         return ((u0 * align, u1 * align),)
 
@@ -232,7 +279,10 @@ class _Walk:
         else:
             g = args["group_size"]
             if any(a % g or b % g for a, b in keep):
-                raise ShardError(f"{row.name}: 4-bit groups of {g} would straddle two ranks")
+                raise ShardError(f"{row.name} ({args['codes'].target}): rank "
+                                 f"{self.p.rank}'s columns {list(keep)} are not whole 4-bit "
+                                 f"groups of {g} (Int4Weights): a group would straddle two "
+                                 f"ranks; use a group size that divides each rank's share")
             self.p.slice_weight(args["codes"].target, 1, tuple((a // 2, b // 2) for a, b in keep), row)
             for key in ("scales", "mins"):
                 self.p.slice_weight(args[key].target, 1, tuple((a // g, b // g) for a, b in keep), row)
@@ -250,11 +300,14 @@ def _per_head(a: dict, g0: int, g1: int, attn: fx.Node) -> dict:
     if a["full_heads"] is not None:
         full = [h - g0 for h in a["full_heads"] if g0 <= h < g1]
         if len(full) == g1 - g0:
-            if a["window"] is not None and a["kv_source"] is None and a["merge_with"] is None:
+            # a layer reading another's cache (ShareKV) has its owner's full heads: the
+            # owner attends fully on this rank too, so their caches stay alike
+            if a["window"] is not None and a["merge_with"] is None:
                 new.update(full_heads=None, sinks=None, window=None, rotary=None, gates=None)
             else:
-                raise ShardError(f"{attn.name}: every head this rank keeps attends fully, "
-                                 f"but the layer's other settings need a ring")
+                raise ShardError(f"{attn.name}: every head this rank keeps attends fully "
+                                 f"(DuoAttention), but the layer's other settings (a cache "
+                                 f"merged by MiniCache) need a ring")
         else:
             new["full_heads"] = full or None
     return new

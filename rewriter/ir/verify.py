@@ -9,6 +9,7 @@ from torch import fx
 from rewriter.errors import VerificationError
 from rewriter.ir.core import IR
 from rewriter.ir.merging import check_merging
+from rewriter.ir.shard import ShardError, check_split
 from rewriter.ir.sharing import cache_of, check_sharing
 from rewriter.ops import OPS, check_arguments, check_context, op_arguments
 from rewriter.values import context_length
@@ -29,6 +30,10 @@ def verify(ir: IR, shapes: bool = True) -> None:
     check_merging(ir)
     if not shapes:
         return
+    try:  # the split's walk reads shapes
+        check_split(ir)
+    except ShardError as e:
+        raise VerificationError(str(e)) from None
     seen = set()
     for span in ir.layers:
         for end in ("input", "output"):
