@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import sys
 import traceback
@@ -94,6 +95,8 @@ def launch(tp: int, entry: list[str]) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
     args = get_args_parser().parse_args([*LAUNCH, "--nproc-per-node", str(tp), *entry])
+    # the ranks share this machine's cores (torchrun would give each 1, with a warning)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _cores() // tp)))
     quiet = logging.getLogger("torch.distributed.elastic")
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)  # its table repeats what the ranks printed; ours is below
@@ -105,6 +108,10 @@ def launch(tp: int, entry: list[str]) -> None:
         raise KeyboardInterrupt from None
     finally:
         quiet.setLevel(level)
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def failure_text(e, tp: int) -> str:
