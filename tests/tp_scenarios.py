@@ -60,7 +60,6 @@ DUO = "duo_attention:sinks=2,window=4,gates="
 DUO_GATES = "[[0.9,0.1],[0.1,0.2],[0.9,0.8]]"
 # 3 KV heads, ranks keep 0-1 and 2: mixed + full, mixed + streaming, full + streaming
 DUO_UNEVEN = "[[0.9,0.1,0.9],[0.1,0.9,0.1],[0.9,0.9,0.1]]"
-MEDUSA = "medusa_heads:num_heads=2,tree=[[0],[0,0],[1]]"
 
 
 def _eagle(before: bool):
@@ -101,12 +100,6 @@ def _triton(model, split: bool):
 
 
 SCENARIOS.update({
-    "fuse_qkv_after": ("llama-gqa-3l", {}, [TP, "fuse_qkv"]),
-    "fuse_qkv_before": ("llama-gqa-3l", UNEVEN, ["fuse_qkv", TP]),
-    "fuse_swiglu_before": ("llama-gqa-3l", {}, ["fuse_swiglu", TP]),
-    "fuse_swiglu_after": ("llama-gqa-3l", UNEVEN, [TP, "fuse_swiglu"]),
-    "fuse_add_rms_norm": ("llama-gqa-3l", {}, [TP, "fuse_add_rms_norm"]),
-    "fuse_rope": ("llama-gqa-3l", {}, ["fuse_rope", TP]),
     "fusions_before": ("llama-gqa-3l", UNEVEN, [*FUSIONS, TP]),
     "fusions_after": ("qwen2-hd20-2l", {}, [TP, *FUSIONS]),
     # the MLP's 3 (5) groups of 32 split 2 + 1 (3 + 2), each rank's heads one (two) groups
@@ -118,7 +111,6 @@ SCENARIOS.update({
     "self_speculative": ("llama-gqa-3l", {}, [TP, "self_speculative:skip_layers=[1]"]),
     "self_speculative_before": ("llama-gqa-3l", UNEVEN, ["self_speculative:skip_layers=[1]", TP]),
     "medusa": ("llama-gqa-3l", {}, _draft_heads("medusa")),
-    "medusa_untrained_before": ("llama-gqa-3l", UNEVEN, [MEDUSA, TP]),
     "hydra": ("llama-gqa-3l", UNEVEN, _draft_heads("hydra")),
     "eagle": ("llama-gqa-3l", {}, _eagle(before=False)),
     "eagle_before": ("llama-gqa-3l", UNEVEN, _eagle(before=True)),
@@ -132,9 +124,7 @@ SCENARIOS.update({
     "quest": ("llama-gqa-3l", {}, [TP, "quest:page=4,budget=8,dense_layers=1"]),
     "tidal_decode": ("llama-gqa-3l", UNEVEN, ["tidal_decode:selection_layers=[1],top_k=4", TP]),
     "share_kv": ("llama-gqa-3l", {}, [TP, "share_kv:every=2"]),
-    "share_kv_before": ("llama-gqa-3l", UNEVEN, ["share_kv:every=2", TP]),
     "minicache": ("llama-gqa-3l", {}, [TP, "minicache"]),
-    "minicache_before": ("llama-gqa-3l", UNEVEN, ["minicache", TP]),
     "artifact": ("llama-gqa-3l", UNEVEN, _artifact),
     "triton": ("llama-gqa-3l", dict(num_hidden_layers=2), _triton),
 })
