@@ -23,6 +23,7 @@ The ranks are the default process group's (``torch.distributed.init_process_grou
 from __future__ import annotations
 
 import hashlib
+import json
 
 import torch
 from torch import Tensor
@@ -132,18 +133,33 @@ def _gather(t: Tensor, world_size: int) -> Tensor:
     return _C10D.wait_tensor(_C10D.all_gather_into_tensor(t.contiguous(), world_size, _group()))
 
 
-def check_same_program(text: str) -> None:
+def program_digest(ir: IR, backend: str) -> bytes:
+    """What every rank must hold alike: the graph, ``info`` (the decoding choices timing
+    passes record there: skipped layers, draft lengths, trees), the backend and every
+    weight's bytes. SHA-256; the weights are read once, at the first lowering."""
+    h = hashlib.sha256()
+    h.update(str(ir).encode())
+    h.update(json.dumps(ir.info, sort_keys=True, default=str).encode())
+    h.update(backend.encode())
+    for name, t in sorted(ir.weights().items()):
+        h.update(f"{name} {t.dtype} {list(t.shape)}".encode())
+        h.update(t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy())
+    return h.digest()
+
+
+def check_same_program(digest: bytes) -> None:
     """Every rank runs the same IR, or none runs: ranks that lowered different programs
-    (a pass that chose by timing, run on each rank) would wait on each other's collectives
-    until the timeout. One all-gather of a digest, at lowering."""
+    (a pass that chose by timing, run on each rank; another artifact on another host)
+    would pair unlike collectives, or wait on each other until the timeout. One
+    all-gather of ``program_digest``, at lowering."""
     import torch.distributed as dist
-    digest = torch.tensor(list(hashlib.sha256(text.encode()).digest()), dtype=torch.uint8)
-    device = _device()
-    gathered = _gather(digest.to(device), dist.get_world_size()).view(-1, digest.numel())
+    mine = torch.tensor(list(digest), dtype=torch.uint8)
+    gathered = _gather(mine.to(_device()), dist.get_world_size()).view(-1, mine.numel())
     differ = [r for r in range(gathered.shape[0]) if not torch.equal(gathered[r], gathered[0])]
     if differ:
-        raise RewriterError(f"ranks {differ} hold a different IR than rank 0: every rank must "
-                            f"run the same optimized model (load one artifact on every rank)")
+        raise RewriterError(f"ranks {differ} hold a different model than rank 0 (its graph, "
+                            f"decoding choices or weights): every rank must run the same "
+                            f"optimized model (load one artifact on every rank)")
 
 
 def _device() -> torch.device:

@@ -34,7 +34,7 @@ from .generate import Batch, prepare, score_loop
 from .inputs import check_length, check_positions, check_prefix, check_token_ids, token_count
 from .kv_cache import KVCache, cache_table, read_bytes, unbounded_length
 from .lower import program_code
-from .collectives import check_same_program, this_rank, world
+from .collectives import check_same_program, program_digest, this_rank, world
 from .programs import build_programs, kernel_files, lowering_key
 from .replay import Replays
 from .settings import PREFILL_CHUNK, GenerationSettings, token_ids
@@ -304,8 +304,10 @@ class Engine:
             return
         try:
             if world(self.ir) is not None and not _distributed():
-                # the ranks run elsewhere: each rank's programs are built here and dropped
-                for rank in range(world(self.ir)):
+                # the ranks run elsewhere: the first and the last rank's programs are built
+                # here and dropped (verify checked every rank's split; an uneven split
+                # leaves the last rank the fewest heads)
+                for rank in sorted({0, world(self.ir) - 1}):
                     piece = shard(self.ir, rank)
                     build_programs(piece, self.backend, self.trusted_kernels, strategy_for(piece))
             else:
@@ -344,7 +346,7 @@ class Engine:
         key = lowering_key(self.ir)
         if getattr(self, "_shard", None) is None or self._shard[0] != key:
             rank = this_rank(self.ir)
-            check_same_program(str(self.ir))
+            check_same_program(program_digest(self.ir, self.backend))
             self._shard = (key, shard(self.ir, rank))
         return self._shard[1]
 

@@ -23,6 +23,7 @@ import time
 from rewriter.errors import RewriterError
 
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")  # what torchrun sets in every rank
+MIN_TIMEOUT = 1.0
 MAX_TIMEOUT = 24 * 3600.0  # seconds: a collective a day late is a hang
 
 
@@ -32,11 +33,12 @@ def launched() -> bool:
 
 
 def check_timeout(seconds) -> float:
-    """A collective timeout in seconds: finite, above zero, at most a day."""
+    """A collective timeout in seconds: finite, at least a second (gloo counts whole
+    milliseconds, and a rendezvous needs some), at most a day."""
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) \
-            or not 0 < seconds <= MAX_TIMEOUT:  # NaN fails the comparison too
+            or not MIN_TIMEOUT <= seconds <= MAX_TIMEOUT:  # NaN fails the comparison too
         raise ValueError(f"the collective timeout must be a number of seconds in "
-                         f"(0, {MAX_TIMEOUT:g}], got {seconds!r}")
+                         f"[{MIN_TIMEOUT:g}, {MAX_TIMEOUT:g}], got {seconds!r}")
     return float(seconds)
 
 

@@ -125,6 +125,12 @@ def test_two_ranks_fused_match_unfused_and_one_process(tmp_path):
             torch.testing.assert_close(r[f"{name}.logprobs"], whole["logprobs"], rtol=1e-5,
                                        atol=1e-5, msg=name)
         assert torch.equal(ranks[0][f"{name}.logprobs"], ranks[1][f"{name}.logprobs"]), name
+    for r in ranks:  # which form ran: reduce-scatters only where two-shot was forced
+        assert "llama.calls.reduce_scatter_tensor" not in r and r["llama.calls.all_reduce"] > 0
+        assert "fused.calls.reduce_scatter_tensor" not in r
+        for name in ("fused_two_shot", "fused_two_shot_odd", "fused_uneven", "fused_triton"):
+            assert r[f"{name}.calls.reduce_scatter_tensor"] > 0, name
+            assert r[f"{name}.calls.all_gather_into_tensor"] > 0, name
     for fused in ("fused", "fused_two_shot"):
         for key in ("tokens", "logprobs"):
             assert torch.equal(ranks[0][f"{fused}.{key}"], ranks[0][f"llama.{key}"]), fused

@@ -80,7 +80,8 @@ def test_split_model_without_ranks_says_how_to_run_it():
 def test_two_ranks_on_gloo_match_one_process(tmp_path):
     """Two processes on 127.0.0.1: the same greedy tokens on every rank and as one process,
     log-probabilities within float32 rounding (sums in another order)."""
-    names = ["llama", "uneven", "qwen2", "gpt2"]  # the split alone; other files test the rest
+    # the split alone, on every family; other files test the rest
+    names = ["llama", "uneven", "qwen2", "gpt2", "mistral", "neox", "phi", "opt"]
     done = launch(tmp_path, names)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     ranks = rank_results(tmp_path)
@@ -101,3 +102,13 @@ def test_info_names_the_ranks_a_split_artifact_runs_on(tmp_path):
     out = subprocess.run([sys.executable, "-m", "rewriter", "info", str(tmp_path / "tp2")],
                          capture_output=True, text=True, timeout=300).stdout
     assert f"split over 2 ranks: rewriter run {tmp_path / 'tp2'} --tp 2" in out
+
+
+@pytest.mark.slow
+def test_ranks_holding_different_models_refuse_to_run(tmp_path):
+    """Ranks whose models differ only in a decoding choice (SelfSpeculative's skipped
+    layers, recorded in info, not in the graph) would pair unlike collectives: every rank
+    refuses at lowering, by name, and the launch ends."""
+    done = launch(tmp_path, ["differs"], timeout=300)
+    assert done.returncode != 0
+    assert "hold a different model than rank 0" in done.stdout + done.stderr

@@ -182,7 +182,26 @@ def _partial_read(ir: dict) -> None:
                       for a in reader["args"]]
 
 
+def _sliced_read(ir: dict) -> None:
+    """The residual add reads the attention's output (each rank's slice of the heads)
+    instead of its sum: a reader outside the region."""
+    total = _sums(ir)[0]
+    attention = next(m for m in ir["graph"] if m.get("target") == "rw.attention")
+    reader = next(m for m in ir["graph"] if {"node": total["name"]} in m.get("args", []))
+    reader["args"] = [{"node": attention["name"]} if a == {"node": total["name"]} else a
+                      for a in reader["args"]]
+
+
+def _keyword_sum(ir: dict) -> None:
+    """A sum whose input comes by keyword: read by name, as the op's schema allows."""
+    total = _sums(ir)[0]
+    total["kwargs"] = {"x": total["args"][0], "world_size": total["args"][1]}
+    total["args"] = []
+
+
 @pytest.mark.parametrize("edit, why", [
+    (_sliced_read, "reads attention, of which each rank holds only a slice"),
+    (_keyword_sum, None),
     (_other_world, "sums over 3 ranks, but the IR is split over 2"),
     (_no_split_recorded, "records no tensor-parallel split"),
     (_no_sums, "split over 2 ranks .* but sums over none"),
@@ -191,5 +210,8 @@ def _partial_read(ir: dict) -> None:
 def test_hostile_split_artifacts_are_refused_at_load(tmp_path, edit, why):
     """An ir.json whose sums disagree with its recorded split runs other arithmetic than
     the model's on the ranks: refused at load, by name, in one process."""
+    if why is None:  # a legitimate form: it loads
+        rewriter.load(_hostile(tmp_path, edit))
+        return
     with pytest.raises(RewriterError, match=why):
         rewriter.load(_hostile(tmp_path, edit))

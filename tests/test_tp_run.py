@@ -185,6 +185,7 @@ def test_a_process_group_of_the_wrong_size_is_refused(artifacts, tmp_path):
     (["split", "--tp", "2", "--tp-timeout", "inf"], "argument --tp-timeout: must be a number"),
     (["split", "--tp", "2", "--tp-timeout", "1e9"], "argument --tp-timeout: must be a number"),
     (["split", "--tp", "2", "--tp-timeout", "-1"], "argument --tp-timeout: must be a number"),
+    (["split", "--tp", "2", "--tp-timeout", "0.0001"], "argument --tp-timeout: must be a number"),
 ])
 def test_a_tp_that_does_not_fit_is_refused_by_name(artifacts, args, message, capsys):
     """Refused in this process, before any rank starts or any weight loads."""

@@ -28,6 +28,12 @@ SCENARIOS = {
     "qwen2": ("qwen2-hd20-2l", {}, ["tensor_parallel:world_size=2"]),
     # GPT-2: LayerNorm, fc -> gelu -> proj with biases (the row bias added once)
     "gpt2": ("gpt2-3l", {}, ["tensor_parallel:world_size=2"]),
+    # the other families the frontend lifts: a sliding window, parallel attention + MLP,
+    # partial rotary, OPT (its MLP is not marked as one, so only attention splits)
+    "mistral": ("mistral-window-3l", {}, ["tensor_parallel:world_size=2"]),
+    "neox": ("neox-parallel-3l", {}, ["tensor_parallel:world_size=2"]),
+    "phi": ("phi-gqa-2l", {}, ["tensor_parallel:world_size=2"]),
+    "opt": ("opt-2l", {}, ["tensor_parallel:world_size=2"]),
 }
 
 # FuseAllReduceRMSNorm: the rule's form (CPU: all-reduce then add + norm) and the forced
@@ -141,10 +147,30 @@ def options(name: str) -> dict:
     return SCENARIOS[name][3] if len(SCENARIOS[name]) > 3 else {}
 
 
+def _differs(model, split: bool):
+    """Each rank drafting with other skipped layers: the same graph, other decoding choices
+    (``info["decoding"]``); every rank must refuse to run."""
+    import torch.distributed as dist
+    layer = 1 + (dist.get_rank() if split else 0)
+    passes = [from_spec(f"self_speculative:skip_layers=[{layer}]"), *[from_spec(TP)] * split]
+    return rewriter.optimize(model, passes=passes)
+
+
+SCENARIOS["differs"] = ("llama-gqa-3l", {}, _differs)
+
+
+def _make(config: str, overrides: dict):
+    """A seeded model of ``config`` (tests/conftest.py's, or tests/test_frontend_families.py's)."""
+    if config in conftest.CONFIGS:
+        return conftest.make_model(config, **overrides)
+    import test_frontend_families
+    return test_frontend_families.make(config, **overrides)
+
+
 def build(name: str, split: bool):
     """The scenario's engine: with ``split`` every pass, else the passes without the split."""
     config, overrides, specs = SCENARIOS[name][:3]
-    model = conftest.make_model(config, **overrides)
+    model = _make(config, overrides)
     if callable(specs):  # a scenario that builds its own engine: specs(model, split)
         return specs(model, split), model
     passes = [from_spec(s) for s in specs if split or not s.startswith(SPLIT_ONLY)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -22,13 +23,33 @@ def main(out: str, names: list[str]) -> None:
     import tp_scenarios
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
-    results = {}
+    results, calls = {}, _count_collectives()
     for name in names:
+        calls.clear()
         results.update({f"{name}.{k}": v for k, v in tp_scenarios.run_split(name).items()})
+        results.update({f"{name}.calls.{op}": torch.tensor(n) for op, n in calls.items()})
     from safetensors.torch import save_file
     save_file({k: v.contiguous() for k, v in results.items()},
               os.path.join(out, f"rank{rank}.safetensors"))
     dist.destroy_process_group()
+
+
+def _count_collectives() -> Counter:
+    """Count each functional collective the runtime calls (``runtime.collectives`` reads
+    its ops through ``_C10D`` at every call), so tests see which form ran."""
+    from rewriter.runtime import collectives
+    calls, ops = Counter(), collectives._C10D
+
+    class Counting:
+        def __getattr__(self, name):
+            op = getattr(ops, name)
+
+            def call(*args, **kwargs):
+                calls[name] += 1
+                return op(*args, **kwargs)
+            return call
+    collectives._C10D = Counting()
+    return calls
 
 
 if __name__ == "__main__":

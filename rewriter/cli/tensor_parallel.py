@@ -45,11 +45,11 @@ def tp_count(text: str) -> int:
 
 def tp_timeout(text: str) -> float:
     """``--tp-timeout``: seconds, checked as ``process_group.check_timeout`` does."""
-    from rewriter.runtime.process_group import MAX_TIMEOUT, check_timeout
+    from rewriter.runtime.process_group import MAX_TIMEOUT, MIN_TIMEOUT, check_timeout
     try:
         return check_timeout(float(text))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds in (0, {MAX_TIMEOUT:g}], "
+        raise argparse.ArgumentTypeError(f"must be a number of seconds in [{MIN_TIMEOUT:g}, {MAX_TIMEOUT:g}], "
                                          f"got {text!r:.40}") from None
 
 

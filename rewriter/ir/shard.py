@@ -86,7 +86,8 @@ def row_projections(ir: IR) -> list[fx.Node]:
 
 def summed(ir: IR) -> list[fx.Node]:
     """The row-parallel projections of a split IR: the inputs of its sums over ranks."""
-    return [n.args[0] for n in _sums(ir)]
+    return [op_arguments(short_name(n.target)[3:], tuple(n.args), dict(n.kwargs))["x"]
+            for n in _sums(ir)]
 
 
 def _sums(ir: IR) -> list[fx.Node]:
@@ -138,9 +139,25 @@ def _check_sums(tp, sums: list[fx.Node]) -> None:
 def plan(ir: IR, rows: list[fx.Node], rank: int, world: int) -> RankPlan:
     """Rank ``rank``'s slices of every region ending at one of ``rows``."""
     p = RankPlan(rank, world)
+    sliced, allowed = {}, set(rows)
     for row in rows:
-        _Walk(ir, p).region(row)
+        walk = _Walk(ir, p)
+        walk.region(row)
+        sliced.update(walk.ranges)
+        allowed.update(walk.splits)
+    _check_readers(sliced, allowed | set(sliced))
     return p
+
+
+def _check_readers(sliced: dict, allowed: set) -> None:
+    """Every value a rank holds a slice of is read only inside the regions (or by its row
+    projection): a reader elsewhere would see this rank's slice as if it were the whole."""
+    for node in sliced:
+        for user in node.users:
+            if user not in allowed:
+                raise ShardError(f"{user.name} reads {node.name}, of which each rank holds only "
+                                 f"a slice (it lies between a column- and a row-parallel "
+                                 f"projection)")
 
 
 class _Walk:
@@ -250,7 +267,10 @@ class _Walk:
         fused value keeps the parts' features at their offsets, and the split new sizes."""
         split = part.args[0]
         src, sizes = split.args[0], list(split.args[1])
-        self.splits.setdefault(split, {})[part.args[1]] = keep
+        known = self.splits.setdefault(split, {})
+        if known.setdefault(part.args[1], keep) != keep:
+            raise ShardError(f"{part.name}: two reads of part {part.args[1]} of {split.name} "
+                             f"need different slices of it")
         used = {u.args[1] for u in split.users}
         if set(self.splits[split]) != used:
             return  # the other parts come later in this walk
