@@ -133,13 +133,19 @@ def _gather(t: Tensor, world_size: int) -> Tensor:
     return _C10D.wait_tensor(_C10D.all_gather_into_tensor(t.contiguous(), world_size, _group()))
 
 
+# ``info`` keys that say where things came from, not what runs: the draft's file path
+# (each rank may read its own copy), where a pass timed, the frontend's notes
+PROVENANCE = ("medusa", "measured_on", "lift_report")
+
+
 def program_digest(ir: IR, backend: str) -> bytes:
     """What every rank must hold alike: the graph, ``info`` (the decoding choices timing
     passes record there: skipped layers, draft lengths, trees), the backend and every
     weight's bytes. SHA-256; the weights are read once, at the first lowering."""
     h = hashlib.sha256()
     h.update(str(ir).encode())
-    h.update(json.dumps(ir.info, sort_keys=True, default=str).encode())
+    run = {k: v for k, v in ir.info.items() if k not in PROVENANCE}
+    h.update(json.dumps(run, sort_keys=True, default=str).encode())
     h.update(backend.encode())
     for name, t in sorted(ir.weights().items()):
         h.update(f"{name} {t.dtype} {list(t.shape)}".encode())

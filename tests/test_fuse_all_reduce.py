@@ -13,8 +13,8 @@ from rewriter.passes import (FuseAddRMSNorm, FuseAllReduceRMSNorm, LayerSkip, Se
 from rewriter.runtime.collectives import two_shot
 
 from conftest import assert_close_rel, hf_logits, make_model
-from tp_scenarios import SCENARIOS, run_whole
-from tp_tools import launch, rank_results
+from tp_scenarios import SCENARIOS
+from tp_tools import same_as_one_process
 
 LAYERS = 3  # llama-gqa-3l
 FUSED = [n for n in SCENARIOS if n.startswith("fused")]
@@ -115,16 +115,7 @@ def test_two_ranks_fused_match_unfused_and_one_process(tmp_path):
     process and the same log-probabilities on every rank; on the prompts the unfused
     scenarios share, bit for bit what the unfused split gives."""
     names = ["llama", *FUSED]
-    done = launch(tmp_path, names)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    ranks = rank_results(tmp_path)
-    for name in FUSED:
-        whole = run_whole(name)
-        for r in ranks:
-            assert torch.equal(r[f"{name}.tokens"], whole["tokens"]), name
-            torch.testing.assert_close(r[f"{name}.logprobs"], whole["logprobs"], rtol=1e-5,
-                                       atol=1e-5, msg=name)
-        assert torch.equal(ranks[0][f"{name}.logprobs"], ranks[1][f"{name}.logprobs"]), name
+    ranks = same_as_one_process(tmp_path, names, check=FUSED)
     for r in ranks:  # which form ran: reduce-scatters only where two-shot was forced
         assert "llama.calls.reduce_scatter_tensor" not in r and r["llama.calls.all_reduce"] > 0
         assert "fused.calls.reduce_scatter_tensor" not in r

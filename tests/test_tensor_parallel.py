@@ -11,8 +11,7 @@ from rewriter.ir.shard import ShardError, shard, split_units
 from rewriter.passes import TensorParallel, from_spec
 
 from conftest import assert_close_rel, hf_logits, make_model
-from tp_scenarios import run_whole
-from tp_tools import launch, rank_results
+from tp_tools import launch, same_as_one_process
 
 
 def test_split_units_are_contiguous_and_uneven_first():
@@ -82,16 +81,7 @@ def test_two_ranks_on_gloo_match_one_process(tmp_path):
     log-probabilities within float32 rounding (sums in another order)."""
     # the split alone, on every family; other files test the rest
     names = ["llama", "uneven", "qwen2", "gpt2", "mistral", "neox", "phi", "opt"]
-    done = launch(tmp_path, names)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    ranks = rank_results(tmp_path)
-    for name in names:
-        whole = run_whole(name)
-        for r in ranks:
-            assert torch.equal(r[f"{name}.tokens"], whole["tokens"]), name
-            torch.testing.assert_close(r[f"{name}.logprobs"], whole["logprobs"], rtol=1e-5,
-                                       atol=1e-5, msg=name)
-        assert torch.equal(ranks[0][f"{name}.logprobs"], ranks[1][f"{name}.logprobs"]), name
+    same_as_one_process(tmp_path, names)
 
 
 def test_info_names_the_ranks_a_split_artifact_runs_on(tmp_path):

@@ -17,23 +17,7 @@ from rewriter.runtime.kv_cache import cache_table
 
 from artifact_tools import artifact_files, reseal
 from conftest import make_model
-from tp_scenarios import run_whole
-from tp_tools import launch, rank_results
-
-
-def _same_as_one_process(tmp_path, names: list[str], **kw) -> None:
-    """Every rank's greedy tokens equal one process's and each other's; log-probabilities
-    within float32 rounding of one process's (sums in another order)."""
-    done = launch(tmp_path, names, **kw)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    ranks = rank_results(tmp_path)
-    for name in names:
-        whole = run_whole(name)
-        for r in ranks:
-            assert torch.equal(r[f"{name}.tokens"], whole["tokens"]), name
-            torch.testing.assert_close(r[f"{name}.logprobs"], whole["logprobs"], rtol=1e-5,
-                                       atol=1e-5, msg=name)
-        assert torch.equal(ranks[0][f"{name}.tokens"], ranks[1][f"{name}.tokens"]), name
+from tp_tools import same_as_one_process
 
 
 # ---------------------------------------------------------------- two ranks, one process
@@ -41,17 +25,17 @@ def _same_as_one_process(tmp_path, names: list[str], **kw) -> None:
 def test_fusions_int4_and_layer_skip_compose(tmp_path):
     """FuseQKV / FuseSwiGLU (each fused weight split per part), FuseAddRMSNorm, FuseRoPE,
     all four, Int4Weights (groups whole), LayerSkip: before and after the split."""
-    _same_as_one_process(tmp_path, ["fusions_before", "fusions_after", "int4_before",
-                                    "int4_after", "layer_skip_before", "layer_skip_after"])
+    same_as_one_process(tmp_path, ["fusions_before", "fusions_after", "int4_before",
+                                   "int4_after", "layer_skip_before", "layer_skip_after"])
 
 
 @pytest.mark.slow
 def test_speculative_strategies_compose(tmp_path):
     """Drafts on every rank (skipped layers, replicated heads, an EAGLE layer, copied
     text), acceptance from replicated logits: every rank takes the same decisions."""
-    _same_as_one_process(tmp_path, ["self_speculative", "self_speculative_before", "medusa",
-                                    "hydra", "eagle", "eagle_before",
-                                    "prompt_lookup"])
+    same_as_one_process(tmp_path, ["self_speculative", "self_speculative_before", "medusa",
+                                   "hydra", "eagle", "eagle_before",
+                                   "prompt_lookup"])
 
 
 @pytest.mark.slow
@@ -59,8 +43,8 @@ def test_sparse_and_shared_caches_compose(tmp_path):
     """Per-KV-head choices follow their heads (DuoAttention with a rank of only full heads
     and one of only streaming heads; Quest's pages, TidalDecode's tokens); ShareKV and
     MiniCache share each rank's own caches."""
-    _same_as_one_process(tmp_path, ["streaming", "streaming_before", "duo", "duo_uneven", "duo_share_kv",
-                                    "quest", "tidal_decode", "share_kv", "minicache"])
+    same_as_one_process(tmp_path, ["streaming", "streaming_before", "duo", "duo_uneven", "duo_share_kv",
+                                   "quest", "tidal_decode", "share_kv", "minicache"])
 
 
 @pytest.mark.slow
@@ -71,7 +55,7 @@ def test_artifact_and_triton_compose(tmp_path):
                        num_key_value_heads=3, intermediate_size=96)
     split = rewriter.optimize(model, passes=[FuseQKV(), FuseSwiGLU(), TensorParallel(2)])
     split.save(tmp_path / "art")
-    _same_as_one_process(tmp_path, ["artifact", "triton"],
+    same_as_one_process(tmp_path, ["artifact", "triton"],
                          extra_env={"TP_COMPOSE_ARTIFACT": str(tmp_path / "art")})
 
 

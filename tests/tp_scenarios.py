@@ -160,22 +160,25 @@ SCENARIOS["differs"] = ("llama-gqa-3l", {}, _differs)
 
 
 def _make(config: str, overrides: dict):
-    """A seeded model of ``config`` (tests/conftest.py's, or tests/test_frontend_families.py's)."""
+    """(a seeded model of ``config``, what ``rewriter.optimize`` takes): tests/conftest.py's
+    configs traced once per process (``traced_model``: scenarios of one config share the
+    trace), tests/test_frontend_families.py's traced by ``optimize``."""
     if config in conftest.CONFIGS:
-        return conftest.make_model(config, **overrides)
+        return conftest.traced_model(config, **overrides)
     import test_frontend_families
-    return test_frontend_families.make(config, **overrides)
+    model = test_frontend_families.make(config, **overrides)
+    return model, model
 
 
 def build(name: str, split: bool):
     """The scenario's engine: with ``split`` every pass, else the passes without the split."""
     config, overrides, specs = SCENARIOS[name][:3]
-    model = _make(config, overrides)
+    model, traced = _make(config, overrides)
     if callable(specs):  # a scenario that builds its own engine: specs(model, split)
         return specs(model, split), model
     passes = [from_spec(s) for s in specs if split or not s.startswith(SPLIT_ONLY)]
     backend = options(name).get("backend", "torch")
-    return rewriter.optimize(model, passes=passes, backend=backend), model
+    return rewriter.optimize(traced, passes=passes, backend=backend), model
 
 
 def outputs(engine, vocab: int, shape: tuple[int, int] = (2, 11)) -> dict[str, torch.Tensor]:

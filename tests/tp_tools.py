@@ -27,3 +27,24 @@ def launch(tmp_path, names: list[str], world: int = 2, timeout: int = LAUNCH_TIM
 
 def rank_results(tmp_path, world: int = 2) -> list[dict]:
     return [load_file(os.path.join(tmp_path, f"rank{r}.safetensors")) for r in range(world)]
+
+
+def same_as_one_process(tmp_path, names: list[str], check: list[str] | None = None,
+                        **kw) -> list[dict]:
+    """Launch ``names`` on 2 ranks; for each of ``check`` (default: all), every rank's
+    greedy tokens equal one process's, log-probabilities within float32 rounding of one
+    process's (sums in another order) and bit-equal between the ranks. Returns the ranks'
+    results."""
+    import torch
+    from tp_scenarios import run_whole
+    done = launch(tmp_path, names, **kw)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ranks = rank_results(tmp_path)
+    for name in names if check is None else check:
+        whole = run_whole(name)
+        for r in ranks:
+            assert torch.equal(r[f"{name}.tokens"], whole["tokens"]), name
+            torch.testing.assert_close(r[f"{name}.logprobs"], whole["logprobs"], rtol=1e-5,
+                                       atol=1e-5, msg=name)
+        assert torch.equal(ranks[0][f"{name}.logprobs"], ranks[1][f"{name}.logprobs"]), name
+    return ranks
