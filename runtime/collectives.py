@@ -31,6 +31,8 @@ from torch import Tensor
 from rewriter.errors import RewriterError
 from rewriter.ir.core import IR
 
+from .process_group import differing
+
 _C10D = torch.ops._c10d_functional
 
 
@@ -157,19 +159,9 @@ def check_same_program(digest: bytes) -> None:
     """Every rank runs the same IR, or none runs: ranks that lowered different programs
     (a pass that chose by timing, run on each rank; another artifact on another host)
     would pair unlike collectives, or wait on each other until the timeout. One
-    all-gather of ``program_digest``, at lowering."""
-    import torch.distributed as dist
-    mine = torch.tensor(list(digest), dtype=torch.uint8)
-    gathered = _gather(mine.to(_device()), dist.get_world_size()).view(-1, mine.numel())
-    differ = [r for r in range(gathered.shape[0]) if not torch.equal(gathered[r], gathered[0])]
+    all-gather of ``program_digest``, at lowering (``process_group.differing``)."""
+    differ = differing(digest)
     if differ:
         raise RewriterError(f"ranks {differ} hold a different model than rank 0 (its graph, "
                             f"decoding choices or weights): every rank must run the same "
                             f"optimized model (load one artifact on every rank)")
-
-
-def _device() -> torch.device:
-    import torch.distributed as dist
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -78,8 +78,15 @@ def _local_rank() -> int:
 
 
 def agree(data: bytes, what: str) -> None:
-    """Every rank holds the same ``data``, or every rank raises: one all-gather of its
-    SHA-256 digest (bounded by the group's timeout)."""
+    """Every rank holds the same ``data``, or every rank raises (``differing``)."""
+    differ = differing(data)
+    if differ:
+        raise RewriterError(f"ranks {differ} got different {what} than rank 0")
+
+
+def differing(data: bytes) -> list[int]:
+    """The ranks whose ``data`` differs from rank 0's: one all-gather of its SHA-256 digest
+    (bounded by the group's timeout), the same answer on every rank."""
     import torch
     import torch.distributed as dist
     digest = torch.tensor(list(hashlib.sha256(data).digest()), dtype=torch.uint8)  # [32]
@@ -87,9 +94,7 @@ def agree(data: bytes, what: str) -> None:
         digest = digest.to(torch.device("cuda", torch.cuda.current_device()))
     every = [torch.empty_like(digest) for _ in range(dist.get_world_size())]
     dist.all_gather(every, digest)
-    differ = [r for r, d in enumerate(every) if not torch.equal(d, every[0])]
-    if differ:
-        raise RewriterError(f"ranks {differ} got different {what} than rank 0")
+    return [r for r, d in enumerate(every) if not torch.equal(d, every[0])]
 
 
 def stop() -> None:
