@@ -42,12 +42,18 @@ def world(ir: IR) -> int | None:
     return tp["world_size"] if tp else None
 
 
+def distributed() -> bool:
+    """Whether this process has joined a default process group."""
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_initialized()
+
+
 def this_rank(ir: IR) -> int:
     """This process's rank in the default group, checked against the ranks ``ir`` is split
     for: a model split for 2 run by 1 or 4 processes is refused by name."""
     size = world(ir)
     import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()):
+    if not distributed():
         raise RewriterError(
             f"this model is split over {size} ranks (TensorParallel(world_size={size})): "
             f"run it in {size} processes, e.g. `rewriter run ARTIFACT --tp {size}` or "

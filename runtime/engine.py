@@ -34,7 +34,7 @@ from .generate import Batch, prepare, score_loop
 from .inputs import check_length, check_positions, check_prefix, check_token_ids, token_count
 from .kv_cache import KVCache, cache_table, read_bytes, unbounded_length
 from .lower import program_code
-from .collectives import check_same_program, program_digest, this_rank, world
+from .collectives import check_same_program, distributed, program_digest, this_rank, world
 from .programs import build_programs, kernel_files, lowering_key
 from .replay import Replays
 from .settings import PREFILL_CHUNK, GenerationSettings, token_ids
@@ -303,7 +303,7 @@ class Engine:
         if not self.ir.is_causal_lm:
             return
         try:
-            if world(self.ir) is not None and not _distributed():
+            if world(self.ir) is not None and not distributed():
                 # the ranks run elsewhere: the first and the last rank's programs are built
                 # here and dropped (verify checked every rank's split; an uneven split
                 # leaves the last rank the fewest heads)
@@ -364,8 +364,3 @@ class Engine:
 
     def __repr__(self) -> str:
         return f"Engine({self.ir.summary()}, passes={[p['name'] for p in self.pass_specs]})"
-
-
-def _distributed() -> bool:
-    import torch.distributed as dist
-    return dist.is_available() and dist.is_initialized()

@@ -180,17 +180,23 @@ class _Walk:
         """(q features, k/v features) of this rank's KV groups, and the attention's new
         attributes."""
         a = attention_args(attn)
+        (g0, g1), counts, q_keep, kv_keep = self._head_share(a, attn)
+        self._attributes(attn, {**counts, **_per_head(a, g0, g1, attn)})
+        return q_keep, kv_keep
+
+    def _head_share(self, a: dict, node: fx.Node) -> tuple:
+        """This rank's KV groups ``(g0, g1)`` of an op with ``num_heads``, ``num_kv_heads``,
+        ``head_dim`` (attention, a selection): the groups, its head counts, its q features
+        and its k/v features."""
         groups, d = a["num_kv_heads"], a["head_dim"]
         rep = a["num_heads"] // groups
         if groups < self.p.world:
-            raise ShardError(f"{attn.name} (layer {a['layer']}) has {groups} KV heads; each "
+            raise ShardError(f"{node.name} (layer {a['layer']}) has {groups} KV heads; each "
                              f"of {self.p.world} ranks needs a whole one, so at most {groups} "
                              f"ranks can split it")
         g0, g1 = split_units(groups, self.p.world)[self.p.rank]
-        new = {"num_heads": (g1 - g0) * rep, "num_kv_heads": g1 - g0}
-        new.update(_per_head(a, g0, g1, attn))
-        self._attributes(attn, new)
-        return ((g0 * rep * d, g1 * rep * d),), ((g0 * d, g1 * d),)
+        counts = {"num_heads": (g1 - g0) * rep, "num_kv_heads": g1 - g0}
+        return (g0, g1), counts, ((g0 * rep * d, g1 * rep * d),), ((g0 * d, g1 * d),)
 
     def _mlp_block(self, row: fx.Node, width: int) -> Ranges:
         """This rank's contiguous share of an MLP's ``width`` features, in blocks a 4-bit
@@ -255,12 +261,10 @@ class _Walk:
     def _selection(self, node: fx.Node) -> None:
         name = short_name(node.target)[3:]
         a = op_arguments(name, tuple(node.args), dict(node.kwargs))
-        groups, d = a["num_kv_heads"], a["head_dim"]
-        rep = a["num_heads"] // groups
-        g0, g1 = split_units(groups, self.p.world)[self.p.rank]
-        self._attributes(node, {"num_heads": (g1 - g0) * rep, "num_kv_heads": g1 - g0})
-        self._push(a["q"], ((g0 * rep * d, g1 * rep * d),))
-        self._push(a["k"], ((g0 * d, g1 * d),))
+        _, counts, q_keep, kv_keep = self._head_share(a, node)
+        self._attributes(node, counts)
+        self._push(a["q"], q_keep)
+        self._push(a["k"], kv_keep)
 
     def _split_part(self, part: fx.Node, keep: Ranges) -> None:
         """Part ``i`` of a fused projection's split: once every used part is known, the
