@@ -1,7 +1,8 @@
 """RMSNorm, and the residual add fused with it (``rw.rms_norm``, ``rw.add_rms_norm``).
 
 Reference (``rewriter.ops``): ``total = x + residual``; ``h = total.float()``;
-``out = weight * (h * rsqrt(mean(h^2) + eps)).to(x.dtype)``. Bytes moved per row of H:
+``out = weight * (h * rsqrt(mean(h^2) + eps)).to(x.dtype)``, or with ``unit_offset``
+(Gemma) ``out = ((1 + weight) * h * rsqrt(mean(h^2) + eps)).to(x.dtype)``. Bytes moved per row of H:
 x, residual and weight read once, out and total written once: (4 H + H) * itemsize.
 One program per row; the row is one block (H up to a few thousand: one read, in registers).
 """
@@ -19,7 +20,7 @@ from . import check, row_warps
 @triton.jit
 def add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, total_ptr, n_cols, x_stride, res_stride,
                         out_stride, total_stride, eps, HAS_RESIDUAL: tl.constexpr,
-                        BLOCK: tl.constexpr):
+                        UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -31,12 +32,15 @@ def add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, total_ptr, n_cols, x_str
     h = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(h * h, axis=0) / n_cols + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    y = w.to(tl.float32) * (h * inv).to(x.dtype).to(tl.float32)
+    if UNIT_OFFSET:  # Gemma: (1 + w) times the float32 row, then the cast
+        y = (h * inv) * (1.0 + w.to(tl.float32))
+    else:  # Llama: the row cast back first, then the weight
+        y = w.to(tl.float32) * (h * inv).to(x.dtype).to(tl.float32)
     tl.store(out_ptr + row * out_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
-                 eps: float, out: Optional[torch.Tensor] = None,
+                 eps: float, unit_offset: bool = False, out: Optional[torch.Tensor] = None,
                  total: Optional[torch.Tensor] = None):
     """``(rms_norm(x + residual), x + residual)``; with ``residual=None``, ``rms_norm(x)``.
     ``out``/``total`` (contiguous, shaped like ``x``) receive the results when given."""
@@ -49,7 +53,8 @@ def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torc
               f"{name} must be contiguous and shaped like x {list(shape)}")
     x2 = x.reshape(-1, n)  # [rows, H]
     if out is None:
-        out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+        dtype = x.dtype if unit_offset else torch.promote_types(x.dtype, weight.dtype)
+        out = torch.empty(x2.shape, dtype=dtype, device=x.device)
     if total is None:
         total = torch.empty_like(x2) if residual is not None else out
     out, total = out.view(-1, n), total.view(-1, n)
@@ -59,12 +64,13 @@ def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torc
         x2, r2 = x2.contiguous(), r2.contiguous()
     add_rms_norm_kernel[(x2.shape[0],)](
         x2, r2, weight, out, total, n, x2.stride(0), r2.stride(0), out.stride(0), total.stride(0),
-        eps, HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=row_warps(block))
+        eps, HAS_RESIDUAL=residual is not None, UNIT_OFFSET=bool(unit_offset), BLOCK=block,
+        num_warps=row_warps(block))
     if residual is None:
         return out.view(shape)
     return out.view(shape), total.view(shape)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False,
              out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    return add_rms_norm(x, None, weight, eps, out=out)
+    return add_rms_norm(x, None, weight, eps, unit_offset, out=out)

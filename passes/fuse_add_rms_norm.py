@@ -20,6 +20,7 @@ import operator
 import torch
 
 from rewriter.ir.core import IR
+from rewriter.ops import op_arguments
 from rewriter.ir.nodes import call, mark
 from rewriter.passes.fusion import FusionPass
 
@@ -61,11 +62,12 @@ def _val(node):
 
 def _fuse(ir: IR, add, norm, pass_name: str) -> None:
     x, residual = add.args
-    weight, eps = norm.args[1], norm.args[2]
+    args = op_arguments("rms_norm", tuple(norm.args), dict(norm.kwargs))
+    fused = (x, residual, args["weight"], args["eps"]) + ((True,) if args["unit_offset"] else ())
     g = ir.graph
     with g.inserting_before(add):
-        both = mark(call(ir, torch.ops.rw.add_rms_norm.default, (x, residual, weight, eps),
-                         "add_rms_norm"), add, pass_name)
+        both = mark(call(ir, torch.ops.rw.add_rms_norm.default, fused, "add_rms_norm"), add,
+                    pass_name)
         normed = mark(call(ir, operator.getitem, (both, 0), "normed"), norm, pass_name)
         total = mark(call(ir, operator.getitem, (both, 1), "residual"), add, pass_name)
     norm.replace_all_uses_with(normed)

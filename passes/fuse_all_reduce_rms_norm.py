@@ -60,7 +60,7 @@ class FuseAllReduceRMSNorm(FusionPass):
         outputs, same layer."""
         args = op_arguments("add_rms_norm", tuple(node.args), dict(node.kwargs))
         found = _sum_operand(args["x"], args["residual"])
-        if found is None:
+        if found is None or args["unit_offset"]:  # Gemma's norm: no fused form (yet)
             return 0
         total, residual = found
         node.target = OPS["all_reduce_add_rms_norm"]
@@ -72,7 +72,7 @@ class FuseAllReduceRMSNorm(FusionPass):
         args = op_arguments("rms_norm", tuple(norm.args), dict(norm.kwargs))
         add = args["x"]
         final = "layer" in getattr(add, "meta", {}) and "layer" not in norm.meta
-        if final or not _is_tensor_add(add):
+        if final or args["unit_offset"] or not _is_tensor_add(add):
             return 0
         found = _sum_operand(*add.args)
         if found is None:

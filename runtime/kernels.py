@@ -17,12 +17,12 @@ from rewriter.maths.int4 import GROUP_SIZES, unpack
 from rewriter.ops import REFERENCE
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float, unit_offset: bool = False) -> Tensor:
     # The reference normalises in float32 and casts back before the weight (as Llama
     # does); for float32 in and out that is exactly ATen's fused rms_norm.
-    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+    if x.dtype == torch.float32 and weight.dtype == torch.float32 and not unit_offset:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    return REFERENCE["rms_norm"](x, weight, eps)
+    return REFERENCE["rms_norm"](x, weight, eps, unit_offset)
 
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor, head_dim: int) -> Tensor:
@@ -36,9 +36,10 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, head_dim: int) -> Tensor:
     return out.view(b, s, -1)  # [B, S, H*D]
 
 
-def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                 unit_offset: bool = False) -> tuple[Tensor, Tensor]:
     total = x + residual
-    return rms_norm(total, weight, eps), total
+    return rms_norm(total, weight, eps, unit_offset), total
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

@@ -35,6 +35,7 @@ def kernels() -> tuple[dict, Callable]:
 
     from .triton_attention import cached_attention
     table = {**REFERENCE, "rms_norm": norm.rms_norm,
-             "add_rms_norm": lambda x, r, w, eps: norm.add_rms_norm(x, r, w, eps),
+             "add_rms_norm": lambda x, r, w, eps, unit_offset=False:
+                 norm.add_rms_norm(x, r, w, eps, unit_offset),
              "swiglu": swiglu.swiglu, "rope": rope.rope}
     return table, cached_attention

@@ -35,13 +35,17 @@ def query_scaling(reg: Region, q: fx.Node) -> float | None:
     return None
 
 
-def unexpected_math(reg: Region, uses_rope: bool, q_scaled: bool) -> str | None:
+def unexpected_math(reg: Region, uses_rope: bool, q_scaled: bool,
+                    qk_norms: set = frozenset()) -> str | None:
     """Why the region computes more than attention (a reason), or None: the lifter drops
-    every op of the region, so any arithmetic it does not account for would be lost."""
+    every op of the region, so any arithmetic it does not account for would be lost
+    (``qk_norms``: the region's QK-norm nodes, which the lifter puts back per head)."""
     expected = {op: (n if uses_rope else 0) for op, n in _ROPE_MATH.items()}
     expected[aten.mul.Tensor] += int(q_scaled)
     found = {op: 0 for op in expected}
     for n in reg.nodes:
+        if n in qk_norms:
+            continue
         if n.target in found:
             found[n.target] += 1
         elif n.target not in _LAYOUT:

@@ -22,6 +22,7 @@ from rewriter.frontend.positions import position_offset
 from rewriter.frontend.window import attention_window
 
 from rewriter import ops
+from rewriter.ops import op_arguments
 from rewriter.ir.core import add_weight
 from rewriter.frontend.regions import Region, data_ancestors, erase_region, region, scope_of
 from rewriter.frontend.trace import Traced
@@ -34,8 +35,10 @@ _NOISE = {aten._assert_tensor_metadata.default}
 _IDENTITY = {aten.alias.default, aten.dropout.default, aten.clone.default}
 _TO = {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default}
 _RMS_OPS = {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.pow.Tensor_Scalar,
-            aten.mean.dim, aten.add.Tensor, aten.add.Scalar, aten.rsqrt.default, aten.mul.Tensor}
+            aten.mean.dim, aten.add.Tensor, aten.add.Scalar, aten.rsqrt.default, aten.mul.Tensor,
+            aten.type_as.default}
 _ATTN_CHILDREN = ({"q_proj", "k_proj", "v_proj", "o_proj"},  # Llama, Qwen2, Mistral
+                  {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"},  # Qwen3, Gemma 3
                   {"q_proj", "k_proj", "v_proj", "dense"},  # Phi
                   {"q_proj", "k_proj", "v_proj", "out_proj"},  # OPT
                   {"c_attn", "c_proj", "attn_dropout", "resid_dropout"},  # GPT-2
@@ -51,7 +54,7 @@ class Lifter:
         self.report: list[str] = []
         self.unlifted_attention: list[str] = []  # module paths
         self.unlifted_embeddings: list[str] = []  # indexed by neither token ids nor positions
-        self.cos = self.sin = None
+        self.tables: list[tuple[fx.Node, fx.Node]] = []  # (cos, sin) of each RoPE table
         self.positions = None
         self.input_ids = None
         self.layer_container = find_layer_container(self.root)
@@ -69,6 +72,8 @@ class Lifter:
                 self.lift_rms_norm(scope)
             elif "GELU" in cls:
                 self.lift_gelu(scope, cls)
+            elif cls.endswith("ScaledWordEmbedding"):
+                self.lift_scaled_embedding(scope)
         if causal_lm:
             for scope, cls in self.scopes():
                 if cls.endswith("RotaryEmbedding"):
@@ -163,7 +168,25 @@ class Lifter:
             return self.skip(scope, "not the x * rsqrt(mean(x^2) + eps) * weight pattern")
         if len(reg.inputs) != 1 or len(reg.weights) != 1 or len(reg.outputs) != 1:
             return self.skip(scope, "RMSNorm region does not have one input, weight, output")
-        self.replace(reg, rw.rms_norm, (reg.inputs[0], reg.weights[0], float(eps)))
+        args = (reg.inputs[0], reg.weights[0], float(eps))
+        self.replace(reg, rw.rms_norm, args + ((True,) if _unit_offset(reg) else ()))
+
+    def lift_scaled_embedding(self, scope: str) -> None:
+        """Gemma's ``embedding(ids) * sqrt(hidden)`` (the scale a 0-d buffer cast to the
+        table's dtype) becomes ``rw.embedding(ids, table, scale)``."""
+        reg = region(self.graph, scope, self.prefix)
+        emb = [n for n in reg.nodes if n.target == rw.embedding.default]
+        muls = [n for n in reg.nodes if n.target == aten.mul.Tensor]
+        if len(emb) != 1 or len(muls) != 1 or len(reg.outputs) != 1 or reg.outputs[0] is not muls[0] \
+                or {n.target for n in reg.nodes} - {rw.embedding.default, aten.mul.Tensor, *_TO}:
+            return self.skip(scope, "scaled embedding region is not embedding(ids) * scale")
+        (e,), (mul,) = emb, muls
+        scales = [w for w in reg.weights if w is not e.args[1] and self.tensor(w).numel() == 1]
+        if len(scales) != 1 or e not in mul.args:
+            return self.skip(scope, "scaled embedding region is not embedding(ids) * scale")
+        table = self.tensor(e.args[1])
+        scale = float(self.tensor(scales[0]).to(table.dtype))  # as the model rounds it
+        self.replace(reg, rw.embedding, (e.args[0], e.args[1], scale))
 
     def lift_gelu(self, scope: str, cls: str) -> None:
         reg = region(self.graph, scope, self.prefix)
@@ -179,26 +202,49 @@ class Lifter:
         self.replace(reg, rw.gelu, (reg.inputs[0], approx))
 
     def lift_rotary(self, scope: str) -> None:
-        """The cos/sin tables become ``rw.rotary(positions, inv_freq)``."""
+        """Each cos/sin table becomes ``rw.rotary(positions, inv_freq, scaling)``: one
+        table (``inv_freq``), or one per kind of layer (Gemma 3: ``<kind>_inv_freq`` with
+        ``<kind>_attention_scaling``, local and global layers with their own bases)."""
         reg = region(self.graph, scope, self.prefix)
         mod = self.module(scope)
         rope_type = getattr(mod, "rope_type", "default")
-        if mod is None or not hasattr(mod, "inv_freq") or "dynamic" in str(rope_type):
+        if mod is None or "dynamic" in str(rope_type):
             return self.skip(scope, f"rotary embedding of type {rope_type!r} is not lifted")
-        if len(reg.outputs) != 2:
-            return self.skip(scope, "rotary region does not return (cos, sin)")
-        cos_out, sin_out = sorted(reg.outputs, key=_getitem_index)
-        inv_freq = self.weight(scope + ".inv_freq", mod.inv_freq.detach().clone())
-        scaling = float(getattr(mod, "attention_scaling", 1.0))
-        with self.graph.inserting_after(reg.nodes[-1]):
-            tab = self.call(rw.rotary, (self.positions, inv_freq, scaling), like=cos_out)
-        with self.graph.inserting_after(tab):
-            self.cos = self.call(operator.getitem, (tab, 0), like=cos_out, name="cos")
-        with self.graph.inserting_after(self.cos):
-            self.sin = self.call(operator.getitem, (tab, 1), like=cos_out, name="sin")
-        cos_out.replace_all_uses_with(self.cos, delete_user_cb=lambda u: u not in reg.nodes)
-        sin_out.replace_all_uses_with(self.sin, delete_user_cb=lambda u: u not in reg.nodes)
+        tables = self.rotary_tables(reg, mod)
+        if tables is None:
+            return self.skip(scope, "rotary region does not return (cos, sin) from an inv_freq")
+        for name, (cos_out, sin_out) in tables.items():
+            kind = name[:-len("inv_freq")]  # "" or "sliding_attention_"
+            inv_freq = self.weight(f"{scope}.{name}", getattr(mod, name).detach().clone())
+            scaling = float(getattr(mod, kind + "attention_scaling", 1.0))
+            with self.graph.inserting_after(reg.nodes[-1]):
+                tab = self.call(rw.rotary, (self.positions, inv_freq, scaling), like=cos_out)
+            with self.graph.inserting_after(tab):
+                cos = self.call(operator.getitem, (tab, 0), like=cos_out, name=kind + "cos")
+            with self.graph.inserting_after(cos):
+                sin = self.call(operator.getitem, (tab, 1), like=cos_out, name=kind + "sin")
+            cos_out.replace_all_uses_with(cos, delete_user_cb=lambda u: u not in reg.nodes)
+            sin_out.replace_all_uses_with(sin, delete_user_cb=lambda u: u not in reg.nodes)
+            self.tables.append((cos, sin))
         erase_region(self.graph, reg)
+
+    def rotary_tables(self, reg: Region, mod: nn.Module):
+        """``{inv_freq attribute: (cos output, sin output)}`` of a rotary region, told apart
+        by the inv_freq buffer each output is computed from, or None."""
+        found: dict[str, dict[str, fx.Node]] = {}
+        for out in reg.outputs:
+            ancestors = data_ancestors(out) | {out}
+            freqs = {w.target.rsplit(".", 1)[-1] for w in reg.weights if w in ancestors}
+            trig = {n.target for n in ancestors if n in reg.nodes} & {aten.cos.default, aten.sin.default}
+            if len(freqs) != 1 or len(trig) != 1:
+                return None
+            (name,), (fn,) = freqs, trig
+            if not name.endswith("inv_freq") or not isinstance(getattr(mod, name, None), torch.Tensor):
+                return None
+            found.setdefault(name, {})["cos" if fn == aten.cos.default else "sin"] = out
+        if not found or any(len(pair) != 2 for pair in found.values()):
+            return None
+        return {name: (pair["cos"], pair["sin"]) for name, pair in found.items()}
 
     def lift_position_embeddings(self) -> None:
         """Embeddings indexed by ``arange(S) + c`` read ``positions + c`` (GPT-2's ``wpe``:
@@ -234,31 +280,49 @@ class Lifter:
     def lift_attention(self, scope: str) -> fx.Node | None:
         """``rw.attention`` in place of the module's region (None when left as ATen)."""
         mod = self.module(scope)
-        reg = region(self.graph, scope, self.prefix, exact=True)
         children = {name for name, _ in mod.named_children()} if mod is not None else set()
         if not any(children == c for c in _ATTN_CHILDREN):
             return self.skip(scope, f"attention with children {sorted(children)} is not lifted")
+        norm_scopes = tuple(f"{scope}.{c}" for c in ("q_norm", "k_norm") if c in children)
+        reg = region(self.graph, scope, self.prefix, exact=True, also=norm_scopes)
+        norms = self.qk_norms(reg, norm_scopes)
+        if norms is None:
+            return self.skip(scope, "q_norm/k_norm are not one lifted RMSNorm each")
         sdpa = [n for n in reg.nodes if n.target == aten.scaled_dot_product_attention.default]
         if len(sdpa) != 1 or len(reg.outputs) != 1:
             return self.skip(scope, "attention region has no single SDPA call and output")
         qkv = self.qkv_inputs(scope, mod, reg)
         if qkv is None:
             return self.skip(scope, "q/k/v projections not found")
-        uses_rope = self.cos is not None and self.cos in reg.inputs
+        tables = [t for t in self.tables if t[0] in reg.inputs or t[1] in reg.inputs]
+        if len(tables) > 1:
+            return self.skip(scope, "attention reads more than one RoPE table")
+        table = tables[0] if tables else None
         projections = {n for n in reg.inputs if n.target == rw.linear.default
                        and scope_of(n, self.prefix)[0].startswith(scope + ".")}
-        known = set(qkv) | projections | {self.cos, self.sin}
+        known = set(qkv) | projections | set(table or ())
         for extra in reg.inputs:
             if extra not in known and not _is_mask(extra):
                 return self.skip(scope, f"attention reads an unexpected input {extra.name}")
         q_scale = query_scaling(reg, qkv[0])
-        why = unexpected_math(reg, uses_rope, q_scale is not None)
+        why = unexpected_math(reg, table is not None, q_scale is not None, set(norms.values()))
         if why:
             return self.skip(scope, why)
-        args = self.attention_args(scope, mod, sdpa[0], qkv, uses_rope, q_scale or 1.0)
+        args = self.attention_args(scope, mod, sdpa[0], qkv, table, q_scale or 1.0, norms)
         return self.replace(reg, rw.attention, args)
 
-    def attention_args(self, scope, mod, sdpa, qkv, uses_rope, q_scale: float) -> tuple:
+    def qk_norms(self, reg: Region, norm_scopes: tuple[str, ...]) -> dict[str, fx.Node] | None:
+        """``{"q_norm": node, "k_norm": node}``, the lifted ``rw.rms_norm`` of each QK-norm
+        child (none without them), or None when a child is not exactly one."""
+        found = {}
+        for child_scope in norm_scopes:
+            nodes = [n for n in reg.nodes if scope_of(n, self.prefix)[0] == child_scope]
+            if len(nodes) != 1 or nodes[0].target != rw.rms_norm.default:
+                return None
+            found[child_scope.rsplit(".", 1)[-1]] = nodes[0]
+        return found if len(found) in (0, 2) else None
+
+    def attention_args(self, scope, mod, sdpa, qkv, table, q_scale: float, norms: dict) -> tuple:
         config = self.root.config
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -266,9 +330,12 @@ class Lifter:
         # OPT scales q before SDPA (whose own scale is then 1): one scale for both.
         scale = (sdpa.kwargs.get("scale") or ops.default_scale(head_dim)) * q_scale
         q, k, v = qkv
-        if uses_rope:
-            q, k = (self.insert_before(sdpa, rw.rope, (x, self.cos, self.sin, head_dim), x)
-                    for x in (q, k))
+        if norms:  # QK-norm: each head of q and of k normalised before RoPE
+            q, k = (self.insert_before(sdpa, rw.head_rms_norm,
+                                       _head_norm_args(x, norms[name], head_dim), x)
+                    for x, name in ((q, "q_norm"), (k, "k_norm")))
+        if table is not None:
+            q, k = (self.insert_before(sdpa, rw.rope, (x, *table, head_dim), x) for x in (q, k))
         layer = self.layer_index(scope)
         return (q, k, v, layer, heads, kv_heads, head_dim, float(scale), True,
                 attention_window(mod, config, layer))
@@ -383,6 +450,25 @@ def find_layer_container(root: nn.Module) -> str | None:
     return best[0] if best else None
 
 
+def _unit_offset(reg: Region) -> bool:
+    """Whether an RMSNorm region scales by ``1 + weight`` (Gemma) rather than ``weight``."""
+    (w,) = reg.weights
+    seen = {w}
+    for n in reg.nodes:  # graph order: the weight's casts come before its use
+        if n.target in _TO and n.args[0] in seen:
+            seen.add(n)
+        elif n.target in (aten.add.Tensor, aten.add.Scalar) and n.args[0] in seen \
+                and n.args[1] == 1.0:
+            return True
+    return False
+
+
+def _head_norm_args(x: fx.Node, norm: fx.Node, head_dim: int) -> tuple:
+    """``rw.head_rms_norm``'s arguments for ``x`` from a lifted per-head ``rw.rms_norm``."""
+    a = op_arguments("rms_norm", tuple(norm.args), dict(norm.kwargs))
+    return (x, a["weight"], a["eps"], head_dim) + ((True,) if a["unit_offset"] else ())
+
+
 def _same_meta(a: fx.Node, b) -> bool:
     va, vb = a.meta.get("val"), getattr(b, "meta", {}).get("val")
     return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)
@@ -392,10 +478,6 @@ def _same_meta(a: fx.Node, b) -> bool:
 def _rank(node: fx.Node) -> int | None:
     val = node.meta.get("val")
     return val.dim() if isinstance(val, torch.Tensor) else None
-
-
-def _getitem_index(node: fx.Node) -> int:
-    return node.args[1] if node.target is operator.getitem else 0
 
 
 def _is_mask(node: fx.Node) -> bool:

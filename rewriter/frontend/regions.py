@@ -58,13 +58,15 @@ class Region:
     outputs: list[fx.Node]  # region values used outside, in graph order
 
 
-def region(graph: fx.Graph, scope: str, prefix: str, exact: bool = False) -> Region:
-    """The nodes of ``scope`` (and of its children unless ``exact``) and their border."""
+def region(graph: fx.Graph, scope: str, prefix: str, exact: bool = False,
+           also: tuple[str, ...] = ()) -> Region:
+    """The nodes of ``scope`` (and of its children unless ``exact``; with ``also``, of
+    those child scopes too) and their border."""
     def member(n: fx.Node) -> bool:
         if n.op != "call_function":
             return False
         path = scope_of(n, prefix)[0]
-        return path == scope if exact else in_scope(path, scope)
+        return path == scope or path in also if exact else in_scope(path, scope)
 
     nodes = [n for n in graph.nodes if member(n)]
     inside = set(nodes)

@@ -22,7 +22,7 @@ package registers every op.
 """
 from rewriter.ops.registry import OPS, REFERENCE, ShapeError, short_name
 from rewriter.ops.dense import embedding, gelu, linear, linear_int4, next_tokens, silu, swiglu
-from rewriter.ops.norms import add_rms_norm, layer_norm, rms_norm
+from rewriter.ops.norms import add_rms_norm, head_rms_norm, layer_norm, rms_norm
 from rewriter.ops.positions import rope, rotary
 from rewriter.ops.attend import (attention, attention_mask, default_scale, selected_mask,
                                     sink_attention)
@@ -36,7 +36,7 @@ from rewriter.ops.attributes import (ATTRIBUTES, CONTEXT_BOUNDED, check_argument
 __all__ = [
     "OPS", "REFERENCE", "ShapeError", "short_name",
     "embedding", "next_tokens", "linear", "linear_int4", "silu", "gelu", "swiglu",
-    "rms_norm", "layer_norm", "add_rms_norm", "rotary", "rope",
+    "rms_norm", "head_rms_norm", "layer_norm", "add_rms_norm", "rotary", "rope",
     "attention", "attention_mask", "selected_mask", "sink_attention", "default_scale",
     "select_tokens", "select_pages", "with_recent", "page_scores", "pages_to_tokens",
     "top_tokens", "EAGLE_WEIGHTS", "eagle_layer", "all_reduce", "all_reduce_add_rms_norm",

@@ -70,9 +70,11 @@ def _optional(rule):
 
 
 ATTRIBUTES: dict[str, dict[str, callable]] = {
-    "rms_norm": {"eps": _finite_positive},
+    "embedding": {"scale": _optional(_finite_positive)},
+    "rms_norm": {"eps": _finite_positive, "unit_offset": _bool},
+    "head_rms_norm": {"eps": _finite_positive, "head_dim": _int(1), "unit_offset": _bool},
     "layer_norm": {"eps": _finite_positive},
-    "add_rms_norm": {"eps": _finite_positive},
+    "add_rms_norm": {"eps": _finite_positive, "unit_offset": _bool},
     "all_reduce": {"world_size": _int(2, MAX_WORLD)},
     "all_reduce_add_rms_norm": {"eps": _finite_positive, "world_size": _int(2, MAX_WORLD),
                                 "two_shot_tokens": _optional(_int(1))},

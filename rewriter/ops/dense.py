@@ -11,7 +11,7 @@ from rewriter.maths.int4 import dequantize
 from rewriter.ops.registry import _dims, _need, _register
 
 
-def _embedding_fake(ids, w):
+def _embedding_fake(ids, w, scale=None):
     _need(not ids.is_floating_point() and not ids.is_complex(), "embedding",
           f"ids must be integers, got {ids.dtype}")
     _need(w.dim() == 2, "embedding", f"weight must be [rows, features], got {_dims(w)}")
@@ -19,9 +19,12 @@ def _embedding_fake(ids, w):
 
 
 @_register(fake=_embedding_fake)
-def embedding(ids: Tensor, weight: Tensor) -> Tensor:
-    """Rows of ``weight`` ``[V, H]`` for integer ``ids`` ``[B, S]`` -> ``[B, S, H]``."""
-    return F.embedding(ids, weight)
+def embedding(ids: Tensor, weight: Tensor, scale: Optional[float] = None) -> Tensor:
+    """Rows of ``weight`` ``[V, H]`` for integer ``ids`` ``[B, S]`` -> ``[B, S, H]``, times
+    ``scale`` when given (Gemma's ``sqrt(hidden)``, held as the weight's dtype rounds it,
+    so the product is the one the model computes)."""
+    rows = F.embedding(ids, weight)
+    return rows if scale is None else rows * scale
 
 
 def _next_tokens_fake(ids, count):
