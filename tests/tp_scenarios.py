@@ -34,6 +34,8 @@ SCENARIOS = {
     "neox": ("neox-parallel-3l", {}, ["tensor_parallel:world_size=2"]),
     "phi": ("phi-gqa-2l", {}, ["tensor_parallel:world_size=2"]),
     "opt": ("opt-2l", {}, ["tensor_parallel:world_size=2"]),
+    # Phi-3: qkv_proj and gate_up_proj split by the lifter into the linears the split reads
+    "phi3": ("phi3-gqa-2l", {}, ["tensor_parallel:world_size=2"]),
 }
 
 # FuseAllReduceRMSNorm: the rule's form (CPU: all-reduce then add + norm) and the forced
@@ -162,11 +164,15 @@ SCENARIOS["differs"] = ("llama-gqa-3l", {}, _differs)
 def _make(config: str, overrides: dict):
     """(a seeded model of ``config``, what ``rewriter.optimize`` takes): tests/conftest.py's
     configs traced once per process (``traced_model``: scenarios of one config share the
-    trace), tests/test_frontend_families.py's traced by ``optimize``."""
+    trace), tests/test_frontend_families.py's and test_frontend_new_families.py's traced by
+    ``optimize``."""
     if config in conftest.CONFIGS:
         return conftest.traced_model(config, **overrides)
     import test_frontend_families
-    model = test_frontend_families.make(config, **overrides)
+    import test_frontend_new_families
+    families = test_frontend_new_families if config in test_frontend_new_families.FAMILIES \
+        else test_frontend_families
+    model = families.make(config, **overrides)
     return model, model
 
 

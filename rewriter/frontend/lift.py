@@ -18,6 +18,7 @@ import torch
 from torch import fx, nn
 
 from rewriter.frontend.attention_region import query_scaling, unexpected_math
+from rewriter.frontend.fused import gate_up_halves, qkv_proj_rows
 from rewriter.frontend.positions import position_offset
 from rewriter.frontend.window import attention_window
 
@@ -40,9 +41,18 @@ _RMS_OPS = {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.pow
 _ATTN_CHILDREN = ({"q_proj", "k_proj", "v_proj", "o_proj"},  # Llama, Qwen2, Mistral
                   {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"},  # Qwen3, Gemma 3
                   {"q_proj", "k_proj", "v_proj", "dense"},  # Phi
+                  {"qkv_proj", "o_proj"},  # Phi-3
                   {"q_proj", "k_proj", "v_proj", "out_proj"},  # OPT
                   {"c_attn", "c_proj", "attn_dropout", "resid_dropout"},  # GPT-2
                   {"query_key_value", "dense"})  # GPT-NeoX
+
+# Phi-3's long-context RoPE: Hugging Face picks the short or the long factors for the whole
+# call by its largest position, and its generate recomputes the entire KV cache the first
+# time the sequence passes original_max_position_embeddings; a cache that keeps the keys it
+# has computed cannot give the same tokens from that point on.
+_LONGROPE = ("rotary embedding of type 'longrope' is not lifted: Hugging Face switches every "
+             "key to the long factors (recomputing its KV cache) once the sequence passes "
+             "original_max_position_embeddings, which a KV cache of kept keys cannot do")
 
 
 class Lifter:
@@ -65,6 +75,7 @@ class Lifter:
         if causal_lm:
             self.add_positions()
         self.lift_leaf_ops()
+        self.split_gate_up()
         for scope, cls in self.scopes():
             if cls == "Conv1D":
                 self.lift_conv1d(scope)
@@ -135,6 +146,28 @@ class Lifter:
                                               a[3] if len(a) > 3 else None, eps))
             elif n.target == aten.silu.default:
                 self._swap(n, rw.silu, (a[0],))
+
+    def split_gate_up(self) -> None:
+        """Each ``gate_up_proj`` linear read as ``chunk(2, -1)`` becomes a gate and an up
+        linear (``frontend/fused.py``), each half's rows of the fused weight."""
+        for n in list(self.graph.find_nodes(op="call_function", target=rw.linear.default)):
+            scope = scope_of(n, self.prefix)[0]
+            if not scope.endswith(".gate_up_proj"):
+                continue
+            halves = gate_up_halves(n)
+            x, weight, bias = n.args  # as lift_leaf_ops wrote it
+            w = self.tensor(weight)
+            if halves is None or w.shape[0] % 2:
+                self.skip(scope, "gate_up_proj is not read as chunk(2, -1) of an even width")
+                continue
+            parent, half = scope[:-len(".gate_up_proj")], w.shape[0] // 2
+            b = self.tensor(bias) if bias is not None else None
+            for i, (item, name) in enumerate(zip(halves, ("gate_proj", "up_proj"))):
+                rows = slice(i * half, (i + 1) * half)  # [I, hidden] of the [2 * I, hidden]
+                wi = self.weight(f"{parent}.{name}.weight", w[rows].contiguous())
+                bi = self.weight(f"{parent}.{name}.bias", b[rows].contiguous()) if b is not None else None
+                lin = self.insert_before(n, rw.linear, (x, wi, bi), n)
+                item.replace_all_uses_with(lin)
 
     def _swap(self, node: fx.Node, op, args: tuple, kwargs: dict | None = None) -> None:
         node.target, node.args, node.kwargs = op.default, args, kwargs or {}
@@ -210,6 +243,8 @@ class Lifter:
         rope_type = getattr(mod, "rope_type", "default")
         if mod is None or "dynamic" in str(rope_type):
             return self.skip(scope, f"rotary embedding of type {rope_type!r} is not lifted")
+        if "longrope" in str(rope_type):
+            return self.skip(scope, _LONGROPE)
         tables = self.rotary_tables(reg, mod)
         if tables is None:
             return self.skip(scope, "rotary region does not return (cos, sin) from an inv_freq")
@@ -281,6 +316,10 @@ class Lifter:
         """``rw.attention`` in place of the module's region (None when left as ATen)."""
         mod = self.module(scope)
         children = {name for name, _ in mod.named_children()} if mod is not None else set()
+        cap = getattr(self.root.config, "attn_logit_softcapping", None)
+        if cap:  # Gemma 2: tanh(scores / cap) * cap before the softmax
+            return self.skip(scope, f"attention logit soft-capping (attn_logit_softcapping={cap}) "
+                             "is not lifted: rw.attention has no cap on its scores")
         if not any(children == c for c in _ATTN_CHILDREN):
             return self.skip(scope, f"attention with children {sorted(children)} is not lifted")
         norm_scopes = tuple(f"{scope}.{c}" for c in ("q_norm", "k_norm") if c in children)
@@ -371,7 +410,7 @@ class Lifter:
         per head, ``[q_h | k_h | v_h]`` for each head ``h`` (it views the output as
         ``[B, S, H, 3 * D]`` and chunks the last dimension in three)."""
         fused = [n for n in reg.inputs if n.target == rw.linear.default and scope_of(n, self.prefix)[0]
-                 in (f"{scope}.c_attn", f"{scope}.query_key_value")]
+                 in (f"{scope}.c_attn", f"{scope}.query_key_value", f"{scope}.qkv_proj")]
         if len(fused) != 1:
             return None
         (node,) = fused
@@ -390,6 +429,12 @@ class Lifter:
     def qkv_rows(self, scope: str, mod: nn.Module, reg: Region, fused: fx.Node):
         """Row indices of q, k and v in the fused weight, or None if the layout is unknown."""
         out_features = self.tensor(fused.args[1]).shape[0]
+        config = self.root.config
+        if scope_of(fused, self.prefix)[0].endswith(".qkv_proj"):  # Phi-3: [q | k | v], GQA sizes
+            heads = config.num_attention_heads
+            kv_heads = getattr(config, "num_key_value_heads", None) or heads
+            head_dim = getattr(mod, "head_dim", None) or config.hidden_size // heads
+            return qkv_proj_rows(fused, out_features, heads, kv_heads, head_dim)
         if scope_of(fused, self.prefix)[0].endswith(".c_attn"):
             size = getattr(mod, "split_size", None)
             if size is None or 3 * size != out_features:
