@@ -110,7 +110,9 @@ def _why(check, what: str):
 
 def _int4_record(v) -> bool:
     keys = ("linears", "group_size", "max_abs_error", "max_abs_weight")
-    return (isinstance(v, dict) and set(v) == set(keys) and _is_int(v["linears"], 1)
+    # exact_linears: recorded since K-quant GGUF files; older artifacts lack it
+    return (isinstance(v, dict) and set(v) - {"exact_linears"} == set(keys)
+            and _is_int(v["linears"], 1) and _is_int(v.get("exact_linears", 0), 0)
             and _is_int(v["group_size"], 2) and all(
                 isinstance(v[k], (int, float)) and not isinstance(v[k], bool)
                 and math.isfinite(v[k]) and v[k] >= 0 for k in keys[2:]))
@@ -137,7 +139,8 @@ _CHECKS = {
     "tensor_parallel": _why(lambda v: isinstance(v, dict) and set(v) == {"world_size"}
                             and _is_int(v["world_size"], 2) and v["world_size"] <= MAX_WORLD,
                             f"an object {{world_size}}, an integer in [2, {MAX_WORLD}]"),
-    "int4": _why(_int4_record, "an object {linears, group_size, max_abs_error, max_abs_weight}"),
+    "int4": _why(_int4_record, "an object {linears, exact_linears, group_size, max_abs_error, "
+                                   "max_abs_weight}"),
 }
 
 

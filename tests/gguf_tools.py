@@ -31,9 +31,11 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_llama_gguf(model, tokenizer_json: Path, path: Path, quant: str = "F32",
-                     chat_template: str | None = None) -> Path:
+                     chat_template: str | None = None, blocks: dict | None = None) -> Path:
     """``model`` (a LlamaForCausalLM) and its ``tokenizer.json`` (byte-level BPE) as GGUF.
-    ``quant``: ``F32`` or a ggml block type (``Q8_0``, ``Q4_1``, ...) for the 2-d matrices."""
+    ``quant``: ``F32`` or a ggml block type (``Q8_0``, ``Q4_1``, ...) for the 2-d matrices.
+    ``blocks``: GGUF tensor name -> (ggml type name, uint8 rows ``[out, bytes]``) written as
+    they are instead (``block_linears`` makes them; q and k rows permuted as llama.cpp's)."""
     import gguf
     c = model.config
     w = gguf.GGUFWriter(str(path), "llama")
@@ -52,7 +54,10 @@ def write_llama_gguf(model, tokenizer_json: Path, path: Path, quant: str = "F32"
     qtype = getattr(gguf.GGMLQuantizationType, quant)
     for name, t in _gguf_tensors(model):
         data = t.detach().float().numpy()
-        if quant != "F32" and data.ndim == 2 and data.shape[1] % 32 == 0:
+        if blocks and name in blocks:
+            kind, rows = blocks[name]
+            w.add_tensor(name, _permuted(name, rows, c), raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
+        elif quant != "F32" and data.ndim == 2 and data.shape[1] % 32 == 0:
             w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name, data)
@@ -63,20 +68,66 @@ def write_llama_gguf(model, tokenizer_json: Path, path: Path, quant: str = "F32"
     return path
 
 
-def _gguf_tensors(model):
-    c = model.config
-    params = dict(model.named_parameters())
-    if c.tie_word_embeddings:
-        params.pop("lm_head.weight", None)
-    for hf, t in params.items():
+def _permuted(name: str, rows: np.ndarray, c) -> np.ndarray:
+    heads = {"attn_q": c.num_attention_heads, "attn_k": c.num_key_value_heads}.get(name.split(".")[-2])
+    return permute(rows, heads) if heads else rows
+
+
+# where a block's fp16 scale(s) lie, in bytes; every other byte of a block may be anything
+FP16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(kind: str, out: int, width: int, seed: int) -> np.ndarray:
+    """uint8 rows ``[out, bytes]`` of ``kind`` (a K-quant) blocks for a ``[out, width]``
+    matrix: random bytes, with the fp16 scales set to small positive numbers as a quantizer
+    would write them (``gguf`` writes no K-quants itself)."""
+    import gguf
+    block, size = gguf.GGML_QUANT_SIZES[getattr(gguf.GGMLQuantizationType, kind)]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (out, width // block, size), dtype=np.uint8)
+    for at in FP16_FIELDS[kind]:
+        scale = (np.abs(rng.standard_normal((out, width // block))) * 2e-3 + 1e-4).astype(np.float16)
+        raw[..., at:at + 2] = scale.view(np.uint8).reshape(out, width // block, 2)
+    return raw.reshape(out, -1)
+
+
+def dequantized(kind: str, rows: np.ndarray) -> torch.Tensor:
+    """``gguf``'s own float32 reading of ``kind`` rows."""
+    import gguf
+    return torch.from_numpy(gguf.quants.dequantize(rows, getattr(gguf.GGMLQuantizationType, kind)))
+
+
+def block_linears(model, kind: str, seed: int = 0) -> dict:
+    """Set every linear of ``model`` (not the LM head) whose in-features are a multiple of
+    256 to ``gguf``'s reading of random ``kind`` blocks; those blocks by GGUF tensor name,
+    for ``write_llama_gguf(blocks=...)``."""
+    names = {hf: gg for hf, gg in _names(model)}
+    head = model.get_output_embeddings()
+    found = {}
+    with torch.no_grad():
+        for i, (hf, m) in enumerate(model.named_modules()):
+            if isinstance(m, torch.nn.Linear) and m is not head and m.in_features % 256 == 0:
+                rows = random_blocks(kind, m.out_features, m.in_features, seed + i)
+                m.weight.copy_(dequantized(kind, rows))
+                found[names[hf + ".weight"]] = (kind, rows)
+    return found
+
+
+def _names(model):
+    for hf, _ in model.named_parameters():
         parts = hf.split(".")
         key = hf if "layers" not in parts else ".".join(parts[:2] + ["{i}"] + parts[3:])
-        name = NAMES[key].format(i=parts[2] if "layers" in parts else "")
-        if name.endswith("attn_q.weight"):
-            t = torch.from_numpy(permute(t.detach().numpy(), c.num_attention_heads))
-        elif name.endswith("attn_k.weight"):
-            t = torch.from_numpy(permute(t.detach().numpy(), c.num_key_value_heads))
-        yield name, t
+        if key in NAMES:
+            yield hf, NAMES[key].format(i=parts[2] if "layers" in parts else "")
+
+
+def _gguf_tensors(model):
+    params = dict(model.named_parameters())
+    if model.config.tie_word_embeddings:
+        params.pop("lm_head.weight", None)
+    for hf, name in _names(model):
+        if hf in params:
+            yield name, torch.from_numpy(_permuted(name, params[hf].detach().numpy(), model.config))
 
 
 def _add_tokenizer(w, tok: dict, config, chat_template) -> None:

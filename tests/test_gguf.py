@@ -147,3 +147,30 @@ def test_dtype_is_checked_once_for_every_kind_of_checkpoint(f32_file):
         for bad in ("foo", 3, torch.float64):
             with pytest.raises(ValueError, match="dtype must be one of"):
                 rewriter.from_pretrained(path, dtype=bad)
+
+
+def test_each_load_parses_the_file_once_with_the_same_fields(f32_file, monkeypatch, tmp_path):
+    import gguf
+    import rewriter.models.gguf_read as gr
+    original, made, quick = gguf.GGUFReader, [], gr.fast_reader_class()
+
+    class Counted(quick):
+        def __init__(self, *args, **kwargs):
+            made.append(args[0])
+            super().__init__(*args, **kwargs)
+    monkeypatch.setattr(gr, "fast_reader_class", lambda: Counted)
+    rg.load_gguf_model(f32_file)
+    assert len(made) == 1  # transformers alone builds a reader for the config, then the tensors
+    rg.load_gguf_tokenizer(f32_file)
+    assert len(made) == 2 and gguf.GGUFReader is original  # put back after each load
+    mine, theirs = quick(f32_file), original(f32_file)
+    assert list(mine.fields) == list(theirs.fields)
+    for a, b in zip(mine.fields.values(), theirs.fields.values()):
+        assert a.types == b.types and a.data == b.data
+        assert all(np.array_equal(x, y) for x, y in zip(a.parts, b.parts))
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(mine.tensors, theirs.tensors))
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(f32_file.read_bytes()[: f32_file.stat().st_size // 2])
+    with pytest.raises(rg.CheckpointError):  # a reader that fails inside is put back too
+        rg.load_gguf_model(cut)
+    assert gguf.GGUFReader is original

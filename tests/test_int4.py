@@ -141,7 +141,8 @@ def test_bad_parameters_are_refused():
     with pytest.raises(ValueError, match="group_size"):
         from_spec("int4_weights:group_size=16")
     assert from_spec("int4_weights:group_size=64,lm_head=true").params() == \
-        {"group_size": 64, "lm_head": True}
+        {"group_size": 64, "lm_head": True, "exact": False}
+    assert from_spec("int4_weights:exact=true").params()["exact"] is True
 
 
 def test_a_model_with_nothing_to_quantize_is_a_pass_error():

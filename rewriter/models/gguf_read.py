@@ -1,0 +1,71 @@
+"""One quick parse of a GGUF file for ``transformers``' GGUF loader.
+
+Loading a model or a tokenizer from GGUF, ``transformers`` builds a ``gguf.GGUFReader`` of
+the file several times (for the config, again for the tensors or the tokenizer), and each
+build walks every key-value field through ``numpy.memmap`` slices: a file with a large
+vocabulary (Gemma 3's 262,144 tokens: three arrays of that length) spends most of its load
+time there. Inside ``one_read(path)`` every reader of ``path`` is one shared reader whose
+fields are views of a plain array over the same mapping (the same bytes; memmap's
+per-slice bookkeeping is what made it slow), and the config parse is done once.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+from pathlib import Path
+
+from rewriter.errors import CheckpointError
+
+
+def fast_reader_class():
+    """``gguf.GGUFReader`` with field reads from a plain-array view of its memory map."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    class QuickReader(GGUFReader):
+        def _get(self, offset, dtype, count=1, override_order=None):
+            plain = self.__dict__.get("_plain")
+            if plain is None:  # the first read, just after __init__ mapped the file
+                plain = self._plain = self.data.view(np.ndarray)
+            dtype = np.dtype(dtype)
+            arr = plain[offset:offset + dtype.itemsize * int(count)].view(dtype)
+            order = self.byte_order if override_order is None else override_order
+            return arr.view(arr.dtype.newbyteorder(order))
+
+    return QuickReader
+
+
+@contextlib.contextmanager
+def one_read(path: os.PathLike):
+    """Within: readers of ``path`` made through ``gguf.GGUFReader`` are one quick reader,
+    and ``transformers``' config parse of it (``load_gguf_checkpoint`` without tensors)
+    runs once; other files are read as usual."""
+    try:
+        import gguf
+    except ImportError as e:  # a dependency of ours; say so, naming the file
+        raise CheckpointError(f"{path}: reading GGUF needs the 'gguf' package ({e})") from e
+    import transformers.modeling_gguf_pytorch_utils as hf_gguf
+    target = Path(path).resolve()
+    real_reader, real_load = gguf.GGUFReader, hf_gguf.load_gguf_checkpoint
+    quick, shared, configs = fast_reader_class(), {}, {}
+
+    def reader(p, mode="r"):
+        if mode != "r" or Path(p).resolve() != target:
+            return real_reader(p, mode)
+        if "reader" not in shared:
+            shared["reader"] = quick(p, mode)
+        return shared["reader"]
+
+    def load(p, return_tensors=False, **kwargs):
+        if return_tensors or kwargs or Path(p).resolve() != target:
+            return real_load(p, return_tensors=return_tensors, **kwargs)
+        if "config" not in configs:
+            configs["config"] = real_load(p)
+        return copy.deepcopy(configs["config"])  # callers pop and edit what they get
+
+    gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = reader, load
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = real_reader, real_load
