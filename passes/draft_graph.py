@@ -10,6 +10,7 @@ import torch
 from rewriter.errors import PassError
 from rewriter.ir.core import IR
 from rewriter.ir.nodes import DRAFT_HEAD, call, is_op
+from rewriter.ops import op_arguments
 
 ROLE = DRAFT_HEAD
 
@@ -66,17 +67,27 @@ def insert(ir: IR, head, wb, vocab, pass_name: str) -> None:
     out.args = ((head, draft),)
 
 
-def embedding_weight(ir: IR, lm: torch.Tensor):
-    """The get_attr node of the token embedding (``rw.embedding`` of the first input)."""
+def embedding_weight(ir: IR, lm: torch.Tensor) -> tuple:
+    """The token embedding's weight and scale, as the model's ``rw.embedding`` of its first
+    input reads them: ``(weight get_attr node, scale or None)``. A draft embeds its tokens
+    with both, so a model that scales its embeddings (Gemma's ``sqrt(hidden)``) gives the
+    draft what it gives its own first layer."""
     ids = next(iter(ir.graph.find_nodes(op="placeholder")), None)
     for node in ir.graph.nodes:
         if is_op(node, "embedding") and _source(node.args[0]) is ids and node.args[1].op == "get_attr":
             e = ir.weight(node.args[1].target)
             if e.shape[1] != lm.shape[1]:
                 break
-            return node.args[1]
+            return node.args[1], op_arguments("embedding", tuple(node.args), dict(node.kwargs))["scale"]
     raise PassError("Hydra heads read the model's token embedding: the graph has no "
                     "rw.embedding of its input ids with the LM head's width")
+
+
+def embedding_args(ids, embed: tuple) -> tuple:
+    """``rw.embedding``'s arguments for ``ids`` and ``embedding_weight``'s ``(weight,
+    scale)``; the scale left unsaid when there is none, as the frontend writes it."""
+    weight, scale = embed
+    return (ids, weight) if scale is None else (ids, weight, scale)
 
 
 _VIEWS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default,
@@ -107,7 +118,8 @@ def insert_hydra(ir: IR, head, embed, wb, vocab, pass_name: str) -> None:
         embedded = []
         for j in range(num):
             col = m(call(ir, torch.ops.aten.select.int, (path, -1, j), f"hydra_path_{j}"))
-            embedded.append(m(call(ir, torch.ops.rw.embedding.default, (col, embed), f"hydra_e{j}")))
+            embedded.append(m(call(ir, torch.ops.rw.embedding.default, embedding_args(col, embed),
+                                   f"hydra_e{j}")))
         proj = head.args[1]
         if vocab is not None:
             proj = m(call(ir, torch.ops.aten.index_select.default,

@@ -45,7 +45,7 @@ from rewriter.errors import PassError
 from rewriter.ir.core import IR
 from rewriter.ops import EAGLE_WEIGHTS
 from rewriter.ir.pass_manager import Pass
-from rewriter.passes.draft_graph import embedding_weight, lm_head, mark
+from rewriter.passes.draft_graph import embedding_args, embedding_weight, lm_head, mark
 from rewriter.passes.draft_heads import checked_acceptance
 from rewriter.ir.nodes import call
 from rewriter.drafts.tree import MAX_NODES, MAX_RANK, make_tree
@@ -169,7 +169,7 @@ def insert_eagle(ir: IR, head, embed, draft, lm: torch.Tensor, pass_name: str,
         path = m(call(ir, torch.ops.rw.next_tokens.default, (ids, 1), "eagle_path"))
         path.meta["draft_path"] = True
         col = m(call(ir, torch.ops.aten.select.int, (path, -1, 0), "eagle_next"))
-        e = m(call(ir, torch.ops.rw.embedding.default, (col, embed), "eagle_e"))
+        e = m(call(ir, torch.ops.rw.embedding.default, embedding_args(col, embed), "eagle_e"))
         weights = [g.get_attr(f"eagle.{arg}") for arg, _ in EAGLE_WEIGHTS]
         layer = m(call(ir, torch.ops.rw.eagle_layer.default,
                        (x, e, *weights, s.heads, s.kv_heads, s.rope_theta, s.eps), "eagle_layer"))

@@ -5,7 +5,8 @@ becomes
     qkv = linear(x, [Wq; Wk; Wv], [bq; bk; bv])                # [B, S, (Hq + 2 Hkv) D]
     q, k, v = split_with_sizes(qkv, [Hq D, Hkv D, Hkv D], -1)  # views, no copy
 
-One read of ``x`` and one launch instead of three. Lossless up to float rounding of the
+One read of ``x`` and one launch instead of three. A QK-norm (``rw.head_rms_norm``) between a
+projection and its rope stays where it is, reading its part of the split. Lossless up to float rounding of the
 GEMM. The fused weights are new buffers ``<attn>.qkv_proj.weight``; the old ones go.
 """
 from __future__ import annotations
@@ -34,8 +35,12 @@ class FuseQKV(FusionPass):
 
 
 def _projection(node):
-    """The ``rw.linear`` feeding an attention input, through an optional ``rw.rope``."""
+    """The ``rw.linear`` feeding an attention input, through an optional ``rw.rope`` and
+    an optional per-head norm before it (Qwen3's and Gemma 3's QK-norm, which then reads
+    its part of the fused projection)."""
     if is_op(node, "rope"):
+        node = node.args[0]
+    if is_op(node, "head_rms_norm") and len(node.users) == 1:
         node = node.args[0]
     return node if is_op(node, "linear") and len(node.users) == 1 else None
 

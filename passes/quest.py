@@ -16,8 +16,11 @@ attended densely, as Quest does), so a decode step reads the bounds and ``budget
 per KV head instead of the whole cache. The whole-sequence graph selects at every position,
 so it is the reference for decode steps. A layer reading another's cache (``ShareKV``)
 selects its own pages, by its own queries, from its owner's pages and bounds, and stays
-dense when its owner does. Windows, sink caches, TidalDecode and speculative
-strategies are refused beside it, and it runs before ``FuseRoPE`` (it reads rotated keys).
+dense when its owner does. A model's local layers (Gemma 3's sliding-window layers beside
+its global ones) are left as they are and do not count among ``dense_layers``: Quest
+selects on the global layers (``whole_cache.local_layers``). Other windows, sink caches,
+TidalDecode and speculative strategies are refused beside it, and it runs before
+``FuseRoPE`` (it reads rotated keys).
 A selection is ``budget + recent`` tokens wide, at most the model's context length.
 """
 from __future__ import annotations
@@ -29,7 +32,7 @@ from rewriter.ir.pass_manager import Pass
 from rewriter.ir.nodes import attention_args
 from rewriter.ir.sharing import cache_of
 from rewriter.passes.whole_cache import (attention_nodes, check_not_speculative,
-                                         check_whole)
+                                         check_whole, local_layers)
 from rewriter.values import MAX_INT, context_length, is_int, within_context
 
 
@@ -52,9 +55,12 @@ class Quest(Pass):
         if any(ir.graph.find_nodes(op="call_function", target=OPS["select_tokens"])):
             raise PassError(f"{self!r} cannot follow TidalDecode: each layer selects once")
         nodes = attention_nodes(ir)
+        local = local_layers(nodes)
+        nodes = [n for n in nodes if attention_args(n)["layer"] not in local]
         if len(nodes) <= self.dense_layers:
-            raise PassError(f"{self!r}: the IR has {len(nodes)} attention layers, all kept "
-                            f"dense; nothing would select")
+            besides = f" besides its local layers {sorted(local)}" if local else ""
+            raise PassError(f"{self!r}: the IR has {len(nodes)} attention layers{besides}, all "
+                            f"kept dense; nothing would select")
         check_whole(self, nodes[self.dense_layers:], "Quest")  # before the graph changes
         # a selection is budget + recent tokens wide (rewriter.ops.select_pages)
         within_context(self.name, context_length(ir.info.get("config", {})), budget=self.budget,

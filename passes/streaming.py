@@ -15,6 +15,9 @@ attention op takes the model's RoPE frequencies for it, ``rotary=``). ``position
 "original"`` keeps the true distances to the sinks (they grow without bound).
 
 A layer that already has a sliding window (Mistral) keeps the smaller of the two windows.
+A model that mixes local (sliding-window) and global layers (Gemma 3) gets sinks and a
+window on its global layers only: its local layers already keep a window-sized ring of
+the model's own, and naming one in ``layers`` is refused (``whole_cache.local_layers``).
 ``sinks + window`` may not pass the model's context length: the runtime sizes the ring and
 its sink layout by them, and no sequence the model was made for needs more. The pass checks
 it when it runs (``__init__`` does not know the model); the verifier, after every pass and
@@ -31,6 +34,7 @@ from rewriter.errors import PassError
 from rewriter.ir.core import IR
 from rewriter.ops import OPS, op_arguments
 from rewriter.ir.pass_manager import Pass
+from rewriter.passes.whole_cache import local_layers
 from rewriter.values import MAX_INT, context_length, is_int, within_context
 
 
@@ -54,11 +58,13 @@ class StreamingAttention(Pass):
     def run(self, ir: IR) -> IR:
         nodes = ring_attention_nodes(self, ir)
         by_layer = {op_arguments("attention", tuple(n.args), dict(n.kwargs))["layer"]: n for n in nodes}
-        chosen = self.layers if self.layers is not None else sorted(by_layer)
+        local = local_layers(nodes)
+        chosen = self.layers if self.layers is not None else sorted(set(by_layer) - local)
         missing = [i for i in chosen if i not in by_layer]
         if missing:
             raise PassError(f"{self!r}: no attention names cache {missing[0]}; the IR has "
                             f"{sorted(by_layer)}")
+        self._check_global(by_layer, local, chosen)
         # the ring's slots and its sink layout are sized by these (runtime.ring_cache)
         within_context(self.name, context_length(ir.info.get("config", {})), sinks=self.sinks,
                        window=self.window)
@@ -78,6 +84,18 @@ class StreamingAttention(Pass):
                 n.kwargs = {**n.kwargs, "rotary": freq}
             n.meta.pop("val", None)
         return ir
+
+
+    def _check_global(self, by_layer: dict, local: set, chosen: list) -> None:
+        """``PassError`` for a local layer of a local/global pattern named in ``layers``."""
+        named = sorted(local.intersection(chosen))
+        if named:
+            n = by_layer[named[0]]
+            window = op_arguments("attention", tuple(n.args), dict(n.kwargs))["window"]
+            raise PassError(f"{self!r}: layer {named[0]} is a local layer of the model's "
+                            f"local/global pattern (a sliding window of its own, {window} "
+                            f"tokens, already kept in a ring): sinks and a window go on the "
+                            f"global layers {sorted(set(by_layer) - local)} only")
 
 
 def ring_attention_nodes(p: Pass, ir: IR) -> list:

@@ -25,7 +25,11 @@ The KV-cache runtime keeps the whole cache and selects at decode only: a prompt 
 attended densely (TidalDecode leaves prefill dense), so a decode step of a sparse layer
 reads ``top_k + 1`` keys instead of the whole cache. The whole-sequence graph selects at
 every position (it has no prompt/decode split), so it is the reference for decode steps
-only. Windows, sink caches and speculative strategies are refused beside it. A selection
+only. A model's local layers (Gemma 3's sliding-window layers beside its global ones) are
+left as they are: selection layers are global ones, and a selection carries over the local
+layers to the next global layer (``whole_cache.local_layers``); calibration, which
+measures every layer as a whole-context one, is refused on such a model. Other windows,
+sink caches and speculative strategies are refused beside it. A selection
 is ``top_k + recent`` tokens wide, at most the model's context length.
 """
 from __future__ import annotations
@@ -40,7 +44,7 @@ from rewriter.ir.pass_manager import Pass
 from rewriter.ir.nodes import attention_args
 from rewriter.ir.sharing import sources
 from rewriter.passes.whole_cache import (attention_nodes, check_not_speculative,
-                                         check_whole)
+                                         check_whole, local_layers)
 from rewriter.values import MAX_INT, context_length, is_int, within_context
 
 CALIBRATION_QUERIES = 32  # the last positions of each calibration prompt, taken as decode steps
@@ -103,6 +107,9 @@ class TidalDecode(Pass):
             raise PassError(f"{self!r} cannot follow ShareKV: a layer reusing a selection "
                             f"made on another layer's cache would read a third's")
         nodes = attention_nodes(ir)
+        local = local_layers(nodes)
+        self._check_local(local)
+        nodes = [n for n in nodes if attention_args(n)["layer"] not in local]
         layers = [attention_args(n)["layer"] for n in nodes]
         # before any calibration: it would measure for minutes, then refuse
         check_whole(self, nodes, "TidalDecode")
@@ -135,6 +142,22 @@ class TidalDecode(Pass):
                 n.meta.pop("val", None)
         return ir
 
+
+    def _check_local(self, local: set) -> None:
+        """``PassError`` for what a model's local layers cannot take: a selection of their
+        own, or calibration (it measures each layer as one that reads every key)."""
+        if not local:
+            return
+        if self.calibrate is not None:
+            raise PassError(f"{self!r}: calibration measures every layer as one reading the "
+                            f"whole context, and layers {sorted(local)} are local layers with "
+                            f"a sliding window of their own; name selection_layers among the "
+                            f"global layers instead")
+        named = sorted(local.intersection(self.selection_layers))
+        if named:
+            raise PassError(f"{self!r}: layer {named[0]} is a local layer of the model's "
+                            f"local/global pattern (a sliding window of its own); selection "
+                            f"layers are global ones, and local layers stay as they are")
 
     def _choose(self, ir: IR, layers: list) -> list:
         """The selection layers that keep the most of the model's attention on the

@@ -16,6 +16,27 @@ def attention_nodes(ir: IR) -> list[fx.Node]:
                   key=lambda n: attention_args(n)["layer"])
 
 
+def local_layers(nodes: list[fx.Node]) -> set[int]:
+    """The layers of ``nodes`` that are a model's local layers: a sliding window of the
+    model's own (no sinks, no selection) in a model whose other layers see the whole
+    context (Gemma 3's local:global pattern). Empty when every layer has a window
+    (Mistral) or none has.
+
+    The sparse passes leave these layers as they are: the window is what the model was
+    trained with, a decode step already reads at most ``window`` keys of them (the runtime
+    keeps them in a window-sized ring), and a selection or sinks on top would change the
+    arithmetic for nothing in memory or reads; the global layers are the whole caches a
+    sparse pass is for."""
+    local = {attention_args(n)["layer"] for n in nodes if _native_window(attention_args(n))}
+    whole = {attention_args(n)["layer"] for n in nodes} - local
+    return local if whole else set()
+
+
+def _native_window(args: dict) -> bool:
+    return args["window"] is not None and args["sinks"] is None and args["select"] is None \
+        and args["full_heads"] is None
+
+
 def check_not_speculative(p, ir: IR) -> None:
     """``PassError`` naming pass ``p`` after a speculative strategy."""
     if ir.info.get("decoding") is not None:

@@ -3,6 +3,7 @@ built alike by the test process (whole, on one process) and by each rank
 (``tp_worker.py``, split), so the two can be compared."""
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 
@@ -138,6 +139,16 @@ SCENARIOS.update({
 })
 # ---- end of composition
 
+# ---- Gemma 3 (tests/test_gemma3.py): 2 KV groups of 2 heads each; the QK-norm per head
+# keeps its weight [D] whole on each rank; the fused GeGLU GEMM splits by its halves;
+# FuseAllReduceRMSNorm finds no site (each sum
+# feeds a post-norm, not the residual add) and leaves the split model as it was
+SCENARIOS.update({
+    "gemma3": ("gemma3:gqa-3l", {}, [TP]),
+    "gemma3_fused": ("gemma3:gqa-3l", {}, [*FUSIONS, TP, _FUSE]),
+})
+# ---- end of Gemma 3
+
 
 
 def prompts(vocab: int, shape: tuple[int, int] = (2, 11)) -> torch.Tensor:
@@ -168,12 +179,22 @@ def _make(config: str, overrides: dict):
     ``optimize``."""
     if config in conftest.CONFIGS:
         return conftest.traced_model(config, **overrides)
+    if config.startswith("gemma3:"):
+        return _gemma3(config.split(":", 1)[1], tuple(sorted(overrides.items())))
     import test_frontend_families
     import test_frontend_new_families
     families = test_frontend_new_families if config in test_frontend_new_families.FAMILIES \
         else test_frontend_families
     model = families.make(config, **overrides)
     return model, model
+
+
+@functools.cache
+def _gemma3(name: str, overrides: tuple):
+    """tests/test_gemma3.py's model ``name`` and its trace, once per process."""
+    import test_gemma3
+    model = test_gemma3.make(name, **dict(overrides))
+    return model, rewriter.trace(model)
 
 
 def build(name: str, split: bool):

@@ -321,6 +321,17 @@ def apply(h: Tensor, w: Tensor, b: Tensor, deep: Optional[tuple] = None) -> Tens
     return deepen(h[..., None, :] + torch.nn.functional.silu(a), deep)
 
 
+def model_embedding(model) -> Tensor:
+    """The token embedding ``[V, H]`` as the model's first layer reads it: the weight, times
+    the model's embedding scale where it has one (Gemma's ``sqrt(hidden)``, in the weight's
+    dtype as ``rw.embedding`` multiplies its rows), so a draft trains on what the graph
+    feeds it."""
+    emb = model.get_input_embeddings()
+    weight = emb.weight.detach()
+    scale = getattr(emb, "embed_scale", None)
+    return weight if scale is None else weight * torch.as_tensor(scale).to(weight.dtype)
+
+
 def apply_hydra(h: Tensor, e: Tensor, w: list, b: Tensor, deep: Optional[tuple] = None) -> Tensor:
     """Hydra's heads on ``h`` ``[..., H]`` and the path's embeddings ``e`` ``[..., K, H]``
     (``e_0`` the token at ``t + 1``) -> ``[..., K, H]``."""

@@ -248,7 +248,9 @@ class Lifter:
         tables = self.rotary_tables(reg, mod)
         if tables is None:
             return self.skip(scope, "rotary region does not return (cos, sin) from an inv_freq")
-        for name, (cos_out, sin_out) in tables.items():
+        # by name: the trace computes the kinds' tables in an order that varies between
+        # processes (a set of layer types), and ranks must build the same graph
+        for name, (cos_out, sin_out) in sorted(tables.items()):
             kind = name[:-len("inv_freq")]  # "" or "sliding_attention_"
             inv_freq = self.weight(f"{scope}.{name}", getattr(mod, name).detach().clone())
             scaling = float(getattr(mod, kind + "attention_scaling", 1.0))

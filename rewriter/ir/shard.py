@@ -5,9 +5,9 @@ A *region* is what lies between the residual stream and one row-parallel project
 an attention (q, k, v by columns, heads split by KV group, o by rows) or an MLP (gate, up
 or fc by columns, down or proj by rows), Megatron's split. Starting at the row-parallel
 projection's input, the walk goes back through the ops between (rope, attention, the
-activations, a fused projection's split) to the column-parallel projections, and gives
-every value on the way the features this rank keeps: a tuple of ``(start, end)`` ranges of
-the whole value's last dimension. The same walk serves the pass (which checks every rank's
+activations, a per-head QK-norm, a fused projection's split) to the column-parallel
+projections, and gives every value on the way the features this rank keeps: a tuple of
+``(start, end)`` ranges of the whole value's last dimension. The same walk serves the pass (which checks every rank's
 split before changing anything) and each rank at load (which takes its slices), so an
 artifact stores whole weights and the pass, never a rank's shard.
 """
@@ -233,6 +233,8 @@ class _Walk:
             self._selection(node)
         elif name in ("rope", *ELEMENTWISE):
             self._push(node.args[0], keep)
+        elif name == "head_rms_norm":
+            self._head_norm(node, keep)
         elif name == "swiglu":
             half = node.meta["val"].shape[-1]
             self._push(node.args[0], keep + tuple((a + half, b + half) for a, b in keep))
@@ -265,6 +267,16 @@ class _Walk:
         self._attributes(node, counts)
         self._push(a["q"], q_keep)
         self._push(a["k"], kv_keep)
+
+    def _head_norm(self, node: fx.Node, keep: Ranges) -> None:
+        """A QK-norm normalises each head alone with one weight ``[D]`` for every head: a
+        rank keeping whole heads normalises them as the model does, with the whole weight."""
+        d = op_arguments("head_rms_norm", tuple(node.args), dict(node.kwargs))["head_dim"]
+        if any(a % d or b % d for a, b in keep):
+            raise ShardError(f"{node.name} (layer {node.meta.get('layer')}) normalises heads of "
+                             f"{d} features, but rank {self.p.rank} would keep {list(keep)}, "
+                             f"not whole heads")
+        self._push(node.args[0], keep)
 
     def _split_part(self, part: fx.Node, keep: Ranges) -> None:
         """Part ``i`` of a fused projection's split: once every used part is known, the

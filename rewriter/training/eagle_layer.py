@@ -17,6 +17,7 @@ import math
 import torch
 
 from rewriter.drafts import eagle, eagle_file
+from rewriter.drafts import heads as heads_file
 from rewriter.training.draft_loop import top1, train_rows
 from rewriter.training.heads_data import produced
 
@@ -37,7 +38,7 @@ class DraftLayer:
         self.device = torch.device(device)
         self.lm = model.lm_head.weight.detach().to(self.device, torch.bfloat16)  # [V, H] frozen
         self.vocab = None  # all of it; trim(): the ids of a trimmed draft vocabulary
-        self.embed = model.model.embed_tokens.weight.detach().to(self.device, torch.float32)  # [V, H]
+        self.embed = heads_file.model_embedding(model).to(self.device, torch.float32)  # [V, H]
         self.depth = depth
         self.shape = eagle.Shape.of(c)
         hidden = c.hidden_size

@@ -71,7 +71,7 @@ def train_heads(model, tokenizer, out: Union[str, os.PathLike], num_heads: int =
                               prompt_tokens=prompt_tokens, new_tokens=new_tokens, chat=chat)
     train_settings = _train_settings(init, start, settings)
     lm_head = model.get_output_embeddings().weight.detach()
-    embed = model.get_input_embeddings().weight.detach() if arch == "hydra" else None
+    embed = heads_file.model_embedding(model) if arch == "hydra" else None
     # out's missing directories, made before hours of work (not found missing after them);
     # removed again, while still empty, if the run fails
     with safe_files.new_dirs(out.parent):

@@ -41,9 +41,16 @@ class EagleProgram:
     and LM head (its draft-vocabulary rows, where trimmed); what ``EagleRows`` runs. ``code``: what it is, for ``Engine.programs()``."""
     generated_kernels = ()  # none: it runs in torch (the Triton backend's artifacts list them)
 
-    def __init__(self, params: dict, shape: eagle.Shape, embed: Tensor, lm: Tensor):
+    def __init__(self, params: dict, shape: eagle.Shape, embed: Tensor, lm: Tensor,
+                 scale: Optional[float] = None):
         self.params, self.shape, self.embed, self.lm = params, shape, embed, lm
+        self.scale = scale  # the model's embedding scale (Gemma's sqrt(hidden)), or None
         self._weights: dict = {}
+
+    def embedded(self, ids: Tensor) -> Tensor:
+        """The embeddings of ``ids`` as the graph's ``rw.embedding`` makes them."""
+        rows = self.embed[ids]
+        return rows if self.scale is None else rows * self.scale
 
     def weights(self, device, dtype: torch.dtype) -> dict:
         """The layer's weights as decoding reads them, on ``device`` in ``dtype``, with the
@@ -97,7 +104,8 @@ class EagleProgram:
                                 f"head {list(lm.shape)} must both be [vocabulary, {shape.hidden}]")
         if rows is not None:  # its ids were checked against the vocabulary by check_heads
             lm = lm[ir.weight(rows.target)]  # [Vd, H]
-        return cls(params, shape, embed, lm)
+        scale = op_arguments("embedding", tuple(embedded.args), dict(embedded.kwargs))["scale"]
+        return cls(params, shape, embed, lm, scale)
 
     @property
     def code(self) -> str:
@@ -121,7 +129,7 @@ class EagleRows:
     def __init__(self, program: EagleProgram, batch: int, device, capacity: int = 256):
         dtype = program.lm.dtype  # the model's (the pass stored the layer's weights so)
         self.p = program.weights(device, dtype)
-        self.shape, self.embed, self.lm = program.shape, program.embed, program.lm
+        self.shape, self.embedded, self.lm = program.shape, program.embedded, program.lm
         s = self.shape
         # [B, kv, capacity, d] each; row r's cache is its first lengths[r] positions
         self.k = torch.zeros(batch, s.kv_heads, capacity, s.head_dim, dtype=dtype, device=device)
@@ -150,7 +158,7 @@ class EagleRows:
         prompt in steps of ``chunk`` positions, as the model's prefill goes (a step's mask
         and scores are ``[n, L + n]``)."""
         ids = torch.tensor(next_ids, dtype=torch.int64, device=features.device)
-        embedded = self.embed[ids].to(features.dtype)  # [n, H]
+        embedded = self.embedded(ids).to(features.dtype)  # [n, H]
         self._room(self.lengths[row] + len(next_ids))
         with torch.inference_mode():
             for a in range(0, len(next_ids), chunk):
@@ -209,7 +217,7 @@ class EagleRows:
         top = -(-max(self.lengths) // TEXT_STEP) * TEXT_STEP  # the slice stops at the buffer's end
         with torch.inference_mode():
             g, k, v = eagle.tree_level(self.p, self.shape, feature,
-                                       self.embed[chains[:, :, -1]].to(feature.dtype),
+                                       self.embedded(chains[:, :, -1]).to(feature.dtype),
                                        self.k[:, :, :top], self.v[:, :, :top],
                                        torch.tensor(self.lengths, device=chains.device), path)
         own = (k, v) if path is None else (torch.cat([path[0], k], 3), torch.cat([path[1], v], 3))
