@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from rewriter.errors import RewriterError
 from rewriter.maths.mask import visible
 from rewriter.maths.sdpa import sdpa
 
@@ -22,6 +23,7 @@ from .kv_cache import CacheSpec, KVCache
 from .merged_cache import merged_attention
 from .page_selection import refresh_bounds
 from .ring_cache import ring_attention
+from .window_ring import window_attention
 from .token_selection import selected_attention
 
 
@@ -135,7 +137,9 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, spec: CacheSpe
 
     q ``[B, S, Hq*D]``, k/v ``[B, S, Hkv*D]`` -> ``[B, S, Hq*D]``; with ``cos``/``sin``
     (``FuseRoPE``) q and k are rotated here first. With ``spec.sinks`` the cache is a ring
-    (``runtime.ring_cache``); with ``spec.merge`` a MiniCache pair's (``runtime.merged_cache``).
+    (``runtime.ring_cache``); with ``spec.merge`` a MiniCache pair's (``runtime.merged_cache``);
+    a sliding window the cache holds in a ring (``step.cache.spans``) is
+    ``runtime.window_ring``'s.
     """
     if spec.merge is not None:  # MiniCache: restored K/V, attended here
         return merged_attention(step, q, k, v, spec, cos, sin, dense_attention)
@@ -143,6 +147,8 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, spec: CacheSpe
         return split_attention(cached_attention, step, q, k, v, spec, cos, sin, rotary)
     if spec.sinks is not None:
         return ring_attention(step, q, k, v, spec, cos, sin, rotary)
+    if in_window_ring(step, spec, select):  # a sliding window in a ring of its slots
+        return window_attention(step, q, k, v, spec, cos, sin)
     num_heads, num_kv_heads, head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
     if cos is not None:
         q, k = KERNELS["rope"](q, cos, sin, head_dim), KERNELS["rope"](k, cos, sin, head_dim)
@@ -161,6 +167,19 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, spec: CacheSpe
                                  num_heads != num_kv_heads)
         return out.transpose(1, 2).reshape(b, s, num_heads * head_dim)  # [B, 1, Hq*D]
     return dense_attention(step, q, k_cache[:, :, :step.end], v_cache[:, :, :step.end], spec)
+
+
+def in_window_ring(step: Step, spec: CacheSpec, select: Optional[Tensor]) -> bool:
+    """Whether the op's cache is a sliding-window ring (``runtime.window_ring``). A
+    selection reads cache positions: ``cache_table`` keeps such caches whole, so a ring
+    here is a table that does not match the graph (an edited artifact)."""
+    if spec.id not in step.cache.spans:
+        return False
+    if select is not None or spec.window is None:
+        raise RewriterError(f"cache {spec.id} is a sliding-window ring, but an attention op "
+                            f"reading it has {'a selection' if select is not None else 'no window'}"
+                            f": the cache table does not match the graph")
+    return True
 
 
 def dense_attention(step: Step, q: Tensor, keys: Tensor, values: Tensor, spec: CacheSpec) -> Tensor:

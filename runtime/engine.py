@@ -122,7 +122,8 @@ class Engine:
     def kv_bytes_per_token(self, tokens: Optional[int] = None) -> int:
         """KV-cache bytes per token of one sequence of ``tokens`` tokens (default: the
         context length), all caches, K and V: what is allocated, so a sink + window ring
-        counts its slots, not the sequence's length. A model that ``TensorParallel``
+        counts its slots, not the sequence's length, and so does a sliding-window layer
+        (its ring of ``window`` slots under plain decoding, ``runtime.window_ring``). A model that ``TensorParallel``
         splits reports the whole model's, every rank's share together (comparable with
         the model unsplit, and known in one process); each rank holds its own KV heads'
         share (``cache_table(shard(ir, rank).gm)``, ``rewriter.ir.shard``). So does
@@ -211,7 +212,8 @@ class Engine:
         need = self._check(batch.ids, settings.max_new_tokens)
         programs = self._lowered()  # before the cache: an IR it refuses gets none
         strategy = strategy_for(self._program_ir())  # (runtime.decoding)
-        cache = self._cache_for(batch.ids.shape[0], need + strategy.cache_slack())
+        cache = self._cache_for(batch.ids.shape[0], need + strategy.cache_slack(),
+                                strategy.cache_slack())
         cuda = device.type == "cuda"
         # a merged cache (MiniCache) decodes from host starts: not replayed by default
         static = self.static_decode if self.static_decode is not None else cuda and not cache.merged
@@ -320,20 +322,22 @@ class Engine:
         ``decode``, and the decoding strategy's own, e.g. ``draft``)."""
         return {name: program_code(program) for name, program in self._lowered().items()}
 
-    def _cache_for(self, batch: int, need: int) -> KVCache:
-        """A cache of at least ``need`` tokens, reused across calls while it fits.
+    def _cache_for(self, batch: int, need: int, slack: int = 0) -> KVCache:
+        """A cache of at least ``need`` tokens, reused across calls while it fits;
+        ``slack``: the tokens a step may write that a later one rolls back, which its
+        sliding-window rings keep room for (``runtime.window_ring``).
 
         Sized to the request (rounded up to 256), not to the context length: a 128k-token
         model asked for 200 tokens should not allocate 128k tokens of cache."""
         dtype, device = self._dtype(), self._device()
-        if self._cache is None or not self._cache.fits(batch, need, dtype, device):
+        if self._cache is None or not self._cache.fits(batch, need, dtype, device, slack):
             self._cache = None  # free the old one before allocating
             self.replays.bind(None)  # they hold it too
             length = min(self.max_len, -(-need // 256) * 256)
             run = self._program_ir()  # a rank of a split model caches its own heads
             if need > length and unbounded_length(run.gm):  # past the context: rings only
                 length = -(-need // 256) * 256
-            self._cache = KVCache(cache_table(run.gm), batch, length, dtype, device)
+            self._cache = KVCache(cache_table(run.gm), batch, length, dtype, device, slack)
             self.replays.bind(self._cache)
         return self._cache
 

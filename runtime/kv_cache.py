@@ -7,7 +7,8 @@ the other layers' ids as they were, so every program of a model addresses the sa
 that lowering, the allocator, ``kv_bytes_per_token``, artifacts and dumps read.
 
 Each cache is ``[batch, kv_heads, max_len, head_dim]`` for K and for V, written in place at
-each row's positions (``runtime.attention.write_kv``). A ``DuoAttention`` layer whose KV
+each row's positions (``runtime.attention.write_kv``), or, for a sliding-window layer, in
+a ring of its window's slots (``runtime.window_ring``). A ``DuoAttention`` layer whose KV
 heads are split keeps two: its full heads under its id, its streaming heads' ring under
 ``ring_part(id)``. A ``MiniCache`` pair keeps one: its merged directions under its first
 layer's id, with its magnitudes and retained tokens beside them (``KVCache.merged``,
@@ -16,7 +17,7 @@ layer's id, with its magnitudes and retained tokens beside them (``KVCache.merge
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable, Optional
 
 import torch
@@ -65,6 +66,11 @@ class CacheSpec:
     # MiniCache: the pair's (t, gamma, retain), and whether this is its second layer
     merge: Optional[tuple] = None
     second: bool = False
+    # set by ``cache_table``: the window a plain sliding-window cache keeps in a ring
+    # (``runtime.window_ring``), the largest of the windows of the ops reading it; None
+    # where the cache is kept whole (a global layer, a reader without a window, a cache
+    # read by position: a token or page selection, a merged pair) or is a sink ring
+    ring_window: Optional[int] = None
 
     @property
     def ring(self) -> bool:
@@ -81,11 +87,23 @@ class CacheSpec:
     def ring_heads(self) -> int:
         return self.num_kv_heads - len(self.full_heads or ()) if self.ring else 0
 
-    def parts(self, max_len: int) -> list[tuple]:
+    def ring_slots(self, max_len: int, slack: int = 0) -> Optional[int]:
+        """The slots of a sliding-window ring for sequences of up to ``max_len`` cache
+        positions whose steps roll back at most ``slack`` tokens (``runtime.window_ring``:
+        the window and the slack); None where the cache is kept whole, or the ring would
+        be no smaller."""
+        if self.ring_window is None or self.ring_window + slack >= max_len:
+            return None
+        return self.ring_window + slack
+
+    def parts(self, max_len: int, slack: int = 0) -> list[tuple]:
         """``(key, kv_heads, slots)`` of each tensor pair this cache allocates for sequences
         of up to ``max_len`` tokens: full heads take ``max_len`` slots; a ring holds its
         sinks and its window (no more than the sequences need: then it never wraps) and one
-        spare slot that padding writes into."""
+        spare slot that padding writes into; a sliding-window ring its ``ring_slots``."""
+        window_ring = self.ring_slots(max_len, slack)
+        if window_ring is not None:
+            return [(self.id, self.num_kv_heads, window_ring)]
         ring = min(self.sinks + self.window, max_len) + 1 if self.ring else 0
         if self.bounded:
             return [(self.id, self.num_kv_heads, ring)]
@@ -136,9 +154,10 @@ def attention_params(node: fx.Node) -> dict:
 def cache_table(gm: fx.GraphModule) -> dict[int, CacheSpec]:
     """``{id: CacheSpec}`` for every ``rw.attention`` of ``gm`` that owns its cache, in
     graph order (a layer reading another's, ``kv_source``, and a merged pair's second
-    layer allocate nothing)."""
+    layer allocate nothing), each plain sliding-window cache with its ``ring_window``."""
     table: dict[int, CacheSpec] = {}
-    for n in gm.graph.find_nodes(op="call_function", target=OPS["attention"]):
+    attention = list(gm.graph.find_nodes(op="call_function", target=OPS["attention"]))
+    for n in attention:
         p = attention_params(n)
         if p["kv_source"] is not None or _second(p):
             continue
@@ -146,7 +165,26 @@ def cache_table(gm: fx.GraphModule) -> dict[int, CacheSpec]:
             raise RewriterError(f"{n.name}: two attention ops name cache {p['layer']} (their "
                                 f"layer attribute); each layer's attention needs its own")
         table[p["layer"]] = cache_spec(n)
-    return table
+    windows = _ring_windows(gm, attention)
+    return {i: replace(s, ring_window=windows.get(i)) for i, s in table.items()}
+
+
+def _ring_windows(gm: fx.GraphModule, attention: list) -> dict[int, int]:
+    """``{cache id: window}`` of the caches a sliding-window ring can hold: every op that
+    reads the cache (its owner, ``kv_source`` readers) has a window and no sinks, split
+    heads or merge, and no selection reads it by position (TidalDecode's and Quest's
+    selections address cache positions: those caches stay whole)."""
+    windows: dict[int, list] = {}
+    for n in attention:
+        p = attention_params(n)
+        owner = p["kv_source"] if p["kv_source"] is not None else p["layer"]
+        plain = (p["sinks"] is None and p["full_heads"] is None and p["merge_with"] is None
+                 and op_arguments("attention", tuple(n.args), dict(n.kwargs))["select"] is None)
+        windows.setdefault(owner, []).append(p["window"] if plain else None)
+    for op in ("select_tokens", "select_pages"):
+        for n in gm.graph.find_nodes(op="call_function", target=OPS[op]):
+            windows.setdefault(op_arguments(op, tuple(n.args), dict(n.kwargs))["layer"], []).append(None)
+    return {i: max(w) for i, w in windows.items() if None not in w}
 
 
 def cache_spec(node: fx.Node) -> CacheSpec:
@@ -178,8 +216,9 @@ def read_bytes(gm: fx.GraphModule, dtype: torch.dtype, tokens: int) -> int:
 
     Not counted: a second read of keys already counted (a selection layer scoring its keys,
     ``select_own``'s attention over the chosen ones), the float32 copies the scoring makes,
-    and what a kernel loads only to mask (the torch backend's window masks a whole prefix;
-    a CUDA-graph step spans the allocated cache; the Triton kernel skips both).
+    and what a kernel loads only to mask (a sliding-window ring's slack past its window
+    under speculative decoding, ``runtime.window_ring``; a CUDA-graph step spans the
+    allocated cache; the Triton kernel skips both).
     Multi-token steps (prompts, speculative verification) attend densely."""
     selected, bounds, scored = {}, {}, set()
     for n in gm.graph.find_nodes(op="call_function", target=OPS["attention"]):
@@ -239,16 +278,20 @@ def _second(p: dict) -> bool:
 
 def describe(table: dict[int, CacheSpec], dtype: torch.dtype, readers: Optional[dict] = None) -> dict:
     """The table as JSON-able data (dumps): ``bytes_per_token`` counts the caches that grow
-    with the sequence, ``bounded_bytes`` what the rings hold at most, ``readers`` the
-    layers that read each shared cache (``{owner: [readers]}``, ``ir.sharing.readers_of``)."""
+    with the sequence, ``bounded_bytes`` what the rings hold at most (a sliding-window
+    ring its window, under plain decoding), ``readers`` the layers that read each shared
+    cache (``{owner: [readers]}``, ``ir.sharing.readers_of``)."""
+    growing = [s for s in table.values() if s.ring_window is None]
     return {"dtype": str(dtype).removeprefix("torch."),
             "readers": {str(o): r for o, r in (readers or {}).items()},
             "bytes_per_token": sum(s.bytes_per_token(dtype) * (s.num_kv_heads - s.ring_heads)
                                    // s.num_kv_heads + (s.bytes_per_token(dtype) // s.page
                                                         if s.page else 0)
-                                   + _merged_per_token(s, dtype) for s in table.values()),
+                                   + _merged_per_token(s, dtype) for s in growing),
             "bounded_bytes": sum(s.bytes_per_token(dtype) * s.ring_heads // s.num_kv_heads
-                                 * (s.sinks + s.window + 1) for s in table.values() if s.ring),
+                                 * (s.sinks + s.window + 1) for s in table.values() if s.ring)
+            + sum(s.bytes_per_token(dtype) * s.ring_window for s in table.values()
+                  if s.ring_window is not None),
             "caches": [asdict(s) for s in table.values()]}
 
 
@@ -278,21 +321,29 @@ def unbounded_length(gm: fx.GraphModule) -> bool:
 
 class KVCache:
     """K and V for every cache of ``table``, ``{key: [B, Hkv, slots, D]}`` each: ``max_len``
-    slots, or a sink + window cache's ring, or both for a split layer (``CacheSpec.parts``)."""
+    slots, or a sink + window cache's ring, or both for a split layer, or a sliding-window
+    ring (``CacheSpec.parts``). ``slack``: the tokens a step may write that a later one
+    rolls back (speculative decoding, ``runtime.window_ring``); ``spans`` ``{id: slots}``
+    names the sliding-window rings."""
 
     def __init__(self, table: dict[int, CacheSpec], batch: int, max_len: int,
-                 dtype: torch.dtype, device: torch.device):
-        self.table, self.batch, self.max_len = table, batch, max_len
+                 dtype: torch.dtype, device: torch.device, slack: int = 0):
+        self.table, self.batch, self.max_len, self.slack = table, batch, max_len, slack
+        self.spans = {i: slots for i, s in table.items()
+                      if (slots := s.ring_slots(max_len, slack)) is not None}
         # zeros, not empty: a padded row's masked slots must hold finite values, because
         # masked attention weights are exactly 0 and 0 * NaN would still be NaN.
         parts = [(key, (batch, heads, slots, s.head_dim))  # [B, Hkv, slots, D]
-                 for s in table.values() for key, heads, slots in s.parts(max_len)]
-        # caches of one shape are views of one block [n, B, Hkv, slots, D], so that moving
-        # slots in all of them (``move``) is one copy, not one per layer
-        shapes = {shape: [key for key, s in parts if s == shape] for _, shape in parts}
+                 for s in table.values() for key, heads, slots in s.parts(max_len, slack)]
+        # caches of one shape (and kind: positions or a sliding-window ring's slots) are
+        # views of one block [n, B, Hkv, slots, D], so that moving slots in all of them
+        # (``move``) is one copy, not one per layer
+        kinds: dict = {}
+        for key, shape in parts:
+            kinds.setdefault((shape, key in self.spans), []).append(key)
         self.blocks = [(keys, torch.zeros((len(keys), *shape), dtype=dtype, device=device),
                         torch.zeros((len(keys), *shape), dtype=dtype, device=device))
-                       for shape, keys in shapes.items()]  # (keys, K block, V block)
+                       for (shape, _), keys in kinds.items()]  # (keys, K block, V block)
         at = {key: (kb[i], vb[i]) for keys, kb, vb in self.blocks for i, key in enumerate(keys)}
         self.k = {key: at[key][0] for key, _ in parts}
         self.v = {key: at[key][1] for key, _ in parts}
@@ -308,13 +359,16 @@ class KVCache:
                        for s in table.values() if s.merge is not None}
 
     def move(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy slot ``src[i]`` of row ``rows[i]`` to its slot ``dst[i]`` in every cache, K
-        and V (``[n]`` each; every source read before any target is written)."""
+        """Copy position ``src[i]`` of row ``rows[i]`` to its position ``dst[i]`` in every
+        cache, K and V (``[n]`` each; every source read before any target is written): a
+        sliding-window ring's slot of a position is the position modulo its slots."""
         if self.merged:
             raise RewriterError("a merged cache (MiniCache) cannot move tokens between slots")
-        for _, kb, vb in self.blocks:
+        for keys, kb, vb in self.blocks:
+            span = self.spans.get(keys[0])
+            at, to = (src, dst) if span is None else (src % span, dst % span)
             for block in (kb, vb):
-                block[:, rows, :, dst] = block[:, rows, :, src]  # [n moves, caches, Hkv, D]
+                block[:, rows, :, to] = block[:, rows, :, at]  # [n moves, caches, Hkv, D]
 
     def hold(self) -> Callable[[], None]:
         """Lease the cache to one generation or scoring (``fits`` is False meanwhile); the
@@ -332,9 +386,11 @@ class KVCache:
                 self.busy, self._lease = False, None
         return release
 
-    def fits(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> bool:
+    def fits(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device,
+             slack: int = 0) -> bool:
         k = next(iter(self.k.values()), None)
         return (not self.busy and self.batch == batch and self.max_len >= max_len
+                and self.slack >= slack
                 and (k is None or (k.dtype == dtype and k.device == device)))
 
     @property

@@ -80,7 +80,7 @@ def ring_attention(step, q: Tensor, k: Tensor, v: Tensor, spec, cos: Optional[Te
     else:
         # Several tokens: an early one may need a key a later one overwrites, so they read
         # the ring as it was plus the step's own keys, and are written after.
-        keys, values = _step_keys(step, spec, k_ring, v_ring, new_k, new_v, size)
+        keys, values = step_keys(step, spec, k_ring, v_ring, new_k, new_v, size)
         mask = step.once(("ring_step", window, sinks), lambda: _step_mask(first, r_new, sinks,
                                                                           window, size))
         held = step.once(("ring_step_held", window, sinks), lambda: torch.cat(
@@ -92,7 +92,7 @@ def ring_attention(step, q: Tensor, k: Tensor, v: Tensor, spec, cos: Optional[Te
     return out.transpose(1, 2).reshape(b, s, num_heads * head_dim)  # [B, S, Hq*D]
 
 
-def _step_keys(step, spec, k_ring: Tensor, v_ring: Tensor, new_k: Tensor, new_v: Tensor,
+def step_keys(step, spec, k_ring: Tensor, v_ring: Tensor, new_k: Tensor, new_v: Tensor,
                size: int) -> tuple[Tensor, Tensor]:
     """What a multi-token step attends to: the ring as it was, then the step's own K/V
     ``[B, Hkv, C + S, D]``. A ring other layers read (``ShareKV``) keeps them for the

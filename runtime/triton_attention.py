@@ -10,7 +10,7 @@ from rewriter.codegen.decode_attention import decode_attention
 from rewriter.codegen.prefill_attention import prefill_attention, tree_bits
 from rewriter.codegen.rope import rope_into_cache
 
-from .attention import Step, dense_attention, write_kv
+from .attention import Step, dense_attention, in_window_ring, write_kv
 from .attention import cached_attention as torch_cached_attention
 from .duo_cache import split_attention
 from .kv_cache import CacheSpec
@@ -18,6 +18,7 @@ from .merged_cache import merged_attention
 from .page_selection import refresh_bounds
 from .ring_cache import ring_attention
 from .token_selection import selection_index
+from .window_ring import window_attention
 
 
 def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, spec: CacheSpec,
@@ -36,7 +37,8 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, spec: CacheSpe
     position lists, so it reads those keys only. A sink + window ring (``StreamingAttention``,
     DuoAttention's streaming heads) runs its one-token steps through the decode kernel too,
     over the ring's visible slots, the sinks scored by the query rotated back; its writes
-    and longer steps are the torch path's (``runtime.ring_cache``). A MiniCache pair's
+    and longer steps are the torch path's (``runtime.ring_cache``); so does a sliding window
+    kept in a ring (``runtime.window_ring``). A MiniCache pair's
     K/V are restored by torch (``runtime.merged_cache``) and attended by the kernels."""
     if spec.merge is not None:
         return merged_attention(step, q, k, v, spec, cos, sin, _restored_attention)
@@ -45,6 +47,8 @@ def cached_attention(step: Step, q: Tensor, k: Tensor, v: Tensor, spec: CacheSpe
                                kernel=decode_attention)
     if spec.sinks is not None:  # a sink + window ring (runtime.ring_cache): decode by the kernel
         return ring_attention(step, q, k, v, spec, cos, sin, rotary, kernel=decode_attention)
+    if in_window_ring(step, spec, select):  # a sliding window in a ring: decode by the kernel
+        return window_attention(step, q, k, v, spec, cos, sin, kernel=decode_attention)
     window, page = spec.window, spec.page
     if (step.per_row and (select is not None or page is not None)) or \
             (step.tree is not None and (window is not None or page is not None)):

@@ -74,8 +74,11 @@ def test_a_ring_reads_its_slots_and_a_split_layer_both_parts(model):
 def test_a_sliding_window_reads_its_window():
     mistral = make_model("mistral-window-3l")  # every layer sees its last 5 tokens
     opt = rewriter.optimize(mistral)
-    assert opt.kv_read_bytes(T) == 5 * opt.kv_bytes_per_token(T)
-    assert opt.kv_read_bytes(3) == 3 * opt.kv_bytes_per_token(3)
+    per_token = opt.kv_bytes_per_token(3)  # shorter than the window: every token is held
+    assert opt.kv_read_bytes(T) == 5 * per_token
+    assert opt.kv_read_bytes(3) == 3 * per_token
+    # and what is held is the window's ring, not the text (runtime.window_ring)
+    assert opt.kv_bytes_per_token(T) == 5 * per_token // T
 
 
 def test_bad_lengths_are_refused(model):

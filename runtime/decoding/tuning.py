@@ -80,7 +80,7 @@ def _measure_batch(ir: IR, programs: dict, strategy: TreeDecoding, vocab, batch:
     ids = (at * 7919 + 13) % vocab_size
     settings = GenerationSettings(max_new_tokens=new, eos_token_id=(), pad_token_id=0)
     cache = KVCache(cache_table(ir.gm), batch, prompt + new + strategy.cache_slack(),
-                    weight.dtype, device)
+                    weight.dtype, device, slack=strategy.cache_slack())
 
     if static is None:  # as the engine runs: on a GPU every loop replays CUDA graphs
         static = device.type == "cuda"
