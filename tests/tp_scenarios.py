@@ -37,6 +37,8 @@ SCENARIOS = {
     "opt": ("opt-2l", {}, ["tensor_parallel:world_size=2"]),
     # Phi-3: qkv_proj and gate_up_proj split by the lifter into the linears the split reads
     "phi3": ("phi3-gqa-2l", {}, ["tensor_parallel:world_size=2"]),
+    # Qwen3: the QK-norm (rw.head_rms_norm) split by whole heads, its [D] weight whole
+    "qwen3": ("qwen3-gqa-2l", {}, ["tensor_parallel:world_size=2"]),
 }
 
 # FuseAllReduceRMSNorm: the rule's form (CPU: all-reduce then add + norm) and the forced
