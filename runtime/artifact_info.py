@@ -113,6 +113,7 @@ def _int4_record(v) -> bool:
     # exact_linears: recorded since K-quant GGUF files; older artifacts lack it
     return (isinstance(v, dict) and set(v) - {"exact_linears"} == set(keys)
             and _is_int(v["linears"], 1) and _is_int(v.get("exact_linears", 0), 0)
+            and v.get("exact_linears", 0) <= v["linears"]
             and _is_int(v["group_size"], 2) and all(
                 isinstance(v[k], (int, float)) and not isinstance(v[k], bool)
                 and math.isfinite(v[k]) and v[k] >= 0 for k in keys[2:]))

@@ -286,3 +286,43 @@ def test_gemma2_soft_capping_is_refused_by_name():
     assert info["lift_report"] == ["model.layers.0.self_attn: attention logit soft-capping "
                                    "(attn_logit_softcapping=50.0) is not lifted: rw.attention "
                                    "has no cap on its scores"]
+
+
+def test_olmo2_norms_over_the_whole_projection_are_not_head_norms():
+    """OLMo 2's q_norm/k_norm carry the child names of Qwen3's but normalise the whole
+    projection (weight ``[H*D]``): left as traced, by name, its logits still HF's."""
+    torch.manual_seed(0)
+    config = T.Olmo2Config(**SMALL, **IDS, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, initializer_range=0.2)
+    model = T.Olmo2ForCausalLM(config).eval()
+    info = refused(model)
+    assert any("q_norm normalises more than one head" in r for r in info["lift_report"])
+    ids = prompt(7, 3, 128)
+    assert_close_rel(rewriter.optimize(model)(ids), hf_logits(model, ids))
+
+
+def _norm_after_rope(self, hidden_states, position_embeddings, attention_mask, cache=None,
+                     **kwargs):
+    """Qwen3's attention with the QK-norm moved after RoPE (no such model ships; the
+    lifter must notice the order, not assume it)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.models.qwen3 import modeling_qwen3 as mq
+    shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+    q, k, v = (p(hidden_states).view(shape).transpose(1, 2)  # [B, H, S, D]
+               for p in (self.q_proj, self.k_proj, self.v_proj))
+    q, k = mq.apply_rotary_pos_emb(q, k, *position_embeddings)
+    q, k = self.q_norm(q), self.k_norm(k)
+    out, _ = sdpa_attention_forward(self, q, k, v, attention_mask, dropout=0.0,
+                                       scaling=self.scaling, **kwargs)
+    return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
+
+
+def test_a_qk_norm_after_rope_is_not_moved_before_it(monkeypatch):
+    from transformers.models.qwen3 import modeling_qwen3 as mq
+    monkeypatch.setattr(mq.Qwen3Attention, "forward", _norm_after_rope)
+    model = make("qwen3-gqa-2l")
+    info = refused(model)
+    assert any("q_norm does not normalise its own projection before RoPE" in r
+               for r in info["lift_report"])
+    ids = prompt(7, 3, model.config.vocab_size)
+    assert_close_rel(rewriter.optimize(model)(ids), hf_logits(model, ids))

@@ -174,3 +174,32 @@ def test_each_load_parses_the_file_once_with_the_same_fields(f32_file, monkeypat
     with pytest.raises(rg.CheckpointError):  # a reader that fails inside is put back too
         rg.load_gguf_model(cut)
     assert gguf.GGUFReader is original
+
+
+def test_one_read_nests_and_restores_what_it_patched(tmp_path):
+    """A load inside another's (or another thread's, serialised by its lock) gets its own
+    shared reader, and each exit puts back what it found: at the end, gguf's and
+    transformers' own functions again."""
+    import threading
+
+    import gguf
+    import transformers.modeling_gguf_pytorch_utils as hf_gguf
+    from rewriter.models.gguf_read import one_read
+    before = gguf.GGUFReader, hf_gguf.load_gguf_checkpoint
+    with one_read(tmp_path / "a.gguf"):
+        outer = gguf.GGUFReader
+        with one_read(tmp_path / "b.gguf"):
+            assert gguf.GGUFReader is not outer
+        assert gguf.GGUFReader is outer
+    inside = []
+
+    def other_load():
+        with one_read(tmp_path / "c.gguf"):
+            inside.append(True)
+    thread = threading.Thread(target=other_load)
+    with one_read(tmp_path / "a.gguf"):
+        thread.start()
+        thread.join(timeout=0.5)
+        assert thread.is_alive() and not inside  # the other thread waits for this load
+    thread.join(timeout=10)
+    assert inside and (gguf.GGUFReader, hf_gguf.load_gguf_checkpoint) == before

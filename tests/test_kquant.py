@@ -152,3 +152,23 @@ def test_int4_exact_on_the_real_file_keeps_the_greedy_tokens(gemma3_file):
     ids = torch.tensor([[2, 818, 5279, 529, 7001, 563]])  # "<bos>The capital of France is"
     assert torch.equal(opt(ids), base(ids))
     assert torch.equal(opt.generate(ids, max_new_tokens=8), base.generate(ids, max_new_tokens=8))
+
+
+def test_quantize_in_row_blocks_is_quantize_whole(monkeypatch):
+    """The blocks of rows bound the search's scratch; they change no code, scale or min."""
+    import rewriter.maths.int4 as int4
+    w = torch.randn(24, 64, generator=torch.Generator().manual_seed(0))
+    w[:8] = torch.round(w[:8] * 4) / 4  # some groups on a grid, some not
+    whole = quantize(w, 32)
+    monkeypatch.setattr(int4, "ROWS_AT_ONCE", 5 * 64)
+    for a, b in zip(whole, quantize(w, 32)):
+        assert torch.equal(a, b)
+
+
+def test_a_weight_with_nan_is_refused_by_name():
+    from rewriter.models.checkpoints import load_model
+    model = load_model("default")[0]
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[0, 0] = float("nan")
+    with pytest.raises(PassError, match="down_proj.weight holds NaN"):
+        rewriter.optimize(model, passes=[Int4Weights()])

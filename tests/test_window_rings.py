@@ -207,7 +207,8 @@ def no_cache_greedy(opt, ids: torch.Tensor, n: int) -> torch.Tensor:
 # each pass on a model whose sliding layers already hold a window: rings where the
 # layer's cache keeps plain windows, whole caches where a selection reads positions
 COMPOSED = {
-    "streaming": ([StreamingAttention(sinks=2, window=6)], {}),
+    # StreamingAttention sinks the global layers only: the local ones keep their rings
+    "streaming": ([StreamingAttention(sinks=2, window=6)], {0: 4, 2: 4}),
     "duo": ([DuoAttention([[1.0], [0.0], [0.0], [1.0]], sinks=2, window=4)], {}),
     "share_sliding": ([ShareKV(sources={2: 0})], {0: 4}),
     "share_global_reads_sliding": ([ShareKV(sources={1: 0})], {2: 4}),

@@ -345,6 +345,9 @@ class Lifter:
         for extra in reg.inputs:
             if extra not in known and not _is_mask(extra):
                 return self.skip(scope, f"attention reads an unexpected input {extra.name}")
+        why = self.qk_norm_misfit(mod, norms, qkv, table)
+        if why:
+            return self.skip(scope, why)
         q_scale = query_scaling(reg, qkv[0])
         why = unexpected_math(reg, table is not None, q_scale is not None, set(norms.values()))
         if why:
@@ -363,11 +366,29 @@ class Lifter:
             found[child_scope.rsplit(".", 1)[-1]] = nodes[0]
         return found if len(found) in (0, 2) else None
 
+    def qk_norm_misfit(self, mod, norms: dict, qkv, table) -> str | None:
+        """Why the QK-norms are not what ``rw.head_rms_norm`` before RoPE computes (a norm
+        of each head of its own projection, RoPE after it), or None. OLMo 2's norms span
+        the whole projection; a model could normalise after RoPE: both left as traced."""
+        head_dim = self.head_dim(mod)
+        for (name, norm), own, other in zip(norms.items(), qkv, qkv[::-1]):
+            read = data_ancestors(norm)
+            if own not in read or other in read or table and set(table) & read:
+                return f"{name} does not normalise its own projection before RoPE"
+            weight = op_arguments("rms_norm", tuple(norm.args), dict(norm.kwargs))["weight"]
+            if self.tensor(weight).numel() != head_dim:
+                return f"{name} normalises more than one head (weight is not [head_dim={head_dim}])"
+        return None
+
+    def head_dim(self, mod) -> int:
+        config = self.root.config
+        return getattr(mod, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
     def attention_args(self, scope, mod, sdpa, qkv, table, q_scale: float, norms: dict) -> tuple:
         config = self.root.config
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(mod, "head_dim", None) or config.hidden_size // heads
+        head_dim = self.head_dim(mod)
         # OPT scales q before SDPA (whose own scale is then 1): one scale for both.
         scale = (sdpa.kwargs.get("scale") or ops.default_scale(head_dim)) * q_scale
         q, k, v = qkv
@@ -505,8 +526,8 @@ def _unit_offset(reg: Region) -> bool:
         if n.target in _TO and n.args[0] in seen:
             seen.add(n)
         elif n.target in (aten.add.Tensor, aten.add.Scalar) and n.args[0] in seen \
-                and n.args[1] == 1.0:
-            return True
+                and n.args[1] == 1.0 and any(u.target == aten.mul.Tensor for u in n.users):
+            return True  # (1 + w) scaling the normalised row
     return False
 
 

@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 from torch import fx
 
+from rewriter.errors import PassError
 from rewriter.ir.core import IR
 from rewriter.ir.nodes import DRAFT_HEAD, call, is_op, linear_parts, mark
 from rewriter.maths.int4 import dequantize, quantize
@@ -34,6 +35,9 @@ def quantize_linears(ir: IR, group_size: int, lm_head: bool, pass_name: str,
         if (weight is None or weight.dim() != 2 or not weight.is_floating_point()
                 or weight.shape[1] % group_size or (node is head and not lm_head)):
             continue
+        if not torch.isfinite(weight).all():
+            raise PassError(f"Int4Weights: {w.target} holds NaN or infinite values; no grid "
+                            f"of 4-bit codes holds them")
         codes, scales, mins = quantize(weight, group_size)
         off = (dequantize(codes, scales, mins, group_size) - weight.float()).abs().max().item()
         if exact and off:

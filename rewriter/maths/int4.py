@@ -35,10 +35,20 @@ DEFAULT_GROUP = 32  # Int4Weights' default, and the int4 draft's of self-specula
 STEP_BITS = 17
 
 
+ROWS_AT_ONCE = 1 << 22  # weights quantized this many values at a time: bounded scratch
+
+
 def quantize(weight: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
     """``(codes, scales, mins)`` of a 2-d float ``weight`` ``[out, in]``; scales and mins
     in the weight's dtype, computed in float32. Groups already on a 4-bit grid come back
-    exact (the module's docstring); the others get the min/max grid of 15 steps."""
+    exact (the module's docstring); the others get the min/max grid of 15 steps. Done in
+    blocks of rows, so the search's float32 copies and sort stay small for an LM head."""
+    rows = max(1, ROWS_AT_ONCE // weight.shape[1])
+    parts = [_quantize(block, group_size) for block in weight.split(rows)]
+    return tuple(torch.cat(p) for p in zip(*parts))
+
+
+def _quantize(weight: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
     out, width = weight.shape
     w = weight.detach().to(torch.float32).view(out, width // group_size, group_size)  # [out, G, g]
     # the minimum as it will be stored (rounded to the weight's dtype), so the codes are

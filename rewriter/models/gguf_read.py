@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import threading
 from pathlib import Path
 
 from rewriter.errors import CheckpointError
@@ -21,7 +22,7 @@ from rewriter.errors import CheckpointError
 def fast_reader_class():
     """``gguf.GGUFReader`` with field reads from a plain-array view of its memory map."""
     import numpy as np
-    from gguf import GGUFReader
+    from gguf.gguf_reader import GGUFReader  # the class itself: one_read patches the name
 
     class QuickReader(GGUFReader):
         def _get(self, offset, dtype, count=1, override_order=None):
@@ -36,8 +37,30 @@ def fast_reader_class():
     return QuickReader
 
 
+# one_read patches process-wide names: one at a time (another thread's load, or a nested
+# one, waits), and the originals are taken from where one_read never patches them
+_LOCK = threading.RLock()
+_ORIGINAL: dict = {}
+
+
 @contextlib.contextmanager
 def one_read(path: os.PathLike):
+    with _LOCK:
+        with _one_read(path):
+            yield
+
+
+def _originals():
+    """gguf's reader class and transformers' config parse as their modules define them."""
+    if not _ORIGINAL:
+        import gguf.gguf_reader
+        import transformers.modeling_gguf_pytorch_utils as hf_gguf
+        _ORIGINAL.update(reader=gguf.gguf_reader.GGUFReader, load=hf_gguf.load_gguf_checkpoint)
+    return _ORIGINAL["reader"], _ORIGINAL["load"]
+
+
+@contextlib.contextmanager
+def _one_read(path: os.PathLike):
     """Within: readers of ``path`` made through ``gguf.GGUFReader`` are one quick reader,
     and ``transformers``' config parse of it (``load_gguf_checkpoint`` without tensors)
     runs once; other files are read as usual."""
@@ -47,7 +70,8 @@ def one_read(path: os.PathLike):
         raise CheckpointError(f"{path}: reading GGUF needs the 'gguf' package ({e})") from e
     import transformers.modeling_gguf_pytorch_utils as hf_gguf
     target = Path(path).resolve()
-    real_reader, real_load = gguf.GGUFReader, hf_gguf.load_gguf_checkpoint
+    real_reader, real_load = _originals()
+    saved = gguf.GGUFReader, hf_gguf.load_gguf_checkpoint  # a nested entry's wrappers
     quick, shared, configs = fast_reader_class(), {}, {}
 
     def reader(p, mode="r"):
@@ -68,4 +92,4 @@ def one_read(path: os.PathLike):
     try:
         yield
     finally:
-        gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = real_reader, real_load
+        gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = saved

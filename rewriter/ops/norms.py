@@ -46,7 +46,7 @@ def _head_rms_norm_fake(x, w, eps, head_dim, unit_offset=False):
 def head_rms_norm(x: Tensor, weight: Tensor, eps: float, head_dim: int,
                   unit_offset: bool = False) -> Tensor:
     """``rms_norm`` over each head of ``x`` ``[B, S, H*D]`` with one weight ``[D]`` shared by
-    the heads: the QK-norm of Qwen3, Gemma 3 and OLMo 2, applied to q and k before RoPE."""
+    the heads: the QK-norm of Qwen3 and Gemma 3, applied to q and k before RoPE."""
     b, s, _ = x.shape
     normed = REFERENCE["rms_norm"](x.view(b, s, -1, head_dim), weight, eps, unit_offset)  # [B,S,H,D]
     return normed.reshape(b, s, -1)  # [B, S, H*D]
