@@ -1,8 +1,9 @@
 """The ``rewriter`` command.
 
-    rewriter optimize <hf-checkpoint-dir | model.gguf | smollm2 | default> --pass layer_skip:speedup=1.5 --out DIR
+    rewriter optimize <hf-checkpoint-dir | model.gguf | smollm2 | gemma3-270m | default> --pass layer_skip:speedup=1.5 --out DIR
     rewriter run DIR --prompt "..." --max-new-tokens 64
     rewriter run smollm2 --chat "What is the capital of France?"
+    rewriter run gemma3-270m --prompt "The capital of France is"   # a base model: no --chat
     rewriter run DIR --tp 2 --prompt "..."        # a TensorParallel split, on 2 ranks
     rewriter ir DIR
     rewriter info DIR

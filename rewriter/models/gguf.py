@@ -20,6 +20,7 @@ from typing import Union
 import torch
 
 from rewriter.errors import CheckpointError
+from rewriter.models import named
 
 PathLike = Union[str, os.PathLike]
 
@@ -69,9 +70,9 @@ def gguf_file(path: PathLike) -> Path:
 
 def is_gguf(path: PathLike) -> bool:
     """Whether ``path`` names a GGUF checkpoint (a ``.gguf`` file or a directory with one
-    and no ``config.json``) or the ``smollm2`` model."""
+    and no ``config.json``) or a named model (``smollm2``, ``named.NAMES``)."""
     p = Path(path)
-    if str(path) == "smollm2":
+    if str(path) == "smollm2" or named.is_named(path):
         return True
     if p.is_file():
         return p.suffix == ".gguf"
@@ -79,7 +80,10 @@ def is_gguf(path: PathLike) -> bool:
 
 
 def resolve(path: PathLike) -> Path:
-    """The GGUF file that ``path`` (a file, a directory, or ``"smollm2"``) names."""
+    """The GGUF file that ``path`` (a file, a directory, ``"smollm2"`` or a name in
+    ``named.NAMES``) names."""
+    if named.is_named(path):
+        return named.named_file(path)
     return smollm2_file() if str(path) == "smollm2" else gguf_file(path)
 
 
