@@ -12,7 +12,9 @@ run (greedy, the same new tokens, no early stop; the ratio of the medians of ``-
 timed runs after a warm-up), with whether the tokens are the same; and KV-cache bytes per
 token at the context length (``Engine.kv_bytes_per_token``) against a full cache in every
 layer. ``--int4`` adds ``Int4Weights`` in bfloat16 (the CPU int4 kernel's dtype): its
-largest weight change against the file's dequantized weights, perplexity and speed.
+largest weight change against the file's dequantized weights, perplexity and speed; and
+``Int4Weights(exact=True)`` in float32: only the linears the file holds in 4 bits exactly
+(Q4_0/Q4_1/Q4_K), the model's outputs unchanged.
 """
 from __future__ import annotations
 
@@ -88,6 +90,7 @@ def dtype_row(model, tok, dtype: torch.dtype, ids, chunks, args, passes=()) -> d
                context=engine.max_len)
     if "int4" in engine.ir.info:
         row.update(int4_linears=engine.ir.info["int4"]["linears"],
+                   int4_exact_linears=engine.ir.info["int4"].get("exact_linears"),
                    int4_max_abs_error=engine.ir.info["int4"]["max_abs_error"])
     return row
 
@@ -113,7 +116,8 @@ def main():
     ap.add_argument("--repeat", type=int, default=3, help="timed runs (median) after a warm-up")
     ap.add_argument("--ppl-chunks", type=int, default=4)
     ap.add_argument("--ppl-length", type=int, default=256)
-    ap.add_argument("--int4", action="store_true", help="also Int4Weights, in bfloat16")
+    ap.add_argument("--int4", action="store_true",
+                    help="also Int4Weights in bfloat16, and Int4Weights(exact=True) in float32")
     ap.add_argument("--json", default=None, help="default: benchmarks/results/families-MODEL.json")
     args = ap.parse_args()
     from rewriter.passes import Int4Weights
@@ -121,7 +125,10 @@ def main():
     chunks = heldout_chunks(tok, args.ppl_chunks, args.ppl_length)  # [N, T]
     ids = heldout_chunks(tok, 1, args.prompt)  # [1, prompt]
     runs = [(getattr(torch, d), ()) for d in args.dtypes]
-    runs += [(torch.bfloat16, (Int4Weights(),))] if args.int4 else []
+    # every linear in 4 bits (bfloat16, the CPU int4 kernel's dtype), and only those the
+    # file holds in 4 bits exactly (float32: the model's outputs unchanged)
+    runs += [(torch.bfloat16, (Int4Weights(),)),
+             (torch.float32, (Int4Weights(exact=True),))] if args.int4 else []
     rows = []
     for dtype, passes in runs:  # a row at a time: a model's run takes minutes
         rows.append(dtype_row(model, tok, dtype, ids, chunks, args, passes))
