@@ -345,7 +345,7 @@ class Lifter:
         for extra in reg.inputs:
             if extra not in known and not _is_mask(extra):
                 return self.skip(scope, f"attention reads an unexpected input {extra.name}")
-        why = self.qk_norm_misfit(mod, norms, qkv, table)
+        why = self.qk_norm_misfit(mod, reg, norms, qkv, table)
         if why:
             return self.skip(scope, why)
         q_scale = query_scaling(reg, qkv[0])
@@ -366,14 +366,15 @@ class Lifter:
             found[child_scope.rsplit(".", 1)[-1]] = nodes[0]
         return found if len(found) in (0, 2) else None
 
-    def qk_norm_misfit(self, mod, norms: dict, qkv, table) -> str | None:
+    def qk_norm_misfit(self, mod, reg: Region, norms: dict, qkv, table) -> str | None:
         """Why the QK-norms are not what ``rw.head_rms_norm`` before RoPE computes (a norm
         of each head of its own projection, RoPE after it), or None. OLMo 2's norms span
         the whole projection; a model could normalise after RoPE: both left as traced."""
         head_dim = self.head_dim(mod)
-        for (name, norm), own, other in zip(norms.items(), qkv, qkv[::-1]):
+        for (name, norm), own, other in zip(norms.items(), qkv[:2], qkv[1::-1]):  # q, k
             read = data_ancestors(norm)
-            if own not in read or other in read or table and set(table) & read:
+            rotated = any(set(table or ()) & set(n.all_input_nodes) for n in read & set(reg.nodes))
+            if own not in read or other in read or rotated:
                 return f"{name} does not normalise its own projection before RoPE"
             weight = op_arguments("rms_norm", tuple(norm.args), dict(norm.kwargs))["weight"]
             if self.tensor(weight).numel() != head_dim:
