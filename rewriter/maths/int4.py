@@ -84,9 +84,11 @@ def _exact_grids(w: Tensor, low: Tensor, span: Tensor, code: Tensor, step: Tenso
     K-quant step has (the group's largest value rounded, so its span is a little off).
     Only groups of at most 16 distinct values can be on one (a cheap sort rules out the
     rest: a weight that was never 4-bit costs one pass)."""
-    ranked = w.sort(dim=-1).values
-    distinct = 1 + (ranked[..., 1:] != ranked[..., :-1]).sum(dim=-1)  # [out, G]
-    todo = (distinct <= 16) & ~_reads_back(w, low, code, step)
+    todo = ~_reads_back(w, low, code, step)  # [out, G]
+    if not todo.any():  # every group on the 15-step grid (a Q4_0/Q4_1 file): done
+        return
+    ranked = w[todo].sort(dim=-1).values  # [n, g]
+    todo[todo.clone()] = 1 + (ranked[:, 1:] != ranked[:, :-1]).sum(dim=-1) <= 16
     for steps, snap in ((n, snap) for n in range(15, 0, -1) for snap in (False, True)):
         if not todo.any():
             return
