@@ -129,6 +129,8 @@ def main():
     # file holds in 4 bits exactly (float32: the model's outputs unchanged)
     runs += [(torch.bfloat16, (Int4Weights(),)),
              (torch.float32, (Int4Weights(exact=True),))] if args.int4 else []
+    # float32 rows first: casting to bfloat16 rounds the model's weights in place
+    runs.sort(key=lambda run: run[0] != torch.float32)
     rows = []
     for dtype, passes in runs:  # a row at a time: a model's run takes minutes
         rows.append(dtype_row(model, tok, dtype, ids, chunks, args, passes))
