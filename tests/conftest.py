@@ -111,6 +111,13 @@ def assert_close_rel(actual, expected, rel=1e-5):
     assert err <= rel, f"relative error {err:.3g} > {rel}"
 
 
+def assert_positions_mean_hf(model, opt, ids, pos):
+    """Explicit ``positions`` give Hugging Face's logits for the same ``position_ids``."""
+    with torch.no_grad():
+        ref = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    assert_close_rel(opt(ids, positions=pos), ref)
+
+
 def optimize_once(make):
     """``get(name)`` -> (hf model, OptimizedModel), each ``make(name)`` built and traced once."""
     import rewriter

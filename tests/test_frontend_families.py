@@ -20,7 +20,7 @@ import rewriter
 from rewriter.ir.cacheable import uncacheable
 from rewriter.passes import FuseQKV, FuseRoPE, LayerSkip
 
-from conftest import SHAPES, assert_close_rel, hf_logits, optimize_once
+from conftest import assert_positions_mean_hf, SHAPES, assert_close_rel, hf_logits, optimize_once
 from conftest import hf_greedy as _hf_greedy
 
 NEW = 20
@@ -114,9 +114,7 @@ def test_logits_equal_hugging_face(lifted, name):
 def test_explicit_positions_mean_hf_position_ids(lifted, name):
     model, opt = lifted(name)
     ids, pos = prompt(6, 2, model.config.vocab_size).expand(2, 6), torch.arange(3, 9).expand(2, 6)
-    with torch.no_grad():
-        ref = model(input_ids=ids, position_ids=pos, use_cache=False).logits
-    assert_close_rel(opt(ids, positions=pos), ref)
+    assert_positions_mean_hf(model, opt, ids, pos)
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))

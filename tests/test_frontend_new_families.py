@@ -22,7 +22,7 @@ from rewriter.frontend.fused import gate_up_halves, qkv_proj_rows
 from rewriter.ir.cacheable import uncacheable
 from rewriter.passes import FuseQKV, FuseRoPE, FuseSwiGLU, Int4Weights
 
-from conftest import assert_close_rel, hf_logits, optimize_once
+from conftest import assert_positions_mean_hf, assert_close_rel, hf_logits, optimize_once
 from conftest import hf_greedy as _hf_greedy
 
 NEW = 16
@@ -179,9 +179,7 @@ def test_explicit_positions_mean_hf_position_ids(lifted, name):
     start = 3000 if model.config.max_position_embeddings > 3000 else 200
     ids = prompt(6, 2, model.config.vocab_size).expand(2, 6)
     pos = torch.stack([torch.arange(start, start + 6), torch.arange(5, 11)])
-    with torch.no_grad():
-        ref = model(input_ids=ids, position_ids=pos, use_cache=False).logits
-    assert_close_rel(opt(ids, positions=pos), ref)
+    assert_positions_mean_hf(model, opt, ids, pos)
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))

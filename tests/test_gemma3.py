@@ -16,7 +16,7 @@ import rewriter
 from rewriter.ir.cacheable import uncacheable
 from rewriter.ops import REFERENCE
 
-from conftest import SHAPES, assert_close_rel, hf_logits
+from conftest import assert_positions_mean_hf, SHAPES, assert_close_rel, hf_logits
 from conftest import hf_greedy as _hf_greedy
 
 NEW = 20
@@ -133,9 +133,7 @@ def test_logits_equal_hugging_face(lifted, name):
 def test_explicit_positions_mean_hf_position_ids(lifted, name):
     model, _, opt = lifted(name)
     ids, pos = prompt(9, 2, model.config.vocab_size).expand(2, 9), torch.arange(3, 12).expand(2, 9)
-    with torch.no_grad():
-        ref = model(input_ids=ids, position_ids=pos, use_cache=False).logits
-    assert_close_rel(opt(ids, positions=pos), ref)
+    assert_positions_mean_hf(model, opt, ids, pos)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
