@@ -123,7 +123,7 @@ def test_a_trimmed_run_learns_its_text(rows):
     d = DraftLayer(model, "random", 2)
     d.trim(draft_vocab(counts + 1, 300))  # the text's tokens, then 0, 1, 2 ...
     before = d.accuracy(data)
-    d.train(data, _args(steps=60))
+    d.train(data, _args(steps=20))  # about 0.93 top-1 after 20 steps (0 before)
     after = d.accuracy(data)
     assert after[0] > before[0] + 0.3 and after[1] > before[1] + 0.2, (before, after)
 

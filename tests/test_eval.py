@@ -17,13 +17,23 @@ SMALL = EvalSettings(ppl_chunks=2, ppl_length=128, prompts=3, prompt_length=24, 
 
 @pytest.fixture(scope="module")
 def default():
-    model = load_hf_model("default")
-    return model, load_tokenizer("default"), rewriter.optimize(model)
+    """(tokenizer, trace, plain engine): the default model, traced once for every pipeline
+    of this module."""
+    traced = rewriter.trace(load_hf_model("default"))
+    return load_tokenizer("default"), traced, rewriter.optimize(traced)
 
 
-def test_identical_pipeline_agrees_fully(default):
-    model, tok, base = default
-    rows = evaluate({"unoptimized": base, "again": rewriter.optimize(model)}, tok, SMALL)
+@pytest.fixture(scope="module")
+def rows(default):
+    """``evaluate``'s rows for the plain pipeline, the same pipeline optimized again, and one
+    without its middle layers: one evaluation, so the reference is measured once."""
+    tok, traced, base = default
+    gutted = rewriter.optimize(traced, passes=[LayerSkip(layers=[1, 2, 3, 4, 5, 6])])
+    return evaluate({"unoptimized": base, "again": rewriter.optimize(traced), "gutted": gutted},
+                    tok, SMALL)
+
+
+def test_identical_pipeline_agrees_fully(rows):
     again = rows[1]
     assert again["agreement"] == 1.0 and again["first_divergence"] == SMALL.new_tokens
     assert again["ppl_ratio"] == pytest.approx({"code": 1.0, "prose": 1.0}, abs=1e-6)
@@ -32,10 +42,8 @@ def test_identical_pipeline_agrees_fully(default):
     assert "again" in format_table(rows)
 
 
-def test_skipping_the_middle_layers_scores_worse(default):
-    model, tok, base = default
-    gutted = rewriter.optimize(model, passes=[LayerSkip(layers=[1, 2, 3, 4, 5, 6])])
-    ref, row = evaluate({"unoptimized": base, "gutted": gutted}, tok, SMALL)
+def test_skipping_the_middle_layers_scores_worse(rows):
+    ref, row = rows[0], rows[2]
     assert row["ppl_ratio"]["code"] > 1.5 and row["ppl_ratio"]["prose"] > 1.2
     assert row["agreement"] < 0.5 and row["first_divergence"] < SMALL.new_tokens
     assert row["layers_per_token"] == 2 and ref["layers_per_token"] == 8
@@ -89,17 +97,17 @@ def test_perplexity_through_the_runtime_equals_the_irs_own(default):
     """The runtime scores (prefill + a decode step per token) what the IR's reference
     call computes over the whole chunk, position for position."""
     from rewriter.api.eval import heldout_chunks, perplexity
-    model, tok, base = default
+    tok, _, base = default
     chunks = heldout_chunks(tok, 2, 64, "prose")
     logp = base(chunks).float().log_softmax(-1)[:, 31:-1].gather(-1, chunks[:, 32:, None])
     assert perplexity(base, chunks) == pytest.approx(float(torch.exp(-logp.mean())), rel=1e-4)
 
 
-def test_a_chat_tokenizer_gets_chat_prompts():
+def test_a_chat_tokenizer_gets_chat_prompts(default):
     from rewriter.api.eval import CHAT_PROMPTS, greedy_prompts
     from rewriter.runtime.chat import TextConfig
-    model, tok = rewriter.default_model()
-    opt = rewriter.optimize(model, tokenizer=tok)
+    _, tok = rewriter.default_model()  # a Hugging Face tokenizer, not the module's Tokenizer
+    opt = rewriter.optimize(default[1], tokenizer=tok)  # the model's trace; its own engine
     assert isinstance(greedy_prompts(opt, tok, SMALL), torch.Tensor)  # no template: code
     opt.text = TextConfig("{% for m in messages %}Q: {{ m['content'] }}\nA:{% endfor %}")
     prompts = greedy_prompts(opt, tok, SMALL)

@@ -30,7 +30,7 @@ NEW = 30
 
 @pytest.fixture(scope="module")
 def hf():
-    return rg.load_gguf_model("gemma3-270m"), rg.load_gguf_tokenizer("gemma3-270m")
+    return rg.load_gguf("gemma3-270m")  # the model and its tokenizer, the file parsed once
 
 
 @pytest.fixture(scope="module")
@@ -101,9 +101,14 @@ def test_logits_and_greedy_text_equal_hugging_face(opt, hf):
 def test_the_cli_optimizes_runs_and_refuses_to_chat(opt, hf, monkeypatch, tmp_path, capsys):
     """``rewriter optimize gemma3-270m``, then ``run`` on the artifact. The load and the
     trace are the module's own (``opt`` is what from_pretrained optimizes: the model and
-    tokenizer the name loads, test_the_name_resolves_to_the_assembled_file)."""
+    tokenizer the name loads, test_the_name_resolves_to_the_assembled_file), and the
+    artifact is loaded once: ``run --chat`` is refused on what ``run`` loaded."""
     from rewriter.api import pretrained
+    from rewriter.runtime import engine_load
     model, tok = hf
+    loaded, load = [], engine_load.load
+    monkeypatch.setattr(engine_load, "load", lambda *a, **kw: loaded[-1] if loaded
+                        else loaded.append(load(*a, **kw)) or loaded[-1])
     seen = []
     monkeypatch.setattr(rg, "load_gguf_model", lambda path, dtype=None: seen.append(path) or model)
     monkeypatch.setattr(rg, "load_gguf_tokenizer", lambda path: seen.append(path) or tok)

@@ -163,6 +163,8 @@ def test_each_load_parses_the_file_once_with_the_same_fields(f32_file, monkeypat
     assert len(made) == 1  # transformers alone builds a reader for the config, then the tensors
     rg.load_gguf_tokenizer(f32_file)
     assert len(made) == 2 and gguf.GGUFReader is original  # put back after each load
+    model, tok = rg.load_gguf(f32_file)  # the pair from_pretrained loads: one parse for both
+    assert len(made) == 3 and gguf.GGUFReader is original and model and tok
     mine, theirs = quick(f32_file), original(f32_file)
     assert list(mine.fields) == list(theirs.fields)
     for a, b in zip(mine.fields.values(), theirs.fields.values()):
@@ -177,9 +179,9 @@ def test_each_load_parses_the_file_once_with_the_same_fields(f32_file, monkeypat
 
 
 def test_one_read_nests_and_restores_what_it_patched(tmp_path):
-    """A load inside another's (or another thread's, serialised by its lock) gets its own
-    shared reader, and each exit puts back what it found: at the end, gguf's and
-    transformers' own functions again."""
+    """A load of another file inside another's (or another thread's, serialised by its lock)
+    gets its own shared reader, one of the same file shares the outer one, and each exit
+    puts back what it found: at the end, gguf's and transformers' own functions again."""
     import threading
 
     import gguf
@@ -190,6 +192,9 @@ def test_one_read_nests_and_restores_what_it_patched(tmp_path):
         outer = gguf.GGUFReader
         with one_read(tmp_path / "b.gguf"):
             assert gguf.GGUFReader is not outer
+        assert gguf.GGUFReader is outer
+        with one_read(tmp_path / "a.gguf"):  # the same file again: the same parse
+            assert gguf.GGUFReader is outer
         assert gguf.GGUFReader is outer
     inside = []
 

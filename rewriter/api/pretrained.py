@@ -19,8 +19,7 @@ def from_pretrained(path: PathLike, passes: Sequence = (), dtype=None, **optimiz
     path_argument("the checkpoint path", path)
     dtype = gguf.check_dtype(dtype)  # before any file is read
     if gguf.is_gguf(path):
-        tokenizer = gguf.load_gguf_tokenizer(path)
-        model = gguf.load_gguf_model(path, dtype)
+        model, tokenizer = gguf.load_gguf(path, dtype)
     else:
         tokenizer = load_tokenizer(path)  # a broken file fails before the trace, not after
         text = load_text_config(path)

@@ -201,5 +201,5 @@ def load_model(path: PathLike, dtype=None):
         model, tokenizer = default_model()
         return cast(model, dtype), tokenizer
     if gguf.is_gguf(path):
-        return gguf.load_gguf_model(path, dtype), gguf.load_gguf_tokenizer(path)
+        return gguf.load_gguf(path, dtype)
     return load_hf_model(path, dtype), load_tokenizer(path)

@@ -112,6 +112,16 @@ def load_gguf_model(path: PathLike, dtype: Union[str, torch.dtype, None] = None)
     return model.eval()
 
 
+def load_gguf(path: PathLike, dtype: Union[str, torch.dtype, None] = None):
+    """(model, tokenizer) of a GGUF file (``load_gguf_model``, ``load_gguf_tokenizer``),
+    the file parsed once for both: loaded apart, the tokenizer's load parses every field
+    again (slow for a large vocabulary: Gemma 3's three arrays of 262,144 entries)."""
+    from rewriter.models.gguf_read import one_read
+    with one_read(resolve(path)):
+        tokenizer = load_gguf_tokenizer(path)  # first: a broken file fails before the weights
+        return load_gguf_model(path, dtype), tokenizer
+
+
 def load_gguf_tokenizer(path: PathLike):
     """The GGUF file's tokenizer as a fast Hugging Face tokenizer (with its chat template)."""
     from transformers import AutoTokenizer

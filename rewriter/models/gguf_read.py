@@ -41,13 +41,25 @@ def fast_reader_class():
 # one, waits), and the originals are taken from where one_read never patches them
 _LOCK = threading.RLock()
 _ORIGINAL: dict = {}
+_OPEN: list = []  # the files of the one_read entries now open, innermost last
 
 
 @contextlib.contextmanager
 def one_read(path: os.PathLike):
+    """Within: ``path`` parsed once (``_one_read``). An entry for the file the innermost
+    open entry reads shares that entry's parse (a model and its tokenizer, loaded inside
+    one ``one_read``, read the file once)."""
+    target = Path(path).resolve()
     with _LOCK:
-        with _one_read(path):
+        if _OPEN and _OPEN[-1] == target:
             yield
+            return
+        _OPEN.append(target)
+        try:
+            with _one_read(path):
+                yield
+        finally:
+            _OPEN.pop()
 
 
 def _originals():
