@@ -132,6 +132,15 @@ def optimize_once(make):
 
 
 @pytest.fixture(scope="session")
+def tp_ranks(tmp_path_factory) -> list[dict]:
+    """Every tensor-parallel scenario (tests/tp_scenarios.py) run on two gloo ranks in one
+    launch, per rank its results (tests/tp_tools.py). Tests using it carry
+    ``pytest.mark.xdist_group("tp")``, so under ``--dist loadgroup`` one worker launches."""
+    from tp_tools import launch_every_scenario
+    return launch_every_scenario(tmp_path_factory.mktemp("tp"))
+
+
+@pytest.fixture(scope="session")
 def optimized_cache():
     """Trace each config once per session: ``get(name)`` -> (hf model, OptimizedModel)."""
     return optimize_once(make_model)

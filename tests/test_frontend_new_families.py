@@ -250,11 +250,12 @@ def test_int4_weights_quantize_phi3s_split_linears_exactly():
 
 
 @pytest.mark.slow
-def test_phi3_and_qwen3_on_two_ranks_match_one_process(tmp_path):
+@pytest.mark.xdist_group("tp")
+def test_phi3_and_qwen3_on_two_ranks_match_one_process(tp_ranks):
     """Phi-3's split projections column- and row-parallel, Qwen3's QK-norm per head, on two
-    gloo ranks: the same tokens as one process (one launch for both)."""
+    gloo ranks: the same tokens as one process."""
     from tp_tools import same_as_one_process
-    same_as_one_process(tmp_path, ["phi3", "qwen3"])
+    same_as_one_process(tp_ranks, ["phi3", "qwen3"])
 
 
 def refused(model):

@@ -109,13 +109,13 @@ def test_two_shot_rule():
 
 
 @pytest.mark.slow
-def test_two_ranks_fused_match_unfused_and_one_process(tmp_path):
-    """One launch: the fused scenarios (reference and forced two-shot forms, token counts
+@pytest.mark.xdist_group("tp")
+def test_two_ranks_fused_match_unfused_and_one_process(tp_ranks):
+    """The fused scenarios (reference and forced two-shot forms, token counts
     2 ranks share unevenly, the 9/3-head split, the Triton backend) give the tokens of one
     process and the same log-probabilities on every rank; on the prompts the unfused
     scenarios share, bit for bit what the unfused split gives."""
-    names = ["llama", *FUSED]
-    ranks = same_as_one_process(tmp_path, names, check=FUSED)
+    ranks = same_as_one_process(tp_ranks, FUSED)
     for r in ranks:  # which form ran: reduce-scatters only where two-shot was forced
         assert "llama.calls.reduce_scatter_tensor" not in r and r["llama.calls.all_reduce"] > 0
         assert "fused.calls.reduce_scatter_tensor" not in r

@@ -424,12 +424,13 @@ def test_kv_sharing_between_a_local_and_a_global_layer_is_refused_by_name(lifted
 
 
 @pytest.mark.slow
-def test_tensor_parallel_splits_whole_heads_on_two_ranks(tmp_path):
+@pytest.mark.xdist_group("tp")
+def test_tensor_parallel_splits_whole_heads_on_two_ranks(tp_ranks):
     """Two ranks (gloo), each with one KV group of two heads, the QK-norms' weights whole;
     then with the fusions and FuseAllReduceRMSNorm, which finds no site in Gemma's layer:
     tokens equal one process's, log-probabilities within float32 rounding."""
     from tp_tools import same_as_one_process
-    ranks = same_as_one_process(tmp_path, ["gemma3", "gemma3_fused"])
+    ranks = same_as_one_process(tp_ranks, ["gemma3", "gemma3_fused"])
     assert set(ranks[0]) >= {"gemma3.tokens", "gemma3_fused.tokens"}
 
 

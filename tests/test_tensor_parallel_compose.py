@@ -21,42 +21,43 @@ from tp_tools import same_as_one_process
 
 
 # ---------------------------------------------------------------- two ranks, one process
+# (the scenarios of every file run in one launch: the session fixture tp_ranks)
 @pytest.mark.slow
-def test_fusions_int4_and_layer_skip_compose(tmp_path):
+@pytest.mark.xdist_group("tp")
+def test_fusions_int4_and_layer_skip_compose(tp_ranks):
     """FuseQKV / FuseSwiGLU (each fused weight split per part), FuseAddRMSNorm, FuseRoPE,
     all four, Int4Weights (groups whole), LayerSkip: before and after the split."""
-    same_as_one_process(tmp_path, ["fusions_before", "fusions_after", "int4_before",
+    same_as_one_process(tp_ranks, ["fusions_before", "fusions_after", "int4_before",
                                    "int4_after", "layer_skip_before", "layer_skip_after"])
 
 
 @pytest.mark.slow
-def test_speculative_strategies_compose(tmp_path):
+@pytest.mark.xdist_group("tp")
+def test_speculative_strategies_compose(tp_ranks):
     """Drafts on every rank (skipped layers, replicated heads, an EAGLE layer, copied
     text), acceptance from replicated logits: every rank takes the same decisions."""
-    same_as_one_process(tmp_path, ["self_speculative", "self_speculative_before", "medusa",
+    same_as_one_process(tp_ranks, ["self_speculative", "self_speculative_before", "medusa",
                                    "hydra", "eagle", "eagle_before",
                                    "prompt_lookup"])
 
 
 @pytest.mark.slow
-def test_sparse_and_shared_caches_compose(tmp_path):
+@pytest.mark.xdist_group("tp")
+def test_sparse_and_shared_caches_compose(tp_ranks):
     """Per-KV-head choices follow their heads (DuoAttention with a rank of only full heads
     and one of only streaming heads; Quest's pages, TidalDecode's tokens); ShareKV and
     MiniCache share each rank's own caches."""
-    same_as_one_process(tmp_path, ["streaming", "streaming_before", "duo", "duo_uneven", "duo_share_kv",
+    same_as_one_process(tp_ranks, ["streaming", "streaming_before", "duo", "duo_uneven", "duo_share_kv",
                                    "quest", "tidal_decode", "share_kv", "minicache"])
 
 
 @pytest.mark.slow
-def test_artifact_and_triton_compose(tmp_path):
-    """The split model saved here (whole weights and the pass) and loaded by every rank;
-    the Triton backend (interpreted) on two ranks."""
-    model = make_model("llama-gqa-3l", hidden_size=72, num_attention_heads=9,
-                       num_key_value_heads=3, intermediate_size=96)
-    split = rewriter.optimize(model, passes=[FuseQKV(), FuseSwiGLU(), TensorParallel(2)])
-    split.save(tmp_path / "art")
-    same_as_one_process(tmp_path, ["artifact", "triton"],
-                         extra_env={"TP_COMPOSE_ARTIFACT": str(tmp_path / "art")})
+@pytest.mark.xdist_group("tp")
+def test_artifact_and_triton_compose(tp_ranks):
+    """The split model saved by the test process (whole weights and the pass:
+    tp_tools.launch_every_scenario) and loaded by every rank; the Triton backend
+    (interpreted) on two ranks."""
+    same_as_one_process(tp_ranks, ["artifact", "triton"])
 
 
 # ---------------------------------------------------------------- each rank's split

@@ -172,6 +172,9 @@ def _differs(model, split: bool):
 
 
 SCENARIOS["differs"] = ("llama-gqa-3l", {}, _differs)
+# scenario -> the error every rank must raise (tp_worker.py records it and goes on)
+from rewriter.errors import RewriterError  # noqa: E402
+REFUSED = {"differs": RewriterError}
 
 
 def _make(config: str, overrides: dict):

@@ -25,22 +25,42 @@ def launch(tmp_path, names: list[str], world: int = 2, timeout: int = LAUNCH_TIM
                           cwd=HERE)
 
 
+def launch_every_scenario(out) -> list[dict]:
+    """Every scenario of ``tp_scenarios`` in one launch (the ranks' start-up, ~20 CPU
+    seconds, costs more than most scenarios), the split artifact the ``artifact`` scenario
+    loads saved first; the ranks' results. Tests read them through the session fixture
+    ``tp_ranks`` (tests/conftest.py)."""
+    import rewriter
+    from conftest import make_model
+    from rewriter.passes import FuseQKV, FuseSwiGLU, TensorParallel
+    from tp_scenarios import SCENARIOS, UNEVEN
+    art = os.path.join(out, "art")
+    split = rewriter.optimize(make_model("llama-gqa-3l", **UNEVEN),
+                              passes=[FuseQKV(), FuseSwiGLU(), TensorParallel(2)])
+    split.save(art)
+    done = launch(out, list(SCENARIOS), extra_env={"TP_COMPOSE_ARTIFACT": art})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return rank_results(out)
+
+
+def refusal(ranks: list[dict], name: str) -> list[str]:
+    """Each rank's recorded refusal of scenario ``name`` ('' where it ran)."""
+    key = f"{name}.refused"
+    return [bytes(r[key].tolist()).decode() if key in r else "" for r in ranks]
+
+
 def rank_results(tmp_path, world: int = 2) -> list[dict]:
     return [load_file(os.path.join(tmp_path, f"rank{r}.safetensors")) for r in range(world)]
 
 
-def same_as_one_process(tmp_path, names: list[str], check: list[str] | None = None,
-                        **kw) -> list[dict]:
-    """Launch ``names`` on 2 ranks; for each of ``check`` (default: all), every rank's
+def same_as_one_process(ranks: list[dict], names: list[str]) -> list[dict]:
+    """For each of ``names`` (run on 2 ranks by ``launch_every_scenario``), every rank's
     greedy tokens equal one process's, log-probabilities within float32 rounding of one
     process's (sums in another order) and bit-equal between the ranks. Returns the ranks'
     results."""
     import torch
     from tp_scenarios import run_whole
-    done = launch(tmp_path, names, **kw)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    ranks = rank_results(tmp_path)
-    for name in names if check is None else check:
+    for name in names:
         whole = run_whole(name)
         for r in ranks:
             assert torch.equal(r[f"{name}.tokens"], whole["tokens"]), name

@@ -26,12 +26,21 @@ def main(out: str, names: list[str]) -> None:
     results, calls = {}, _count_collectives()
     for name in names:
         calls.clear()
-        results.update({f"{name}.{k}": v for k, v in tp_scenarios.run_split(name).items()})
+        try:
+            results.update({f"{name}.{k}": v for k, v in tp_scenarios.run_split(name).items()})
+        except tp_scenarios.REFUSED.get(name, ()) as error:
+            # a refusal this scenario expects: recorded, and the ranks go on together (it
+            # comes before any collective of the run, so no rank is left waiting)
+            results[f"{name}.refused"] = _text(f"{type(error).__name__}: {error}")
         results.update({f"{name}.calls.{op}": torch.tensor(n) for op, n in calls.items()})
     from safetensors.torch import save_file
     save_file({k: v.contiguous() for k, v in results.items()},
               os.path.join(out, f"rank{rank}.safetensors"))
     dist.destroy_process_group()
+
+
+def _text(message: str) -> torch.Tensor:
+    return torch.tensor(list(message.encode()), dtype=torch.uint8)
 
 
 def _count_collectives() -> Counter:
