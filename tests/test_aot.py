@@ -23,14 +23,16 @@ FUSIONS = [FuseQKV, FuseSwiGLU, FuseAddRMSNorm, FuseRoPE]
 
 
 def _launch_everything():
-    """Every template in the specializations the runtime uses, plus generated kernels."""
-    kw = dict(max_new_tokens=3, eos_token_id=[])
-    llama = make_model("llama-gqa-3l", initializer_range=0.2).to(torch.bfloat16)
+    """Every template in the specializations the runtime uses, plus generated kernels.
+    Two layers and one decode step launch every specialization three layers and two steps
+    do (the layers' kernels are alike; the steps' too)."""
+    kw = dict(max_new_tokens=2, eos_token_id=[])
+    llama = make_model("llama-gqa-3l", initializer_range=0.2, num_hidden_layers=2).to(torch.bfloat16)
     fused = rewriter.optimize(llama, passes=[p() for p in FUSIONS], backend="triton")
     fused.generate([[3, 17, 42, 5, 99], [1, 2]], **kw)
     fused.static_decode = True  # the CUDA-graph step: positions read from device memory
     fused.generate([[3, 17, 42]], **kw)
-    gpt2 = make_model("gpt2-3l", initializer_range=0.5)
+    gpt2 = make_model("gpt2-3l", initializer_range=0.5, n_layer=2)
     rewriter.optimize(gpt2, backend="triton").generate([[3, 17, 42]], **kw)  # pointwise groups
     q, kc = torch.randn(2, 8, 64, dtype=torch.bfloat16), torch.randn(2, 2, 300, 64, dtype=torch.bfloat16)
     index = torch.randint(-1, 300, (2, 2, 40))

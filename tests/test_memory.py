@@ -31,8 +31,10 @@ def _linear_bytes(model) -> int:
     return sum(t.nbytes for n, t in model.named_parameters() if t.dim() == 2 and "embed" not in n)
 
 
-def _reads_transposed(model) -> bool:
-    decode = lower(rewriter.optimize(model).ir, False, "torch", {})
+def _reads_transposed(opt) -> bool:
+    """Whether the decode program lowered from ``opt``'s IR (under the memory and environment
+    of now) reads transposed copies; the test then generates with the same ``opt``."""
+    decode = lower(opt.ir, False, "torch", {})
     return any(n.op == "call_function" and n.target is linear_t for n in decode.graph.nodes)
 
 
@@ -52,12 +54,13 @@ def test_float32_weights_are_transposed_only_where_the_copies_fit(monkeypatch, t
     model = make_model("llama-gqa-3l")  # float32, weights never transposed before
     need = _linear_bytes(model)
     _meminfo(monkeypatch, tmp_path, need // 1024)  # half of it is room for half the copies
-    assert not _reads_transposed(model)
     plain = rewriter.optimize(model)
+    assert not _reads_transposed(plain)
     tight = plain.generate([[3, 4, 5], [6, 7]], max_new_tokens=6, eos_token_id=[])
     _meminfo(monkeypatch, tmp_path, 3 * need // 1024)
-    assert _reads_transposed(model)
-    roomy = rewriter.optimize(model).generate([[3, 4, 5], [6, 7]], max_new_tokens=6, eos_token_id=[])
+    roomy = rewriter.optimize(model)
+    assert _reads_transposed(roomy)
+    roomy = roomy.generate([[3, 4, 5], [6, 7]], max_new_tokens=6, eos_token_id=[])
     assert torch.equal(tight, roomy)  # F.linear and the transposed product: the same tokens
 
 
@@ -66,14 +69,16 @@ def test_the_environment_fixes_whether_float32_weights_are_transposed(monkeypatc
     need = _linear_bytes(model)
     _meminfo(monkeypatch, tmp_path, need // 1024)  # no room
     monkeypatch.setenv("REWRITER_TRANSPOSED_LINEAR", "on")
-    assert _reads_transposed(model)  # whatever the memory reads
+    assert _reads_transposed(rewriter.optimize(model))  # whatever the memory reads
     _meminfo(monkeypatch, tmp_path, 100 * need // 1024)  # plenty
     monkeypatch.setenv("REWRITER_TRANSPOSED_LINEAR", " OFF ")
-    assert not _reads_transposed(model)
-    off = rewriter.optimize(model).generate([[3, 4, 5], [6, 7]], max_new_tokens=6, eos_token_id=[])
+    off = rewriter.optimize(model)
+    assert not _reads_transposed(off)
+    off = off.generate([[3, 4, 5], [6, 7]], max_new_tokens=6, eos_token_id=[])
     monkeypatch.setenv("REWRITER_TRANSPOSED_LINEAR", "auto")
-    assert _reads_transposed(model)
-    auto = rewriter.optimize(model).generate([[3, 4, 5], [6, 7]], max_new_tokens=6, eos_token_id=[])
+    auto = rewriter.optimize(model)
+    assert _reads_transposed(auto)
+    auto = auto.generate([[3, 4, 5], [6, 7]], max_new_tokens=6, eos_token_id=[])
     assert torch.equal(off, auto)
     monkeypatch.setenv("REWRITER_TRANSPOSED_LINEAR", "yes")
     with pytest.raises(ValueError, match="REWRITER_TRANSPOSED_LINEAR must be auto, on or off"):

@@ -49,6 +49,8 @@ MARGIN = 64 << 20  # bytes of peak RSS a hostile input may add to the normal run
 HUGE = 2**31 - 1
 ROWS = [[3, 17, 42, 5, 9, 8, 60, 7, 9], [1, 2, 3]]  # ids < 64: the tiny Llama's too
 GATES = [[0.9, 0.1], [0.1, 0.1], [0.9, 0.9]]  # llama-gqa-3l: 3 layers of 2 KV heads
+# one worker runs the whole file: its child process (every case) starts once, not on each
+pytestmark = pytest.mark.xdist_group("runtime_bounds")
 
 
 # ---------------------------------------------------------------- the child's cases
