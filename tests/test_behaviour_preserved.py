@@ -21,6 +21,9 @@ import torch
 
 import rewriter
 
+# one worker: its module fixtures are built once under --dist loadgroup
+pytestmark = pytest.mark.xdist_group("behaviour_preserved")
+
 GOLDEN = Path(__file__).parent / "golden"
 BEHAVIOUR = GOLDEN / "behaviour"
 ARTIFACTS = GOLDEN / "artifacts"

@@ -27,6 +27,9 @@ from rewriter import ArtifactError, RewriterError
 from rewriter.runtime import artifact
 from rewriter.runtime.artifact_dir import is_artifact
 
+# one worker: its module fixtures are built once under --dist loadgroup
+pytestmark = pytest.mark.xdist_group("data_safety")
+
 # The steps of a save without a tokenizer or kernels, in order (``SAVE_STEP_HOOKS``).
 STEPS = ["locked", "removed leftovers", "created the version directory", "wrote ir.json",
          "wrote weights.safetensors", "wrote manifest.json", "wrote the new pointer",

@@ -10,6 +10,9 @@ from rewriter.passes import LayerSkip
 
 from conftest import traced_model
 
+# one worker: its module fixtures are built once under --dist loadgroup
+pytestmark = pytest.mark.xdist_group("eval")
+
 SMALL = EvalSettings(ppl_chunks=2, ppl_length=128, prompts=3, prompt_length=24, new_tokens=12,
                      passkey_lengths=(256,), passkey_depths=(0.5,), passkey_trials=2,
                      timing_tokens=4)

@@ -17,6 +17,9 @@ from rewriter.runtime.measurer import RuntimeMeasurer
 
 from conftest import make_model, varied_init
 
+# one worker: its module fixtures are built once under --dist loadgroup
+pytestmark = pytest.mark.xdist_group("measurer")
+
 WHERE = {"backend": "torch", "device": "cpu", "machine": "a test's machine"}
 
 

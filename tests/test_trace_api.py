@@ -10,6 +10,9 @@ from rewriter.passes import FuseAddRMSNorm, FuseQKV, FuseRoPE, FuseSwiGLU, Layer
 
 from conftest import make_model, varied_init
 
+# one worker: its module fixtures are built once under --dist loadgroup
+pytestmark = pytest.mark.xdist_group("trace_api")
+
 NAME = "llama-gqa-3l"
 IDS = torch.tensor([[5, 17, 3, 99, 42, 8, 61], [11, 2, 2, 7, 90, 33, 4]])
 
