@@ -68,12 +68,29 @@ def cheap_rounds(record: dict) -> None:
     record["adapt"]["costs"] = [[1, 0.0, verify]]
 
 
+@pytest.fixture(scope="module")
+def default_trace():
+    """The default model traced once, for both kinds of heads."""
+    return rewriter.trace(rewriter.default_model()[0])
+
+
+def untimed_costs(monkeypatch) -> None:
+    """The runtime measurer's timings replaced by ``cheap_rounds``' costs: the pass chooses
+    its tree at once instead of timing rounds (tens of seconds) whose costs are replaced."""
+    from conftest import fixed_round_work
+    from rewriter.runtime.measurer import RuntimeMeasurer
+    fixed_round_work(monkeypatch)
+    monkeypatch.setattr(RuntimeMeasurer, "verify_cost", lambda self, ir, most, runs=15, batch=1:
+                        [0.0] + [1.0 + 0.01 * s for s in range(most)])
+    monkeypatch.setattr(RuntimeMeasurer, "heads_cost", lambda *a, **k: 0.0)
+
+
 @pytest.mark.parametrize("cls", [MedusaHeads, HydraHeads])
-def test_an_adaptive_trees_counts_come_with_the_same_read(cls):
+def test_an_adaptive_trees_counts_come_with_the_same_read(cls, default_trace, monkeypatch):
     """The pass's defaults on the default model with its shipped heads: the tree adapts to
     the text, and the heads' guesses it counts come back with the acceptance's one read."""
-    model, _ = rewriter.default_model()
-    engine = rewriter.optimize(model, passes=[cls(weights="default")])
+    untimed_costs(monkeypatch)
+    engine = rewriter.optimize(default_trace, passes=[cls(weights="default")])
     engine.fallback, engine.static_decode = False, True
     cheap_rounds(engine.ir.info["decoding"])
     rows = [list(range(3, 40)), list(range(50, 70))]

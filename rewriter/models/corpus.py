@@ -17,6 +17,7 @@ Typical use::
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 import re
 import sys
@@ -45,10 +46,15 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
+def _excluded_dir(name: str) -> bool:
+    """True if files under a directory of this name are not part of the corpus."""
+    return name in EXCLUDED_DIRS or name.startswith("config-")
+
+
 def _excluded(rel: Path) -> bool:
     """True if a relative path should not be part of the corpus."""
     parts = rel.parts
-    if any(p in EXCLUDED_DIRS or p.startswith("config-") for p in parts[:-1]):
+    if any(_excluded_dir(p) for p in parts[:-1]):
         return True
     return parts[-1].startswith(EXCLUDED_PREFIXES)
 
@@ -56,8 +62,16 @@ def _excluded(rel: Path) -> bool:
 def list_stdlib_files(root: Optional[Path] = None) -> List[str]:
     """Sorted relative paths (POSIX style) of the corpus's ``*.py`` files."""
     root = Path(root) if root is not None else stdlib_root()
-    rels = (p.relative_to(root) for p in root.rglob("*.py") if p.is_file())
-    return sorted(r.as_posix() for r in rels if not _excluded(r))
+    out = []
+    # Excluded directories are not walked at all: site-packages alone can hold tens of
+    # thousands of files under the root. Like ``rglob``, links to directories are not followed.
+    for top, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if not _excluded_dir(d)]
+        rel = Path(top).relative_to(root)
+        out.extend((rel / f).as_posix() for f in files
+                   if f.endswith(".py") and os.path.isfile(os.path.join(top, f))
+                   and not f.startswith(EXCLUDED_PREFIXES))
+    return sorted(out)
 
 
 def split_of(relpath: str, heldout_fraction: float = HELDOUT_FRACTION) -> str:
