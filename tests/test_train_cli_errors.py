@@ -28,6 +28,9 @@ from rewriter.training import train_heads as th
 from rewriter.cli import main
 from test_checkpoints import tiny_llama
 
+# one worker: its module fixtures are built once under --dist loadgroup
+pytestmark = pytest.mark.xdist_group("train_cli_errors")
+
 HEADS = ["train-heads", "default", "--num-heads", "1", "--prompts", "4", "--new-tokens", "8",
          "--epochs", "1", "--dtype", "float32", "--batch", "4"]
 GATES = ["train-gates", "default", "--steps", "1", "--lengths", "96", "--sinks", "4",

@@ -12,6 +12,9 @@ from rewriter.training.train_gates import _inputs, gated_program, train_gates
 
 from conftest import make_model
 
+# one worker: its module fixtures are built once under --dist loadgroup
+pytestmark = pytest.mark.xdist_group("train_gates")
+
 
 @pytest.fixture(scope="module")
 def default():

@@ -18,6 +18,9 @@ from rewriter.models.checkpoints import default_model
 
 from conftest import Clock
 
+# one worker: its module fixtures are built once under --dist loadgroup
+pytestmark = pytest.mark.xdist_group("train_heads")
+
 SMALL = dict(num_heads=2, prompts=6, heldout_prompts=3, prompt_tokens=16, new_tokens=8,
              epochs=2, batch=16, progress=False)
 OWN_ENGINE = tg.engine_of  # a trace per run (or per call outside one): what the file's runs skip

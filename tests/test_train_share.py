@@ -21,6 +21,9 @@ from rewriter.passes import ShareKV, from_spec, to_spec
 from rewriter.training import share_program
 from rewriter.training.train_share import train_share
 
+# one worker: its module fixtures are built once under --dist loadgroup
+pytestmark = pytest.mark.xdist_group("train_share")
+
 FAST = dict(steps=6, lr=3e-3, batch=2, length=48, rows=8, eval_chunks=1, eval_length=32,
             save_every=2, progress=False)
 KV = [f"model.layers.{i}.self_attn.{p}_proj.weight" for i in (0, 2, 4, 6) for p in ("k", "v")]
