@@ -106,9 +106,13 @@ def test_the_cli_optimizes_runs_and_refuses_to_chat(opt, hf, monkeypatch, tmp_pa
     from rewriter.api import pretrained
     from rewriter.runtime import engine_load
     model, tok = hf
-    loaded, load = [], engine_load.load
-    monkeypatch.setattr(engine_load, "load", lambda *a, **kw: loaded[-1] if loaded
-                        else loaded.append(load(*a, **kw)) or loaded[-1])
+    loaded, calls, load = [], [], engine_load.load
+
+    def load_once(*args, **kwargs):  # the second load must ask for what the first loaded
+        calls.append((args, kwargs))
+        loaded[:] = loaded or [load(*args, **kwargs)]
+        return loaded[0]
+    monkeypatch.setattr(engine_load, "load", load_once)
     seen = []
     monkeypatch.setattr(rg, "load_gguf_model", lambda path, dtype=None: seen.append(path) or model)
     monkeypatch.setattr(rg, "load_gguf_tokenizer", lambda path: seen.append(path) or tok)
@@ -124,6 +128,7 @@ def test_the_cli_optimizes_runs_and_refuses_to_chat(opt, hf, monkeypatch, tmp_pa
     assert capsys.readouterr().out == decode(ids) + decode(new) + "\n"
     assert main(["run", art, "--chat", "Hello"]) == 2
     assert "no chat template" in capsys.readouterr().err
+    assert len(calls) == 2 and calls[0] == calls[1] and art in map(str, calls[0][0])
 
 
 def test_int4_exact_holds_the_files_q4_k_tensors_and_keeps_the_tokens(opt, traced):

@@ -53,6 +53,15 @@ def test_quantized_weights_are_dequantized_exactly_into_the_dtype_asked(model, t
     assert got.dtype == dtype
     assert torch.equal(got, expect.to(dtype))
     assert not torch.equal(expect, torch.from_numpy(w))  # it really was quantized
+    if dtype == torch.bfloat16:  # every tensor as `cast` makes of the float32 load (test_smollm2 casts)
+        from rewriter.models.checkpoints import cast
+        def tensors(m):  # the rotary inv_freq buffers are not in a state_dict
+            return {**dict(m.named_parameters()), **dict(m.named_buffers())}
+        want = tensors(cast(rg.load_gguf_model(path, dtype=torch.float32), dtype))
+        got = tensors(loaded)
+        assert any(k.endswith("inv_freq") for k in got)
+        assert got.keys() == want.keys()
+        assert all(t.dtype == want[k].dtype and torch.equal(t, want[k]) for k, t in got.items())
 
 
 def test_a_directory_holding_one_gguf_file_is_accepted(f32_file):
@@ -159,12 +168,16 @@ def test_each_load_parses_the_file_once_with_the_same_fields(f32_file, monkeypat
             made.append(args[0])
             super().__init__(*args, **kwargs)
     monkeypatch.setattr(gr, "fast_reader_class", lambda: Counted)
-    rg.load_gguf_model(f32_file)
+    alone = rg.load_gguf_model(f32_file)
     assert len(made) == 1  # transformers alone builds a reader for the config, then the tensors
-    rg.load_gguf_tokenizer(f32_file)
+    tok_alone = rg.load_gguf_tokenizer(f32_file)
     assert len(made) == 2 and gguf.GGUFReader is original  # put back after each load
     model, tok = rg.load_gguf(f32_file)  # the pair from_pretrained loads: one parse for both
-    assert len(made) == 3 and gguf.GGUFReader is original and model and tok
+    assert len(made) == 3 and gguf.GGUFReader is original
+    # ... and the pair is what the two loads alone give
+    assert alone.state_dict().keys() == model.state_dict().keys()
+    assert all(torch.equal(t, model.state_dict()[k]) for k, t in alone.state_dict().items())
+    assert tok.get_vocab() == tok_alone.get_vocab() and tok.chat_template == tok_alone.chat_template
     mine, theirs = quick(f32_file), original(f32_file)
     assert list(mine.fields) == list(theirs.fields)
     for a, b in zip(mine.fields.values(), theirs.fields.values()):
@@ -173,9 +186,10 @@ def test_each_load_parses_the_file_once_with_the_same_fields(f32_file, monkeypat
     assert all(np.array_equal(a.data, b.data) for a, b in zip(mine.tensors, theirs.tensors))
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(f32_file.read_bytes()[: f32_file.stat().st_size // 2])
-    with pytest.raises(rg.CheckpointError):  # a reader that fails inside is put back too
-        rg.load_gguf_model(cut)
-    assert gguf.GGUFReader is original
+    for load in (rg.load_gguf_model, rg.load_gguf):
+        with pytest.raises(rg.CheckpointError):  # a reader that fails inside is put back too
+            load(cut)
+        assert gguf.GGUFReader is original
 
 
 def test_one_read_nests_and_restores_what_it_patched(tmp_path):

@@ -288,7 +288,7 @@ def test_a_dynamic_rotary_embedding_is_refused_by_its_type_in_one_line(tmp_path,
     """``rewriter run`` exits 2 with one line naming the rotary's type. The issue's model runs
     as its own process (what a terminal shows, warnings included); the other forms reach the
     same refusal through the command line's ``main`` in this process (a start-up is seconds)."""
-    import subprocess, sys
+    import subprocess, sys, warnings
     from rewriter.cli import main
     torch.manual_seed(0)
     cls(config_cls(**LLAMA_SIZE, rope_scaling=rope)).save_pretrained(tmp_path / "ck")
@@ -299,8 +299,11 @@ def test_a_dynamic_rotary_embedding_is_refused_by_its_type_in_one_line(tmp_path,
         code, out, err = run.returncode, run.stdout, run.stderr
     else:
         capfd.readouterr()  # saving the checkpoint drew a progress bar
-        code = main(argv)
+        with warnings.catch_warnings(record=True) as shown:  # what a terminal would print
+            warnings.simplefilter("always")
+            code = main(argv)
         out, err = capfd.readouterr()
+        assert not shown, [str(w.message) for w in shown]
     assert code == 2 and out == ""
     assert len(err.splitlines()) == 1, err
     assert "rope_type 'dynamic'" in err and "Traceback" not in err

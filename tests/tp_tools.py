@@ -38,7 +38,8 @@ def launch_every_scenario(out) -> list[dict]:
     split = rewriter.optimize(make_model("llama-gqa-3l", **UNEVEN),
                               passes=[FuseQKV(), FuseSwiGLU(), TensorParallel(2)])
     split.save(art)
-    done = launch(out, list(SCENARIOS), extra_env={"TP_COMPOSE_ARTIFACT": art})
+    done = launch(out, list(SCENARIOS), timeout=2 * LAUNCH_TIMEOUT,  # ~45 scenarios
+                  extra_env={"TP_COMPOSE_ARTIFACT": art})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return rank_results(out)
 

@@ -32,6 +32,9 @@ def main(out: str, names: list[str]) -> None:
             # a refusal this scenario expects: recorded, and the ranks go on together (it
             # comes before any collective of the run, so no rank is left waiting)
             results[f"{name}.refused"] = _text(f"{type(error).__name__}: {error}")
+        except Exception:  # any other error ends the launch; the tests' message names it
+            print(f"rank {rank}: scenario {name!r} failed", file=sys.stderr, flush=True)
+            raise
         results.update({f"{name}.calls.{op}": torch.tensor(n) for op, n in calls.items()})
     from safetensors.torch import save_file
     save_file({k: v.contiguous() for k, v in results.items()},
