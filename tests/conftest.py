@@ -258,6 +258,18 @@ def fixed_round_work(monkeypatch, fixed: float = 0.0) -> list:
     return calls
 
 
+def measured_costs(monkeypatch, slope=0.0, heads: float = 0.0) -> None:
+    """Make the runtime's measurer report costs instead of timing them (``fixed_round_work``
+    with none fixed): verifying ``s`` more tokens costs ``1 + slope * s`` decode steps
+    (``slope`` a number, or a dict by batch size, read at each call), a heads call ``heads``."""
+    from rewriter.runtime.measurer import RuntimeMeasurer
+    fixed_round_work(monkeypatch)
+    per = (lambda b: slope[b]) if isinstance(slope, dict) else (lambda b: slope)
+    monkeypatch.setattr(RuntimeMeasurer, "verify_cost", lambda self, ir, most, runs=15, batch=1:
+                        [0.0] + [1.0 + per(batch) * s for s in range(most)])
+    monkeypatch.setattr(RuntimeMeasurer, "heads_cost", lambda *a, **k: heads)
+
+
 class Clock:
     """A stand-in for ``time.perf_counter`` that moves ``tick`` seconds at every read: a
     deadline or time budget passes after a known number of reads."""

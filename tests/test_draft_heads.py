@@ -609,15 +609,11 @@ def test_bad_batch_trees_are_refused(bad):
 def test_auto_tree_gives_larger_batches_the_sub_trees_their_costs_pay_for(tmp_path, monkeypatch):
     """Wiring: costs measured at each batch choose that batch's sub-tree (here: batch 1 and
     2 verify cheaply, 4 dearly, 8 so dearly that nothing pays)."""
-    from rewriter.runtime.measurer import RuntimeMeasurer
-    from conftest import fixed_round_work
+    from conftest import measured_costs
     model, traced = traced_model("llama-gqa-3l", initializer_range=varied_init("llama-gqa-3l"))
     path = random_heads(model, tmp_path / "h.safetensors")
-    fixed_round_work(monkeypatch)  # the programs' costs alone, as set here
     slope = {1: 0.0, 2: 0.0, 4: 0.3, 8: 5.0}
-    monkeypatch.setattr(RuntimeMeasurer, "verify_cost", lambda self, ir, most, runs=15, batch=1:
-                        [0.0] + [1.0 + slope[batch] * s for s in range(most)])
-    monkeypatch.setattr(RuntimeMeasurer, "heads_cost", lambda *a, **k: 0.0)
+    measured_costs(monkeypatch, slope)  # the programs' costs alone, as set here
     med = rewriter.optimize(traced, passes=[MedusaHeads(weights=str(path), max_nodes=6)])
     record = med.ir.info["decoding"]
     trees = dict((b, sub) for b, sub in record["batch_trees"])
@@ -625,7 +621,7 @@ def test_auto_tree_gives_larger_batches_the_sub_trees_their_costs_pay_for(tmp_pa
     assert 0 < len(trees[4]) < 6 and trees[8] == []
     # where even one row's tree costs more than it saves, every batch decodes plainly
     slope[1] = 5.0
-    monkeypatch.setattr(RuntimeMeasurer, "heads_cost", lambda *a, **k: 0.5)
+    measured_costs(monkeypatch, slope, heads=0.5)
     p = MedusaHeads(weights=str(path), max_nodes=6)
     med = rewriter.optimize(traced, passes=[p])
     assert p.report["predicted_speedup"] < 1

@@ -13,7 +13,7 @@ import rewriter
 from rewriter.measure.host_reads import counting
 from rewriter.passes import HydraHeads, MedusaHeads, SelfSpeculative
 
-from conftest import make_model, varied_init
+from conftest import make_model, measured_costs, varied_init
 from test_hydra_heads import hydra_heads
 
 TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
@@ -74,22 +74,13 @@ def default_trace():
     return rewriter.trace(rewriter.default_model()[0])
 
 
-def untimed_costs(monkeypatch) -> None:
-    """The runtime measurer's timings replaced by ``cheap_rounds``' costs: the pass chooses
-    its tree at once instead of timing rounds (tens of seconds) whose costs are replaced."""
-    from conftest import fixed_round_work
-    from rewriter.runtime.measurer import RuntimeMeasurer
-    fixed_round_work(monkeypatch)
-    monkeypatch.setattr(RuntimeMeasurer, "verify_cost", lambda self, ir, most, runs=15, batch=1:
-                        [0.0] + [1.0 + 0.01 * s for s in range(most)])
-    monkeypatch.setattr(RuntimeMeasurer, "heads_cost", lambda *a, **k: 0.0)
-
-
 @pytest.mark.parametrize("cls", [MedusaHeads, HydraHeads])
 def test_an_adaptive_trees_counts_come_with_the_same_read(cls, default_trace, monkeypatch):
     """The pass's defaults on the default model with its shipped heads: the tree adapts to
     the text, and the heads' guesses it counts come back with the acceptance's one read."""
-    untimed_costs(monkeypatch)
+    # costs set, not timed: the pass chooses its tree at once instead of timing rounds
+    # (tens of seconds) whose costs cheap_rounds replaces below anyway
+    measured_costs(monkeypatch, slope=0.01)
     engine = rewriter.optimize(default_trace, passes=[cls(weights="default")])
     engine.fallback, engine.static_decode = False, True
     cheap_rounds(engine.ir.info["decoding"])

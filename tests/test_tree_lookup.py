@@ -13,7 +13,7 @@ from rewriter.runtime.decoding.tree.lookup import (LOOKUP, NGRAM, ChainLength, C
                                                    with_chain)
 from rewriter.drafts.tree import Tree, make_tree, monotone
 
-from conftest import assert_same_distribution, fixed_round_work, traced_model, varied_init
+from conftest import assert_same_distribution, measured_costs, traced_model, varied_init
 from test_draft_heads import random_heads
 from test_hydra_heads import IDS, KW, RAGGED, WIDE, model_and_file, sampled
 from test_tree_dynamic import refuses, triton_pair
@@ -251,14 +251,10 @@ def test_chains_of_short_matches_are_dropped_where_they_do_not_pay():
 def chains_pass(tmp_path, monkeypatch, slope: float, lookup: int = 4, **model_kw):
     """A pass whose measured costs (set here) find that no heads' tree pays at any batch
     size (a heads call costs 5 steps), and verifying one more token costs ``slope`` steps."""
-    from rewriter.runtime.measurer import RuntimeMeasurer
     model, traced = traced_model("llama-gqa-3l", **(model_kw or dict(
         initializer_range=varied_init("llama-gqa-3l"))))
     path = random_heads(model, tmp_path / "h.safetensors")
-    fixed_round_work(monkeypatch)
-    monkeypatch.setattr(RuntimeMeasurer, "verify_cost", lambda self, ir, most, runs=15, batch=1:
-                        [0.0] + [1.0 + slope * s for s in range(most)])
-    monkeypatch.setattr(RuntimeMeasurer, "heads_cost", lambda *a, **k: 5.0)
+    measured_costs(monkeypatch, slope, heads=5.0)
     p = MedusaHeads(weights=str(path), max_nodes=6, lookup=lookup)
     return traced, p, rewriter.optimize(traced, passes=[p])
 

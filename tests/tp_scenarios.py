@@ -11,6 +11,7 @@ import torch
 
 import conftest
 import rewriter
+from rewriter.errors import RewriterError
 from rewriter.passes import from_spec
 
 WORLD = 2
@@ -173,7 +174,6 @@ def _differs(model, split: bool):
 
 SCENARIOS["differs"] = ("llama-gqa-3l", {}, _differs)
 # scenario -> the error every rank must raise (tp_worker.py records it and goes on)
-from rewriter.errors import RewriterError  # noqa: E402
 REFUSED = {"differs": RewriterError}
 
 

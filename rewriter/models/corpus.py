@@ -51,14 +51,6 @@ def _excluded_dir(name: str) -> bool:
     return name in EXCLUDED_DIRS or name.startswith("config-")
 
 
-def _excluded(rel: Path) -> bool:
-    """True if a relative path should not be part of the corpus."""
-    parts = rel.parts
-    if any(_excluded_dir(p) for p in parts[:-1]):
-        return True
-    return parts[-1].startswith(EXCLUDED_PREFIXES)
-
-
 def list_stdlib_files(root: Optional[Path] = None) -> List[str]:
     """Sorted relative paths (POSIX style) of the corpus's ``*.py`` files."""
     root = Path(root) if root is not None else stdlib_root()
